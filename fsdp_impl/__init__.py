@@ -1,0 +1,15 @@
+"""fsdp_impl: a from-scratch ZeRO-3 (fully sharded data parallel) implementation.
+
+    fully_shard(module, process_group=None, reshard_after_forward=True, mp_policy=None)
+    full_state_dict(module) / load_full_state_dict(module, state_dict)
+    materialize_meta(module, device)            # after building on "meta" and sharding
+    MixedPrecisionPolicy(param_dtype, reduce_dtype)
+
+Knows nothing of the harness; any training loop can use it.
+"""
+
+from .api import full_state_dict, fully_shard, load_full_state_dict
+from .meta_init import materialize_meta
+from .policy import MixedPrecisionPolicy
+
+__all__ = ["fully_shard", "full_state_dict", "load_full_state_dict", "materialize_meta", "MixedPrecisionPolicy"]
