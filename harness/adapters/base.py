@@ -1,0 +1,108 @@
+"""The adapter protocol: the one thing a user implements to put an FSDP/ZeRO-3 (or any data-
+parallel) implementation under the harness.
+
+Subclass ``Adapter`` (or write any object with the same methods) and pass it by name:
+``--impl mypkg.mymod:MyAdapter`` (an instance, a subclass, or a zero-argument factory).
+Every rank of a world runs, per scenario::
+
+    torch.manual_seed(seed); model = spec.build()            # same plain fp32 CPU model everywhere
+    wrapped = adapter.wrap(model, spec.units(model), group=group, device=device)
+    opt = adapter.make_optimizer(wrapped, name="adamw", lr=1e-2)
+    for step: loss = spec.loss(wrapped(x_local), y_local); loss.backward()
+              adapter.after_backward(wrapped, opt); opt.step(); opt.zero_grad()
+              full = adapter.full_params(wrapped)             # every rank, collectively
+
+Methods:
+
+- ``wrap`` (required): shard ``model`` over ``group`` (a ``torch.distributed`` process group;
+  pass it explicitly, never assume WORLD) and return the module to train. ``units`` are the
+  submodules to shard as separate units, bottom-up; the root is expected to be wrapped last.
+  Move the model to ``device`` (``cpu`` for gloo, ``cuda:i`` for nccl). The gradient the
+  optimizer sees must be the MEAN over ranks (each rank's loss is its local-batch mean).
+- ``make_optimizer``: default ``harness.optim.make_optimizer(wrapped.parameters(), name, lr)``.
+- ``after_backward``: called after ``backward()`` and before ``step()``; wait for outstanding
+  gradient communication here. Default: nothing.
+- ``full_params`` (required): the full, unsharded parameters keyed by the UNWRAPPED module's
+  names (``model.named_parameters()``: ``"blocks.0.attn.wq.weight"``, a tied weight once),
+  as detached fp32 CPU copies. Called on every rank (it may be collective).
+- ``sharded``: ``False`` for implementations that keep a full replica per rank (DDP); memory
+  checks then expect no per-rank reduction of parameter and optimizer state.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor, nn
+
+from harness.optim import make_optimizer as _make_optimizer
+
+REQUIRED = ("wrap", "full_params")
+OPTIONAL = ("make_optimizer", "after_backward")
+
+
+class AdapterError(ValueError):
+    """An adapter cannot be found, imported, completed or run; the message is one line."""
+
+
+class Adapter:
+    name: str = "adapter"
+    sharded: bool = True
+
+    def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
+        raise NotImplementedError
+
+    def make_optimizer(self, wrapped: nn.Module, *, name: str, lr: float) -> torch.optim.Optimizer:
+        return _make_optimizer(wrapped.parameters(), name, lr)
+
+    def after_backward(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        return None
+
+    def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+
+class _Completed(Adapter):
+    """A duck-typed adapter object with the defaults filled in for the optional methods."""
+
+    def __init__(self, inner: object, name: str) -> None:
+        self.inner = inner
+        self.name = getattr(inner, "name", name)
+        self.sharded = bool(getattr(inner, "sharded", True))
+        for method in REQUIRED + OPTIONAL:
+            if callable(getattr(inner, method, None)):
+                setattr(self, method, getattr(inner, method))
+
+
+def cpu_fp32(t: Tensor) -> Tensor:
+    """A detached fp32 CPU copy that shares no storage with `t`."""
+    return t.detach().to(device="cpu", dtype=torch.float32, copy=True)
+
+
+def strip_prefixes(name: str, prefixes: tuple[str, ...]) -> str:
+    """Remove wrapper segments (``_fsdp_wrapped_module.``, ``module.``, ...) anywhere in a name."""
+    for prefix in prefixes:
+        name = name.replace(prefix, "")
+    return name
+
+
+def as_adapter(obj: object, label: str) -> Adapter:
+    """Accept an Adapter instance, an Adapter subclass / zero-argument factory, or any object
+    with ``wrap`` and ``full_params``; raise AdapterError naming a missing required method."""
+    if inspect.isclass(obj) or (callable(obj) and not _has_required(obj)):
+        try:
+            obj = obj()
+        except Exception as exc:  # a user factory may raise anything
+            raise AdapterError(f"adapter {label!r}: calling {getattr(obj, '__name__', obj)!r} "
+                               f"failed: {type(exc).__name__}: {exc}") from exc
+    for method in REQUIRED:
+        fn = getattr(obj, method, None)
+        if not callable(fn) or getattr(type(obj), method, None) is getattr(Adapter, method):
+            raise AdapterError(f"adapter {label!r} has no {method}() method (required: "
+                               f"{', '.join(REQUIRED)}; see harness/adapters/base.py)")
+    return obj if isinstance(obj, Adapter) else _Completed(obj, label)
+
+
+def _has_required(obj: object) -> bool:
+    return all(callable(getattr(obj, m, None)) for m in REQUIRED)

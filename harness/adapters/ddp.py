@@ -1,0 +1,23 @@
+"""PyTorch DistributedDataParallel: a full replica per rank, gradients all-reduced (averaged)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from harness.adapters.base import Adapter, cpu_fp32
+
+
+class DDPAdapter(Adapter):
+    name = "ddp"
+    sharded = False  # every rank keeps all parameters and optimizer state
+
+    def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = torch.device(device)
+        ids = [device] if device.type == "cuda" else None
+        return DistributedDataParallel(model.to(device), device_ids=ids, process_group=group)
+
+    def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
+        return {name: cpu_fp32(p) for name, p in wrapped.module.named_parameters()}

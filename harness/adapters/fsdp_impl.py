@@ -1,0 +1,27 @@
+"""Our own from-scratch ZeRO-3 (``fsdp_impl``), imported lazily so the harness loads without it."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from harness.adapters.base import Adapter, AdapterError, cpu_fp32
+
+
+class FsdpImplAdapter(Adapter):
+    name = "fsdp_impl"
+
+    def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
+        try:
+            from fsdp_impl import fully_shard
+        except ImportError as exc:
+            raise AdapterError(f"adapter 'fsdp_impl': cannot import fsdp_impl.fully_shard: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        model.to(device)
+        for unit in units:
+            fully_shard(unit, process_group=group)
+        return fully_shard(model, process_group=group)
+
+    def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
+        from fsdp_impl import full_state_dict
+
+        return {name: cpu_fp32(t) for name, t in full_state_dict(wrapped).items()}

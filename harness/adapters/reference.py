@@ -1,0 +1,18 @@
+"""The plain model, unwrapped: the trajectory every other adapter is compared with."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from harness.adapters.base import Adapter, cpu_fp32
+
+
+class ReferenceAdapter(Adapter):
+    name = "reference"
+    sharded = False
+
+    def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
+        return model.to(device)
+
+    def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
+        return {name: cpu_fp32(p) for name, p in wrapped.named_parameters()}

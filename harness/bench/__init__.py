@@ -1,0 +1,1 @@
+"""Benchmarks that print figures measured against a reference in the same run."""

@@ -1,0 +1,292 @@
+"""Seeded model zoo: plain ``nn.Module``s that know nothing of parallelism.
+
+Init property (what meta-device builds rely on): every parameter is owned by a LEAF module
+(no child owns parameters) and is initialized by that module's own constructor through its
+``reset_parameters()``, using the global torch RNG. Leaves are constructed in the order
+``model.modules()`` visits them. So::
+
+    torch.manual_seed(s); eager = spec.build()
+    with torch.device("meta"): m = spec.build()
+    torch.manual_seed(s); materialize_meta(m)   # per module, modules() order: to_empty + reset
+
+gives parameters ``torch.equal`` to ``eager``. A tied parameter is materialized once, by the
+first module that owns it (the embedding); the tied head's ``reset_parameters`` is a no-op.
+Rotary tables are recomputed in ``forward`` (no buffers), so the meta build has no state
+that ``reset_parameters`` does not restore.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    build: Callable[[], nn.Module]  # uses the global torch RNG; caller seeds first
+    make_batch: Callable[[int, int, int], tuple[Tensor, Tensor]]  # (global_batch, step, seed), CPU
+    loss: Callable[[Tensor, Tensor], Tensor]  # mean over the (local) batch
+    units: Callable[[nn.Module], list[nn.Module]]  # shard units, bottom-up; the root comes last
+
+
+def data_generator(tag: str, seed: int, step: int) -> torch.Generator:
+    """A CPU generator keyed by (tag, seed, step), independent of the global RNG and of hash()."""
+    digest = hashlib.blake2b(f"{tag}:{seed}:{step}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+
+
+def materialize_meta(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+    """Give every meta parameter storage on `device` and re-run its owner's reset_parameters().
+
+    Modules are visited in ``model.modules()`` order; the caller seeds the global RNG first.
+    A parameter shared by several modules (tied weights) is materialized once and the same new
+    ``Parameter`` is installed in every owner, so ties survive.
+    """
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        fresh = False
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in done:
+                if not p.is_meta:
+                    continue
+                done[id(p)] = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+                fresh = True
+            setattr(module, name, done[id(p)])
+        if fresh and hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    return model
+
+
+# ---------------------------------------------------------------------------------------- MLP
+
+MLP_SIZES = (13, 37, 29, 7)  # none divides by 2, 3, 4 or 8: every shard boundary needs padding
+
+
+class MLP(nn.Module):
+    """Linear -> tanh -> Linear -> tanh -> Linear, with biases."""
+
+    def __init__(self, sizes: tuple[int, ...] = MLP_SIZES) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return x
+
+
+class FrozenMLP(MLP):
+    """The MLP with its first layer frozen (``requires_grad=False``), as in fine-tuning: the plain
+    model's optimizer never moves it, so an implementation that does is caught."""
+
+    def __init__(self, sizes: tuple[int, ...] = MLP_SIZES) -> None:
+        super().__init__(sizes)
+        self.layers[0].requires_grad_(False)
+
+
+def _mlp_batch(global_batch: int, step: int, seed: int) -> tuple[Tensor, Tensor]:
+    """Inputs ~ N(0, 1); targets from a fixed random teacher (same for every step), so loss falls."""
+    d_in, d_out = MLP_SIZES[0], MLP_SIZES[-1]
+    teacher = torch.randn(d_in, d_out, generator=data_generator("mlp-teacher", seed, 0))
+    x = torch.randn(global_batch, d_in, generator=data_generator("mlp", seed, step))
+    return x, torch.tanh(x @ teacher / math.sqrt(d_in))
+
+
+# ------------------------------------------------------------------------------ transformer LM
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    vocab: int = 61
+    d_model: int = 32
+    n_heads: int = 4
+    n_layers: int = 2
+    d_ff: int = 86  # SwiGLU hidden size, ~8/3 d_model
+    seq_len: int = 16  # length of the sequences make_batch returns
+    context: int = 16  # longest sequence forward accepts (rotary needs no table; GPT-2: 1024)
+    tied: bool = False  # output head shares the embedding weight
+    rope_theta: float = 10000.0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return F.embedding(tokens, self.weight)
+
+
+class OutputHead(nn.Module):
+    """Logits = x @ weight.T. Tied: ``weight`` IS the embedding's Parameter and is not re-initialized."""
+
+    def __init__(self, dim: int, vocab: int, tie_to: Embedding | None = None) -> None:
+        super().__init__()
+        self.tied = tie_to is not None
+        self.weight = tie_to.weight if tie_to is not None else nn.Parameter(torch.empty(vocab, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if not self.tied:
+            nn.init.normal_(self.weight, std=1.0 / math.sqrt(self.weight.shape[1]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+
+def rotary(x: Tensor, theta: float) -> Tensor:
+    """Rotate consecutive pairs of the last dim of x (B, H, T, hd) by position-dependent angles."""
+    t, hd = x.shape[-2], x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd)
+    angles = torch.outer(torch.arange(t, dtype=torch.float32, device=x.device), inv_freq)  # (T, hd/2)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class CausalSelfAttention(nn.Module):
+    """Plain matmul attention (no SDPA kernels): deterministic on every backend."""
+
+    def __init__(self, cfg: LMConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.n_heads, self.theta = cfg.n_heads, cfg.rope_theta
+        self.wq = nn.Linear(d, d, bias=False)
+        self.wk = nn.Linear(d, d, bias=False)
+        self.wv = nn.Linear(d, d, bias=False)
+        self.wo = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = (w(x).view(b, t, self.n_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k = rotary(q, self.theta), rotary(k, self.theta)
+        scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)  # (B, H, T, T)
+        future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        return self.wo((probs @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: LMConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)  # up
+        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)  # down
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: LMConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only LM: embedding, blocks, final RMSNorm, output head (optionally tied)."""
+
+    def __init__(self, cfg: LMConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg.vocab, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model)
+        self.head = OutputHead(cfg.d_model, cfg.vocab, tie_to=self.embed if cfg.tied else None)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        if tokens.shape[-1] > self.cfg.context:
+            raise ValueError(f"sequence length {tokens.shape[-1]} > context {self.cfg.context}")
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _lm_batch(cfg: LMConfig, global_batch: int, step: int, seed: int) -> tuple[Tensor, Tensor]:
+    """Arithmetic progressions mod vocab (random start and stride): learnable in context."""
+    g = data_generator("lm", seed, step)
+    start = torch.randint(0, cfg.vocab, (global_batch, 1), generator=g)
+    stride = torch.randint(1, 5, (global_batch, 1), generator=g)
+    seq = (start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab
+    return seq[:, :-1], seq[:, 1:]
+
+
+def _lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def _lm_units(model: nn.Module) -> list[nn.Module]:
+    """Each block, plus the embedding when untied. Tied: the embedding stays with the head in
+    the root unit (a tied parameter must live in one unit)."""
+    assert isinstance(model, TransformerLM)
+    return ([] if model.cfg.tied else [model.embed]) + list(model.blocks)
+
+
+def _lm_spec(name: str, cfg: LMConfig) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        build=lambda: TransformerLM(cfg),
+        make_batch=lambda n, step, seed: _lm_batch(cfg, n, step, seed),
+        loss=_lm_loss,
+        units=_lm_units,
+    )
+
+
+TINYLM = LMConfig()
+# GPT-2-medium scale (~355M parameters, tied like GPT-2). For memory planning: build on meta.
+GPT2_MEDIUM = LMConfig(vocab=50257, d_model=1024, n_heads=16, n_layers=24, d_ff=2752,
+                       seq_len=32, context=1024, tied=True)
+
+MODELS: dict[str, ModelSpec] = {
+    "mlp": ModelSpec("mlp", MLP, _mlp_batch, F.mse_loss, lambda m: list(m.layers)),
+    "mlp_frozen": ModelSpec("mlp_frozen", FrozenMLP, _mlp_batch, F.mse_loss, lambda m: list(m.layers)),
+    "tinylm": _lm_spec("tinylm", TINYLM),
+    "tinylm_tied": _lm_spec("tinylm_tied", LMConfig(tied=True)),
+    "gpt2_medium": _lm_spec("gpt2_medium", GPT2_MEDIUM),
+}
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}") from None

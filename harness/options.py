@@ -1,0 +1,234 @@
+"""Typed option parsers shared by the pytest plugin and the CLI.
+
+Each raises argparse.ArgumentTypeError with one clear line; callers turn it into a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .policy import Bounds
+from .scenario import DATA_MODES, OPTIMIZERS, Scenario, build_matrix
+
+DEFAULT_IMPLS = ("fsdp_impl", "torch_fsdp2")
+DEFAULT_MODELS = ("mlp", "tinylm")
+DEFAULT_WORLD_SIZES = (1, 2, 4, 8)
+DEFAULT_REPORT = Path("reports/verification.md")
+
+
+def _items(text: str, what: str) -> list[str]:
+    items = [t.strip() for t in str(text).split(",")]
+    if not text or not str(text).strip() or any(not t for t in items):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+    dup = sorted({t for t in items if items.count(t) > 1})
+    if dup:
+        raise argparse.ArgumentTypeError(f"duplicate value(s) {', '.join(dup)} in {text!r}")
+    return items
+
+
+def world_sizes(text: str) -> tuple[int, ...]:
+    out = []
+    for item in _items(text, "--world-sizes"):
+        try:
+            n = int(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not an integer (e.g. --world-sizes 1,2,4,8)") from None
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{n} is not a positive number of ranks")
+        out.append(n)
+    return tuple(out)
+
+
+def choices(valid: tuple[str, ...], what: str):
+    def parse(text: str) -> tuple[str, ...]:
+        items = _items(text, what)
+        bad = [i for i in items if i not in valid]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, bad))}; choose from {', '.join(valid)}")
+        return tuple(items)
+    return parse
+
+
+data_modes = choices(DATA_MODES, "--data-modes")
+optimizers = choices(OPTIMIZERS, "--optimizers")
+
+
+def models(text: str) -> tuple[str, ...]:
+    from .models import MODELS
+    return choices(tuple(MODELS), "--models")(text)
+
+
+def impls(text: str) -> tuple[str, ...]:
+    from .adapters import AdapterError, load_adapter
+    items = _items(text, "--impl")
+    for name in items:
+        try:
+            load_adapter(name)
+        except AdapterError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return tuple(items)
+
+
+def positive_int(what: str):
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+        return n
+    return parse
+
+
+def seeds(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in _items(text, "--seeds"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers, got {text!r}") from None
+
+
+def positive_float(what: str):
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not x > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return x
+    return parse
+
+
+def report_path(text: str) -> Path:
+    """A writable markdown path: probed by creating (and removing) a file where it will go."""
+    import os
+    import tempfile
+    p = Path(text)
+    if p.suffix != ".md":
+        raise argparse.ArgumentTypeError(f"{text!r} must be a markdown file path ending in .md")
+    if p.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory")
+    probe = p.parent if str(p.parent) else Path(".")
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        if not probe.is_dir():
+            raise OSError(f"{probe} is not a directory")
+        fd, tmp = tempfile.mkstemp(dir=probe, prefix=".probe-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write the report under {probe}: {e.strerror or e}") from None
+    return p
+
+
+def baseline_name(text: str) -> str:
+    """A baseline name (file stem under reports/baselines/) or a path to a baseline file."""
+    if not text or not str(text).strip():
+        raise argparse.ArgumentTypeError("empty baseline name")
+    if "/" not in text and not all(c.isalnum() or c in "-_." for c in text):
+        raise argparse.ArgumentTypeError(f"baseline name {text!r}: use letters, digits, '-', '_' and '.' only")
+    return text
+
+
+def gate_spec(text: str) -> dict:
+    from .baseline import parse_gate
+    return parse_gate(text)
+
+
+def add_gate_arguments(add) -> None:
+    add("--baseline", type=baseline_name, default=None,
+        help="compare the run with this baseline (name under reports/baselines/ or a path); regressions fail")
+    add("--save-baseline", type=baseline_name, default=None, help="store this run's summary as a baseline")
+    add("--gate", type=gate_spec, default=None,
+        help="per-field tolerances, e.g. loss:1e-7,peak_mem:5%%,comm_bytes:0 (defaults in harness/baseline.py)")
+
+
+def load_baseline_option(name, gate=None):
+    """Load a --baseline value early so a missing or corrupt file is one usage-error line."""
+    if gate is not None and name is None:
+        raise argparse.ArgumentTypeError("--gate needs --baseline NAME (its tolerances apply to a comparison "
+                                          "with a baseline)")
+    if name is None:
+        return None
+    from .baseline import BaselineError, load_baseline
+    try:
+        return load_baseline(name)
+    except BaselineError as e:
+        raise argparse.ArgumentTypeError(f"--baseline: {e}") from None
+
+
+@dataclass(frozen=True)
+class MatrixOptions:
+    impls: tuple[str, ...] = DEFAULT_IMPLS
+    models: tuple[str, ...] = DEFAULT_MODELS
+    world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
+    data_modes: tuple[str, ...] = DATA_MODES
+    optimizers: tuple[str, ...] = OPTIMIZERS
+    steps: int = 10
+    seeds: tuple[int, ...] = (0,)
+    lr: float = 1e-2
+    global_batch: int = 16
+    backend: str = "gloo"
+    timeout_s: float = 300.0
+    bounds: Bounds = field(default_factory=Bounds)
+
+    def validate(self) -> None:
+        """Cross-option checks; raises argparse.ArgumentTypeError with one line."""
+        if "split" in self.data_modes:
+            bad = [w for w in self.world_sizes if self.global_batch % w]
+            if bad:
+                raise argparse.ArgumentTypeError(
+                    f"--data-modes split needs the global batch ({self.global_batch}) divisible by every world size; "
+                    f"{bad} do not divide it (set --global-batch)")
+        if self.backend == "nccl":
+            import torch
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            too_big = [w for w in self.world_sizes if w > n]
+            if too_big:
+                raise argparse.ArgumentTypeError(
+                    f"--world-sizes: {max(too_big)} ranks need {max(too_big)} GPUs with --backend nccl; this machine has {n}")
+
+    def scenarios(self) -> list[Scenario]:
+        return build_matrix(self.impls, self.models, self.world_sizes, self.data_modes, self.optimizers,
+                            steps=self.steps, seeds=self.seeds, lr=self.lr, global_batch=self.global_batch,
+                            backend=self.backend)
+
+
+def add_matrix_arguments(add) -> None:
+    """Register the matrix options with an argparse-like `add(name, **kw)` (argparse or pytest)."""
+    add("--world-sizes", type=world_sizes, default=None, help="comma list of world sizes (default 1,2,4,8)")
+    add("--impl", dest="impls", type=impls, default=None,
+        help="implementations under test: fsdp_impl, torch_fsdp2, torch_fsdp2_fp64reduce, torch_fsdp1, ddp, "
+             "package.module:object, cs336:module (default fsdp_impl,torch_fsdp2)")
+    add("--models", type=models, default=None, help="model zoo names (default mlp,tinylm)")
+    add("--data-modes", type=data_modes, default=None, help="replicated,split (default both)")
+    add("--optimizers", type=optimizers, default=None, help="adamw,sgd (default both)")
+    add("--steps", type=positive_int("--steps"), default=None, help="training steps per scenario (default 10)")
+    add("--seeds", type=seeds, default=None, help="comma list of seeds (default 0)")
+    add("--lr", type=positive_float("--lr"), default=None, help="learning rate (default 1e-2)")
+    add("--global-batch", type=positive_int("--global-batch"), default=None, help="global batch size (default 16)")
+    add("--backend", choices=("gloo", "nccl"), default=None, help="gloo (CPU, default) or nccl (CUDA)")
+    add("--scenario-timeout", type=positive_float("--scenario-timeout"), default=None,
+        help="seconds before a scenario counts as hung (default 300)")
+    add("--cross-ws-bound", type=positive_float("--cross-ws-bound"), default=None,
+        help="max |param diff| vs world size 1 with replicated data (default 3e-8)")
+
+
+def matrix_from(ns) -> MatrixOptions:
+    """Build MatrixOptions from parsed values (None = default)."""
+    d = MatrixOptions()
+    pick = lambda name, default: default if getattr(ns, name, None) is None else getattr(ns, name)  # noqa: E731
+    bound = getattr(ns, "cross_ws_bound", None)
+    opts = MatrixOptions(
+        impls=pick("impls", d.impls), models=pick("models", d.models), world_sizes=pick("world_sizes", d.world_sizes),
+        data_modes=pick("data_modes", d.data_modes), optimizers=pick("optimizers", d.optimizers),
+        steps=pick("steps", d.steps), seeds=pick("seeds", d.seeds), lr=pick("lr", d.lr),
+        global_batch=pick("global_batch", d.global_batch), backend=pick("backend", d.backend),
+        timeout_s=pick("scenario_timeout", d.timeout_s),
+        bounds=Bounds(cross_ws_replicated=bound) if bound else Bounds())
+    opts.validate()
+    return opts

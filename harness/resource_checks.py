@@ -1,0 +1,150 @@
+"""Memory and communication checks: each scenario's measured figures held against the ZeRO-3 ideal.
+
+Ideal per rank at world size W, for full parameters of P bytes (harness.measure):
+    state    params P/W + grads P/W + optimizer state (AdamW 2P, SGD-momentum P)/W; no division
+             for an adapter that declares itself unsharded (DDP), so a sharding claim can fail
+    traffic  all-gather 2P (forward and backward) + gradient reduce-scatter P per step, counted as
+             the full size each collective handles (harness.measure.comm)
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from .measure import ideal_state_bytes
+from .verdict import FAIL, PASS, SKIP, Verdict
+
+STATE_CATEGORIES = ("params", "grads", "optimizer_state")
+ALIGN_BYTES_PER_TENSOR = 64  # flat-buffer alignment a shard may add per parameter tensor
+STATE_SLACK = 0.01  # relative slack on top of the padding allowance
+PEAK_SLACK = 0.10
+COMM_SLACK = 0.01
+REDUCE_COLLECTIVES = ("reduce_scatter", "all_to_all", "all_reduce")
+
+
+def _ok_sharded_rows(tables) -> pd.DataFrame:
+    sc = tables["scenarios"]
+    return sc[(sc.status == "ok") & sc.param_bytes.notna()]
+
+
+def shard_padding(row) -> float:
+    """Most padding a rank's shard of one state category may hold: one dim-0 row per tensor
+    (per-parameter dim-0 sharding, FSDP2) or alignment gaps (flat sharding), whichever layout."""
+    return float(row.row_bytes) + ALIGN_BYTES_PER_TENSOR * float(row.param_tensors)
+
+
+def gather_padding(row) -> float:
+    """Most padding one full-size collective over all parameters may carry: W-1 rows per tensor."""
+    return (int(row.world_size) - 1) * float(row.row_bytes) + ALIGN_BYTES_PER_TENSOR * float(row.param_tensors)
+
+
+def _max_over_ranks(mem: pd.DataFrame, sid: str, category: str) -> float:
+    rows = mem[(mem.scenario == sid) & (mem.category == category)]
+    return float(rows["bytes"].max()) if len(rows) else math.nan
+
+
+def memory_sharding(tables) -> list[Verdict]:
+    """Per-rank params, grads and optimizer state each within padding of the ideal (P x factor / W)."""
+    out, mem = [], tables["memory"]
+    for row in _ok_sharded_rows(tables).itertuples():
+        ideal = ideal_state_bytes(int(row.param_bytes), row.optimizer, int(row.world_size), sharded=bool(row.sharded))
+        allowance = shard_padding(row)
+        worst, worst_limit, where, total_measured = 0.0, 1.0, "", 0.0
+        for cat in STATE_CATEGORIES:
+            measured = _max_over_ranks(mem, row.scenario, f"state_{cat}")
+            if math.isnan(measured):
+                where = where or f"{cat} (not measured)"
+                continue
+            total_measured += measured
+            copies = ideal[cat] / ideal["params"] if ideal["params"] else 1  # optimizer state: 2 per param (AdamW)
+            limit = ideal[cat] * (1 + STATE_SLACK) + copies * allowance
+            ratio = measured / ideal[cat] if ideal[cat] else math.inf
+            if ratio > worst:
+                worst, worst_limit = ratio, (limit / ideal[cat] if ideal[cat] else math.inf)
+            if measured > limit and not where:
+                where = (f"{cat}: {measured:,.0f} B per rank > ideal {ideal[cat]:,.0f} B "
+                         f"({ratio:.2f}x; allowed {limit:,.0f} B)")
+        kind = "sharded over" if row.sharded else "replicated on"
+        msg = (f"per-rank state {total_measured:,.0f} B vs ideal {sum(ideal.values()):,.0f} B "
+               f"({kind} {row.world_size} ranks; worst category {worst:.3f}x its ideal)")
+        # bound: the worst category's allowed ratio (1% slack + this model's padding allowance)
+        out.append(Verdict("memory_sharding", row.scenario, FAIL if where else PASS, worst, worst_limit,
+                           where, msg if not where else f"{msg}; {where}"))
+    return out
+
+
+def peak_memory_bound(tables) -> list[Verdict]:
+    """Peak <= sharded state + one unit's unsharded params and grads (twice: prefetch/overlap) +
+    measured activations and other, with a stated margin. Keeping every unit unsharded breaks it."""
+    out, mem = [], tables["memory"]
+    for row in _ok_sharded_rows(tables).itertuples():
+        peak = _max_over_ranks(mem, row.scenario, "peak")
+        if math.isnan(peak):
+            out.append(Verdict("peak_memory_bound", row.scenario, SKIP, None, None, "", "peak not measured"))
+            continue
+        ideal = ideal_state_bytes(int(row.param_bytes), row.optimizer, int(row.world_size), sharded=bool(row.sharded))
+        unsharded = 0 if not row.sharded or row.world_size == 1 else 2 * 2 * float(row.largest_unit_bytes)
+        transient = (_max_over_ranks(mem, row.scenario, "activations") + _max_over_ranks(mem, row.scenario, "other"))
+        bound = (sum(ideal.values()) + unsharded + transient) * (1 + PEAK_SLACK) + 4 * shard_padding(row)
+        passed = peak <= bound
+        msg = (f"peak {peak:,.0f} B per rank vs bound {bound:,.0f} B (state ideal {sum(ideal.values()):,.0f} + "
+               f"2 units unsharded {unsharded:,.0f} + activations/other {transient:,.0f}, +{PEAK_SLACK:.0%})")
+        where = "" if passed else f"params: peak exceeds the bound by {peak - bound:,.0f} B"
+        out.append(Verdict("peak_memory_bound", row.scenario, PASS if passed else FAIL, peak, bound, where, msg))
+    return out
+
+
+def peak_params_bound(tables) -> list[Verdict]:
+    """Sharded, W > 1: the parameters a rank holds at the step's peak <= its shards + two child
+    units gathered (the one running and one prefetched) + the root's own parameters (FSDP2 keeps
+    the root gathered between forward and backward), plus padding. Held apart from activations,
+    which dominate the peak of a small model and would hide a whole extra copy of the parameters
+    (an implementation that skips the reshard after forward fails here, not in peak_memory_bound)."""
+    out, mem = [], tables["memory"]
+    for row in _ok_sharded_rows(tables).itertuples():
+        if row.world_size == 1 or not row.sharded:
+            continue
+        held = _max_over_ranks(mem, row.scenario, "params")
+        if math.isnan(held) or math.isnan(float(getattr(row, "root_bytes", math.nan))):
+            out.append(Verdict("peak_params_bound", row.scenario, SKIP, None, None, "",
+                               "parameters at the peak not measured"))
+            continue
+        shards = -(-int(row.param_bytes) // int(row.world_size))
+        gathered = 2 * float(row.largest_child_bytes) + float(row.root_bytes)
+        bound = shards + gathered + shard_padding(row) + 2 * ALIGN_BYTES_PER_TENSOR * float(row.param_tensors)
+        passed = held <= bound
+        msg = (f"parameters held at the peak {held:,.0f} B per rank vs bound {bound:,.0f} B (shards {shards:,} + "
+               f"2 child units {2 * float(row.largest_child_bytes):,.0f} + root {float(row.root_bytes):,.0f} + padding)")
+        where = "" if passed else f"params: {held - bound:,.0f} B over the bound at the peak"
+        out.append(Verdict("peak_params_bound", row.scenario, PASS if passed else FAIL, held, bound, where, msg))
+    return out
+
+
+def comm_volume(tables) -> list[Verdict]:
+    """Sharded, W > 1: gradient reduction moves P, parameter all-gathers at most 2P (per step)."""
+    out, comm = [], tables["comm"]
+    for row in _ok_sharded_rows(tables).itertuples():
+        if row.world_size == 1 or not row.sharded:
+            continue
+        c = comm[comm.scenario == row.scenario]
+        by = dict(zip(c.collective, c["bytes"]))
+        p = float(row.param_bytes)
+        allowance = gather_padding(row)
+        gather = by.get("all_gather", 0.0)
+        reduce = sum(by.get(k, 0.0) for k in REDUCE_COLLECTIVES)
+        problems = []
+        if gather > 2 * (p * (1 + COMM_SLACK) + allowance):
+            problems.append(f"all_gather {gather:,.0f} B > 2P = {2 * p:,.0f} B")
+        if not p <= reduce <= p * (1 + COMM_SLACK) + allowance:
+            problems.append(f"gradient reduction {reduce:,.0f} B != P = {p:,.0f} B")
+        total = gather + reduce
+        msg = (f"per step: all_gather {gather:,.0f} B ({gather / p:.2f}P), gradient reduction {reduce:,.0f} B "
+               f"({reduce / p:.2f}P); ZeRO-3 ideal 2P + P with P = {p:,.0f} B")
+        out.append(Verdict("comm_volume", row.scenario, FAIL if problems else PASS, total / p, 3.0,
+                           "; ".join(problems), msg))
+    return out
+
+
+RESOURCE_CHECKS = (memory_sharding, peak_memory_bound, peak_params_bound, comm_volume)

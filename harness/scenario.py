@@ -1,0 +1,66 @@
+"""Frozen scenarios: one cell of the (impl x model x world size x data mode x optimizer) matrix."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+DATA_MODES = ("replicated", "split")
+OPTIMIZERS = ("adamw", "sgd")
+# The plain, non-sharded model trained on the full global batch in one process.
+REFERENCE_IMPL = "reference"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    impl: str  # registry name ("fsdp_impl", "torch_fsdp2", ...) or "package.module:object"
+    model: str  # model zoo name ("mlp", "tinylm", ...)
+    world_size: int
+    data_mode: str  # "replicated": every rank trains on the global batch; "split": 1/W slice each
+    optimizer: str  # "adamw" | "sgd" (SGD with momentum)
+    steps: int = 10
+    seed: int = 0
+    lr: float = 1e-2
+    global_batch: int = 16
+    backend: str = "gloo"  # "gloo" (CPU) | "nccl" (CUDA)
+
+    @property
+    def id(self) -> str:
+        """Stable readable id, e.g. ``fsdp_impl-mlp-ws4-split-adamw``."""
+        base = f"{_slug(self.impl)}-{self.model}-ws{self.world_size}-{self.data_mode}-{self.optimizer}"
+        return base if self.seed == 0 else f"{base}-seed{self.seed}"
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if self.backend == "nccl" else "cpu"
+
+    def reference(self) -> "Scenario":
+        """The scenario whose trajectory this one is compared with: the plain model, full batch."""
+        return dataclasses.replace(self, impl=REFERENCE_IMPL, world_size=1, data_mode="replicated")
+
+    def at_world_size(self, world_size: int) -> "Scenario":
+        return dataclasses.replace(self, world_size=world_size)
+
+    def replace(self, **changes) -> "Scenario":
+        return dataclasses.replace(self, **changes)
+
+
+def _slug(impl: str) -> str:
+    """A user adapter 'pkg.mod:obj' becomes 'pkg.mod.obj' so ids stay path- and shell-safe."""
+    return impl.replace(":", ".").replace("/", ".")
+
+
+def build_matrix(
+    impls, models, world_sizes, data_modes, optimizers, *, steps=10, seeds=(0,), lr=1e-2,
+    global_batch=16, backend="gloo",
+) -> list[Scenario]:
+    """Every combination, in a stable order, plus the reference runs they are compared with."""
+    cells = [
+        Scenario(impl, model, ws, mode, opt, steps=steps, seed=seed, lr=lr,
+                 global_batch=global_batch, backend=backend)
+        for seed, impl, model, ws, mode, opt in itertools.product(
+            seeds, impls, models, world_sizes, data_modes, optimizers)
+    ]
+    refs = sorted({c.reference() for c in cells}, key=lambda s: s.id)
+    return refs + cells

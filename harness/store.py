@@ -1,0 +1,191 @@
+"""Save a run's tables as CSV plus a JSON manifest, and load them back to re-render a report.
+
+Layout of a run directory::
+
+    run.json        {"format": "fsdp-equivalence-run", "schema_version": 1, "env": {...},
+                     "tables": {name: {"file": "<name>.csv", "columns": [...], "kinds": {...}, "rows": n}}}
+    <name>.csv      one per table, exact float round trip (repr precision)
+
+Writes are atomic: everything goes to a temp directory beside the target, which then replaces it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+SCHEMA_VERSION = 1
+FORMAT = "fsdp-equivalence-run"
+MANIFEST = "run.json"
+# Required columns per known table (the schema in harness/tables.py); extra columns are kept.
+TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
+    "steps": ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed", "step", "loss",
+              "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1"),
+    "params": ("scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum"),
+    "scenarios": ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed", "steps", "lr",
+                  "status", "error", "final_loss", "param_sum", "max_diff_ref", "max_diff_ws1", "state_bytes",
+                  "peak_bytes", "step_time_s"),
+    "memory": ("scenario", "rank", "category", "bytes"),
+    "comm": ("scenario", "collective", "calls", "bytes"),
+    "verdicts": ("check", "scenario", "status", "measured", "bound", "where", "message"),
+}
+
+
+class StoreError(Exception):
+    """A run directory that cannot be read back; the message is one line naming the problem."""
+
+
+def check_columns(name: str, df: pd.DataFrame) -> None:
+    """Raise StoreError if a non-empty known table lacks schema columns."""
+    missing = [c for c in TABLE_COLUMNS.get(name, ()) if c not in df.columns]
+    if len(df) and missing:
+        raise StoreError(f"table '{name}' lacks schema columns {missing} (schema v{SCHEMA_VERSION})")
+
+
+def rank_bytes(mem: pd.DataFrame, category: str) -> pd.Series:
+    """(scenario, rank) -> bytes of one category; "state_total" falls back to the sum of state_* rows."""
+    rows = mem[mem["category"] == category] if len(mem) else mem
+    if category == "state_total" and len(mem) and not len(rows):
+        rows = mem[mem["category"].astype(str).str.startswith("state_")]
+    return rows.groupby(["scenario", "rank"])["bytes"].sum() if len(rows) else pd.Series(dtype=float)
+
+
+def _kind(dtype) -> str:
+    if pd.api.types.is_bool_dtype(dtype):
+        return "bool"
+    if pd.api.types.is_integer_dtype(dtype):
+        return "int"
+    if pd.api.types.is_float_dtype(dtype):
+        return "float"
+    return "str"
+
+
+def _jsonable(value):
+    """Env values made JSON-safe (paths, versions, tuples become strings or lists)."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return str(value)
+
+
+def swap_into_place(moves: list[tuple[Path, Path]]) -> None:
+    """Move each src onto its dst (files or folders); if any move fails, every dst is restored.
+
+    A file dst is replaced atomically (os.replace); a folder dst is renamed aside first, so it is
+    briefly absent. Backups live beside dst and are removed once every move has succeeded.
+    """
+    done: list[tuple[Path, Path | None]] = []  # (dst, backup of its old content or None)
+    try:
+        for src, dst in moves:
+            backup = None
+            if dst.exists():
+                backup = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.old-")) / dst.name
+                if dst.is_dir():
+                    os.replace(dst, backup)
+                else:
+                    os.link(dst, backup)
+            done.append((dst, backup))
+            os.replace(src, dst)
+    except BaseException:
+        for dst, backup in reversed(done):
+            if dst.is_dir():  # only the new content can be here: the old one was moved aside
+                shutil.rmtree(dst, ignore_errors=True)
+            if backup is not None:
+                os.replace(backup, dst)
+            elif dst.is_file():
+                dst.unlink()
+        raise
+    finally:
+        for _, backup in done:
+            if backup is not None:
+                shutil.rmtree(backup.parent, ignore_errors=True)
+
+
+def save_run(tables: dict[str, pd.DataFrame], env: dict, directory: Path) -> None:
+    """Write every table as CSV plus run.json into `directory`, atomically replacing an earlier run."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    for name, df in tables.items():
+        check_columns(name, df)
+    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
+    try:
+        manifest = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "env": _jsonable(dict(env)), "tables": {}}
+        for name, df in sorted(tables.items()):
+            file = f"{name}.csv"
+            if len(df.columns):
+                df.to_csv(tmp / file, index=False)
+            else:
+                (tmp / file).write_text("")
+            manifest["tables"][name] = {"file": file, "columns": [str(c) for c in df.columns],
+                                        "kinds": {str(c): _kind(df[c].dtype) for c in df.columns},
+                                        "rows": len(df)}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        swap_into_place([(tmp, directory)])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _read_table(directory: Path, name: str, meta: dict) -> pd.DataFrame:
+    path = directory / meta["file"]
+    if not path.is_file():
+        raise StoreError(f"run {directory}: table file {meta['file']} is missing")
+    columns, kinds = meta["columns"], meta["kinds"]
+    if not columns:
+        return pd.DataFrame()
+    numeric = [c for c in columns if kinds.get(c) in ("int", "float")]
+    try:
+        df = pd.read_csv(path, keep_default_na=False, na_values={c: ["", "nan", "NaN"] for c in numeric},
+                         dtype={c: str for c in columns if kinds.get(c) == "str"})
+    except (ValueError, pd.errors.ParserError) as exc:
+        raise StoreError(f"run {directory}: {meta['file']} is not valid CSV ({str(exc).splitlines()[0]})") from None
+    if list(df.columns) != columns:
+        raise StoreError(f"run {directory}: {meta['file']} has columns {list(df.columns)}, manifest says {columns}")
+    if len(df) != meta["rows"]:
+        raise StoreError(f"run {directory}: {meta['file']} has {len(df)} rows, manifest says {meta['rows']}")
+    try:
+        for c in columns:
+            kind = kinds.get(c)
+            if kind == "float":
+                df[c] = df[c].astype("float64")
+            elif kind == "int":
+                df[c] = df[c].astype("int64")
+            elif kind == "bool":
+                df[c] = df[c].map({"True": True, "False": False, True: True, False: False}).astype(bool)
+    except (ValueError, TypeError) as exc:
+        raise StoreError(f"run {directory}: {meta['file']} column has bad values ({exc})") from None
+    check_columns(name, df)
+    return df
+
+
+def load_run(directory: Path) -> tuple[dict[str, pd.DataFrame], dict]:
+    """Read back (tables, env) written by save_run; StoreError on anything missing, corrupt or mismatched."""
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not directory.is_dir():
+        raise StoreError(f"no saved run at {directory}")
+    if not path.is_file():
+        raise StoreError(f"{directory} holds no {MANIFEST}: not a saved run")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise StoreError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise StoreError(f"{path} is not a run manifest (format is not '{FORMAT}')")
+    version = manifest.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise StoreError(f"{path} has schema version {version}, this harness reads {SCHEMA_VERSION}; re-run it")
+    try:
+        metas = {str(n): {"file": str(m["file"]), "columns": list(m["columns"]), "kinds": dict(m["kinds"]),
+                          "rows": int(m["rows"])} for n, m in manifest["tables"].items()}
+        env = dict(manifest.get("env") or {})
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise StoreError(f"{path} is malformed ({type(exc).__name__}: {exc})") from None
+    return {name: _read_table(directory, name, meta) for name, meta in metas.items()}, env

@@ -1,0 +1,143 @@
+"""Per-rank records -> tidy pandas tables. Column names here are the schema documented in README.
+
+Tables (one DataFrame each, keyed by name in a dict):
+
+steps      one row per scenario x step
+           scenario, impl, model, world_size, data_mode, optimizer, seed, step, loss, grad_norm,
+           max_diff_ref, worst_param_ref, max_diff_ws1, worst_param_ws1
+params     one row per scenario x step x parameter (full, unsharded parameter under its module path)
+           scenario, step, param, numel, diff_ref, diff_ws1, sum
+scenarios  one row per scenario
+           scenario, impl, model, world_size, data_mode, optimizer, seed, steps, lr, status, error,
+           final_loss, param_sum, max_diff_ref, max_diff_ws1, sharded, param_bytes (full parameters),
+           largest_unit_bytes (largest unit's full parameters), row_bytes (one dim-0 row of every
+           parameter tensor, summed), param_tensors (count), state_bytes (max over ranks of
+           params + grads + optimizer state held), peak_bytes (max over ranks), step_time_s
+memory     one row per scenario x rank x category (bytes on that rank)
+           scenario, rank, category, bytes
+           categories: peak by category during the measured step (params, grads, optimizer_state,
+           activations, other, peak) and state held after it (state_params, state_grads,
+           state_optimizer_state, state_total)
+comm       one row per scenario x collective (per training step, averaged over measured steps, rank 0)
+           scenario, collective, calls, bytes
+verdicts   one row per Verdict (harness.verdict): check, scenario, status, measured, bound, where, message
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from .scenario import REFERENCE_IMPL, Scenario
+
+SCENARIO_COLUMNS = ["scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed"]
+
+
+def _scenario_fields(sc: Scenario) -> dict:
+    return {"scenario": sc.id, "impl": sc.impl, "model": sc.model, "world_size": sc.world_size,
+            "data_mode": sc.data_mode, "optimizer": sc.optimizer, "seed": sc.seed}
+
+
+def ws1_of(sc: Scenario) -> Scenario:
+    """The same implementation at world size 1, same data mode: the cross-world-size comparison."""
+    return sc.at_world_size(1)
+
+
+class _Snapshots:
+    """Loads rank 0's per-step full-parameter files lazily, one scenario at a time."""
+
+    def __init__(self, dirs: dict[str, str]):
+        self.dirs, self._cache = dirs, {}
+
+    def get(self, scenario_id: str, step: int) -> dict[str, torch.Tensor] | None:
+        d = self.dirs.get(scenario_id)
+        if d is None:
+            return None
+        key = (scenario_id, step)
+        if key not in self._cache:
+            path = Path(d) / f"step{step}.pt"
+            self._cache[key] = torch.load(path, weights_only=True) if path.exists() else None
+        return self._cache[key]
+
+
+def _diffs(cur: dict, other: dict | None) -> dict[str, float]:
+    if other is None:
+        return {}
+    out = {}
+    for name, t in cur.items():
+        o = other.get(name)
+        if o is None or o.shape != t.shape:
+            out[name] = math.inf
+        else:
+            d = (t.double() - o.double()).abs()
+            out[name] = float(d.max()) if d.numel() else 0.0
+            if not torch.isfinite(t).all():
+                out[name] = math.nan
+    return out
+
+
+def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[str, pd.DataFrame]:
+    """results: scenario id -> {"ranks": [per-rank record...]} or {"error": str}."""
+    by_id = {s.id: s for s in scenarios}
+    snaps = _Snapshots({sid: r["ranks"][0]["snapshot_dir"] for sid, r in results.items() if "ranks" in r})
+    steps_rows, param_rows, scen_rows, mem_rows, comm_rows = [], [], [], [], []
+    for sc in scenarios:
+        res = results.get(sc.id, {"error": "not run"})
+        base = _scenario_fields(sc)
+        if "ranks" not in res:
+            scen_rows.append({**base, "steps": sc.steps, "lr": sc.lr, "status": "error", "error": res["error"]})
+            continue
+        r0 = res["ranks"][0]
+        ref_id = sc.reference().id
+        ws1_id = ws1_of(sc).id if sc.impl != REFERENCE_IMPL else None
+        final = {}
+        for rec in r0["steps"]:
+            k = rec["step"]
+            cur = snaps.get(sc.id, k) or {}
+            d_ref = _diffs(cur, snaps.get(ref_id, k)) if ref_id in by_id else {}
+            d_ws1 = _diffs(cur, snaps.get(ws1_id, k)) if ws1_id in by_id else {}
+            for name, t in cur.items():
+                param_rows.append({"scenario": sc.id, "step": k, "param": name, "numel": t.numel(),
+                                   "diff_ref": d_ref.get(name, math.nan), "diff_ws1": d_ws1.get(name, math.nan),
+                                   "sum": float(t.double().sum())})
+            wr, mr = _worst(d_ref)
+            w1, m1 = _worst(d_ws1)
+            steps_rows.append({**base, "step": k, "loss": rec["loss"], "grad_norm": rec["grad_norm"],
+                               "max_diff_ref": mr, "worst_param_ref": wr, "max_diff_ws1": m1, "worst_param_ws1": w1})
+            final = {"final_loss": rec["loss"], "param_sum": sum(float(t.double().sum()) for t in cur.values()),
+                     "max_diff_ref": mr, "max_diff_ws1": m1}
+        for rank_rec in res["ranks"]:
+            for cat, b in rank_rec["memory"].items():
+                mem_rows.append({"scenario": sc.id, "rank": rank_rec["rank"], "category": cat, "bytes": b})
+        for c in r0["comm"]:
+            comm_rows.append({"scenario": sc.id, **c})
+        state = [rr["memory"].get("state_total", math.nan) for rr in res["ranks"]]
+        peak = [rr["memory"].get("peak", math.nan) for rr in res["ranks"]]
+        scen_rows.append({**base, "steps": sc.steps, "lr": sc.lr, "status": "ok", "error": "", **final,
+                          "sharded": r0.get("sharded", True), "param_bytes": r0.get("param_bytes", math.nan),
+                          "largest_unit_bytes": r0.get("largest_unit_bytes", math.nan),
+                          "largest_child_bytes": r0.get("largest_child_bytes", math.nan),
+                          "root_bytes": r0.get("root_bytes", math.nan),
+                          "row_bytes": r0.get("row_bytes", math.nan), "param_tensors": r0.get("param_tensors", math.nan),
+                          "state_bytes": max(state), "peak_bytes": max(peak),
+                          "step_time_s": max(rr["step_time_s"] for rr in res["ranks"])})
+    return {
+        "steps": pd.DataFrame(steps_rows, columns=SCENARIO_COLUMNS + [
+            "step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1"]),
+        "params": pd.DataFrame(param_rows, columns=["scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum"]),
+        "scenarios": pd.DataFrame(scen_rows, columns=SCENARIO_COLUMNS + [
+            "steps", "lr", "status", "error", "final_loss", "param_sum", "max_diff_ref", "max_diff_ws1",
+            "sharded", "param_bytes", "largest_unit_bytes", "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "state_bytes", "peak_bytes", "step_time_s"]),
+        "memory": pd.DataFrame(mem_rows, columns=["scenario", "rank", "category", "bytes"]),
+        "comm": pd.DataFrame(comm_rows, columns=["scenario", "collective", "calls", "bytes"]),
+    }
+
+
+def _worst(diffs: dict[str, float]) -> tuple[str, float]:
+    if not diffs:
+        return "", math.nan
+    name = max(diffs, key=lambda n: (math.isnan(diffs[n]), diffs[n]))
+    return name, diffs[name]

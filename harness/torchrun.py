@@ -1,0 +1,290 @@
+"""The scenario matrix inside a job that torchrun already launched (``torchrun ... -m harness run``).
+
+``run_matrix_under_torchrun`` is ``harness.run.run_matrix`` for processes that torchrun (or SLURM
+through torchrun) started: every process of the job calls it with the same scenarios. The
+default group joins through env://; a scenario of world size w runs ``harness.train:run_scenario``
+on ranks 0..w-1 in a subgroup made for w (ranks w.. wait), and rank 0 builds the same tables,
+verdicts and RunResult as ``run_matrix`` (``build_tables`` / ``run_checks``, imported, not copied).
+
+Control goes through the job's key-value store, not through collectives, so a broken or hung
+scenario never leaves the control path in a bad state:
+
+- each rank of the scenario posts ``("ok", record)`` or ``("error", traceback)`` under
+  ``<run>/<i>/out/<rank>``. A rank that raises also destroys its subgroup; peers blocked in a
+  collective with it fail at once if that closes the connections, else at the subgroup timeout,
+  and report that too (the report leads with the rank whose own error started it);
+- subgroups are created with ``timeout=timeout_s``: a rank stuck in a collective that the others
+  skipped raises after that time; a watchdog thread on each rank posts the rank's Python stack
+  under ``<run>/<i>/stack/<rank>`` at ``timeout_s`` if the scenario still runs, so the failure
+  says which ranks were waiting where;
+- rank 0 waits for the outcomes until ``timeout_s`` plus a grace (at most ``GRACE_S``) and
+  posts a decision: go on, rebuild (a rank failed: the subgroup for w is destroyed and made
+  again, as a World would be rebuilt), or abort (a rank never answered: it may be stuck for good; the remaining scenarios are
+  reported "not run"). The other ranks wait for that decision.
+
+Snapshots: ``run_scenario`` gathers the full parameters collectively (``adapter.full_params``) and
+only rank 0 writes them, into a temp dir on rank 0's node; rank 0 is also where the tables are
+built. So multi-node runs need no shared filesystem.
+
+Processes: torchrun owns them. A rank stuck outside any collective (a Python infinite loop) cannot
+be interrupted from inside; its watchdog ends the process (exit code 3) once rank 0 has finished
+(it posts ``<run>/finished`` at exit) or ``HARD_EXIT_AFTER_S`` after the timeout, whichever comes
+first, and torchrun then reports that rank as failed. Launch with ``--standalone`` (or a
+rendezvous endpoint of your choice) so that no fixed port is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import dataclasses
+import gc
+import os
+import pickle
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+from .checks import run_checks, verdict_table
+from .policy import Bounds
+from .run import RunResult, environment
+from .scenario import Scenario
+from .tables import build_tables
+from .worker import RankContext, device_for, launched_by_torchrun, root_cause, setup_process
+
+__all__ = ["run_matrix_under_torchrun", "TorchrunError", "TorchrunUsageError"]
+
+GRACE_S = 10.0  # at most, after the timeout: time for a rank whose collective timed out to report it
+HARD_EXIT_AFTER_S = 300.0  # a rank stuck past timeout + this exits even if rank 0 never finished
+_POLL_S = 0.05
+_runs = 0  # calls in this process; every rank makes the same calls, so keys agree across ranks
+
+
+class TorchrunError(RuntimeError):
+    """The torchrun job cannot run the matrix (not launched by torchrun, rank 0 went silent)."""
+
+
+class TorchrunUsageError(argparse.ArgumentTypeError):
+    """The matrix does not fit the job (more ranks than torchrun started); one line, exit 2."""
+
+
+def run_matrix_under_torchrun(scenarios: list[Scenario], *, timeout_s: float = 300.0,
+                              bounds: Bounds = Bounds(),
+                              progress: Callable[[int, int, Scenario, float], None] | None = None,
+                              extra_checks=()) -> RunResult | None:
+    """Run ``scenarios`` in this torchrun job; the RunResult on rank 0, None on the other ranks."""
+    global _runs
+    t0 = time.perf_counter()
+    if not launched_by_torchrun():
+        raise TorchrunError("not launched by torchrun: RANK / WORLD_SIZE / MASTER_ADDR are not set")
+    rank, job_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = _check_fits(scenarios, job_size)
+    setup_process()
+    device = device_for(backend, int(os.environ.get("LOCAL_RANK", rank)),
+                        int(os.environ.get("LOCAL_WORLD_SIZE", job_size)))
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(backend, init_method="env://",
+                                timeout=timedelta(seconds=timeout_s + GRACE_S + 60))
+    _runs += 1
+    store = dist.PrefixStore(f"fsdp-harness/run{_runs}/", dist.distributed_c10d._get_default_store())
+    if rank == 0:
+        atexit.register(store.set, "finished", b"1")  # lets a stuck rank's watchdog end its process
+    _preload(scenarios)
+    runner = _Runner(store, rank, backend, device, timeout_s)
+    try:
+        if rank == 0:
+            with tempfile.TemporaryDirectory(prefix="fsdp-harness-") as tmp:
+                store.set("snapshot_dir", tmp.encode())
+                records = runner.run_all(scenarios, tmp, progress)
+                tables = build_tables(scenarios, records)
+            verdicts = run_checks(tables, bounds, extra=extra_checks)
+            tables["verdicts"] = verdict_table(verdicts)
+            return RunResult(scenarios, tables, verdicts, environment(backend), time.perf_counter() - t0,
+                             runner.groups_built, records)
+        store.wait(["snapshot_dir"], timedelta(seconds=timeout_s + GRACE_S + 60))
+        runner.run_all(scenarios, store.get("snapshot_dir").decode(), None)
+        return None
+    finally:
+        runner.destroy_groups()
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def _preload(scenarios: list[Scenario]) -> None:
+    """Import the training code and every adapter's module now, on every rank, so that no rank's
+    first scenario spends the subgroup timeout importing while a peer waits in a collective."""
+    from .adapters import load_adapter
+    from . import train  # noqa: F401
+
+    for impl in dict.fromkeys(s.impl for s in scenarios):
+        load_adapter(impl)
+
+
+def _check_fits(scenarios: list[Scenario], job_size: int) -> str:
+    """The one backend of the matrix; TorchrunUsageError if a scenario needs more ranks than the job."""
+    too_big = sorted({s.world_size for s in scenarios if s.world_size > job_size})
+    if too_big:
+        raise TorchrunUsageError(
+            f"--world-sizes: {','.join(map(str, too_big))} need more ranks than torchrun started "
+            f"({job_size}); launch at least {too_big[-1]} (e.g. --nproc_per_node={too_big[-1]}) or drop them")
+    backends = sorted({s.backend for s in scenarios}) or ["gloo"]
+    if len(backends) > 1:
+        raise TorchrunUsageError(f"--backend: one torchrun job runs one backend, got {', '.join(backends)}")
+    return backends[0]
+
+
+class _Runner:
+    """One rank's side of the scenario loop; rank 0 also collects outcomes and decides."""
+
+    def __init__(self, store, rank: int, backend: str, device, timeout_s: float):
+        self.store, self.rank, self.backend, self.device = store, rank, backend, device
+        self.timeout_s = timeout_s
+        self.groups: dict[int, object] = {}
+        self.groups_built = 0
+        self.aborted = ""
+        self._missing: list[int] = []  # rank 0: ranks that did not answer in the last scenario
+        self._failed = False  # rank 0: a rank of the last scenario raised
+
+    def group(self, w: int):
+        """The subgroup of ranks 0..w-1 (every rank of the job calls this, in the same order)."""
+        if w not in self.groups:
+            self.groups[w] = dist.new_group(ranks=list(range(w)), backend=self.backend,
+                                            timeout=timedelta(seconds=self.timeout_s))
+            self.groups_built += 1
+        return self.groups[w]
+
+    def drop_group(self, w: int) -> None:
+        """Destroy the subgroup for w. If nothing else holds it any more, its gloo connections
+        close and peers blocked in a collective with this rank fail at once ("Connection closed by
+        peer"); an implementation that keeps it alive (fsdp_impl's handles do, through autograd
+        hooks of the failed step) leaves the peers to fail at the subgroup timeout instead."""
+        group = self.groups.pop(w, None)
+        if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+            return
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # already destroyed
+            pass
+        del group
+        gc.collect()
+
+    def destroy_groups(self) -> None:
+        for w in list(self.groups):
+            self.drop_group(w)
+
+    def run_all(self, scenarios: list[Scenario], snapshot_dir: str, progress) -> dict:
+        results: dict[str, dict] = {}
+        order = sorted(scenarios, key=lambda s: (s.backend, s.world_size))  # as harness.run.execute
+        for i, sc in enumerate(order):
+            started = time.perf_counter()
+            if self.aborted:
+                results[sc.id] = {"error": f"not run: {self.aborted}"}
+            else:
+                results[sc.id] = self.run_one(i, sc, snapshot_dir)
+            if progress is not None:
+                progress(i + 1, len(order), sc, time.perf_counter() - started)
+        return results
+
+    def run_one(self, i: int, sc: Scenario, snapshot_dir: str) -> dict | None:
+        w, key = sc.world_size, f"{i}/"
+        started = time.monotonic()
+        self.group(w)  # every rank, in the same order; no reference kept here (see drop_group)
+        if self.rank < w:
+            payload = {"scenario": dataclasses.asdict(sc), "snapshot_dir": snapshot_dir}
+            outcome = self._train(key, w, payload)
+            self.store.set(f"{key}out/{self.rank}", pickle.dumps(outcome))
+            if outcome[0] == "error":
+                self.drop_group(w)  # peers blocked in a collective with this rank fail at once
+        result = self._collect(key, sc, started) if self.rank == 0 else None
+        decision = self._decision(key, sc)
+        if decision != "go":
+            self.drop_group(w)
+        if decision == "abort":
+            self.aborted = f"scenario {sc.id} hung under torchrun and its ranks cannot be recovered in-process"
+        return result
+
+    def _train(self, key: str, w: int, payload: dict) -> tuple:
+        from .train import run_scenario
+
+        done = threading.Event()
+        main_thread = threading.main_thread().ident
+        watchdog = threading.Thread(target=self._watch, args=(key, main_thread, done),
+                                    name="fsdp-harness-watchdog", daemon=True)
+        watchdog.start()
+        try:
+            ctx = RankContext(self.rank, w, self.group(w), self.device, self.backend)
+            return ("ok", run_scenario(ctx, payload))
+        except Exception:
+            return ("error", traceback.format_exc())
+        finally:
+            done.set()
+
+    def _watch(self, key: str, thread_id: int, done: threading.Event) -> None:
+        """At the timeout, post where this rank is; much later, end a rank that never came back."""
+        if done.wait(self.timeout_s):
+            return
+        frame = sys._current_frames().get(thread_id)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no Python frame)"
+        self.store.set(f"{key}stack/{self.rank}", stack.encode())
+        hard_deadline = time.monotonic() + HARD_EXIT_AFTER_S
+        while not done.wait(1.0):
+            if self.store.check(["finished"]) or time.monotonic() > hard_deadline:
+                sys.stderr.write(f"[fsdp-harness] rank {self.rank} is still stuck in a scenario past its "
+                                 f"timeout; ending this process\n")
+                sys.stderr.flush()
+                os._exit(3)
+
+    def _collect(self, key: str, sc: Scenario, started: float) -> dict:
+        """Rank 0: every rank's outcome, or a hang report with the stacks of the silent ranks."""
+        w = sc.world_size
+        keys = {r: f"{key}out/{r}" for r in range(w)}
+        deadline = started + self.timeout_s + _grace(self.timeout_s)
+        while time.monotonic() < deadline and not self.store.check(list(keys.values())):
+            time.sleep(_POLL_S)
+        outcomes = {r: pickle.loads(self.store.get(k)) for r, k in keys.items() if self.store.check([k])}
+        missing = sorted(set(range(w)) - set(outcomes))
+        failed = {r: v for r, (kind, v) in outcomes.items() if kind == "error"}
+        label = f"torchrun ranks 0..{w - 1} (job of {os.environ.get('WORLD_SIZE')})"
+        if missing:
+            lines = [f"{label} hung in {sc.id}: ranks {sorted(outcomes)} answered, ranks {missing} did not"]
+            for r in missing:
+                stack_key = f"{key}stack/{r}"
+                stack = self.store.get(stack_key).decode() if self.store.check([stack_key]) else "(no stack)"
+                lines += [f"--- rank {r} was waiting here ---", stack.rstrip()]
+            for r in sorted(failed):
+                lines += [f"--- rank {r} failed (it had waited for the silent ranks) ---", failed[r].rstrip()]
+            self._missing, self._failed = missing, bool(failed)
+            return {"error": "\n".join(lines)}
+        self._missing, self._failed = [], bool(failed)
+        if failed:
+            first = root_cause(failed)
+            lines = [f"rank {first} of {label} failed in {sc.id}:", failed[first].rstrip()]
+            lines += [f"rank {r} failed too: {failed[r].strip().splitlines()[-1]}" for r in sorted(failed) if r != first]
+            return {"error": "\n".join(lines)}
+        return {"ranks": [outcomes[r][1] for r in range(w)]}
+
+    def _decision(self, key: str, sc: Scenario) -> str:
+        """Rank 0 posts go | rebuild | abort; every other rank waits for it."""
+        k = f"{key}decision"
+        if self.rank == 0:
+            decision = "abort" if self._missing else "rebuild" if self._failed else "go"
+            self.store.set(k, decision.encode())
+            return decision
+        wait_s = self.timeout_s + GRACE_S + 60
+        try:
+            self.store.wait([k], timedelta(seconds=wait_s))
+        except Exception as exc:  # rank 0 went silent: nothing sensible is left to do here
+            raise TorchrunError(f"rank {self.rank}: no word from rank 0 about {sc.id} within {wait_s:.0f}s "
+                                f"({type(exc).__name__})") from None
+        return self.store.get(k).decode()
+
+
+def _grace(timeout_s: float) -> float:
+    return min(GRACE_S, max(2.0, timeout_s / 2))

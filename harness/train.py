@@ -1,0 +1,137 @@
+"""The task every rank runs for one scenario: build, wrap, train, record plain data.
+
+Rank 0 writes the full parameters after every step to ``<snapshot_dir>/<scenario id>/step<k>.pt``
+(step 0 = initial weights); the parent compares trajectories after the world is done, so no
+process that trains and measures ever holds the reference model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .adapters import load_adapter
+from .data import global_batch, local_slice
+from .measure import CommCounter, PeakMemory, state_bytes
+from .models import get_model_spec
+from .scenario import Scenario
+
+MEASURED_STEP = 1  # memory is measured on the second step: optimizer state exists by then
+
+
+def run_scenario(ctx, payload: dict) -> dict:
+    """Entry point for World.run("harness.train:run_scenario", payload)."""
+    sc = Scenario(**payload["scenario"])
+    snap_dir = Path(payload["snapshot_dir"]) / sc.id
+    if ctx.rank == 0:
+        snap_dir.mkdir(parents=True, exist_ok=True)
+    spec = get_model_spec(sc.model)
+    adapter = load_adapter(sc.impl)
+    device = ctx.device
+
+    torch.manual_seed(sc.seed)
+    model = spec.build().to(device)
+    units = spec.units(model)
+    sizes = _param_bytes(model, units)
+    wrapped = adapter.wrap(model, units, group=ctx.group, device=device)
+    optimizer = adapter.make_optimizer(wrapped, name=sc.optimizer, lr=sc.lr)
+    _snapshot(adapter, wrapped, snap_dir / "step0.pt", ctx.rank)
+
+    steps, comm_totals, memory, times = [], {}, {}, []
+    for step in range(1, sc.steps + 1):
+        inputs, targets = global_batch(spec, sc.global_batch, step, sc.seed)
+        x, y, _ = local_slice(inputs, targets, ctx.rank, ctx.world_size, sc.data_mode)
+        x, y = x.to(device), y.to(device)
+        measure_mem = step - 1 == MEASURED_STEP
+        counter = CommCounter()
+        mem = PeakMemory(wrapped, optimizer, device) if measure_mem else None
+        _sync(device)
+        t0 = time.perf_counter()
+        # The tracker (a dispatch mode plus global module hooks) is left on every path: a step that
+        # raises must not leave it installed for the next scenario in this process.
+        with counter, (mem if mem is not None else contextlib.nullcontext()):
+            loss = spec.loss(wrapped(x), y)
+            loss.backward()
+            adapter.after_backward(wrapped, optimizer)
+            grad_sq = _local_grad_sq(wrapped)
+            optimizer.step()
+        _sync(device)
+        if mem is None:
+            times.append(time.perf_counter() - t0)
+        else:
+            memory = dict(mem.result())
+            held = state_bytes(wrapped, optimizer)
+            memory.update({f"state_{k}": v for k, v in held.items()})
+            memory["state_total"] = sum(held.values())
+        optimizer.zero_grad(set_to_none=True)
+        for row in counter.summary():
+            tot = comm_totals.setdefault(row["collective"], {"calls": 0, "bytes": 0})
+            tot["calls"] += row["calls"]
+            tot["bytes"] += row["bytes"]
+        steps.append({"step": step, "loss": _global_loss(loss, sc, ctx),
+                      "grad_norm": _global_grad_norm(grad_sq, adapter, ctx)})
+        _snapshot(adapter, wrapped, snap_dir / f"step{step}.pt", ctx.rank)
+
+    comm = [{"collective": k, "calls": v["calls"] / sc.steps, "bytes": v["bytes"] / sc.steps}
+            for k, v in sorted(comm_totals.items())]
+    return {"scenario": sc.id, "rank": ctx.rank, "steps": steps, "memory": memory, "comm": comm,
+            "sharded": bool(adapter.sharded), **sizes,
+            "step_time_s": sum(times) / len(times) if times else math.nan, "snapshot_dir": str(snap_dir)}
+
+
+def _param_bytes(model, units) -> dict:
+    """Full parameter bytes; the largest that one unit (or the root's remainder) holds unsharded; the
+    largest child unit and the root's own parameters apart (FSDP2 keeps the root gathered after forward)."""
+    nbytes = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
+    params = list(model.parameters())
+    total = nbytes(params)
+    per_unit = [nbytes(u.parameters()) for u in units]
+    # one dim-0 row of every tensor: the most per-parameter dim-0 sharding pads per rank
+    row_bytes = sum((p.numel() // p.shape[0] if p.dim() else 1) * p.element_size() for p in params if p.numel())
+    root = total - sum(per_unit)
+    return {"param_bytes": total, "largest_unit_bytes": max(per_unit + [root]),
+            "largest_child_bytes": max(per_unit + [0]), "root_bytes": root,
+            "row_bytes": row_bytes, "param_tensors": len(params)}
+
+
+def _snapshot(adapter, wrapped, path: Path, rank: int) -> None:
+    full = adapter.full_params(wrapped)  # collective: every rank calls it
+    if rank == 0:
+        torch.save({k: v.detach().to("cpu", torch.float32).clone() for k, v in full.items()}, path)
+
+
+def _local_grad_sq(model) -> float:
+    total = 0.0
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            total += float(g.detach().double().pow(2).sum())
+    return total
+
+
+def _global_grad_norm(local_sq: float, adapter, ctx) -> float:
+    """Norm of the averaged gradient: shards add up across ranks; unsharded copies are all equal."""
+    if not adapter.sharded or ctx.world_size == 1:
+        return math.sqrt(local_sq)
+    t = torch.tensor([local_sq], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, group=ctx.group)
+    return math.sqrt(float(t))
+
+
+def _global_loss(loss: torch.Tensor, sc: Scenario, ctx) -> float:
+    """The loss on the global batch: a split rank holds the mean over its equal-sized slice."""
+    if sc.data_mode == "replicated" or ctx.world_size == 1:
+        return float(loss.detach())
+    t = loss.detach().double().reshape(1)
+    dist.all_reduce(t, group=ctx.group)
+    return float(t) / ctx.world_size
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

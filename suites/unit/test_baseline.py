@@ -1,0 +1,237 @@
+"""The regression gate (harness.baseline): diffable baseline files, tolerances, compare verdicts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from harness.baseline import (DEFAULT_TOLERANCES, FIELDS, BaselineError, Tolerance, compare, compare_table,
+                              load_baseline, parse_gate, save_baseline)
+
+from . import synthetic_tables as syn
+
+SPLIT2 = syn.sid(2, "split")
+
+
+@pytest.fixture(scope="module")
+def tables() -> dict[str, pd.DataFrame]:
+    return syn.make_tables(fail=False)
+
+
+@pytest.fixture
+def saved(tables, tmp_path) -> Path:
+    return save_baseline(tables, syn.ENV, "cpu", tmp_path)
+
+
+def _edit(tables: dict, name: str, sid: str, column: str, fn, step: int | None = None) -> dict:
+    """A copy of `tables` with one cell (or one step's cell) of one scenario changed by `fn`."""
+    out = {k: v.copy() for k, v in tables.items()}
+    df = out[name]
+    mask = df["scenario"] == sid
+    if step is not None:
+        mask &= df["step"] == step
+    df[column] = df[column].where(~mask, df[column].map(fn))  # upcasts int columns when fn returns floats
+    return out
+
+
+def _fails(verdicts) -> list:
+    return [v for v in verdicts if v.status == "fail"]
+
+
+def test_round_trip_holds_the_synthetic_figures(tables, saved):
+    text = saved.read_text()
+    assert saved.name == "cpu.json" and '"torch": "2.13.0"' in text and text.count("\n") > 100  # one value a line
+    base = load_baseline("cpu", saved.parent)
+    assert load_baseline(saved).scenarios == base.scenarios
+    assert set(base.scenarios) == set(tables["scenarios"]["scenario"]) and base.env == syn.ENV
+    e = base.scenarios[syn.sid(4, "split")]
+    assert e["loss"] == [syn.loss_at(s, 4, "split", fail=False) for s in range(1, 6)]
+    assert e["peak_mem"] == syn.mem(4, "split")["peak"] and e["state_mem"] == syn.mem(4, "split")["state_total"]
+    assert e["comm_bytes"] == sum(b for _, b in syn.comm(4).values())
+    assert e["comm_calls"] == sum(c for c, _ in syn.comm(4).values())
+    assert e["max_diff_ref"] == max(syn.param_diff(s, 4, "split", p, False) for s in range(1, 6) for p in syn.PARAMS)
+    assert e["step_time"] == syn.STEP_TIME * 4
+    verdicts = compare(tables, base, env=syn.ENV)
+    assert not _fails(verdicts)
+    gated = [v for v in verdicts if v.check.startswith("gate:") and v.check[5:] in FIELDS]
+    assert len(gated) == len(base.scenarios) * (len(FIELDS) - 1) + 1
+    assert [(v.status, v.scenario) for v in verdicts if v.check == "gate:step_time"] == [("skip", "")]  # off
+
+
+@pytest.mark.parametrize("name, sid, column, fn, step, field, spec_within", [
+    ("scenarios", SPLIT2, "peak_bytes", lambda b: b * 1.10, None, "peak_mem", "peak_mem:11%"),
+    ("steps", SPLIT2, "loss", lambda x: x + 5e-7, 3, "loss", "loss:1e-6"),
+    ("comm", SPLIT2, "bytes", lambda b: b + 1, None, "comm_bytes", "comm_bytes:2"),  # 2 collectives, +1 each
+    ("scenarios", SPLIT2, "max_diff_ref", lambda x: x * 2, None, "max_diff", "max_diff:100%"),
+    ("scenarios", SPLIT2, "step_time_s", lambda x: x * 3, None, "step_time", None),
+])
+def test_gate_fails_naming_the_field_and_passes_within(tables, saved, name, sid, column, fn, step, field,
+                                                       spec_within):
+    changed = _edit(tables, name, sid, column, fn, step)
+    tol = parse_gate(f"{field}:50%") if field == "step_time" else None
+    bad = _fails(compare(changed, load_baseline(saved), tol))
+    assert [(v.check, v.scenario) for v in bad] == [(f"gate:{field}", sid)]
+    msg = bad[0].message
+    assert field in msg and sid in msg and str((tol or DEFAULT_TOLERANCES)[field]) in msg
+    if field == "loss":
+        old = syn.loss_at(step, 2, "split", fail=False)
+        assert bad[0].where == f"step {step}" and f"baseline {old:.10g}" in msg and f"current {old + 5e-7:.10g}" in msg
+    if field == "peak_mem":
+        old = syn.mem(2, "split")["peak"]
+        assert f"baseline {old}" in msg and f"current {old * 1.10:.10g}" in msg
+    if spec_within:
+        assert not _fails(compare(changed, load_baseline(saved), parse_gate(spec_within)))
+
+
+def test_improvements_pass_one_sided_fields(tables, saved):
+    smaller = _edit(tables, "scenarios", SPLIT2, "peak_bytes", lambda b: b // 2)
+    assert not _fails(compare(smaller, load_baseline(saved)))
+    fewer = _edit(tables, "comm", SPLIT2, "bytes", lambda b: b // 2)  # comm is two-sided: any change is news
+    assert [v.check for v in _fails(compare(fewer, load_baseline(saved)))] == ["gate:comm_bytes"]
+
+
+def test_missing_and_new_scenarios_are_reported(tables, saved):
+    gone = syn.sid(4, "replicated")
+    subset = {k: v[v["scenario"] != gone] if "scenario" in v else v for k, v in tables.items()}
+    verdicts = compare(subset, load_baseline(saved))
+    assert [(v.check, v.scenario, v.status) for v in _fails(verdicts)] == [("gate:scenario", gone, "fail")]
+    assert gone in _fails(verdicts)[0].message
+    relaxed = [v for v in compare(subset, load_baseline(saved), allow_missing=True) if v.scenario == gone]
+    assert [(v.check, v.status) for v in relaxed] == [("gate:scenario", "skip")]
+    small = save_baseline(subset, syn.ENV, "small", saved.parent)
+    new = [v for v in compare(tables, load_baseline(small)) if v.scenario == gone]
+    assert [(v.check, v.status) for v in new] == [("gate:scenario", "skip")] and "not in baseline" in new[0].message
+    errored = _edit(tables, "scenarios", SPLIT2, "error", lambda _: "RuntimeError: boom")
+    bad = _fails(compare(errored, load_baseline(saved)))
+    assert [(v.check, v.scenario) for v in bad] == [("gate:scenario", SPLIT2)]
+
+
+def test_environment_differences_are_visible(tables, saved):
+    env = {**syn.ENV, "torch": "2.14.0", "date": "2030-01-01", "git_commit": "fff"}
+    warn = [v for v in compare(tables, load_baseline(saved), env=env) if v.check == "gate:env"]
+    assert [(v.status, v.where) for v in warn] == [("skip", "torch")]
+    assert "2.13.0" in warn[0].message and "2.14.0" in warn[0].message
+
+
+def test_compare_table_side_by_side(tables, saved):
+    changed = _edit(tables, "comm", SPLIT2, "bytes", lambda b: b + 8)
+    df = compare_table(changed, load_baseline(saved))
+    assert list(df.columns) == ["scenario", "field", "baseline", "current", "change", "tolerance", "status", "where"]
+    row = df[(df["scenario"] == SPLIT2) & (df["field"] == "comm_bytes")].iloc[0]
+    expected = sum(b for _, b in syn.comm(2).values())
+    assert (row["baseline"], row["current"], row["change"], row["status"]) == (expected, expected + 16, 16, "fail")
+    assert (df["status"] == "fail").sum() == 1
+    assert (compare_table(tables, tables)["status"] != "fail").all()
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d, s: d / "nope.json", "baseline not found"),
+    (lambda d, s: _write(s, s.read_text()[:200]), "not valid JSON"),
+    (lambda d, s: _write(s, json.dumps({**json.loads(s.read_text()), "version": 2})), "has version 2"),
+    (lambda d, s: _write(s, json.dumps({"scenarios": {}})), "not a baseline file"),
+    (lambda d, s: _write(s, s.read_text().replace('"loss": [', '"loss": ["x", ', 1)), "loss is not a list of numbers"),
+    (lambda d, s: _write(s, s.read_text().replace('"peak_mem"', '"peak_memory"', 1)), "lacks ['peak_mem']"),
+])
+def test_unusable_baselines_raise_one_clear_line(saved, make, message):
+    path = make(saved.parent, saved)
+    with pytest.raises(BaselineError) as err:
+        load_baseline(path)
+    assert message in str(err.value) and str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_baseline_by_name(tmp_path):
+    with pytest.raises(BaselineError, match=r"baseline not found: .*ghost\.json"):
+        load_baseline("ghost", tmp_path)
+
+
+def test_parse_gate_values_and_defaults():
+    tols = parse_gate(" loss:1e-6 , peak_mem:5%,comm_bytes:0,step_time:off")
+    assert tols["loss"] == Tolerance(1e-6) and tols["peak_mem"] == Tolerance(0.05, relative=True)
+    assert tols["comm_bytes"] == Tolerance(0.0) and tols["step_time"].off
+    assert tols["state_mem"] == DEFAULT_TOLERANCES["state_mem"] and set(tols) == set(FIELDS)
+    assert parse_gate("") == DEFAULT_TOLERANCES and DEFAULT_TOLERANCES["step_time"].off
+    assert Tolerance(0.05, relative=True).fails(106, 100, two_sided=False)
+    assert not Tolerance(0.05, relative=True).fails(104, 100, two_sided=False)
+    assert not Tolerance(0.05, relative=True).fails(50, 100, two_sided=False)
+    assert Tolerance(0.5, relative=True).fails(1e-12, 0.0)  # a relative bound on 0 allows nothing
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("lossy:1e-7", "unknown gate field 'lossy'"), ("loss:abc", "'abc' is not a number"), ("loss:-1", "'-1'"),
+    ("loss", "must be FIELD:TOLERANCE"), ("loss:1,loss:2", "given twice"), ("peak_mem:5%%", "'5%%'"),
+    ("loss:nan", "'nan'"), ("loss:", "must be FIELD:TOLERANCE"),
+])
+def test_parse_gate_rejects_bad_specs(spec, words):
+    with pytest.raises(ValueError, match="gate") as err:
+        parse_gate(spec)
+    assert words in str(err.value)
+
+
+def test_parse_gate_message_reaches_argparse(capsys):
+    parser = argparse.ArgumentParser(prog="fsdp-harness")
+    parser.add_argument("--gate", type=parse_gate)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--gate", "bogus:1"])
+    assert "unknown gate field 'bogus'" in capsys.readouterr().err
+
+
+def test_save_baseline_is_atomic_and_validates_name(tables, saved, monkeypatch):
+    before = saved.read_bytes()
+    monkeypatch.setattr("harness.baseline.json.dumps", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        save_baseline(tables, syn.ENV, "cpu", saved.parent)
+    assert saved.read_bytes() == before and [p.name for p in saved.parent.iterdir()] == ["cpu.json"]
+    with pytest.raises(ValueError, match="baseline name"):
+        save_baseline(tables, syn.ENV, "../escape", saved.parent)
+
+
+def test_loss_gate_points_at_the_first_step_that_crossed(tables, saved):
+    changed = _edit(_edit(tables, "steps", SPLIT2, "loss", lambda x: x + 5e-7, 3), "steps", SPLIT2, "loss",
+                    lambda x: x + 5e-6, 4)
+    bad = _fails(compare(changed, load_baseline(saved)))
+    assert [(v.check, v.where) for v in bad] == [("gate:loss", "step 3")]
+    assert bad[0].measured == pytest.approx(5e-7, rel=1e-6) and bad[0].bound == 1e-7
+
+
+def test_peak_mem_tolerance_has_an_absolute_floor():
+    tol = DEFAULT_TOLERANCES["peak_mem"]
+    base = 34728  # a small model: 5% is 1736 B, less than one gloo buffer whose release races the step
+    assert tol.allowed(base) == 4096 and tol.allowed(10 * 2**20) == 0.05 * 10 * 2**20
+    assert not tol.fails(base + 2236, base, two_sided=False)
+    assert tol.fails(base + 4097, base, two_sided=False)
+    assert parse_gate("peak_mem:5%min4096")["peak_mem"] == tol and str(tol) == "5%min4096"
+    assert parse_gate("peak_mem:5%")["peak_mem"].floor == 0  # naming the field replaces the default
+    for bad in ("loss:1e-7min3", "peak_mem:5%min-1", "peak_mem:5%minx"):
+        with pytest.raises(ValueError, match="gate"):
+            parse_gate(bad)
+
+
+def test_other_cpu_kernels_skip_loss_and_diffs_but_gate_the_rest(tables, tmp_path):
+    there = {**syn.ENV, "cpu_capability": "AVX512", "cpu": "Intel Xeon (family 6, model 143)"}
+    saved = save_baseline(tables, there, "avx512", tmp_path)
+    changed = _edit(tables, "steps", SPLIT2, "loss", lambda x: x + 5e-7, 3)
+    changed = _edit(changed, "scenarios", SPLIT2, "peak_bytes", lambda b: b * 2)
+    for here, named in (({**there, "cpu_capability": "AVX2"}, "AVX2"),
+                        ({**there, "cpu": "AMD EPYC (family 25, model 1)"}, "AMD EPYC"),
+                        ({**there, "torch": "2.11.0"}, "2.11.0"),
+                        ({k: v for k, v in there.items() if k != "cpu"}, "not recorded")):
+        verdicts = compare(changed, load_baseline(saved), env=here)
+        assert [(v.check, v.scenario) for v in _fails(verdicts)] == [("gate:peak_mem", SPLIT2)], named
+        skipped = [v for v in verdicts if v.check in ("gate:loss", "gate:max_diff")]
+        assert [(v.check, v.status, v.scenario) for v in skipped] == [("gate:loss", "skip", ""),
+                                                                      ("gate:max_diff", "skip", "")]
+        assert named in skipped[0].message
+    # the same kernels: losses compared as before
+    assert ("gate:loss", SPLIT2) in [(v.check, v.scenario) for v in _fails(compare(changed, load_baseline(saved), env=there))]
+    # a baseline that recorded no kernel facts cannot prove they match: not compared
+    old = save_baseline(tables, syn.ENV, "old", tmp_path)
+    assert ("gate:loss", SPLIT2) not in [(v.check, v.scenario) for v in _fails(compare(changed, load_baseline(old), env=there))]

@@ -1,0 +1,187 @@
+"""The checks on hand-built tables: each bound is crossed on purpose and must be caught."""
+
+import argparse
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from harness import checks, options, resource_checks
+from harness.policy import Bounds
+from harness.scenario import Scenario
+from harness.tables import SCENARIO_COLUMNS
+
+P_BYTES = 4000  # full parameter bytes of the pretend model
+
+
+def _sc(impl, ws, mode="replicated", opt="adamw"):
+    return Scenario(impl, "mlp", ws, mode, opt, steps=3)
+
+
+def make(cells):
+    """cells: list of (Scenario, losses[3], diff_ref[3], diff_ws1[3]) -> tables."""
+    steps, scen, params = [], [], []
+    for sc, losses, dref, dws1 in cells:
+        base = {"scenario": sc.id, "impl": sc.impl, "model": sc.model, "world_size": sc.world_size,
+                "data_mode": sc.data_mode, "optimizer": sc.optimizer, "seed": sc.seed}
+        for k in range(3):
+            steps.append({**base, "step": k + 1, "loss": losses[k], "grad_norm": 1.0,
+                          "max_diff_ref": dref[k], "worst_param_ref": "fc2.weight",
+                          "max_diff_ws1": dws1[k], "worst_param_ws1": "fc2.weight"})
+            params.append({"scenario": sc.id, "step": k + 1, "param": "fc2.weight", "numel": 10,
+                           "diff_ref": dref[k], "diff_ws1": dws1[k], "sum": 1.0})
+        scen.append({**base, "steps": 3, "lr": sc.lr, "status": "ok", "error": "", "sharded": True,
+                     "param_bytes": P_BYTES, "largest_unit_bytes": P_BYTES // 2,
+                     "largest_child_bytes": P_BYTES // 4, "root_bytes": P_BYTES // 4, "row_bytes": 40,
+                     "param_tensors": 4})
+    return {"steps": pd.DataFrame(steps), "scenarios": pd.DataFrame(scen, columns=SCENARIO_COLUMNS + list(scen[0])[7:]),
+            "params": pd.DataFrame(params),
+            "memory": pd.DataFrame(columns=["scenario", "rank", "category", "bytes"]),
+            "comm": pd.DataFrame(columns=["scenario", "collective", "calls", "bytes"])}
+
+
+LOSSES = [1.0, 0.8, 0.6]
+ZERO = [0.0, 0.0, 0.0]
+
+
+def by(verdicts, check):
+    return {v.scenario: v for v in verdicts if v.check == check}
+
+
+def test_ws1_exact_catches_one_ulp_in_a_loss():
+    ref, ws1 = _sc("fsdp_impl", 1).reference(), _sc("fsdp_impl", 1)
+    off = [LOSSES[0], float(np.nextafter(np.float32(LOSSES[1]), np.float32(2))), LOSSES[2]]
+    v = by(checks.ws1_exact(make([(ref, LOSSES, ZERO, ZERO), (ws1, off, ZERO, ZERO)])), "ws1_exact")[ws1.id]
+    assert v.status == "fail" and v.where.startswith("step 2")
+    v = by(checks.ws1_exact(make([(ref, LOSSES, ZERO, ZERO), (ws1, LOSSES, ZERO, ZERO)])), "ws1_exact")[ws1.id]
+    assert v.status == "pass"
+
+
+def test_ws1_exact_catches_a_tiny_param_diff():
+    ref, ws1 = _sc("fsdp_impl", 1).reference(), _sc("fsdp_impl", 1)
+    v = checks.ws1_exact(make([(ref, LOSSES, ZERO, ZERO), (ws1, LOSSES, [0, 1e-12, 0], ZERO)]))[0]
+    assert v.status == "fail" and "step 2" in v.where and "fc2.weight" in v.where
+
+
+@pytest.mark.parametrize("diff,status", [(2.9e-8, "pass"), (3e-8, "fail"), (math.nan, "fail")])
+def test_cross_ws_bound_is_strict_and_nan_fails(diff, status):
+    sc = _sc("fsdp_impl", 4)
+    v = checks.cross_ws_replicated(make([(sc, LOSSES, ZERO, [0.0, diff, 0.0])]))[0]
+    assert v.status == status
+    if status == "fail":
+        assert v.where.startswith("step 2, fc2.weight")
+
+
+def test_known_deviation_only_where_documented():
+    diff = [0.0, 4e-7, 5e-7]
+    cells = [(_sc("torch_fsdp2", 8), LOSSES, ZERO, diff), (_sc("torch_fsdp2", 2), LOSSES, ZERO, diff),
+             (_sc("fsdp_impl", 8), LOSSES, ZERO, diff)]
+    v = by(checks.cross_ws_replicated(make(cells)), "cross_ws_replicated")
+    assert v[cells[0][0].id].status == "known" and "Known deviation" in v[cells[0][0].id].message
+    assert v[cells[0][0].id].measured == 5e-7 and v[cells[0][0].id].bound == 3e-8  # bound not widened
+    assert v[cells[1][0].id].status == "fail"
+    assert v[cells[2][0].id].status == "fail"
+
+
+def test_split_bound_scales_with_lr_and_steps():
+    b = Bounds()
+    assert b.split_bound("adamw", 1e-2, 10) == pytest.approx(10 * b.split_bound("adamw", 1e-3, 10))
+    assert b.split_bound("adamw", 1e-2, 20) == pytest.approx(2 * b.split_bound("adamw", 1e-2, 10))
+    sc = _sc("fsdp_impl", 2, "split")
+    bound = b.split_bound("adamw", sc.lr, 3)
+    assert checks.split_matches_full_batch(make([(sc, LOSSES, [0, bound * 0.5, 0], ZERO)]))[0].status == "pass"
+    assert checks.split_matches_full_batch(make([(sc, LOSSES, [0, bound * 2, 0], ZERO)]))[0].status == "fail"
+
+
+def test_nan_loss_fails_finite_even_when_diffs_look_zero():
+    sc = _sc("fsdp_impl", 2)
+    v = checks.finite(make([(sc, [1.0, math.nan, 0.5], ZERO, ZERO)]))[0]
+    assert v.status == "fail" and v.where == "step 2, loss"
+
+
+def test_converges_fails_on_rising_loss():
+    sc = _sc("fsdp_impl", 2)
+    assert checks.converges(make([(sc, [1.0, 1.1, 1.2], ZERO, ZERO)]))[0].status == "fail"
+
+
+def _set_grad_norm(t, sid, value):
+    steps = t["steps"]
+    steps.loc[(steps.scenario == sid) & (steps.step == 1), "grad_norm"] = value
+    return t
+
+
+@pytest.mark.parametrize("norm,status", [(1.0 + 9e-7, "pass"), (1.0 + 2e-6, "fail"), (1.0 - 2e-6, "fail"),
+                                         (math.nan, "fail"), (math.inf, "fail")])
+def test_grad_norm_matches_holds_step_one_against_the_reference(norm, status):
+    sc = _sc("fsdp_impl", 4, mode="split")
+    t = _set_grad_norm(make([(sc.reference(), LOSSES, ZERO, ZERO), (sc, LOSSES, ZERO, ZERO)]), sc.id, norm)
+    v = by(checks.grad_norm_matches(t), "grad_norm_matches")[sc.id]
+    assert v.status == status
+    if status == "fail":
+        assert v.where == "step 1, gradient norm"
+
+
+def test_grad_norm_matches_skips_without_a_reference():
+    sc = _sc("fsdp_impl", 2)
+    [v] = checks.grad_norm_matches(make([(sc, LOSSES, ZERO, ZERO)]))
+    assert v.status == "skip" and "no reference" in v.message
+
+
+def test_peak_params_bound_catches_a_whole_extra_copy_of_the_parameters():
+    sc = _sc("fsdp_impl", 4)
+    t = make([(sc, LOSSES, ZERO, ZERO)])
+    # shards P/4 + two child units (P/4 each) + the root's P/4 = 1.0 P, plus padding
+    for held, status in ((P_BYTES, "pass"), (P_BYTES // 4 + P_BYTES, "fail")):
+        t["memory"] = pd.DataFrame([(sc.id, 0, "params", held), (sc.id, 1, "params", 100)],
+                                   columns=["scenario", "rank", "category", "bytes"])
+        [v] = resource_checks.peak_params_bound(t)
+        assert v.status == status, v
+        assert v.measured == held
+    assert v.where.startswith("params:")
+    t["memory"] = t["memory"].iloc[0:0]
+    assert [v.status for v in resource_checks.peak_params_bound(t)] == ["skip"]
+
+
+def _with_memory(t, sid, ws, opt_factor, optimizer_state=None):
+    per = P_BYTES // ws
+    rows = [(sid, 0, "state_params", per), (sid, 0, "state_grads", per),
+            (sid, 0, "state_optimizer_state", optimizer_state if optimizer_state is not None else opt_factor * per)]
+    t["memory"] = pd.DataFrame(rows, columns=["scenario", "rank", "category", "bytes"])
+    return t
+
+
+def test_memory_sharding_names_the_unsharded_category():
+    sc = _sc("fsdp_impl", 4)
+    ok = _with_memory(make([(sc, LOSSES, ZERO, ZERO)]), sc.id, 4, 2)
+    assert resource_checks.memory_sharding(ok)[0].status == "pass"
+    bad = _with_memory(make([(sc, LOSSES, ZERO, ZERO)]), sc.id, 4, 2, optimizer_state=2 * P_BYTES)
+    v = resource_checks.memory_sharding(bad)[0]
+    assert v.status == "fail" and v.where.startswith("optimizer_state")
+
+
+def test_comm_volume_fails_on_an_extra_all_gather():
+    sc = _sc("fsdp_impl", 4)
+    t = make([(sc, LOSSES, ZERO, ZERO)])
+    t["comm"] = pd.DataFrame([(sc.id, "all_gather", 2, 2 * P_BYTES), (sc.id, "all_to_all", 1, P_BYTES)],
+                             columns=["scenario", "collective", "calls", "bytes"])
+    assert resource_checks.comm_volume(t)[0].status == "pass"
+    t["comm"].loc[0, "bytes"] = 3 * P_BYTES
+    v = resource_checks.comm_volume(t)[0]
+    assert v.status == "fail" and "all_gather" in v.where
+
+
+@pytest.mark.parametrize("text", ["0", "-2", "a", "", "1,1", "1,,2"])
+def test_world_sizes_rejects(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        options.world_sizes(text)
+
+
+def test_world_sizes_accepts():
+    assert options.world_sizes("1,2,4,8") == (1, 2, 4, 8)
+
+
+def test_split_needs_divisible_global_batch():
+    with pytest.raises(argparse.ArgumentTypeError, match="divisible"):
+        options.MatrixOptions(world_sizes=(1, 3), global_batch=16).validate()
+    options.MatrixOptions(world_sizes=(1, 3), global_batch=16, data_modes=("replicated",)).validate()

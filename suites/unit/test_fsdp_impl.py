@@ -1,0 +1,370 @@
+"""fsdp_impl in real process worlds (gloo, CPU): sharding, wrapping, numerics, state dicts, meta init.
+
+Every rank-side step lives in ``suites/unit/fsdp_worlds.py``. One ``World`` per world size is
+started once for this module and reused. References are the PLAIN model (no fsdp_impl code at
+all) trained in the same kind of worker, or values computed here by hand; the code under test is
+never compared with a second output of itself standing in for the truth. The classic-bug test
+at the end shows that the cross-world-size comparison used throughout can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from fsdp_impl.sharding import ALIGN_ELEMENTS
+from harness.world import World
+
+TASKS = "suites.unit.fsdp_worlds"
+REPLICATED_BOUND = 3e-8  # max |param diff| across world sizes with replicated data (DESIGN.md)
+SPLIT_BOUND = 1e-6  # split data vs full batch, 5 SGD steps at lr 0.05: fp32 rounding of sums only
+
+
+# ----------------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def world():
+    """world(n) -> a live World of n ranks, started on first use and kept for the module."""
+    live: dict[int, World] = {}
+
+    def get(n: int) -> World:
+        w = live.get(n)
+        if w is None or w.closed:  # a failed task kills its world; the next test gets a new one
+            w = live[n] = World(n, timeout_s=240)
+        return w
+
+    yield get
+    for w in live.values():
+        w.close()
+
+
+@pytest.fixture(scope="module")
+def plain(world):
+    """plain(payload) -> rank 0's result of training the PLAIN model (cached per payload)."""
+    cache: dict[str, dict] = {}
+
+    def run(payload: dict) -> dict:
+        key = json.dumps(payload, sort_keys=True)
+        if key not in cache:
+            cache[key] = world(1).run(f"{TASKS}:train", {**payload, "wrap": False})[0]
+        return cache[key]
+
+    return run
+
+
+def run(world, n: int, task: str, payload=None) -> list:
+    return world(n).run(f"{TASKS}:{task}", payload)
+
+
+def max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    assert sorted(a) == sorted(b), f"names differ: {sorted(set(a) ^ set(b))}"
+    return max(float(np.max(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)))) for k in a)
+
+
+def assert_bitwise(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert sorted(a) == sorted(b), f"names differ: {sorted(set(a) ^ set(b))}"
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert np.array_equal(a[k], b[k]), f"{k}: max diff {np.max(np.abs(a[k] - b[k]))}"
+
+
+def aligned_offsets(numels: list[int]) -> list[int]:
+    """Offsets of parameters laid end to end, each starting on an ALIGN_ELEMENTS boundary."""
+    out, cursor = [], 0
+    for n in numels:
+        cursor = -(-cursor // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+        out.append(cursor)
+        cursor += n
+    return out
+
+
+MLP = {"model": "mlp", "batch": 8, "lr": 0.05}
+
+
+# ----------------------------------------------------------------------------- shard layout
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_each_rank_holds_exactly_its_slice_with_zero_padding(world, n):
+    results = run(world, n, "layout", {"model": "mlp"})
+    eager = results[0]["eager"]
+    for u, unit in enumerate(results[0]["units"]):
+        names = [fqn for fqn, *_ in unit["slots"]]
+        numels = [numel for _, _, numel, _ in unit["slots"]]
+        offsets = aligned_offsets(numels)
+        used = offsets[-1] + numels[-1]
+        per_rank = math.ceil(used / n)
+        # the buffer every rank's slice is cut from, built here from the EAGER parameters
+        expected = np.zeros(per_rank * n, dtype=np.float32)
+        for name, off, numel in zip(names, offsets, numels):
+            full_name = f"{unit['prefix']}.{name}" if unit["prefix"] else name
+            expected[off:off + numel] = eager[full_name].ravel()
+        assert [off for _, off, _, _ in unit["slots"]] == offsets
+        for r in range(n):
+            shard = results[r]["units"][u]["shard"]
+            assert shard.shape == (per_rank,), f"unit {u} rank {r}"
+            assert np.array_equal(shard, expected[r * per_rank:(r + 1) * per_rank]), f"unit {u} rank {r}"
+
+
+def test_root_after_children_holds_no_duplicate(world):
+    n = 2
+    results = run(world, n, "layout", {"model": "tinylm"})
+    eager = results[0]["eager"]
+    seen: list[str] = []
+    expected_local = 0
+    for unit in results[0]["units"]:
+        names = [f"{unit['prefix']}.{f}" if unit["prefix"] else f for f, *_ in unit["slots"]]
+        seen += names
+        numels = [int(np.prod(eager[k].shape)) for k in names]
+        used = aligned_offsets(numels)[-1] + numels[-1]
+        expected_local += math.ceil(used / n)
+    assert sorted(seen) == sorted(eager)  # every parameter in exactly one unit
+    assert len(seen) == len(set(seen))
+    root = [u for u in results[0]["units"] if u["prefix"] == ""]
+    assert root and all(not f.startswith(("blocks.", "embed.")) for f, *_ in root[0]["slots"])
+    # what the optimizer sees: 1D flat shards only, adding up to parameters + padding
+    for r in range(n):
+        assert all("_fsdp_flat_param" in name and dim == 1 for name, _, dim in results[r]["params"])
+        assert results[r]["numel_local"] == expected_local
+    total_params = sum(int(np.prod(v.shape)) for v in eager.values())
+    assert expected_local * n >= total_params
+
+
+def test_tied_weight_is_stored_once(world):
+    results = run(world, 2, "layout", {"model": "tinylm_tied"})
+    slots = [(u["prefix"], f) for u in results[0]["units"] for f, *_ in u["slots"]]
+    assert ("", "embed.weight") in slots
+    assert not any(f == "head.weight" for _, f in slots)
+    assert sorted(results[0]["eager"]) == sorted(f"{p}.{f}" if p else f for p, f in slots)
+
+
+# ----------------------------------------------------------------------- numerics vs plain
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_world_size_one_is_bitwise_equal_to_plain(world, plain, optimizer):
+    payload = {**MLP, "optimizer": optimizer, "steps": 10}
+    ref = plain(payload)
+    got = run(world, 1, "train", payload)[0]
+    assert got["losses"] == ref["losses"]
+    assert_bitwise(got["params"], ref["params"])
+    assert got["padding_max"] == 0.0
+    assert max_diff(ref["params"], ref["initial"]) > 1e-3  # training moved the weights
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_replicated_data_matches_world_size_one(world, plain, n, optimizer):
+    payload = {**MLP, "optimizer": optimizer, "steps": 10}
+    ref = plain(payload)
+    one = run(world, 1, "train", payload)[0]
+    results = run(world, n, "train", payload)
+    for r, got in enumerate(results):
+        assert max_diff(got["params"], one["params"]) < REPLICATED_BOUND, f"rank {r} vs W=1"
+        assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND, f"rank {r} vs plain"
+        assert np.max(np.abs(np.subtract(got["losses"], ref["losses"]))) < 1e-6
+        assert got["padding_max"] == 0.0  # after every reduce-scatter and optimizer step
+
+
+def test_replicated_data_at_world_size_eight(world, plain):
+    payload = {**MLP, "optimizer": "adamw", "steps": 5}
+    ref = plain(payload)
+    results = run(world, 8, "train", payload)
+    assert max(max_diff(got["params"], ref["params"]) for got in results) < REPLICATED_BOUND
+    assert all(got["padding_max"] == 0.0 for got in results)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_split_data_matches_the_full_batch(world, plain, n):
+    payload = {**MLP, "optimizer": "sgd", "steps": 5}
+    ref = plain(payload)
+    results = run(world, n, "train", {**payload, "data_mode": "split"})
+    for got in results:
+        assert max_diff(got["params"], ref["params"]) < SPLIT_BOUND
+    # the mean of the ranks' local losses is the full-batch loss of the same step
+    mean_loss = np.mean([got["losses"] for got in results], axis=0)
+    assert np.max(np.abs(mean_loss - ref["losses"])) < 1e-6
+    assert ref["losses"][-1] < ref["losses"][0]
+
+
+def test_summing_instead_of_averaging_is_caught(world, plain):
+    """The check above can fail: the classic ZeRO bug (reduce with SUM, no division by W) gives
+    W x the gradient, which replicated data at W=2 shows at once against W=1."""
+    payload = {**MLP, "optimizer": "sgd", "steps": 3}
+    ref = plain(payload)
+    good = run(world, 2, "train", payload)
+    buggy = run(world, 2, "train", {**payload, "sum_bug": True})
+    assert max_diff(good[0]["params"], ref["params"]) < REPLICATED_BOUND
+    assert max_diff(buggy[0]["params"], ref["params"]) > 1e3 * REPLICATED_BOUND
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_tied_embedding_and_head_train_like_plain(world, plain, n):
+    payload = {"model": "tinylm_tied", "batch": 4, "optimizer": "adamw", "lr": 0.01, "steps": 3}
+    ref = plain(payload)
+    assert "embed.weight" in ref["params"] and "head.weight" not in ref["params"]  # tied: listed once
+    for got in run(world, n, "train", payload):
+        if n == 1:
+            assert_bitwise(got["params"], ref["params"])
+        assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
+        assert max_diff(got["params"], got["initial"]) > 1e-4
+
+
+def test_untied_transformer_trains_like_plain(world, plain):
+    payload = {"model": "tinylm", "batch": 4, "optimizer": "adamw", "lr": 0.01, "steps": 3}
+    ref = plain(payload)
+    for got in run(world, 2, "train", payload):
+        assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
+
+
+@pytest.mark.parametrize("case", ["siblings", "child_then_root"])
+def test_sharing_a_parameter_across_units_raises_a_clear_error(world, case):
+    messages = run(world, 2, "shared_across_units", case)
+    for msg in messages:
+        assert "shared with a module already passed to fully_shard" in msg
+        assert "tied parameters must live in one unit" in msg
+        assert "weight" in msg
+
+
+def test_frozen_parameters_stay_unchanged_and_get_no_grad(world, plain):
+    payload = {**MLP, "optimizer": "sgd", "steps": 3, "frozen": ["layers.1.weight"]}
+    ref = plain(payload)
+    for got in run(world, 2, "train", payload):
+        assert np.array_equal(got["params"]["layers.1.weight"], got["initial"]["layers.1.weight"])
+        for name in ("layers.0.weight", "layers.1.bias", "layers.2.weight"):
+            assert not np.array_equal(got["params"][name], got["initial"][name]), name
+        assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
+        flags = got["grads_after_backward"]
+        assert (False, False) in flags  # the frozen group's shard: no gradient
+        assert all(has_grad == requires for requires, has_grad in flags)
+
+
+def test_buffers_are_broadcast_from_rank_zero(world):
+    results = run(world, 3, "buffers")
+    for r, bufs in enumerate(results):
+        # rank 0 built stat = 0.5 everywhere and inner = [0, 1, 2, 3] x (0 + 1)
+        assert np.array_equal(bufs["stat"], np.full(5, 0.5, dtype=np.float32)), f"rank {r}"
+        assert np.array_equal(bufs["lin.inner"], np.arange(4, dtype=np.float32)), f"rank {r}"
+
+
+# ------------------------------------------------------------------ state dicts and meta init
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_full_state_dict_round_trip(world, n):
+    results = run(world, n, "state_dict_round_trip", {"model": "tinylm_tied", "batch": 4})
+    for r, got in enumerate(results):
+        assert sorted(got["saved"]) == sorted(got["plain_names"])  # unwrapped names, tie once
+        assert got["unexpected"] == [] and set(got["missing"]) <= {"head.weight"}
+        assert max_diff(got["before"], got["saved"]) > 1e-3  # the fresh model really differed
+        assert_bitwise(got["loaded"], got["saved"])
+        assert np.array_equal(got["out_fresh"], got["out_plain"]), f"rank {r}"
+        assert got["padding_max"] == 0.0
+    for got in results[1:]:
+        assert_bitwise(got["saved"], results[0]["saved"])  # every rank gathers the same values
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("model", ["mlp", "tinylm_tied", "tinylm"])
+def test_meta_init_is_bitwise_identical_to_eager(world, n, model):
+    for r, got in enumerate(run(world, n, "meta_init", {"model": model, "seed": 7})):
+        assert_bitwise(got["meta"], got["eager"])
+        assert np.array_equal(got["meta_out"], got["eager_out"]), f"rank {r}"
+        assert got["devices"] == ["cpu"] and got["padding_max"] == 0.0
+
+
+# --------------------------------------------------------------------------- mixed precision
+
+def test_bf16_params_train_with_fp32_master_shards(world, plain):
+    payload = {**MLP, "optimizer": "adamw", "lr": 0.02, "steps": 5}
+    fp32_ref = plain(payload)
+    for got in run(world, 2, "mixed_precision", {**payload, "mp": {"param_dtype": "bfloat16"}}):
+        assert got["out_dtypes"] == ["torch.bfloat16"]  # the compute really ran in bf16
+        assert got["shard_dtypes"] == ["torch.float32"]  # master shards
+        assert got["grad_dtypes"] == ["torch.float32"] and got["opt_state_dtypes"] == ["torch.float32"]
+        # bf16 gradients, averaged one step wider than bf16 by default
+        assert got["reduce_calls"] == [("torch.bfloat16", "torch.float32")]
+        assert all(math.isfinite(v) for v in got["losses"]) and got["losses"][-1] < got["losses"][0]
+        diff = max_diff(got["params"], fp32_ref["params"])
+        assert 0.0 < diff < 0.05  # bf16 rounding changed the trajectory, but only a little
+        assert got["padding_max"] == 0.0
+
+
+@pytest.mark.parametrize("mp, expected", [
+    ({}, ("torch.float32", "torch.float64")),
+    ({"reduce_dtype": "float32"}, ("torch.float32", "torch.float32")),
+    ({"param_dtype": "bfloat16", "reduce_dtype": "float64"}, ("torch.bfloat16", "torch.float64")),
+])
+def test_reduce_dtype_is_honoured(world, mp, expected):
+    for got in run(world, 2, "mixed_precision", {**MLP, "steps": 1, "mp": mp}):
+        assert got["reduce_calls"] == [expected]
+        assert got["grad_dtypes"] == ["torch.float32"]
+
+
+def test_fp32_reduce_still_matches_plain_with_replicated_data(world, plain):
+    payload = {**MLP, "optimizer": "adamw", "lr": 0.02, "steps": 5}
+    ref = plain(payload)
+    for got in run(world, 2, "mixed_precision", {**payload, "mp": {"reduce_dtype": "float32"}}):
+        assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
+
+
+# ------------------------------------------------------------------------ training modes
+
+def test_reshard_after_forward_controls_what_stays_gathered(world):
+    p = {"model": "tinylm", "batch": 4}
+    on = run(world, 2, "handle_states_after_forward", {**p, "reshard": True})[0]
+    off = run(world, 2, "handle_states_after_forward", {**p, "reshard": False})[0]
+    assert set(on["after_forward"]) == {"<root>", "embed", "blocks.0", "blocks.1"}
+    for unit, handles in on["after_forward"].items():
+        assert handles == [("SHARDED", 0)] * len(handles), unit
+    for unit, handles in off["after_forward"].items():
+        assert all(state == "UNSHARDED" and nbytes > 0 for state, nbytes in handles), unit
+    for after in (on["after_backward"], off["after_backward"]):
+        for unit, handles in after.items():
+            assert handles == [("SHARDED", 0)] * len(handles), unit
+
+
+def test_reshard_after_forward_false_trains_like_plain(world, plain):
+    payload = {"model": "tinylm", "batch": 4, "optimizer": "adamw", "lr": 0.01, "steps": 3}
+    ref = plain(payload)
+    for got in run(world, 2, "train", {**payload, "reshard": False}):
+        assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_unit_called_twice_in_one_forward(world, reshard):
+    ref = run(world, 1, "unit_called_twice", {"wrap": False, "reshard": reshard})[0]
+    for got in run(world, 2, "unit_called_twice", {"wrap": True, "reshard": reshard}):
+        assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
+
+
+def test_gradient_accumulation_over_two_backwards(world):
+    got = run(world, 2, "grad_accumulation", {"model": "mlp", "batch": 8})[0]
+    whole = got["plain_whole"]
+    scale = max(float(np.max(np.abs(g))) for g in whole.values())
+    # two half-batch backwards = one full-batch backward, up to fp32 rounding of the sums
+    assert max_diff(got["fsdp_accumulated"], whole) <= 1e-6 * max(scale, 1.0)
+    # and the same operations as the plain model's accumulation / single backward
+    assert max_diff(got["fsdp_accumulated"], got["plain_accumulated"]) < REPLICATED_BOUND
+    assert max_diff(got["fsdp_whole"], whole) < REPLICATED_BOUND
+    assert scale > 0
+
+
+def test_eval_under_no_grad_between_steps(world):
+    ref = run(world, 1, "eval_no_grad", {"model": "mlp", "wrap": False})[0]
+    for got in run(world, 2, "eval_no_grad", {"model": "mlp"}):
+        assert len(got["evals"]) == len(ref["evals"]) == 3
+        for a, b in zip(got["evals"], ref["evals"]):
+            assert np.max(np.abs(a - b)) < REPLICATED_BOUND
+        assert got["full_bytes_after_eval"] == 0  # no gathered copy outlives a no_grad forward
+        assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_padding_is_rezeroed_before_every_gather(world, plain, n):
+    ref = plain({**MLP, "optimizer": "sgd", "steps": 3})
+    results = run(world, n, "padding_rezeroed", {**MLP})
+    assert sum(got["corrupted"] for got in results) > 0  # there was padding to corrupt
+    for got in results:
+        assert got["after_forward"] == 0.0 and got["after_step"] == 0.0
+        assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND

@@ -1,0 +1,303 @@
+"""harness.measure: collective counting, state bytes, peak memory, the one-process planner.
+
+One 2-rank gloo world (spawned once per module, FileStore rendezvous) runs every multi-rank
+measurement and returns plain dicts; the assertions here compare them with values computed
+independently from tensor shapes (never with another output of the code under test).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import traceback
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from harness.measure import (CommCounter, PeakMemory, ideal_comm_bytes, ideal_state_bytes,
+                             state_bytes)
+
+W = 2
+# Raw collectives: (elements, dtype) per call; the expected bytes are derived below.
+AG_N, AG_DT = 5, torch.float64  # all_gather_into_tensor: shard of 5 -> output 10 x 8 bytes
+RS_N, RS_DT = 7, torch.float32  # reduce_scatter_tensor: output 7 -> input 14 x 4 bytes
+AR_N, AR_DT = 9, torch.int64  # all_reduce, called twice
+FAG_N, FRS_N, FAR_N = 3, 8, 4  # functional all_gather / reduce_scatter / all_reduce, float32
+BK_N = 6  # all_reduce on the gloo backend object directly (bypasses the dispatcher)
+# MLPs: layer widths. EVEN has dim 0 divisible by W everywhere (no FSDP2 padding); ODD does not.
+EVEN, ODD = (16, 32, 8), (5, 7, 3)
+
+
+def mlp(widths: tuple[int, ...]) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def linear_shapes(widths: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Parameter shapes of `mlp(widths)`, from the widths alone."""
+    return [s for a, b in zip(widths, widths[1:]) for s in ((b, a), (b,))]
+
+
+def full_bytes(widths: tuple[int, ...], itemsize: int = 4) -> int:
+    return sum(math.prod(s) for s in linear_shapes(widths)) * itemsize
+
+
+def dim0_padded_bytes(widths: tuple[int, ...], world: int, itemsize: int = 4) -> int:
+    """FSDP2's rule: each parameter is padded along dim 0 to a multiple of W before sharding."""
+    return sum(math.ceil(s[0] / world) * world * math.prod(s[1:]) for s in linear_shapes(widths)) * itemsize
+
+
+# ------------------------------------------------------------------ inside each rank
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    model(x).pow(2).sum().backward()
+    opt.step()
+
+
+def _fsdp2(widths, group) -> nn.Module:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, mesh = mlp(widths), DeviceMesh.from_group(group, "cpu")
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _measured(model: nn.Module, widths) -> dict[str, Any]:
+    """One warm-up step, then one step under CommCounter + PeakMemory; grads kept."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(4, widths[0], generator=torch.Generator().manual_seed(1))
+    _step(model, opt, x)
+    opt.zero_grad()
+    with PeakMemory(model, opt, "cpu", extra=[x]) as pm, CommCounter() as cc:
+        _step(model, opt, x)
+    return {"comm": cc.summary(), "state": state_bytes(model, opt), "peak": pm.result()}
+
+
+def _raw_collectives() -> list[dict]:
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    g = dist.group.WORLD
+    with CommCounter() as cc:
+        dist.all_gather_into_tensor(torch.empty(W * AG_N, dtype=AG_DT), torch.ones(AG_N, dtype=AG_DT))
+        dist.reduce_scatter_tensor(torch.empty(RS_N, dtype=RS_DT), torch.ones(W * RS_N, dtype=RS_DT))
+        for _ in range(2):
+            dist.all_reduce(torch.ones(AR_N, dtype=AR_DT))
+        funcol.wait_tensor(funcol.all_gather_tensor(torch.ones(FAG_N), 0, g))
+        funcol.wait_tensor(funcol.reduce_scatter_tensor(torch.ones(W * FRS_N), "sum", 0, g))
+        funcol.wait_tensor(funcol.all_reduce(torch.ones(FAR_N), "sum", g))
+        g._get_backend(torch.device("cpu")).allreduce([torch.ones(BK_N)]).wait()
+    return cc.summary()
+
+
+def _rank_main(rank: int, store_path: str, queue) -> None:
+    try:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=W)
+        solo, _ = dist.new_subgroups(group_size=1)  # this rank alone: the W=1 runs
+        out: dict[str, Any] = {"raw": _raw_collectives()}
+        for widths, tag in ((EVEN, "even"), (ODD, "odd")):
+            out[f"fsdp2_w2_{tag}"] = _measured(_fsdp2(widths, dist.group.WORLD), widths)
+        out["fsdp2_w1"] = _measured(_fsdp2(EVEN, solo), EVEN)
+        out["ddp_w2"] = _measured(DDP(mlp(EVEN)), EVEN)
+        out["plain"] = _measured(mlp(EVEN), EVEN)
+        queue.put((rank, out))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report to the parent, which fails the test
+        queue.put((rank, traceback.format_exc()))
+
+
+@pytest.fixture(scope="module")
+def world() -> dict[int, dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_rank_main, args=(r, os.path.join(tmp, "store"), queue))
+                 for r in range(W)]
+        for p in procs:
+            p.start()
+        try:
+            results = dict(queue.get(timeout=180) for _ in range(W))
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+            if old is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = old
+    for rank, res in results.items():
+        if isinstance(res, str):
+            pytest.fail(f"rank {rank} failed:\n{res}")
+    return results
+
+
+def _by_name(summary: list[dict]) -> dict[str, tuple[int, int]]:
+    return {row["collective"]: (row["calls"], row["bytes"]) for row in summary}
+
+
+# ------------------------------------------------------------------ CommCounter
+
+
+def test_raw_collectives_counted_with_full_tensor_bytes(world):
+    expected = {
+        "all_gather": (2, W * AG_N * 8 + W * FAG_N * 4),  # output = W x input
+        "reduce_scatter": (2, W * RS_N * 4 + W * FRS_N * 4),  # input = W x output
+        "all_reduce": (4, 2 * AR_N * 8 + FAR_N * 4 + BK_N * 4),  # the tensor; incl. backend call
+    }
+    for rank in range(W):
+        assert _by_name(world[rank]["raw"]) == expected, rank
+
+
+@pytest.mark.parametrize("tag,widths", [("even", EVEN), ("odd", ODD)])
+def test_fsdp2_step_moves_2x_params_gathered_and_1x_reduce_scattered(world, tag, widths):
+    comm = _by_name(world[0][f"fsdp2_w2_{tag}"]["comm"])
+    padded = dim0_padded_bytes(widths, W)
+    n_layers = len(widths) - 1
+    # Rule: bytes are of the dim-0-padded parameters; equal to the full size when nothing pads.
+    assert comm["all_gather"] == (2 * n_layers, 2 * padded)  # forward + backward re-gather
+    assert comm["reduce_scatter"] == (n_layers, padded)
+    assert set(comm) == {"all_gather", "reduce_scatter"}
+    if tag == "even":
+        assert padded == full_bytes(widths)
+        assert {k: comm[k][1] for k in comm} == ideal_comm_bytes(full_bytes(widths), W)
+    else:
+        assert padded > full_bytes(widths)
+
+
+def test_ddp_step_all_reduces_the_gradients_once(world):
+    calls, nbytes = _by_name(world[0]["ddp_w2"]["comm"])["all_reduce"]
+    assert nbytes == full_bytes(EVEN)
+
+
+def test_ideal_comm_bytes():
+    assert ideal_comm_bytes(1000, 1) == {}
+    assert ideal_comm_bytes(1000, 8) == {"all_gather": 2000, "reduce_scatter": 1000}
+
+
+# ------------------------------------------------------------------ state_bytes
+
+
+def test_state_bytes_fsdp2_halves_and_matches_shard_sizes(world):
+    full = full_bytes(EVEN)
+    w1, w2 = world[0]["fsdp2_w1"]["state"], world[0]["fsdp2_w2_even"]["state"]
+    n_tensors = len(linear_shapes(EVEN))
+    assert w1["params"] == w1["grads"] == full
+    for rank in range(W):
+        s = world[rank]["fsdp2_w2_even"]["state"]
+        assert s["params"] == s["grads"] == full // W
+        # AdamW: exp_avg + exp_avg_sq per shard, plus one scalar step counter (<= 8 bytes) each
+        assert 2 * full // W <= s["optimizer_state"] <= 2 * full // W + 8 * n_tensors
+    total = lambda s: sum(s.values())  # noqa: E731
+    assert total(w2) / total(w1) == pytest.approx(0.5, rel=0.02)
+
+
+def test_state_bytes_ddp_equals_unsharded(world):
+    ddp, plain = world[0]["ddp_w2"]["state"], world[0]["plain"]["state"]
+    assert ddp == plain
+    assert ddp["params"] == ddp["grads"] == full_bytes(EVEN)
+
+
+def test_state_bytes_counts_tied_storage_once():
+    emb = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, head)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.arange(3)).sum().backward()
+    opt.step()
+    assert state_bytes(model, opt) == {"params": 160, "grads": 160, "optimizer_state": 160}
+
+
+def test_state_bytes_counts_views_of_one_flat_buffer_once():
+    """Parameters that are views into one flat storage (FSDP1, fsdp_impl) count that storage."""
+    flat = torch.zeros(24)  # 96 bytes: 2 x 10 elements used, 4 of padding
+    model = nn.Module()
+    model.a = nn.Parameter(flat[:10])
+    model.b = nn.Parameter(flat[10:20])
+    assert state_bytes(model, None) == {"params": 96, "grads": 0, "optimizer_state": 0}
+
+
+def test_ideal_state_bytes():
+    assert ideal_state_bytes(800, "adamw", 4) == {"params": 200, "grads": 200, "optimizer_state": 400}
+    assert ideal_state_bytes(800, "sgd", 4, sharded=False) == {"params": 800, "grads": 800,
+                                                               "optimizer_state": 800}
+    with pytest.raises(ValueError):
+        ideal_state_bytes(800, "lion", 2)
+
+
+# ------------------------------------------------------------------ PeakMemory
+
+
+@pytest.mark.parametrize("case", ["plain", "ddp_w2", "fsdp2_w2_even", "fsdp2_w1"])
+def test_peak_is_positive_covers_state_and_sums_categories(world, case):
+    for rank in range(W):
+        peak, state = world[rank][case]["peak"], world[rank][case]["state"]
+        assert peak["peak"] > 0
+        assert peak["peak"] >= sum(state.values())
+        assert peak["peak"] == sum(v for k, v in peak.items() if k != "peak")
+
+
+def test_fsdp2_w2_peak_below_unsharded_peak(world):
+    assert world[0]["fsdp2_w2_even"]["peak"]["peak"] < world[0]["plain"]["peak"]["peak"]
+
+
+def test_peak_sees_a_known_temporary():
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    n = 250_000
+    with PeakMemory(model, opt, "cpu") as pm:
+        tmp = torch.zeros(n)  # 1 MB, freed before the step
+        del tmp
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    res = pm.result()
+    assert res["activations"] >= 4 * n
+    assert res["peak"] >= 4 * n + (16 + 4) * 4  # the temporary and the parameters
+
+
+# ------------------------------------------------------------------ planner
+
+
+def test_plan_memory_scales_by_world_size():
+    from harness.measure.plan import fsdp2_wrap, plan_memory
+
+    widths = (64, 64, 64, 64)
+    sizes = [1, 2, 4, 8]
+    rows = plan_memory(lambda: mlp(widths), fsdp2_wrap, sizes, "adamw")
+    assert [r["world_size"] for r in rows] == sizes
+    for r in rows:
+        w = r["world_size"]
+        assert r["mode"] == "meta-state"
+        assert r["params"] == r["grads"] == dim0_padded_bytes(widths, w) // w
+        assert r["reduction"] == pytest.approx(w, rel=0.02)
+
+
+def test_plan_memory_fake_step_gives_peak_that_falls():
+    from harness.measure.plan import fsdp2_wrap, plan_memory
+
+    widths = (32, 64, 64, 32)
+    rows = plan_memory(lambda: mlp(widths), fsdp2_wrap, [1, 4], "adamw",
+                       make_batch=lambda: torch.randn(2, widths[0]))
+    assert [r["mode"] for r in rows] == ["fake-step", "fake-step"], [r["note"] for r in rows]
+    w1, w4 = rows
+    assert w1["params"] == full_bytes(widths) and w4["params"] == full_bytes(widths) // 4
+    assert 0 < w4["peak_peak"] < w1["peak_peak"]
+    assert w1["peak_peak"] >= w1["state_total"]
