@@ -1,0 +1,182 @@
+"""Bad input for `python -m harness run` and for the pytest plugin, and what each one gets.
+
+``python -m suites.faults.bad_inputs`` runs every case below as a subprocess (the CLI, and the
+pytest plugin for the cases marked so) and rewrites ``suites/faults/bad_inputs.md`` with the
+exit code and the exact error line. ``test_faults.py`` runs the same cases and asserts: exit 2
+(CLI) / 4 (pytest's usage error), exactly one error line that contains ``expect``, no traceback.
+
+Every case completes its options from a tiny valid matrix, so an input that is NOT rejected
+costs one short run instead of the default matrix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TABLE = Path(__file__).with_name("bad_inputs.md")
+TINY = ["--world-sizes", "1", "--impl", "fsdp_impl", "--models", "mlp", "--data-modes", "replicated",
+        "--optimizers", "adamw", "--steps", "2"]
+CLI_USAGE_EXIT, PYTEST_USAGE_EXIT = 2, 4  # argparse's exit code; pytest's ExitCode.USAGE_ERROR
+BROKEN_MODULE = "fsdp_harness_broken_adapter"  # written into a temp dir on PYTHONPATH: raises on import
+
+
+class HalfAdapter:
+    """Has wrap() but no full_params(): does not satisfy the adapter protocol."""
+
+    def wrap(self, model, units, *, group, device):
+        return model
+
+
+half_adapter = HalfAdapter()
+
+
+@dataclass(frozen=True)
+class Case:
+    what: str  # the kind of bad input, as the issue lists it
+    args: tuple[str, ...]  # the bad options, completed from TINY; "{tmp}" is the probe's temp dir
+    expect: str  # a fragment the error line must contain
+    pytest: bool = False  # also try it through `python -m pytest suites/test_equivalence.py`
+    handled: bool = True  # False: known not to be rejected up front (the test is a strict xfail)
+
+
+CASES: tuple[Case, ...] = (
+    Case("world size 0", ("--world-sizes", "0"), "0 is not a positive number of ranks", pytest=True),
+    Case("negative world size", ("--world-sizes", "-2"), "-2 is not a positive number of ranks"),
+    Case("world size as text", ("--world-sizes", "two"), "'two' is not an integer", pytest=True),
+    Case("empty world sizes", ("--world-sizes", ""), "expected a comma-separated list"),
+    Case("empty item in world sizes", ("--world-sizes", "1,,2"), "expected a comma-separated list"),
+    Case("duplicate world sizes", ("--world-sizes", "1,2,2"), "duplicate value(s) 2"),
+    Case("more ranks than GPUs with NCCL", ("--backend", "nccl", "--world-sizes", "1024"),
+         "1024 ranks need 1024 GPUs with --backend nccl", pytest=True),
+    Case("unknown implementation", ("--impl", "fsdp_imp"), "unknown adapter 'fsdp_imp'", pytest=True),
+    Case("unknown model", ("--models", "resnet"), "unknown 'resnet'; choose from"),
+    Case("unknown data mode", ("--data-modes", "sharded"), "unknown 'sharded'; choose from"),
+    Case("unknown optimizer", ("--optimizers", "lamb"), "unknown 'lamb'; choose from"),
+    Case("adapter module that is not there", ("--impl", "no_such_pkg.adapters:Mine"),
+         "module 'no_such_pkg.adapters' could not be imported", pytest=True),
+    Case("adapter module that raises on import", ("--impl", f"{BROKEN_MODULE}:adapter"),
+         f"module '{BROKEN_MODULE}' could not be imported: RuntimeError: broken on purpose"),
+    Case("adapter object that is not in the module", ("--impl", "suites.faults.bad_inputs:no_such_adapter"),
+         "has no attribute 'no_such_adapter'"),
+    Case("adapter lacking the protocol", ("--impl", "suites.faults.bad_inputs:half_adapter"),
+         "has no full_params() method", pytest=True),
+    Case("report path under a regular file", ("--report", "{tmp}/a_file/r.md"), "is not a directory",
+         pytest=True),
+    Case("report path in /proc", ("--report", "/proc/fsdp-harness/r.md"), "cannot write"),
+    Case("report path not markdown", ("--report", "{tmp}/r.txt"), "must be a markdown file path ending in .md"),
+    Case("zero steps", ("--steps", "0"), "--steps: must be >= 1, got 0"),
+    Case("zero scenario timeout", ("--scenario-timeout", "0"), "--scenario-timeout: must be > 0, got 0"),
+    Case("scenario timeout as text", ("--scenario-timeout", "soon"), "'soon' is not a number"),
+    Case("seeds as text", ("--seeds", "a"), "--seeds: expected integers"),
+    Case("conflicting pair: split data, batch not divisible",
+         ("--world-sizes", "1,2", "--data-modes", "split", "--global-batch", "3"),
+         "needs the global batch (3) divisible by every world size", pytest=True),
+    Case("conflicting pair: --gate without --baseline", ("--gate", "loss:1e-7"), "--gate needs --baseline", pytest=True),
+)
+
+
+@dataclass
+class Outcome:
+    case: Case
+    mode: str  # "cli" | "pytest"
+    rc: int | None  # None: it did not finish in time
+    lines: list[str]  # the error lines found
+    traceback: bool
+    output: str
+
+    @property
+    def line(self) -> str:
+        return self.lines[0] if len(self.lines) == 1 else " / ".join(self.lines) or "(no error line)"
+
+
+_ERROR_LINE = re.compile(r"(^|: )error: |^ERROR: (?!usage:)")
+
+
+def error_lines(output: str) -> list[str]:
+    """The lines that state an error: argparse's ``prog: error: ...``, the CLI's ``error: ...``,
+    pytest's ``ERROR: ...`` (not its ``ERROR: usage: ...`` banner)."""
+    return [line.strip() for line in output.splitlines() if _ERROR_LINE.search(line.strip())]
+
+
+def command(case: Case, mode: str, tmp: Path) -> list[str]:
+    """The bad options first (argparse converts in order: a bad value fails before the valid
+    ``--impl`` imports torch), then the tiny matrix's options that the case does not set."""
+    args = [a.replace("{tmp}", str(tmp)) for a in case.args]
+    rest = [*TINY, "--report", str(tmp / "report.md")]
+    pairs = [rest[i:i + 2] for i in range(0, len(rest), 2)]
+    rest = [tok for pair in pairs if pair[0] not in case.args for tok in pair]
+    if mode == "cli":
+        return [sys.executable, "-m", "harness", "run", *args, *rest, "--quiet"]
+    return [sys.executable, "-m", "pytest", "suites/test_equivalence.py", "-q", "-p", "no:cacheprovider",
+            "-p", "no:xdist", *args, *rest]
+
+
+def probe(case: Case, mode: str, timeout_s: float = 180.0) -> Outcome:
+    with tempfile.TemporaryDirectory(prefix="bad-input-") as tmp:
+        tmp_path = Path(tmp)
+        (tmp_path / "a_file").write_text("a regular file, not a directory\n")
+        (tmp_path / f"{BROKEN_MODULE}.py").write_text('raise RuntimeError("broken on purpose")\n')
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), tmp, os.environ.get("PYTHONPATH")]))}
+        try:
+            proc = subprocess.run(command(case, mode, tmp_path), cwd=ROOT, env=env, capture_output=True,
+                                  text=True, timeout=timeout_s)
+            rc, output = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            rc = None
+            output = f"{exc.stdout or ''}{exc.stderr or ''}"
+    output = output.replace(tmp, "<tmp>")
+    return Outcome(case, mode, rc, error_lines(output), "Traceback (most recent call last)" in output, output)
+
+
+def probe_all(cases=CASES, workers: int = 3) -> list[Outcome]:
+    jobs = [(c, "cli") for c in cases] + [(c, "pytest") for c in cases if c.pytest]
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda job: probe(*job), jobs))
+
+
+def render(outcomes: list[Outcome]) -> str:
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    by = {(o.case, o.mode): o for o in outcomes}
+    out = ["# Bad input: what the harness answers", "",
+           "Generated by `python -m suites.faults.bad_inputs` (do not edit by hand); checked by",
+           "`suites/faults/test_faults.py`. Each case completes its options from a tiny valid matrix",
+           f"(`{' '.join(TINY)}`). CLI: `python -m harness run ...`; pytest:",
+           "`python -m pytest suites/test_equivalence.py ...`. Expected: exit 2 (CLI) / 4 (pytest usage",
+           "error), one error line, no traceback. A case marked *not handled* is a known gap",
+           "(a strict xfail in the suite).", "",
+           "| bad input | options | CLI exit | CLI message | pytest exit | pytest message |",
+           "|---|---|---|---|---|---|"]
+    for case in dict.fromkeys(o.case for o in outcomes):
+        cli, pyt = by.get((case, "cli")), by.get((case, "pytest"))
+        what = case.what + ("" if case.handled else " (*not handled*)")
+        row = [what, "`" + " ".join(a if a else "''" for a in case.args) + "`"]
+        for o in (cli, pyt):
+            if o is None:
+                row += ["—", "not tried"]
+                continue
+            tb = " **(traceback!)**" if o.traceback else ""
+            row += [str(o.rc) if o.rc is not None else "timeout", f"`{o.line}`{tb}"]
+        out.append("| " + " | ".join(cell(c) for c in row) + " |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    outcomes = probe_all()
+    TABLE.write_text(render(outcomes), encoding="utf-8")
+    print(f"wrote {TABLE} ({len(outcomes)} probes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
