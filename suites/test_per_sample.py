@@ -297,8 +297,17 @@ def test_every_rule_matches_torch_func_in_one_process(rule):
     clipped_mean_grads(model, F.mse_loss, x, y, torch.arange(x.shape[0]), c)
     exact = ps.clipped_mean_update(truth_grads, truth, c, lr=-1.0)
     named = dict(model.named_parameters())
+    # fp32 against a float64 truth: held to the precision torch's own fp32 backward of the same model
+    # reaches (its mean gradient vs the truth's), not to an absolute figure. The two agree to ~1e-7 of
+    # the largest entry on plain layers, but to ~3e-5 on the tied-and-reused model on an AVX2 host.
+    plain = copy.deepcopy(reference).float()
+    spec.loss(plain(x), y).backward()
+    def err(got, want):
+        return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    fp32_err = max(err(p.grad, truth_grads[k].mean(0)) for k, p in plain.named_parameters())
+    bound = 4 * max(fp32_err, torch.finfo(torch.float32).eps)
     for k, v in exact.items():
-        assert torch.allclose(named[k].grad.double(), v, rtol=1e-5, atol=1e-7), k
+        assert err(named[k].grad, v) <= bound, (k, err(named[k].grad, v), bound)
 
 
 def test_indices_that_do_not_cover_the_batch_are_refused():
