@@ -123,7 +123,8 @@ def peak_params_bound(tables) -> list[Verdict]:
 
 
 def comm_volume(tables) -> list[Verdict]:
-    """Sharded, W > 1: gradient reduction moves P, parameter all-gathers at most 2P (per step)."""
+    """Sharded, W > 1: gradient reduction moves the trainable bytes (P when nothing is frozen),
+    parameter all-gathers at most 2P (per step)."""
     out, comm = [], tables["comm"]
     for row in _ok_sharded_rows(tables).itertuples():
         if row.world_size == 1 or not row.sharded:
@@ -131,18 +132,22 @@ def comm_volume(tables) -> list[Verdict]:
         c = comm[comm.scenario == row.scenario]
         by = dict(zip(c.collective, c["bytes"]))
         p = float(row.param_bytes)
+        # gradients exist only for trainable parameters: a frozen one is gathered, never reduced
+        t = float(getattr(row, "trainable_bytes", math.nan))
+        t = p if math.isnan(t) else t
         allowance = gather_padding(row)
         gather = by.get("all_gather", 0.0)
         reduce = sum(by.get(k, 0.0) for k in REDUCE_COLLECTIVES)
         problems = []
         if gather > 2 * (p * (1 + COMM_SLACK) + allowance):
             problems.append(f"all_gather {gather:,.0f} B > 2P = {2 * p:,.0f} B")
-        if not p <= reduce <= p * (1 + COMM_SLACK) + allowance:
-            problems.append(f"gradient reduction {reduce:,.0f} B != P = {p:,.0f} B")
+        if not t <= reduce <= t * (1 + COMM_SLACK) + allowance:
+            problems.append(f"gradient reduction {reduce:,.0f} B != trainable {t:,.0f} B" if t != p else
+                            f"gradient reduction {reduce:,.0f} B != P = {p:,.0f} B")
         total = gather + reduce
         msg = (f"per step: all_gather {gather:,.0f} B ({gather / p:.2f}P), gradient reduction {reduce:,.0f} B "
                f"({reduce / p:.2f}P); ZeRO-3 ideal 2P + P with P = {p:,.0f} B")
-        limit = 3 * (p * (1 + COMM_SLACK) + allowance)  # the most both conditions above allow together
+        limit = (2 * p + t) * (1 + COMM_SLACK) + 3 * allowance  # the most both conditions above allow together
         out.append(Verdict("comm_volume", row.scenario, FAIL if problems else PASS, total / p, limit / p,
                            "; ".join(problems), msg + f"; allowed up to {limit / p:.3g}P with padding"))
     return out

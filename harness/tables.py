@@ -118,6 +118,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
         peak = [rr["memory"].get("peak", math.nan) for rr in res["ranks"]]
         scen_rows.append({**base, "steps": sc.steps, "lr": sc.lr, "status": "ok", "error": "", **final,
                           "sharded": r0.get("sharded", True), "param_bytes": r0.get("param_bytes", math.nan),
+                          "trainable_bytes": r0.get("trainable_bytes", math.nan),
                           "largest_unit_bytes": r0.get("largest_unit_bytes", math.nan),
                           "largest_child_bytes": r0.get("largest_child_bytes", math.nan),
                           "root_bytes": r0.get("root_bytes", math.nan),
@@ -130,7 +131,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
         "params": pd.DataFrame(param_rows, columns=["scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum"]),
         "scenarios": pd.DataFrame(scen_rows, columns=SCENARIO_COLUMNS + [
             "steps", "lr", "status", "error", "final_loss", "param_sum", "max_diff_ref", "max_diff_ws1",
-            "sharded", "param_bytes", "largest_unit_bytes", "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "state_bytes", "peak_bytes", "step_time_s"]),
+            "sharded", "param_bytes", "trainable_bytes", "largest_unit_bytes", "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "state_bytes", "peak_bytes", "step_time_s"]),
         "memory": pd.DataFrame(mem_rows, columns=["scenario", "rank", "category", "bytes"]),
         "comm": pd.DataFrame(comm_rows, columns=["scenario", "collective", "calls", "bytes"]),
     }

@@ -94,7 +94,8 @@ def _param_bytes(model, units) -> dict:
     # one dim-0 row of every tensor: the most per-parameter dim-0 sharding pads per rank
     row_bytes = sum((p.numel() // p.shape[0] if p.dim() else 1) * p.element_size() for p in params if p.numel())
     root = total - sum(per_unit)
-    return {"param_bytes": total, "largest_unit_bytes": max(per_unit + [root]),
+    return {"param_bytes": total, "trainable_bytes": nbytes(p for p in params if p.requires_grad),
+            "largest_unit_bytes": max(per_unit + [root]),
             "largest_child_bytes": max(per_unit + [0]), "root_bytes": root,
             "row_bytes": row_bytes, "param_tensors": len(params)}
 

@@ -171,6 +171,18 @@ def test_comm_volume_fails_on_an_extra_all_gather():
     assert v.status == "fail" and "all_gather" in v.where
 
 
+def test_comm_volume_expects_only_trainable_bytes_reduced():
+    sc = _sc("fsdp_impl", 4)
+    t = make([(sc, LOSSES, ZERO, ZERO)])
+    t["scenarios"]["trainable_bytes"] = P_BYTES // 2  # half the parameters frozen
+    t["comm"] = pd.DataFrame([(sc.id, "all_gather", 2, 2 * P_BYTES), (sc.id, "reduce_scatter", 1, P_BYTES // 2)],
+                             columns=["scenario", "collective", "calls", "bytes"])
+    assert resource_checks.comm_volume(t)[0].status == "pass"
+    t["comm"].loc[1, "bytes"] = P_BYTES  # frozen gradients reduced too
+    v = resource_checks.comm_volume(t)[0]
+    assert v.status == "fail" and "trainable" in v.where
+
+
 @pytest.mark.parametrize("text", ["0", "-2", "a", "", "1,1", "1,,2"])
 def test_world_sizes_rejects(text):
     with pytest.raises(argparse.ArgumentTypeError):
