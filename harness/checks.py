@@ -30,6 +30,11 @@ def _first_crossing(steps: pd.DataFrame, sid: str, col: str, bound: float, stric
     return "", worst
 
 
+def _reference_id(row) -> str:
+    """The id of the non-sharded run a scenarios-table row is compared with."""
+    return Scenario(row.impl, row.model, 1, row.data_mode, row.optimizer, seed=int(row.seed)).reference().id
+
+
 def _verdict(check, row, passed, measured, bound, where, message) -> Verdict:
     if passed:
         return Verdict(check, row.scenario, PASS, measured, bound, "", message)
@@ -45,7 +50,7 @@ def ws1_exact(tables) -> list[Verdict]:
     sc, steps = tables["scenarios"], tables["steps"]
     ref_losses = {s: g.sort_values("step").loss.tolist() for s, g in steps.groupby("scenario")}
     for row in sc[(sc.world_size == 1) & (sc.impl != REFERENCE_IMPL) & (sc.status == "ok")].itertuples():
-        ref_id = Scenario(row.impl, row.model, 1, row.data_mode, row.optimizer, seed=int(row.seed)).reference().id
+        ref_id = _reference_id(row)
         losses, ref = ref_losses.get(row.scenario, []), ref_losses.get(ref_id)
         if ref is None:
             out.append(Verdict("ws1_exact", row.scenario, SKIP, None, 0.0, "", "no reference run in this matrix"))
@@ -101,7 +106,7 @@ def grad_norm_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     sc, steps = tables["scenarios"], tables["steps"]
     first = {r.scenario: r.grad_norm for r in steps[steps.step == steps.step.min()].itertuples()} if len(steps) else {}
     for row in sc[(sc.impl != REFERENCE_IMPL) & (sc.status == "ok")].itertuples():
-        ref_id = Scenario(row.impl, row.model, 1, row.data_mode, row.optimizer, seed=int(row.seed)).reference().id
+        ref_id = _reference_id(row)
         got, ref = first.get(row.scenario, math.nan), first.get(ref_id, math.nan)
         if math.isnan(ref) or ref == 0 or (math.isnan(got) and row.scenario not in first):
             out.append(Verdict("grad_norm_matches", row.scenario, SKIP, None, bound, "",

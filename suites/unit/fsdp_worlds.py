@@ -65,6 +65,16 @@ def build(p: dict, ctx) -> tuple[nn.Module, Any]:
     return model, spec
 
 
+def _local_padding(h, rank: int) -> torch.Tensor:
+    """Mask over this rank's shard of handle `h`: True where the padded flat buffer lies in no
+    slot (alignment gap or tail), recomputed from the slots."""
+    mask = torch.ones(h.layout.padded_numel, dtype=torch.bool)
+    for slot in h.layout.slots:
+        mask[slot.offset:slot.end] = False
+    n = h.layout.shard_numel
+    return mask[rank * n:(rank + 1) * n]
+
+
 def padding_max(model: nn.Module, ctx) -> float:
     """max |value| over this rank's padding elements of every shard and shard gradient.
 
@@ -73,11 +83,7 @@ def padding_max(model: nn.Module, ctx) -> float:
     worst = 0.0
     for _, state in units(model):
         for h in state.handles:
-            mask = torch.ones(h.layout.padded_numel, dtype=torch.bool)
-            for slot in h.layout.slots:
-                mask[slot.offset:slot.end] = False
-            n = h.layout.shard_numel
-            local = mask[ctx.rank * n:(ctx.rank + 1) * n]
+            local = _local_padding(h, ctx.rank)
             for t in (h.shard, h.shard.grad):
                 if t is not None and local.any():
                     worst = max(worst, float(t.detach()[local].abs().max()))
@@ -391,11 +397,7 @@ def padding_rezeroed(ctx, p: dict) -> dict:
         with torch.no_grad():
             for _, state in units(model):
                 for h in state.handles:
-                    mask = torch.ones(h.layout.padded_numel, dtype=torch.bool)
-                    for slot in h.layout.slots:
-                        mask[slot.offset:slot.end] = False
-                    n = h.layout.shard_numel
-                    local = mask[ctx.rank * n:(ctx.rank + 1) * n]
+                    local = _local_padding(h, ctx.rank)
                     h.shard[local] = 7.0
                     corrupted += int(local.sum())
         x, y = local_batch(spec, p, step, ctx)
