@@ -16,9 +16,9 @@ class or a module. Faults are injected in three ways:
 it; ``CONTROLS`` are unmutated adapters run beside them (a mutant's failure must come from its
 fault, not from the way it is injected). ``suites/mutants/score.py`` runs them all in one matrix.
 
-Checks the harness does not have yet, written as ``harness.checks`` functions would be, go at the
-end (``PROPOSED_CHECKS``, empty today): the tests then show which escaped mutant each one catches
-and that the correct implementations pass it, before it moves into the harness.
+A mutant that escapes is a gap in the harness: the answer is a sharper check or scenario, never a
+weaker mutant. ``grad_norm_matches``, ``peak_params_bound`` and the ``mlp_frozen`` model came from
+mutants that once escaped.
 """
 
 from __future__ import annotations
@@ -451,16 +451,16 @@ def per_sample_task(ctx, p: dict) -> dict:
 
 
 def frozen_probe_task(ctx, p: dict) -> dict:
-    """World task for a model the zoo lacks: the MLP with layers.0 frozen, trained `steps` steps on
-    replicated data by adapter `impl`; returns how far each frozen parameter moved (max |delta|)."""
+    """World task: mlp_frozen (the MLP with layers.0 frozen) trained `steps` steps on replicated data
+    by adapter `impl`; returns how far each frozen parameter moved (max |delta|)."""
     from harness.adapters import load_adapter
     from harness.data import global_batch, local_slice
     from harness.models import get_model_spec
 
-    spec, adapter = get_model_spec("mlp"), load_adapter(p["impl"])
+    spec, adapter = get_model_spec("mlp_frozen"), load_adapter(p["impl"])
     torch.manual_seed(p["seed"])
     model = spec.build()
-    model.layers[0].requires_grad_(False)
+    assert not model.layers[0].weight.requires_grad, "mlp_frozen no longer freezes layers.0"
     wrapped = adapter.wrap(model, spec.units(model), group=ctx.group, device=ctx.device)
     opt = adapter.make_optimizer(wrapped, name=p["optimizer"], lr=p["lr"])
     before = adapter.full_params(wrapped)
@@ -481,7 +481,7 @@ def frozen_probe_task(ctx, p: dict) -> dict:
 class Mutant:
     name: str
     spec: str  # adapter "package.module:object", or the world task for per-sample mutants
-    expected: str  # the check that must catch it (a harness check, or a PROPOSED_CHECKS name)
+    expected: str  # the harness check that must catch it
     what: str  # the bug it models
     models: tuple[str, ...] = ("mlp",)
     data_modes: tuple[str, ...] = ("replicated", "split")
@@ -492,8 +492,6 @@ class Mutant:
     # before `earliest`; `latest` is the step by which the fault has changed an update directly
     at_steps: tuple[int, int] | None = (1, 1)
     kind: str = "numeric"  # "numeric" | "memory" | "per_sample"
-    gap: str = ""  # non-empty: the current harness cannot catch it; why, and what would
-    stand_in: str = ""  # model run instead while none of `models` is in the zoo
     slow: bool = False  # behind @pytest.mark.slow (none is: the whole catalogue runs in ~1 minute)
 
 
@@ -509,10 +507,6 @@ nested_duplication, stale_shard, reshard_skipped = NestedDuplication, StaleShard
 optimizer_state_unsharded, meta_init, meta_init_rng_order = OptimizerStateUnsharded, MetaInit, MetaInitRngOrder
 
 
-FROZEN_GAP = (
-    "no model in the zoo has frozen parameters, so the mutant is equivalent on every scenario the "
-    "harness can build; proposed scenario: a zoo model 'mlp_frozen' (harness/models.py: the MLP with "
-    "layers.0 requires_grad=False set in build(), so the reference's optimizer never moves it)")
 
 CATALOGUE: tuple[Mutant, ...] = (
     Mutant("grad_summed", _spec("grad_summed"), "cross_ws_replicated",
@@ -557,7 +551,7 @@ CATALOGUE: tuple[Mutant, ...] = (
            optimizers=("adamw",)),
     Mutant("frozen_updated", _spec("frozen_updated"), "split_matches_full_batch",
            "frozen parameters get gradients reduced and are stepped by the optimizer",
-           models=("mlp_frozen",), stand_in="mlp", gap=FROZEN_GAP),
+           models=("mlp_frozen",)),
     Mutant("bf16_reduce", _spec("bf16_reduce"), "cross_ws_replicated",
            "gradients reduced in bf16 against the policy (fp32 params, fp64 reduce)", at_steps=(1, 2)),
 )
@@ -575,7 +569,3 @@ def by_name(name: str) -> Mutant:
             return m
     raise KeyError(f"no mutant {name!r}; known: {', '.join(m.name for m in CATALOGUE)}")
 
-
-# Checks proposed here and not yet in the harness: none today (grad_norm_matches and
-# peak_params_bound began here and moved to harness/checks.py and harness/resource_checks.py).
-PROPOSED_CHECKS: tuple = ()

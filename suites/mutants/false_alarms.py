@@ -1,0 +1,109 @@
+"""False alarms: the correct implementations run through the matrix, where no verdict may FAIL.
+
+A harness that catches every mutant by failing everything is worthless. The slow tier runs the
+default matrix (models, world sizes 1/2/4/8, both data modes, both optimizers, 10 steps) for
+``fsdp_impl``, PyTorch FSDP2 and DDP under several seeds (init and data both change). KNOWN verdicts
+are documented deviations of a real implementation (harness/policy.py), shown and counted, never
+hidden. ``margins`` says how close the passes came to their bounds: a check that passes with a
+measured value at 90% of its bound is one seed away from a false alarm.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pandas as pd
+
+from harness.options import DEFAULT_MODELS, DEFAULT_WORLD_SIZES
+from harness.scenario import DATA_MODES, OPTIMIZERS, Scenario, build_matrix
+from harness.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
+
+CORRECT = ("fsdp_impl", "torch_fsdp2", "ddp")
+SEEDS = (0, 1, 2, 3, 4)
+FULL_STEPS = 10
+
+
+def quick_matrix() -> list[Scenario]:
+    """One seed, W in {1, 2}, 3 steps: the cells the mutant suite runs in (every CI run)."""
+    return build_matrix(CORRECT, list(DEFAULT_MODELS), [1, 2], DATA_MODES, OPTIMIZERS, steps=3)
+
+
+def full_matrix(seed: int) -> list[Scenario]:
+    """The default matrix for every correct implementation, under one seed."""
+    return build_matrix(CORRECT, list(DEFAULT_MODELS), list(DEFAULT_WORLD_SIZES), DATA_MODES, OPTIMIZERS,
+                        steps=FULL_STEPS, seeds=(seed,))
+
+
+@dataclass
+class FalseAlarmRun:
+    seed: int
+    scenarios: list[Scenario]
+    verdicts: list[Verdict]
+    wall_s: float
+
+    @property
+    def false_alarms(self) -> list[Verdict]:
+        return [v for v in self.verdicts if v.status == FAIL]
+
+    @property
+    def unjudged(self) -> set[str]:
+        """Scenarios that got no verdict at all (a run that silently dropped them is no evidence)."""
+        return {s.id for s in self.scenarios} - {v.scenario for v in self.verdicts if v.scenario}
+
+
+def run_false_alarms(scenarios: list[Scenario], *, seed: int, pool=None, progress=None) -> FalseAlarmRun:
+    from harness.run import run_matrix
+
+    t0 = time.perf_counter()
+    res = run_matrix(scenarios, pool=pool, progress=progress)
+    return FalseAlarmRun(seed, scenarios, res.verdicts, time.perf_counter() - t0)
+
+
+def summary(runs: list[FalseAlarmRun]) -> pd.DataFrame:
+    """seed | implementation | scenarios | pass | known | skip | fail: one row per (seed, impl)."""
+    rows = []
+    for run in runs:
+        impl_of = {s.id: s.impl for s in run.scenarios}
+        for impl in sorted(set(impl_of.values())):
+            mine = [v for v in run.verdicts if impl_of.get(v.scenario) == impl]
+            rows.append({"seed": run.seed, "implementation": impl,
+                         "scenarios": sum(i == impl for i in impl_of.values()),
+                         **{s: sum(v.status == s for v in mine) for s in (PASS, KNOWN, SKIP, FAIL)}})
+    return pd.DataFrame(rows, columns=["seed", "implementation", "scenarios", PASS, KNOWN, SKIP, FAIL])
+
+
+def margins(runs: list[FalseAlarmRun]) -> pd.DataFrame:
+    """Per check, over every run: the passing verdict closest to its bound (measured / bound).
+
+    Only checks that pass when measured <= bound with a positive bound have a margin; checks with
+    other semantics (e.g. converges, whose bound is 0) are left out rather than misreported."""
+    best: dict[str, tuple[float, Verdict, int]] = {}
+    for run in runs:
+        for v in run.verdicts:
+            if v.status != PASS or v.measured is None or not v.bound or v.bound <= 0 or v.measured < 0:
+                continue
+            r = v.measured / v.bound
+            if r <= 1 and (v.check not in best or r > best[v.check][0]):
+                best[v.check] = (r, v, run.seed)
+    rows = [{"check": c, "closest pass": f"{v.measured:.3g} of {v.bound:.3g} ({r:.0%})", "seed": s,
+             "scenario": v.scenario} for c, (r, v, s) in sorted(best.items())]
+    return pd.DataFrame(rows, columns=["check", "closest pass", "seed", "scenario"])
+
+
+def known(runs: list[FalseAlarmRun]) -> pd.DataFrame:
+    """The documented deviations seen: check | implementation | count | largest measured | bound."""
+    rows = []
+    for run in runs:
+        impl_of = {s.id: s.impl for s in run.scenarios}
+        rows += [{"check": v.check, "implementation": impl_of.get(v.scenario, "?"), "measured": v.measured,
+                  "bound": v.bound} for v in run.verdicts if v.status == KNOWN]
+    if not rows:
+        return pd.DataFrame(columns=["check", "implementation", "verdicts", "largest measured", "bound"])
+    df = pd.DataFrame(rows)
+    out = df.groupby(["check", "implementation"]).agg(verdicts=("measured", "size"),
+                                                     largest=("measured", "max"), bound=("bound", "max"))
+    out = out.reset_index().rename(columns={"largest": "largest measured"})
+    out["largest measured"] = [f"{x:.3g}" for x in out["largest measured"]]
+    out["bound"] = [f"{x:.3g}" for x in out["bound"]]
+    return out
