@@ -18,6 +18,10 @@ _RUN_KEY = pytest.StashKey[dict]()
 
 
 def pytest_addoption(parser):
+    # argparse names the program after sys.argv[0]: under `python -m pytest` (the README's command)
+    # that is pytest's "__main__.py", which tells the reader nothing in a usage error
+    if parser.prog == "__main__.py":
+        parser.prog = "python -m pytest"
     group = parser.getgroup("fsdp-harness", "FSDP equivalence harness")
     opt.add_matrix_arguments(lambda name, **kw: group.addoption(name, **kw))
     group.addoption("--report", type=opt.report_path, default=opt.DEFAULT_REPORT,

@@ -44,7 +44,6 @@ class Case:
     args: tuple[str, ...]  # the bad options, completed from TINY; "{tmp}" is the probe's temp dir
     expect: str  # a fragment the error line must contain
     pytest: bool = False  # also try it through `python -m pytest suites/test_equivalence.py`
-    handled: bool = True  # False: known not to be rejected up front (the test is a strict xfail)
 
 
 CASES: tuple[Case, ...] = (
@@ -153,14 +152,12 @@ def render(outcomes: list[Outcome]) -> str:
            "`suites/faults/test_faults.py`. Each case completes its options from a tiny valid matrix",
            f"(`{' '.join(TINY)}`). CLI: `python -m harness run ...`; pytest:",
            "`python -m pytest suites/test_equivalence.py ...`. Expected: exit 2 (CLI) / 4 (pytest usage",
-           "error), one error line, no traceback. A case marked *not handled* is a known gap",
-           "(a strict xfail in the suite).", "",
+           "error), one error line, no traceback.", "",
            "| bad input | options | CLI exit | CLI message | pytest exit | pytest message |",
            "|---|---|---|---|---|---|"]
     for case in dict.fromkeys(o.case for o in outcomes):
         cli, pyt = by.get((case, "cli")), by.get((case, "pytest"))
-        what = case.what + ("" if case.handled else " (*not handled*)")
-        row = [what, "`" + " ".join(a if a else "''" for a in case.args) + "`"]
+        row = [case.what, "`" + " ".join(a if a else "''" for a in case.args) + "`"]
         for o in (cli, pyt):
             if o is None:
                 row += ["—", "not tried"]
