@@ -74,21 +74,22 @@ def summary(runs: list[FalseAlarmRun]) -> pd.DataFrame:
 
 
 def margins(runs: list[FalseAlarmRun]) -> pd.DataFrame:
-    """Per check, over every run: the passing verdict closest to its bound (measured / bound).
+    """Per (check, implementation), over every run: the passing verdict closest to its bound.
 
     Only checks that pass when measured <= bound with a positive bound have a margin; checks with
     other semantics (e.g. converges, whose bound is 0) are left out rather than misreported."""
-    best: dict[str, tuple[float, Verdict, int]] = {}
+    best: dict[tuple[str, str], tuple[float, Verdict, int]] = {}
     for run in runs:
+        impl_of = {s.id: s.impl for s in run.scenarios}
         for v in run.verdicts:
             if v.status != PASS or v.measured is None or not v.bound or v.bound <= 0 or v.measured < 0:
                 continue
-            r = v.measured / v.bound
-            if r <= 1 and (v.check not in best or r > best[v.check][0]):
-                best[v.check] = (r, v, run.seed)
-    rows = [{"check": c, "closest pass": f"{v.measured:.3g} of {v.bound:.3g} ({r:.0%})", "seed": s,
-             "scenario": v.scenario} for c, (r, v, s) in sorted(best.items())]
-    return pd.DataFrame(rows, columns=["check", "closest pass", "seed", "scenario"])
+            r, key = v.measured / v.bound, (v.check, impl_of.get(v.scenario, "?"))
+            if r <= 1 and (key not in best or r > best[key][0]):
+                best[key] = (r, v, run.seed)
+    rows = [{"check": c, "implementation": impl, "closest pass": f"{v.measured:.3g} of {v.bound:.3g} ({r:.0%})",
+             "seed": s, "scenario": v.scenario} for (c, impl), (r, v, s) in sorted(best.items())]
+    return pd.DataFrame(rows, columns=["check", "implementation", "closest pass", "seed", "scenario"])
 
 
 def known(runs: list[FalseAlarmRun]) -> pd.DataFrame:

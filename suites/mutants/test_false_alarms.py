@@ -39,6 +39,7 @@ def _synthetic_run():
     verdicts = [Verdict("cross_ws_replicated", a.id, PASS, 1e-8, 3e-8),
                 Verdict("cross_ws_replicated", b.id, KNOWN, 6e-8, 3e-8),
                 Verdict("grad_norm_matches", a.id, PASS, 2e-9, 1e-6),
+                Verdict("grad_norm_matches", a.id, PASS, 5e-7, 1e-6),
                 Verdict("grad_norm_matches", b.id, PASS, 9e-7, 1e-6),
                 Verdict("converges", a.id, PASS, -0.1, 0.0),
                 Verdict("comm_volume", b.id, SKIP, None, None),
@@ -53,11 +54,13 @@ def test_false_alarm_tables_count_and_rank_the_verdicts():
     assert [str(v.check) for v in run.false_alarms] == ["memory_sharding"] and not run.unjudged
     s = summary([run]).set_index("implementation")
     assert s.loc["ddp", ["scenarios", "pass", "known", "skip", "fail"]].tolist() == [1, 1, 1, 1, 1]
-    assert s.loc["fsdp_impl", ["pass", "known", "fail"]].tolist() == [3, 0, 0]
-    m = margins([run]).set_index("check")
-    # the pass nearest its bound wins (9e-7 of 1e-6, not 2e-9); KNOWN, FAIL and a 0 bound never count
-    assert m.loc["grad_norm_matches", "closest pass"].startswith("9e-07 of 1e-06 (90%)")
-    assert m.loc["cross_ws_replicated", "closest pass"].startswith("1e-08 of 3e-08")
-    assert set(m.index) == {"grad_norm_matches", "cross_ws_replicated"}
+    assert s.loc["fsdp_impl", ["pass", "known", "fail"]].tolist() == [4, 0, 0]
+    m = margins([run]).set_index(["check", "implementation"])
+    # per implementation, the pass nearest its bound; KNOWN, FAIL and a 0 bound never count
+    assert m.loc[("grad_norm_matches", "ddp"), "closest pass"] == "9e-07 of 1e-06 (90%)"
+    assert m.loc[("grad_norm_matches", "fsdp_impl"), "closest pass"] == "5e-07 of 1e-06 (50%)"
+    assert m.loc[("cross_ws_replicated", "fsdp_impl"), "closest pass"].startswith("1e-08 of 3e-08")
+    assert set(m.index) == {("grad_norm_matches", "ddp"), ("grad_norm_matches", "fsdp_impl"),
+                            ("cross_ws_replicated", "fsdp_impl")}
     k = known([run])
     assert k[["check", "implementation", "verdicts"]].values.tolist() == [["cross_ws_replicated", "ddp", 1]]
