@@ -12,6 +12,7 @@ means something only next to the false alarms it costs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.options import DEFAULT_WORLD_SIZES
 from harness.scenario import REFERENCE_IMPL, Scenario, build_matrix
 from harness.verdict import FAIL, Verdict
 from suites.mutants import false_alarms as fa
@@ -30,6 +32,22 @@ from suites.mutants.catalog import CATALOGUE, CONTROLS, Mutant
 DEFAULT_OUT = Path("reports/mutation_score.md")
 PER_SAMPLE_BATCH = 16
 PER_SAMPLE_STEP = 1
+
+
+def widened(m: Mutant) -> Mutant:
+    """`m` at every default world size (per-sample mutants: every W > 1) and the full step count.
+    Its own models, modes and optimizers stay: they are the ones that expose it (a tied or frozen
+    model) or the ones where the reference itself is a valid yardstick (see catalog.py)."""
+    sizes = [w for w in DEFAULT_WORLD_SIZES if w > 1 or m.kind != "per_sample"]
+    return dataclasses.replace(m, world_sizes=tuple(sorted(set(m.world_sizes) | set(sizes))), steps=fa.FULL_STEPS)
+
+
+def cells(m: Mutant) -> str:
+    """The cells a mutant runs in, one line: models, world sizes, modes, optimizers, steps."""
+    parts = [",".join(m.models), "W " + ",".join(map(str, m.world_sizes)), "/".join(m.data_modes)]
+    if m.kind != "per_sample":
+        parts += ["/".join(m.optimizers), f"{m.steps} steps"]
+    return " · ".join(parts)
 
 
 def scenarios_of(m: Mutant, seed: int = 0) -> list[Scenario]:
@@ -166,9 +184,10 @@ def score_table(run: CatalogueRun) -> pd.DataFrame:
     for r in run.results.values():
         m = r.mutant
         by = ", ".join(f"{c} ({n}/{len(r.scenarios)})" for c, n in r.caught_by.items()) or "nothing"
-        rows.append({"mutant": m.name, "models what": m.what, "expected check": m.expected, "caught by": by,
-                     "where": r.where or "-", "caught?": "yes" if r.caught else "**NO**"})
-    return pd.DataFrame(rows, columns=["mutant", "models what", "expected check", "caught by", "where", "caught?"])
+        rows.append({"mutant": m.name, "models what": m.what, "cells": cells(m), "expected check": m.expected,
+                     "caught by": by, "where": r.where or "-", "caught?": "yes" if r.caught else "**NO**"})
+    return pd.DataFrame(rows, columns=["mutant", "models what", "cells", "expected check", "caught by", "where",
+                                       "caught?"])
 
 
 def _false_alarm_section(runs: list) -> list[str]:
@@ -201,7 +220,7 @@ def escaped_or_alarmed(run: CatalogueRun) -> bool:
             or any(r.false_alarms or r.unjudged for r in run.false_alarms))
 
 
-def render(run: CatalogueRun) -> str:
+def render(run: CatalogueRun, *, full: bool = False) -> str:
     table = score_table(run)
     n, caught = len(run.results), sum(r.caught for r in run.results.values())
     escaped = [r.mutant.name for r in run.results.values() if not r.caught]
@@ -210,9 +229,12 @@ def render(run: CatalogueRun) -> str:
         "# Mutation score", "",
         f"**{caught}/{n} mutants caught** by the harness's checks ({caught / n:.0%}). Run time {run.wall_s:.0f} s.",
         "",
-        "Each mutant is fsdp_impl with one injected fault (suites/mutants/catalog.py), run in the matrix "
-        "that should expose it; `caught by` counts the mutant's scenarios each check failed, `where` is "
-        "the earliest failure of the expected check.", "",
+        "Each mutant is fsdp_impl with one injected fault (suites/mutants/catalog.py), run in the cells "
+        "that expose it (`cells`; both data modes and both optimizers unless the mutant says otherwise) "
+        + ("at every default world size and the full 10 steps (`--full-matrix`)" if full else
+           "at small world sizes and 3 steps, as in CI (`--full-matrix` widens them to W 1,2,4,8 and 10 steps)")
+        + "; `caught by` counts the mutant's scenarios each check failed, `where` is the earliest failure "
+        "of the expected check.", "",
         table.to_markdown(index=False), "",
     ]
     if escaped:
@@ -243,6 +265,9 @@ def main(argv=None) -> int:
     p.add_argument("--false-alarm-seeds", default="", metavar="S,...",
                    help="also run fsdp_impl, torch_fsdp2 and ddp through the full default matrix under "
                         "these seeds (about 4 minutes a seed on 2 cores)")
+    p.add_argument("--full-matrix", action="store_true",
+                   help="run every mutant at world sizes 1,2,4,8 and 10 steps (about 20 minutes on 2 cores) "
+                        "instead of the small cells the CI suite uses")
     p.add_argument("--quiet", action="store_true")
     ns = p.parse_args(argv)
     names = [n for n in ns.only.split(",") if n]
@@ -250,11 +275,11 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown mutant(s) {', '.join(unknown)}; known: {', '.join(m.name for m in CATALOGUE)}")
     seeds = _seeds(p, ns.false_alarm_seeds)
-    mutants = [m for m in CATALOGUE if not names or m.name in names]
+    mutants = [widened(m) if ns.full_matrix else m for m in CATALOGUE if not names or m.name in names]
     progress = None if ns.quiet else (
         lambda i, n, sc, s: sys.stderr.write(f"[mutants] {i:>3}/{n} {sc.id:<64} {s:5.1f}s\n"))
     run = run_catalogue(mutants, false_alarm_seeds=seeds, progress=progress)
-    path = write_atomic(ns.out, render(run))
+    path = write_atomic(ns.out, render(run, full=ns.full_matrix))
     caught = sum(r.caught for r in run.results.values())
     alarms = sum(len(r.false_alarms) for r in run.false_alarms)
     sys.stderr.write(f"{caught}/{len(run.results)} mutants caught"

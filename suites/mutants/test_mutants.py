@@ -123,3 +123,15 @@ def test_frozen_mutant_is_a_real_fault(pool, optimizer):
                        {**payload, "impl": "suites.mutants.catalog:frozen_updated"})[0]
     assert control == {"layers.0.weight": 0.0, "layers.0.bias": 0.0}
     assert min(mutant.values()) > 0, mutant
+
+
+def test_full_matrix_widens_world_sizes_and_steps_only():
+    from harness.options import DEFAULT_WORLD_SIZES
+    from suites.mutants.score import widened
+
+    for m in CATALOGUE:
+        w = widened(m)
+        assert (w.models, w.data_modes, w.optimizers, w.expected) == (m.models, m.data_modes, m.optimizers, m.expected)
+        want = {x for x in DEFAULT_WORLD_SIZES if x > 1} if m.kind == "per_sample" else set(DEFAULT_WORLD_SIZES)
+        assert want <= set(w.world_sizes) and set(m.world_sizes) <= set(w.world_sizes), m.name
+        assert w.steps == 10 and (m.kind == "per_sample" or m.steps < w.steps)
