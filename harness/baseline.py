@@ -38,14 +38,13 @@ import json
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from harness.store import rank_bytes
+from harness.store import rank_bytes, write_text_atomic
 from harness.verdict import FAIL, PASS, SKIP, Verdict
 
 FORMAT, VERSION = "fsdp-equivalence-baseline", 1
@@ -181,20 +180,10 @@ def save_baseline(tables: dict, env: dict, name: str, directory: Path = DEFAULT_
     """Write `<directory>/<name>.json` atomically and return its path."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name or ""):
         raise ValueError(f"baseline name '{name}' must be letters, digits, '_', '-', '.' (no path)")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{name}.json"
     doc = {"format": FORMAT, "version": VERSION, "name": name, "env": _jsonable_env(dict(env or {})),
            "tolerances_default": {f: str(t) for f, t in DEFAULT_TOLERANCES.items()}, "scenarios": summarize(tables)}
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return write_text_atomic(Path(directory) / f"{name}.json",
+                             json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n")
 
 
 def _check_entry(path: Path, sid: str, entry) -> None:

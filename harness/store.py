@@ -76,6 +76,22 @@ def _jsonable(value):
     return str(value)
 
 
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Write `text` to `path` through a temp file beside it: readers see the old file or the new one,
+    never a part; an interrupted write leaves no temp file behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
 def swap_into_place(moves: list[tuple[Path, Path]]) -> None:
     """Move each src onto its dst (files or folders); if any move fails, every dst is restored.
 

@@ -14,17 +14,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
-from harness.options import DEFAULT_WORLD_SIZES
+from harness.options import DEFAULT_WORLD_SIZES, seeds as seed_list
 from harness.scenario import REFERENCE_IMPL, Scenario, build_matrix
+from harness.store import write_text_atomic
 from harness.verdict import FAIL, Verdict
 from suites.mutants import false_alarms as fa
 from suites.mutants.catalog import CATALOGUE, CONTROLS, Mutant
@@ -249,20 +248,11 @@ def render(run: CatalogueRun, *, full: bool = False) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write_atomic(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-    return path
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m suites.mutants.score", description=__doc__.splitlines()[0])
     p.add_argument("--only", default="", help="comma list of mutant names (default: all)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"report path (default {DEFAULT_OUT})")
-    p.add_argument("--false-alarm-seeds", default="", metavar="S,...",
+    p.add_argument("--false-alarm-seeds", type=seed_list, default=(), metavar="S,...",
                    help="also run fsdp_impl, torch_fsdp2 and ddp through the full default matrix under "
                         "these seeds (about 4 minutes a seed on 2 cores)")
     p.add_argument("--full-matrix", action="store_true",
@@ -274,29 +264,18 @@ def main(argv=None) -> int:
     unknown = sorted(set(names) - {m.name for m in CATALOGUE})
     if unknown:
         p.error(f"unknown mutant(s) {', '.join(unknown)}; known: {', '.join(m.name for m in CATALOGUE)}")
-    seeds = _seeds(p, ns.false_alarm_seeds)
     mutants = [widened(m) if ns.full_matrix else m for m in CATALOGUE if not names or m.name in names]
     progress = None if ns.quiet else (
         lambda i, n, sc, s: sys.stderr.write(f"[mutants] {i:>3}/{n} {sc.id:<64} {s:5.1f}s\n"))
-    run = run_catalogue(mutants, false_alarm_seeds=seeds, progress=progress)
-    path = write_atomic(ns.out, render(run, full=ns.full_matrix))
+    run = run_catalogue(mutants, false_alarm_seeds=ns.false_alarm_seeds, progress=progress)
+    path = write_text_atomic(ns.out, render(run, full=ns.full_matrix))
     caught = sum(r.caught for r in run.results.values())
     alarms = sum(len(r.false_alarms) for r in run.false_alarms)
     sys.stderr.write(f"{caught}/{len(run.results)} mutants caught"
-                     + (f"; {alarms} false alarm(s) over seeds {ns.false_alarm_seeds}" if seeds else "")
+                     + (f"; {alarms} false alarm(s) over seeds {','.join(map(str, ns.false_alarm_seeds))}"
+                        if ns.false_alarm_seeds else "")
                      + f"; report: {path}\n")
     return 1 if escaped_or_alarmed(run) else 0
-
-
-def _seeds(p: argparse.ArgumentParser, text: str) -> tuple[int, ...]:
-    parts = [x.strip() for x in text.split(",") if x.strip()]
-    try:
-        seeds = tuple(int(x) for x in parts)
-    except ValueError:
-        p.error(f"--false-alarm-seeds: not a comma list of integers: {text!r}")
-    if len(set(seeds)) != len(seeds) or any(x < 0 for x in seeds):
-        p.error(f"--false-alarm-seeds: seeds must be distinct and >= 0: {text!r}")
-    return seeds
 
 
 if __name__ == "__main__":
