@@ -43,6 +43,11 @@ class FalseAlarmRun:
     wall_s: float
 
     @property
+    def impl_of(self) -> dict[str, str]:
+        """scenario id -> implementation."""
+        return {s.id: s.impl for s in self.scenarios}
+
+    @property
     def false_alarms(self) -> list[Verdict]:
         return [v for v in self.verdicts if v.status == FAIL]
 
@@ -64,7 +69,7 @@ def summary(runs: list[FalseAlarmRun]) -> pd.DataFrame:
     """seed | implementation | scenarios | pass | known | skip | fail: one row per (seed, impl)."""
     rows = []
     for run in runs:
-        impl_of = {s.id: s.impl for s in run.scenarios}
+        impl_of = run.impl_of
         for impl in sorted(set(impl_of.values())):
             mine = [v for v in run.verdicts if impl_of.get(v.scenario) == impl]
             rows.append({"seed": run.seed, "implementation": impl,
@@ -80,7 +85,7 @@ def margins(runs: list[FalseAlarmRun]) -> pd.DataFrame:
     other semantics (e.g. converges, whose bound is 0) are left out rather than misreported."""
     best: dict[tuple[str, str], tuple[float, Verdict, int]] = {}
     for run in runs:
-        impl_of = {s.id: s.impl for s in run.scenarios}
+        impl_of = run.impl_of
         for v in run.verdicts:
             if v.status != PASS or v.measured is None or not v.bound or v.bound <= 0 or v.measured < 0:
                 continue
@@ -96,7 +101,7 @@ def known(runs: list[FalseAlarmRun]) -> pd.DataFrame:
     """The documented deviations seen: check | implementation | count | largest measured | bound."""
     rows = []
     for run in runs:
-        impl_of = {s.id: s.impl for s in run.scenarios}
+        impl_of = run.impl_of
         rows += [{"check": v.check, "implementation": impl_of.get(v.scenario, "?"), "measured": v.measured,
                   "bound": v.bound} for v in run.verdicts if v.status == KNOWN]
     if not rows:
