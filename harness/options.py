@@ -18,7 +18,7 @@ DEFAULT_WORLD_SIZES = (1, 2, 4, 8)
 DEFAULT_REPORT = Path("reports/verification.md")
 
 
-def _items(text: str, what: str) -> list[str]:
+def _items(text: str) -> list[str]:
     items = [t.strip() for t in str(text).split(",")]
     if not text or not str(text).strip() or any(not t for t in items):
         raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
@@ -30,7 +30,7 @@ def _items(text: str, what: str) -> list[str]:
 
 def world_sizes(text: str) -> tuple[int, ...]:
     out = []
-    for item in _items(text, "--world-sizes"):
+    for item in _items(text):
         try:
             n = int(item)
         except ValueError:
@@ -41,9 +41,9 @@ def world_sizes(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def choices(valid: tuple[str, ...], what: str):
+def choices(valid: tuple[str, ...]):
     def parse(text: str) -> tuple[str, ...]:
-        items = _items(text, what)
+        items = _items(text)
         bad = [i for i in items if i not in valid]
         if bad:
             raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, bad))}; choose from {', '.join(valid)}")
@@ -51,18 +51,18 @@ def choices(valid: tuple[str, ...], what: str):
     return parse
 
 
-data_modes = choices(DATA_MODES, "--data-modes")
-optimizers = choices(OPTIMIZERS, "--optimizers")
+data_modes = choices(DATA_MODES)
+optimizers = choices(OPTIMIZERS)
 
 
 def models(text: str) -> tuple[str, ...]:
     from .models import MODELS
-    return choices(tuple(MODELS), "--models")(text)
+    return choices(tuple(MODELS))(text)
 
 
 def impls(text: str) -> tuple[str, ...]:
     from .adapters import AdapterError, load_adapter
-    items = _items(text, "--impl")
+    items = _items(text)
     for name in items:
         try:
             load_adapter(name)
@@ -71,35 +71,31 @@ def impls(text: str) -> tuple[str, ...]:
     return tuple(items)
 
 
-def positive_int(what: str):
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except (TypeError, ValueError):
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if n < 1:
-            raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-        return n
-    return parse
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def seeds(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(t) for t in _items(text, "--seeds"))
+        return tuple(int(t) for t in _items(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers, got {text!r}") from None
 
 
-def positive_float(what: str):
-    def parse(text: str) -> float:
-        try:
-            x = float(text)
-        except (TypeError, ValueError):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not x > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return x
-    return parse
+def positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return x
 
 
 def report_path(text: str) -> Path:
@@ -207,14 +203,14 @@ def add_matrix_arguments(add) -> None:
     add("--models", type=models, default=None, help="model zoo names (default mlp,tinylm)")
     add("--data-modes", type=data_modes, default=None, help="replicated,split (default both)")
     add("--optimizers", type=optimizers, default=None, help="adamw,sgd (default both)")
-    add("--steps", type=positive_int("--steps"), default=None, help="training steps per scenario (default 10)")
+    add("--steps", type=positive_int, default=None, help="training steps per scenario (default 10)")
     add("--seeds", type=seeds, default=None, help="comma list of seeds (default 0)")
-    add("--lr", type=positive_float("--lr"), default=None, help="learning rate (default 1e-2)")
-    add("--global-batch", type=positive_int("--global-batch"), default=None, help="global batch size (default 16)")
+    add("--lr", type=positive_float, default=None, help="learning rate (default 1e-2)")
+    add("--global-batch", type=positive_int, default=None, help="global batch size (default 16)")
     add("--backend", choices=("gloo", "nccl"), default=None, help="gloo (CPU, default) or nccl (CUDA)")
-    add("--scenario-timeout", type=positive_float("--scenario-timeout"), default=None,
+    add("--scenario-timeout", type=positive_float, default=None,
         help="seconds before a scenario counts as hung (default 300)")
-    add("--cross-ws-bound", type=positive_float("--cross-ws-bound"), default=None,
+    add("--cross-ws-bound", type=positive_float, default=None,
         help="max |param diff| vs world size 1 with replicated data (default 3e-8)")
 
 

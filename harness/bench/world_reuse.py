@@ -24,7 +24,7 @@ def main(argv=None) -> None:
     p.add_argument("--impl", dest="impls", type=opt.impls, default=("fsdp_impl",))
     p.add_argument("--models", type=opt.models, default=("mlp",))
     p.add_argument("--optimizers", type=opt.optimizers, default=("adamw",))
-    p.add_argument("--steps", type=opt.positive_int("--steps"), default=3)
+    p.add_argument("--steps", type=opt.positive_int, default=3)
     ns = p.parse_args(argv)
     scenarios = opt.matrix_from(ns).scenarios()
     print(f"matrix: {len(scenarios)} scenarios, world sizes {ns.world_sizes}")
