@@ -11,12 +11,17 @@ step's loss moved). Gate fields and their default tolerances (override with pars
     comm_calls  collective calls per step                      0, any direction
     step_time   seconds per step                               off (timing is noisy on shared CPUs)
 
-compare() returns Verdicts "gate:<field>" (one per scenario x field; a field whose gate is off gets
-one run-wide SKIP instead), "gate:scenario" for scenarios missing on either side (FAIL when the run
-lacks a baseline scenario unless allow_missing, SKIP for a new one, FAIL when a scenario that ran in
-the baseline errored now), and "gate:env" SKIP verdicts, one per differing environment key (keys in
-VOLATILE_ENV such as date and git_commit are ignored): append them to the verdicts table and the
-report lists them under "Skipped checks", so the warnings are always visible.
+Files are kept one per machine kind: `reports/baselines/<name>/<kind>.json` with kind =
+device-capability-torch (`harness.environment.machine_kind`, e.g. cpu-avx512-torch2.13.0_cpu).
+`--baseline NAME` reads the file of the kind the run is on; where that kind has none, another
+kind's file gates memory and traffic and the verdicts say plainly that losses were not gated.
+
+`comparison()` is the one comparison; the gate's verdicts (`compare`) and the `compare` command's
+table (`compare_table`) are two views of its rows: "gate:<field>" per scenario x field (a field
+whose gate is off gets one run-wide SKIP instead), "gate:scenario" SKIP for a scenario on one side
+only (a run of part of the matrix is gated on what it ran), FAIL for a scenario that ran in the
+baseline and errored now, and "gate:env" SKIP notes, one per differing environment key (keys in
+VOLATILE_ENV such as date and git_commit are ignored), so the differences are always visible.
 
 Two environment facts change what can be compared at all:
 - Numeric kernels (NUMERIC_ENV: torch version, device, ``cpu_capability`` such as AVX2 or AVX512,
@@ -44,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from harness.environment import machine_kind
 from harness.store import rank_bytes, write_text_atomic
 from harness.verdict import FAIL, PASS, SKIP, Verdict
 
@@ -101,7 +107,8 @@ DEFAULT_TOLERANCES = {f: t for f, (t, _) in FIELDS.items()}
 def parse_gate(spec: str) -> dict[str, Tolerance]:
     """'loss:1e-7,peak_mem:5%,step_time:off' -> every field's Tolerance (defaults for fields not named).
 
-    A percentage may carry an absolute minimum: 'peak_mem:5%min4096' allows max(5%, 4096)."""
+    A percentage may carry an absolute minimum: 'peak_mem:5%min4096' allows max(5%, 4096); without
+    one it keeps the field's default minimum ('peak_mem:5%' still allows 4096 B; '5%min0' drops it)."""
     out, seen = dict(DEFAULT_TOLERANCES), set()
     for item in filter(None, (p.strip() for p in (spec or "").split(","))):
         field, sep, raw = (s.strip() for s in item.partition(":"))
@@ -125,6 +132,8 @@ def parse_gate(spec: str) -> dict[str, Tolerance]:
         if not (math.isfinite(value) and math.isfinite(floor)) or value < 0 or floor < 0 or (floor_s and not pct):
             raise GateSpecError(f"gate '{item}': '{raw}' is not a number >= 0, a percentage like 5% "
                                 f"(optionally with a minimum, 5%min4096), or 'off'")
+        if pct and not floor_s:  # '5%' alone keeps the field's own floor (peak_mem: 4096 B, see above)
+            floor = DEFAULT_TOLERANCES[field].floor
         out[field] = Tolerance(value / 100 if pct else value, relative=pct, floor=floor)
     return out
 
@@ -170,20 +179,40 @@ class Baseline:
     path: Path
     env: dict
     scenarios: dict[str, dict]
+    # set when no file of the run's machine kind exists and another kind's was taken: memory and
+    # traffic are gated against it, losses and diffs are not (their kernels differ)
+    wanted_kind: str = ""
+
+    @property
+    def kind(self) -> str:
+        return machine_kind(self.env)
 
 
 def _jsonable_env(env: dict) -> dict:
     return {str(k): v if isinstance(v, (str, int, float, bool)) or v is None else str(v) for k, v in env.items()}
 
 
-def save_baseline(tables: dict, env: dict, name: str, directory: Path = DEFAULT_DIR) -> Path:
-    """Write `<directory>/<name>.json` atomically and return its path."""
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name or ""):
+NAME_RULE = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
+
+
+def baseline_file(name: str, env: dict, directory: Path = DEFAULT_DIR) -> Path:
+    """`<directory>/<name>/<machine kind>.json`: one file per machine kind, so a baseline saved on
+    one kind never replaces another kind's."""
+    if not re.fullmatch(NAME_RULE, name or "") or name in (".", ".."):
         raise ValueError(f"baseline name '{name}' must be letters, digits, '_', '-', '.' (no path)")
+    return Path(directory) / name / f"{machine_kind(env or {})}.json"
+
+
+def baseline_text(tables: dict, env: dict, name: str) -> str:
+    """The baseline document: pretty JSON, sorted keys, one value per line."""
     doc = {"format": FORMAT, "version": VERSION, "name": name, "env": _jsonable_env(dict(env or {})),
            "tolerances_default": {f: str(t) for f, t in DEFAULT_TOLERANCES.items()}, "scenarios": summarize(tables)}
-    return write_text_atomic(Path(directory) / f"{name}.json",
-                             json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n")
+    return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n"
+
+
+def save_baseline(tables: dict, env: dict, name: str, directory: Path = DEFAULT_DIR) -> Path:
+    """Write the baseline of this run's machine kind atomically (`baseline_file`); returns its path."""
+    return write_text_atomic(baseline_file(name, env, directory), baseline_text(tables, env, name))
 
 
 def _check_entry(path: Path, sid: str, entry) -> None:
@@ -200,11 +229,35 @@ def _check_entry(path: Path, sid: str, entry) -> None:
         raise BaselineError(f"baseline {path} is malformed: scenario '{sid}' fields {bad} are not numbers")
 
 
-def load_baseline(name_or_path: str | Path, directory: Path = DEFAULT_DIR) -> Baseline:
-    """Read a baseline by name (from `directory`) or by path; BaselineError (one line) if unusable."""
+def _pick_file(name: str, directory: Path, kind: str | None) -> tuple[Path, str]:
+    """(file, the kind wanted but missing or '') for a baseline name: the file of this machine kind
+    when there is one, else another kind's (the same device first), else a legacy `<name>.json`."""
+    folder = Path(directory) / name
+    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    if kind and (folder / f"{kind}.json").is_file():
+        return folder / f"{kind}.json", ""
+    if files:
+        device = (kind or "").split("-")[0]
+        same_device = [f for f in files if f.stem.split("-")[0] == device]
+        return (same_device or files)[0], kind or ""
+    legacy = Path(directory) / f"{name}.json"
+    if legacy.is_file():
+        return legacy, ""
+    raise BaselineError(f"baseline not found: no {folder}/*.json (save one with --save-baseline {name})")
+
+
+def load_baseline(name_or_path: str | Path, directory: Path = DEFAULT_DIR, *, kind: str | None = None) -> Baseline:
+    """Read a baseline by name or by path; BaselineError (one line) if unusable.
+
+    A name picks `<directory>/<name>/<kind>.json`, the file of this machine kind (`kind`, from
+    `harness.environment.machine_kind`); without one, another kind's file is taken and
+    `Baseline.wanted_kind` says so. A path (with a '/' or ending in .json) is read as it is."""
     s = str(name_or_path)
-    path = Path(s) if isinstance(name_or_path, Path) or "/" in s or os.sep in s or s.endswith(".json") \
-        else Path(directory) / f"{s}.json"
+    wanted = ""
+    if isinstance(name_or_path, Path) or "/" in s or os.sep in s or s.endswith(".json"):
+        path = Path(s)
+    else:
+        path, wanted = _pick_file(s, directory, kind)
     if not path.is_file():
         raise BaselineError(f"baseline not found: {path} (save one with save_baseline / --save-baseline)")
     try:
@@ -220,53 +273,73 @@ def load_baseline(name_or_path: str | Path, directory: Path = DEFAULT_DIR) -> Ba
         raise BaselineError(f"baseline {path} is malformed: 'scenarios' and 'env' must be objects")
     for sid, entry in doc["scenarios"].items():
         _check_entry(path, sid, entry)
-    return Baseline(str(doc.get("name", path.stem)), path, doc.get("env", {}), doc["scenarios"])
+    return Baseline(str(doc.get("name", path.stem)), path, doc.get("env", {}), doc["scenarios"], wanted)
 
 
-def _elements(field: str, e: dict) -> list[tuple[str, float | None]]:
+def _elements(field: str, e: dict) -> list[tuple[int | None, str, float | None]]:
+    """(step, label, value) of one field of one scenario entry: a value per step for the loss."""
     if field == "loss":
-        return [(f"step {int(e.get('first_step') or 1) + i}", v) for i, v in enumerate(e["loss"])]
+        first = int(e.get("first_step") or 1)
+        return [(first + i, f"step {first + i}", v) for i, v in enumerate(e["loss"])]
     if field == "max_diff":
-        return [("vs reference", e["max_diff_ref"]), ("vs 1 rank", e["max_diff_ws1"])]
-    return [("", e[field])]
+        return [(None, "vs reference", e["max_diff_ref"]), (None, "vs 1 rank", e["max_diff_ws1"])]
+    return [(None, "", e[field])]
 
 
-def _field(field: str, sid: str, base: dict, cur: dict, tol: Tolerance) -> tuple:
-    """(status, measured, bound, where, message, baseline value, current value) for one scenario x field."""
+@dataclass(frozen=True)
+class GateRow:
+    """One scenario x field of the comparison (or a run-wide note): the gate's verdicts and the
+    `compare` command's table are two views of the same rows."""
+
+    check: str  # "gate:<field>", "gate:scenario" or "gate:env"
+    scenario: str
+    status: str
+    message: str
+    baseline: float | None = None
+    current: float | None = None
+    delta: float | None = None  # the change held against the tolerance (one-sided fields: increase only)
+    allowed: float | None = None
+    tolerance: str = ""
+    step: int | None = None
+    label: str = ""  # display: "vs reference", the environment key, ...
+
+    def verdict(self) -> Verdict:
+        return Verdict(self.check, self.scenario, self.status, self.delta, self.allowed,
+                       where=self.label if self.step is None else "", message=self.message, step=self.step)
+
+
+def _field(field: str, sid: str, base: dict, cur: dict, tol: Tolerance) -> GateRow:
+    """The comparison of one field of one scenario: the first element over tolerance, else the closest."""
     two_sided = FIELDS[field][1]
     b_el, c_el = _elements(field, base), _elements(field, cur)
-    b_vals = [v for _, v in b_el if v is not None]
-    c_vals = [v for _, v in c_el if v is not None]
-    head = f"{field} of {sid}"
-    if tol.off:
-        return SKIP, None, None, "", f"{head}: gate off for this field", b_vals[-1:] or [None], c_vals[-1:] or [None]
+    head, check, tol_s = f"{field} of {sid}", f"gate:{field}", str(tol)
     if len(b_el) != len(c_el):
-        return FAIL, len(c_el), len(b_el), "", f"{head}: {len(b_el)} values in baseline, {len(c_el)} now", None, None
-    if not b_vals and not c_vals:
-        return SKIP, None, None, "", f"{head}: not measured in baseline nor in this run", None, None
+        return GateRow(check, sid, FAIL, f"{head}: {len(b_el)} values in baseline, {len(c_el)} now",
+                       len(b_el), len(c_el), tolerance=tol_s)
     worst = None
-    for (where, b), (_, c) in zip(b_el, c_el):
+    for (step, label, b), (*_, c) in zip(b_el, c_el):
         if b is None or c is None:
             if b is not None:
-                return FAIL, None, None, where, f"{head}: baseline has {b}, this run did not measure it", b, None
+                return GateRow(check, sid, FAIL, f"{head}: baseline has {b}, this run did not measure it", b,
+                               tolerance=tol_s, step=step, label=label)
             continue
         delta = c - b if not two_sided else abs(c - b)
-        item = (where, b, c, delta, tol.allowed(b))
+        item = (step, label, b, c, delta, tol.allowed(b))
         if tol.fails(c, b, two_sided):
             worst = item
             break
-        worst = max(worst or item, item, key=lambda t: t[3] - t[4])
+        worst = max(worst or item, item, key=lambda t: t[4] - t[5])
     if worst is None:
-        return SKIP, None, None, "", f"{head}: not measured in the baseline (re-save it to gate this field)", None, None
-    where, b, c, delta, allowed = worst
-    loc = f" at {where}" if where.startswith("step") else f" ({where})" if where else ""
-    tol_s = f"{tol} (= {allowed:g})" if tol.relative else str(tol)
-    if tol.fails(c, b, two_sided):
-        msg = (f"{head} regressed{loc}: baseline {b:.10g}, current {c:.10g}, change {c - b:+.3g} "
-               f"exceeds tolerance {tol_s}")
-        return FAIL, delta, allowed, where, msg, b, c
-    msg = f"{head} within tolerance {tol_s}{loc}: baseline {b:.10g}, current {c:.10g}"
-    return PASS, delta, allowed, where if delta else "", msg, b, c
+        return GateRow(check, sid, SKIP, f"{head}: not measured in the baseline (re-save it to gate this field)",
+                       tolerance=tol_s)
+    step, label, b, c, delta, allowed = worst
+    loc = f" at {label}" if step is not None else f" ({label})" if label else ""
+    tol_s = f"{tol} (= {allowed:g})" if tol.relative else tol_s
+    failed = tol.fails(c, b, two_sided)
+    msg = (f"{head} regressed{loc}: baseline {b:.10g}, current {c:.10g}, change {c - b:+.3g} exceeds tolerance "
+           f"{tol_s}" if failed else f"{head} within tolerance {tol_s}{loc}: baseline {b:.10g}, current {c:.10g}")
+    return GateRow(check, sid, FAIL if failed else PASS, msg, b, c, delta, allowed, str(tol),
+                   step if failed or delta else None, label if failed or delta else "")
 
 
 def env_warnings(env: dict | None, baseline: Baseline) -> list[tuple[str, str]]:
@@ -291,6 +364,10 @@ def kernel_mismatch(env: dict | None, baseline: Baseline) -> str:
     differ = [k for k in NUMERIC_ENV if cur.get(k) != baseline.env.get(k)]
     if not differ:
         return ""
+    if baseline.wanted_kind:
+        return (f"baseline '{baseline.name}' has no file for this machine kind ({baseline.wanted_kind}); memory "
+                f"and traffic were gated against {baseline.path.name}, losses and parameter diffs were NOT gated "
+                f"(their last bits depend on the kernels; save one with --save-baseline {baseline.name})")
     said = "; ".join(f"{k} {baseline.env.get(k, 'not recorded')!r} there, {cur.get(k, 'not recorded')!r} here"
                      for k in differ)
     return (f"baseline '{baseline.name}' may have run on other numeric kernels ({said}): losses and "
@@ -305,51 +382,56 @@ def _resolve(tolerances: dict | None) -> dict[str, Tolerance]:
     return {**DEFAULT_TOLERANCES, **(tolerances or {})}
 
 
-def compare(tables: dict, baseline: Baseline | str | Path, tolerances: dict | None = None, *,
-            env: dict | None = None, allow_missing: bool = False) -> list[Verdict]:
-    """Gate verdicts for this run's tables against `baseline` (see the module docstring)."""
-    base = baseline if isinstance(baseline, Baseline) else load_baseline(baseline)
-    tols, cur = _resolve(tolerances), summarize(tables)
-    out = [Verdict("gate:env", "", SKIP, None, None, k, msg) for k, msg in env_warnings(env, base)]
-    out += [Verdict(f"gate:{f}", "", SKIP, None, None, "", f"gate off for {f} (enable with e.g. {f}:50%)")
-            for f, t in tols.items() if t.off]
+def comparison(current: dict[str, dict], env: dict | None, base: Baseline,
+               tolerances: dict | None = None) -> list[GateRow]:
+    """The one comparison of a run's per-scenario figures (`summarize`) with a baseline.
+
+    Rules, the same for the gate and for `compare`: an environment key that differs is a SKIP note
+    (gate:env); a field whose gate is off is one run-wide SKIP; losses and diffs are compared only
+    on the same numeric kernels (`kernel_mismatch`); a scenario present on one side only is a SKIP
+    that names it (a run of part of the matrix is gated on the part it ran); a scenario that ran in
+    the baseline and errored now is a FAIL."""
+    tols = _resolve(tolerances)
+    rows = [GateRow("gate:env", "", SKIP, msg, label=k) for k, msg in env_warnings(env, base)]
+    rows += [GateRow(f"gate:{f}", "", SKIP, f"gate off for {f} (enable with e.g. {f}:50%)") for f, t in tols.items()
+             if t.off]
     mismatch = kernel_mismatch(env, base)
     if mismatch:
-        out += [Verdict(f"gate:{f}", "", SKIP, None, None, "", mismatch) for f in KERNEL_DEPENDENT if not tols[f].off]
+        rows += [GateRow(f"gate:{f}", "", SKIP, mismatch) for f in KERNEL_DEPENDENT if not tols[f].off]
         tols = {f: t for f, t in tols.items() if f not in KERNEL_DEPENDENT}
-    for sid in list(base.scenarios) + [s for s in cur if s not in base.scenarios]:
-        if sid not in cur:
-            out.append(Verdict("gate:scenario", sid, SKIP if allow_missing else FAIL, None, None, "",
-                               f"scenario {sid} is in baseline '{base.name}' but was not run"))
+    for sid in list(base.scenarios) + [s for s in current if s not in base.scenarios]:
+        if sid not in current:
+            rows.append(GateRow("gate:scenario", sid, SKIP, f"scenario {sid} is in baseline '{base.name}' but not "
+                                "in this run: not compared"))
         elif sid not in base.scenarios:
-            out.append(Verdict("gate:scenario", sid, SKIP, None, None, "", f"new scenario {sid} is not in baseline "
-                               f"'{base.name}': not gated (re-save the baseline to cover it)"))
-        elif cur[sid]["status"] != "ok" and base.scenarios[sid]["status"] == "ok":
-            out.append(Verdict("gate:scenario", sid, FAIL, None, None, "", f"scenario {sid} errored in this run"))
+            rows.append(GateRow("gate:scenario", sid, SKIP, f"new scenario {sid} is not in baseline '{base.name}': "
+                                "not gated (re-save the baseline to cover it)"))
+        elif current[sid]["status"] != "ok" and base.scenarios[sid]["status"] == "ok":
+            rows.append(GateRow("gate:scenario", sid, FAIL, f"scenario {sid} errored in this run"))
         else:
-            for field, tol in ((f, t) for f, t in tols.items() if not t.off):
-                st, m, b, where, msg, *_ = _field(field, sid, base.scenarios[sid], cur[sid], tol)
-                out.append(Verdict(f"gate:{field}", sid, st, m, b, where, msg))
-    return out
+            rows += [_field(f, sid, base.scenarios[sid], current[sid], t) for f, t in tols.items() if not t.off]
+    return rows
 
 
-def compare_table(tables_a: dict, b: dict | Baseline | str | Path, tolerances: dict | None = None) -> pd.DataFrame:
-    """Side by side: scenario | field | baseline | current | change | tolerance | status (a = current run)."""
-    if not isinstance(b, (Baseline, dict)):
-        b = load_baseline(b)
-    base = b.scenarios if isinstance(b, Baseline) else summarize(b)
-    tols, cur, rows = _resolve(tolerances), summarize(tables_a), []
-    for sid in list(base) + [s for s in cur if s not in base]:
-        if sid not in cur or sid not in base:
-            rows.append(dict(scenario=sid, field="scenario", baseline="present" if sid in base else "absent",
-                             current="present" if sid in cur else "absent", change=None, tolerance="", status=FAIL
-                             if sid not in cur else SKIP, where=""))
-            continue
-        for field, tol in tols.items():
-            st, _, _, where, _, bv, cv = _field(field, sid, base[sid], cur[sid], tol)
-            bv, cv = (bv[0] if isinstance(bv, list) else bv), (cv[0] if isinstance(cv, list) else cv)
-            change = cv - bv if isinstance(bv, (int, float)) and isinstance(cv, (int, float)) else None
-            rows.append(dict(scenario=sid, field=field, baseline=bv, current=cv, change=change,
-                             tolerance=str(tol), status=st, where=where))
-    return pd.DataFrame(rows, columns=["scenario", "field", "baseline", "current", "change", "tolerance", "status",
-                                       "where"])
+def compare(tables: dict, baseline: Baseline | str | Path, tolerances: dict | None = None, *,
+            env: dict | None = None) -> list[Verdict]:
+    """Gate verdicts for this run's tables against `baseline` (see `comparison`)."""
+    base = baseline if isinstance(baseline, Baseline) else load_baseline(baseline)
+    return [r.verdict() for r in comparison(summarize(tables), env, base, tolerances)]
+
+
+COMPARE_COLUMNS = ["check", "scenario", "status", "baseline", "current", "delta", "allowed", "tolerance", "step",
+                   "label", "message"]
+
+
+def compare_table(tables: dict, baseline: Baseline | str | Path, tolerances: dict | None = None, *,
+                  env: dict | None = None) -> pd.DataFrame:
+    """The same comparison as `compare`, side by side: one row per scenario x field (a = this run)."""
+    base = baseline if isinstance(baseline, Baseline) else load_baseline(baseline)
+    rows = comparison(summarize(tables), env, base, tolerances)
+    return pd.DataFrame([{c: getattr(r, c) for c in COMPARE_COLUMNS} for r in rows], columns=COMPARE_COLUMNS)
+
+
+def baseline_of_run(tables: dict, env: dict, name: str, path: Path) -> Baseline:
+    """Another stored run seen as a baseline, so that `compare A B` applies the gate's rules."""
+    return Baseline(name, Path(path), _jsonable_env(dict(env or {})), summarize(tables))

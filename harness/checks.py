@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import pandas as pd
 
 from .policy import Bounds, known_deviation
 from .scenario import REFERENCE_IMPL, Scenario
-from .verdict import FAIL, KNOWN, PASS, SKIP, Verdict
+from .verdict import FAIL, KNOWN, PASS, SKIP, VERDICT_COLUMNS, Verdict
 
 
 def _fmt(x: float) -> str:
     return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3g}"
 
 
-def _first_crossing(steps: pd.DataFrame, sid: str, col: str, bound: float, strict_zero: bool = False) -> tuple[str, float]:
-    """(where, worst) for one scenario: the first step and parameter where `col` crossed the bound."""
+@dataclass(frozen=True)
+class Crossing:
+    """The first step and parameter where a per-step |param diff| crossed its bound (or went NaN)."""
+
+    step: int
+    param: str
+    value: float
+
+
+def _first_crossing(steps: pd.DataFrame, sid: str, col: str, bound: float,
+                    strict_zero: bool = False) -> tuple[Crossing | None, float]:
+    """(first crossing or None, worst value) for one scenario's `col` of the steps table."""
     rows = steps[steps.scenario == sid].sort_values("step")
     worst = float(rows[col].max()) if len(rows) else math.nan
     if rows[col].isna().any():
@@ -26,8 +38,8 @@ def _first_crossing(steps: pd.DataFrame, sid: str, col: str, bound: float, stric
         v = r[col]
         crossed = (v != 0) if strict_zero else (v >= bound)
         if math.isnan(v) or crossed:
-            return f"step {int(r.step)}, {r[param_col]} ({_fmt(v)})", worst
-    return "", worst
+            return Crossing(int(r.step), str(r[param_col]), float(v)), worst
+    return None, worst
 
 
 def _reference_id(row) -> str:
@@ -35,34 +47,57 @@ def _reference_id(row) -> str:
     return Scenario(row.impl, row.model, 1, row.data_mode, row.optimizer, seed=int(row.seed)).reference().id
 
 
-def _verdict(check, row, passed, measured, bound, where, message) -> Verdict:
+def _verdict(check, row, passed, measured, bound, message, *, at: Crossing | None = None,
+             step: int | None = None, param: str = "", where: str = "") -> Verdict:
+    """PASS, else KNOWN for a documented deviation (harness/policy.py), else FAIL; `at` locates it."""
+    if at is not None:
+        step, param, where = at.step, at.param, where or _fmt(at.value)
     if passed:
-        return Verdict(check, row.scenario, PASS, measured, bound, "", message)
+        return Verdict(check, row.scenario, PASS, measured, bound, message=message)
+    loc = dict(where=where, step=step, param=param)
     dev = known_deviation(row.impl, check, int(row.world_size))
     if dev is not None:
-        return Verdict(check, row.scenario, KNOWN, measured, bound, where, f"{message} Known deviation: {dev.cause}.")
-    return Verdict(check, row.scenario, FAIL, measured, bound, where, message)
+        return Verdict(check, row.scenario, KNOWN, measured, bound, message=f"{message} Known deviation: {dev.cause}.",
+                       **loc)
+    return Verdict(check, row.scenario, FAIL, measured, bound, message=message, **loc)
 
 
-def ws1_exact(tables) -> list[Verdict]:
+def _not_measured(check: str, row, what: str, bound: float | None = None) -> Verdict:
+    """A check that applies but could not run: a FAIL that says what was missing."""
+    return Verdict(check, row.scenario, FAIL, None, bound, message=f"could not be checked: {what}")
+
+
+def _ok(sc: pd.DataFrame) -> pd.DataFrame:
+    return sc[sc.status == "ok"]
+
+
+def _trajectories(steps: pd.DataFrame) -> dict[str, list[float]]:
+    return {s: g.sort_values("step").loss.tolist() for s, g in steps.groupby("scenario")}
+
+
+def ws1_exact(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """World size 1 vs the plain model: bitwise equal losses and parameters at every step."""
     out = []
     sc, steps = tables["scenarios"], tables["steps"]
-    ref_losses = {s: g.sort_values("step").loss.tolist() for s, g in steps.groupby("scenario")}
-    for row in sc[(sc.world_size == 1) & (sc.impl != REFERENCE_IMPL) & (sc.status == "ok")].itertuples():
+    losses_of = _trajectories(steps)
+    for row in _ok(sc)[lambda d: (d.world_size == 1) & (d.impl != REFERENCE_IMPL)].itertuples():
         ref_id = _reference_id(row)
-        losses, ref = ref_losses.get(row.scenario, []), ref_losses.get(ref_id)
+        losses, ref = losses_of.get(row.scenario, []), losses_of.get(ref_id)
         if ref is None:
-            out.append(Verdict("ws1_exact", row.scenario, SKIP, None, 0.0, "", "no reference run in this matrix"))
+            out.append(_not_measured("ws1_exact", row, f"the reference run {ref_id} did not complete", 0.0))
             continue
-        where, worst = _first_crossing(steps, row.scenario, "max_diff_ref", 0.0, strict_zero=True)
+        at, worst = _first_crossing(steps, row.scenario, "max_diff_ref", 0.0, strict_zero=True)
         bad_loss = next((i + 1 for i, (a, b) in enumerate(zip(losses, ref)) if a != b), None)
-        if bad_loss is not None and not where:
-            where = f"step {bad_loss}, loss ({losses[bad_loss - 1]!r} vs {ref[bad_loss - 1]!r})"
-        passed = not where and len(losses) == len(ref)
+        loss_step = None
+        if bad_loss is not None and (at is None or bad_loss < at.step):
+            at, loss_step = None, bad_loss
+        passed = at is None and loss_step is None and len(losses) == len(ref)
         msg = ("losses and parameters bitwise equal to the non-sharded model at every step" if passed else
                f"world size 1 differs from the non-sharded model: max |param diff| {_fmt(worst)}")
-        out.append(_verdict("ws1_exact", row, passed, worst, 0.0, where, msg))
+        if loss_step is not None:
+            msg += f"; loss {losses[loss_step - 1]!r} vs {ref[loss_step - 1]!r} at step {loss_step}"
+        out.append(_verdict("ws1_exact", row, passed, worst, 0.0, msg, at=at, step=loss_step,
+                            param="loss" if loss_step is not None else ""))
     return out
 
 
@@ -70,14 +105,16 @@ def cross_ws_replicated(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """Replicated data: parameters at world size W stay within the bound of world size 1, every step."""
     out, bound = [], bounds.cross_ws_replicated
     sc, steps = tables["scenarios"], tables["steps"]
-    for row in sc[(sc.world_size > 1) & (sc.data_mode == "replicated") & (sc.status == "ok")].itertuples():
-        where, worst = _first_crossing(steps, row.scenario, "max_diff_ws1", bound)
-        if math.isnan(worst) and not where:
-            out.append(Verdict("cross_ws_replicated", row.scenario, SKIP, None, bound, "", "no world-size-1 run to compare with"))
+    done = set(_ok(sc).scenario)
+    for row in _ok(sc)[lambda d: (d.world_size > 1) & (d.data_mode == "replicated")].itertuples():
+        ws1 = _ws1_id(row)
+        if ws1 not in done:
+            out.append(_not_measured("cross_ws_replicated", row, f"the world-size-1 run {ws1} did not complete",
+                                     bound))
             continue
-        passed = not where
+        at, worst = _first_crossing(steps, row.scenario, "max_diff_ws1", bound)
         msg = f"max |param diff| vs world size 1 = {_fmt(worst)} (bound < {bound:g})"
-        out.append(_verdict("cross_ws_replicated", row, passed, worst, bound, where, msg))
+        out.append(_verdict("cross_ws_replicated", row, at is None, worst, bound, msg, at=at))
     return out
 
 
@@ -85,13 +122,13 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
     """Split data: each rank's 1/W slice, averaged, trains like the full batch within the stated bound."""
     out = []
     sc, steps = tables["scenarios"], tables["steps"]
-    for row in sc[(sc.world_size > 1) & (sc.data_mode == "split") & (sc.status == "ok")].itertuples():
+    for row in _ok(sc)[lambda d: (d.world_size > 1) & (d.data_mode == "split")].itertuples():
         bound = bounds.split_bound(row.optimizer, row.lr, int(row.steps))
-        where, worst = _first_crossing(steps, row.scenario, "max_diff_ref", bound)
-        passed = not where and not math.isnan(worst)
+        at, worst = _first_crossing(steps, row.scenario, "max_diff_ref", bound)
         msg = (f"max |param diff| vs full-batch training = {_fmt(worst)} "
                f"(bound {bound:.3g} = {bound / (row.lr * row.steps):g} x lr x steps)")
-        out.append(_verdict("split_matches_full_batch", row, passed, worst, bound, where, msg))
+        out.append(_verdict("split_matches_full_batch", row, at is None and not math.isnan(worst), worst, bound,
+                            msg, at=at))
     return out
 
 
@@ -104,76 +141,187 @@ def grad_norm_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     shows, such as junk in the padding of a flat shard; the norm reads the whole local gradient."""
     out, bound = [], bounds.grad_norm_rel
     sc, steps = tables["scenarios"], tables["steps"]
-    first = {r.scenario: r.grad_norm for r in steps[steps.step == steps.step.min()].itertuples()} if len(steps) else {}
-    for row in sc[(sc.impl != REFERENCE_IMPL) & (sc.status == "ok")].itertuples():
+    first = {r.scenario: (int(r.step), r.grad_norm) for r in steps[steps.step == steps.step.min()].itertuples()} \
+        if len(steps) else {}
+    for row in _ok(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
         ref_id = _reference_id(row)
-        got, ref = first.get(row.scenario, math.nan), first.get(ref_id, math.nan)
-        if math.isnan(ref) or ref == 0 or (math.isnan(got) and row.scenario not in first):
-            out.append(Verdict("grad_norm_matches", row.scenario, SKIP, None, bound, "",
-                               "no reference gradient norm in this matrix"))
+        if ref_id not in first or row.scenario not in first:
+            missing = ref_id if ref_id not in first else row.scenario
+            out.append(_not_measured("grad_norm_matches", row, f"no step-1 gradient norm of {missing}", bound))
+            continue
+        (step, got), (_, ref) = first[row.scenario], first[ref_id]
+        if not math.isfinite(ref) or ref == 0:
+            out.append(_not_measured("grad_norm_matches", row, f"the reference's step-1 gradient norm is {ref}",
+                                     bound))
             continue
         rel = abs(got - ref) / abs(ref) if math.isfinite(got) else math.inf
         passed = rel <= bound
         msg = f"step-1 gradient norm {got:.9g} vs non-sharded {ref:.9g}: relative difference {_fmt(rel)} (bound {bound:g})"
-        out.append(_verdict("grad_norm_matches", row, passed, rel, bound, "" if passed else "step 1, gradient norm", msg))
+        out.append(_verdict("grad_norm_matches", row, passed, rel, bound, msg, step=step, param="gradient norm"))
     return out
 
 
-def converges(tables) -> list[Verdict]:
-    """The loss falls: last step's loss below the first step's."""
+def converges(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    """The loss falls over the run wherever the plain model's own loss falls on the same data.
+
+    Whether a few steps lower the loss depends on the seed, the optimizer and the learning rate,
+    not on sharding: on some seeds the plain model's loss rises too. So the yardstick is the
+    reference's own trajectory: where it falls, the sharded run's must fall as well (last step's
+    loss below the first's); where it does not, the check does not apply and says so."""
     out = []
-    steps = tables["steps"]
-    for row in tables["scenarios"][tables["scenarios"].status == "ok"].itertuples():
-        s = steps[steps.scenario == row.scenario].sort_values("step")
-        first, last = float(s.loss.iloc[0]), float(s.loss.iloc[-1])
-        passed = last < first
-        msg = f"loss {first:.6g} -> {last:.6g}"
-        out.append(_verdict("converges", row, passed, last - first, 0.0, "" if passed else f"step {int(s.step.iloc[-1])}", msg))
+    sc, steps = tables["scenarios"], tables["steps"]
+    losses_of = _trajectories(steps)
+    for row in _ok(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
+        ref_id, losses = _reference_id(row), losses_of.get(row.scenario, [])
+        ref = losses_of.get(ref_id)
+        if ref is None or not losses:
+            out.append(_not_measured("converges", row, f"no loss trajectory of {ref_id if ref is None else row.scenario}"))
+            continue
+        if not ref[-1] < ref[0]:
+            out.append(Verdict("converges", row.scenario, SKIP, None, 0.0, message=(
+                f"does not apply: the non-sharded model's own loss does not fall on this seed "
+                f"({ref[0]:.6g} -> {ref[-1]:.6g} over {len(ref)} steps)")))
+            continue
+        first, last = losses[0], losses[-1]
+        msg = f"loss {first:.6g} -> {last:.6g} (non-sharded {ref[0]:.6g} -> {ref[-1]:.6g})"
+        out.append(_verdict("converges", row, last < first, last - first, 0.0, msg, step=len(losses), param="loss"))
     return out
 
 
-def finite(tables) -> list[Verdict]:
+def finite(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """No NaN or Inf in any loss or parameter: a NaN must never pass a diff comparison."""
     out = []
     steps, params = tables["steps"], tables["params"]
-    for row in tables["scenarios"][tables["scenarios"].status == "ok"].itertuples():
+    for row in _ok(tables["scenarios"]).itertuples():
         s = steps[steps.scenario == row.scenario].sort_values("step")
         p = params[params.scenario == row.scenario].sort_values(["step", "param"])
+        if not len(s) or not len(p):
+            out.append(_not_measured("finite", row, "no losses or no parameters were recorded"))
+            continue
         bad_loss = s[~s.loss.map(math.isfinite)]
         bad_param = p[~p["sum"].map(math.isfinite)]
-        where = ""
+        step, param = None, ""
         if len(bad_param):
-            where = f"step {int(bad_param.step.iloc[0])}, {bad_param.param.iloc[0]}"
-        if len(bad_loss):
-            where = f"step {int(bad_loss.step.iloc[0])}, loss"
-        passed = not where
+            step, param = int(bad_param.step.iloc[0]), str(bad_param.param.iloc[0])
+        if len(bad_loss) and (step is None or int(bad_loss.step.iloc[0]) <= step):
+            step, param = int(bad_loss.step.iloc[0]), "loss"
+        passed = step is None
         msg = "all losses and parameters finite" if passed else "non-finite loss or parameter"
-        out.append(_verdict("finite", row, passed, None, None, where, msg))
+        out.append(_verdict("finite", row, passed, None, None, msg, step=step, param=param))
     return out
 
 
-def errors(tables) -> list[Verdict]:
-    """A scenario that did not complete (a rank raised or hung) is a failure with its message."""
-    sc = tables["scenarios"]
-    return [Verdict("completed", row.scenario, FAIL, None, None, "", str(row.error))
-            for row in sc[sc.status != "ok"].itertuples()]
+def completed(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    """Every rank finished; a scenario that raised or hung is a failure with its message."""
+    return [Verdict("completed", row.scenario, PASS if row.status == "ok" else FAIL, None, None,
+                    message="every rank finished" if row.status == "ok" else str(row.error))
+            for row in tables["scenarios"].itertuples()]
 
 
-NUMERIC_CHECKS = (errors, finite, ws1_exact, cross_ws_replicated, split_matches_full_batch, grad_norm_matches,
-                  converges)
+def _ws1_id(row) -> str:
+    return Scenario(row.impl, row.model, 1, row.data_mode, row.optimizer, seed=int(row.seed)).id
 
 
-def run_checks(tables, bounds: Bounds = Bounds(), extra=()) -> list[Verdict]:
+# ------------------------------------------------------------------------------- registry
+
+def _all(row) -> bool:
+    return True
+
+
+def _ok_row(row) -> bool:
+    return row.status == "ok"
+
+
+def _sharded_ws1(row) -> bool:
+    return _ok_row(row) and row.world_size == 1 and row.impl != REFERENCE_IMPL
+
+
+def _not_reference(row) -> bool:
+    return _ok_row(row) and row.impl != REFERENCE_IMPL
+
+
+@dataclass(frozen=True)
+class Check:
+    """A named check, the scenarios it applies to, and the tables and columns it reads.
+
+    `run_checks` holds every check to its `applies`: each applicable scenario gets at least one
+    verdict (a missing one is a FAIL), and a missing table or column is a FAIL per scenario that
+    names it, never a silent pass."""
+
+    fn: Callable[[dict, Bounds], list[Verdict]]
+    applies: Callable[[object], bool]
+    needs: dict[str, tuple[str, ...]]
+    kind: str = "correctness"  # "correctness" (the training is the same) or "efficiency" (memory, traffic)
+
+    @property
+    def name(self) -> str:
+        return "completed" if self.fn is completed else self.fn.__name__
+
+
+_STEPS = ("scenario", "step", "loss")
+_DIFFS = _STEPS + ("max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1")
+_ROW = ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed", "status")
+
+NUMERIC_CHECKS = (
+    Check(completed, _all, {"scenarios": _ROW + ("error",)}),
+    Check(finite, _ok_row, {"scenarios": _ROW, "steps": _STEPS, "params": ("scenario", "step", "param", "sum")}),
+    Check(ws1_exact, _sharded_ws1, {"scenarios": _ROW, "steps": _DIFFS}),
+    Check(cross_ws_replicated, lambda r: _ok_row(r) and r.world_size > 1 and r.data_mode == "replicated",
+          {"scenarios": _ROW, "steps": _DIFFS}),
+    Check(split_matches_full_batch, lambda r: _ok_row(r) and r.world_size > 1 and r.data_mode == "split",
+          {"scenarios": _ROW + ("steps", "lr"), "steps": _DIFFS}),
+    Check(grad_norm_matches, _not_reference, {"scenarios": _ROW, "steps": _STEPS + ("grad_norm",)}),
+    Check(converges, _not_reference, {"scenarios": _ROW, "steps": _STEPS}),
+)
+
+
+def all_checks() -> tuple[Check, ...]:
     from .resource_checks import RESOURCE_CHECKS
+    return NUMERIC_CHECKS + RESOURCE_CHECKS
+
+
+def _missing_columns(tables, check: Check) -> list[str]:
+    out = []
+    for name, cols in check.needs.items():
+        df = tables.get(name)
+        if not isinstance(df, pd.DataFrame):
+            out.append(f"table '{name}'")
+        else:
+            out += [f"column '{name}.{c}'" for c in cols if c not in df.columns]
+    return out
+
+
+def run_checks(tables, bounds: Bounds = Bounds(), extra: tuple[Check, ...] = ()) -> list[Verdict]:
+    """Every check over the tables. A check that cannot run, or that stays silent about a scenario
+    it applies to, gives FAIL verdicts that say so: a PASS always means a property was measured."""
+    sc = tables.get("scenarios")
+    if not isinstance(sc, pd.DataFrame) or any(c not in sc.columns for c in _ROW):
+        return [Verdict("run", "", FAIL, None, None, message="could not check anything: the scenarios table "
+                        "or its id columns are missing")]
     verdicts = []
-    for check in NUMERIC_CHECKS + RESOURCE_CHECKS + tuple(extra):
+    for check in all_checks() + tuple(extra):
+        applicable = [r for r in sc.itertuples() if check.applies(r)]
+        missing = _missing_columns(tables, check)
+        if missing:
+            verdicts += [Verdict(check.name, r.scenario, FAIL, None, None, message=(
+                f"could not be checked: {', '.join(missing)} missing from the run's tables")) for r in applicable]
+            continue
         try:
-            verdicts.extend(check(tables, bounds) if "bounds" in check.__code__.co_varnames else check(tables))
-        except KeyError as e:  # a table this check needs is absent: say so, never pass silently
-            verdicts.append(Verdict(check.__name__, "", SKIP, None, None, "", f"table or column missing: {e}"))
+            got = check.fn(tables, bounds)
+        except (KeyError, AttributeError) as e:
+            got = [Verdict(check.name, r.scenario, FAIL, None, None,
+                           message=f"could not be checked: {type(e).__name__} {e}") for r in applicable]
+        verdicts += got
+        spoken = {v.scenario for v in got}
+        verdicts += [Verdict(check.name, r.scenario, FAIL, None, None, message=(
+            "could not be checked: the check gave no verdict for a scenario it applies to"))
+            for r in applicable if r.scenario not in spoken]
     return verdicts
 
 
 def verdict_table(verdicts: list[Verdict]) -> pd.DataFrame:
-    return pd.DataFrame([v.as_dict() for v in verdicts],
-                        columns=["check", "scenario", "status", "measured", "bound", "where", "message"])
+    """One row per verdict; step, rank and sample as floats (NaN where not given) for a stable CSV."""
+    df = pd.DataFrame([v.as_dict() for v in verdicts], columns=VERDICT_COLUMNS)
+    for c in ("step", "rank", "sample"):
+        df[c] = pd.to_numeric(df[c], errors="coerce").astype(float)
+    return df

@@ -1,4 +1,4 @@
-"""Command line: `python -m harness run|report|compare ...` (also installed as `fsdp-harness`)."""
+"""Command line: `python -m harness run|report|compare|plan ...` (also installed as `fsdp-harness`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 from . import options as opt
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+from .session import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Session, SessionOptions
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -19,11 +18,9 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the matrix, write the report, exit 1 on any failed verdict")
     opt.add_matrix_arguments(run.add_argument)
-    run.add_argument("--report", type=opt.report_path, default=opt.DEFAULT_REPORT, help="markdown report path")
+    opt.add_output_arguments(run.add_argument)
     run.add_argument("--json", action="store_true", help="print verdicts as JSON on stdout")
     run.add_argument("--quiet", action="store_true", help="no progress lines")
-    run.add_argument("--per-sample", action="store_true",
-                     help="also check per-sample gradient norms (DP-SGD) at the same world sizes (mlp; Opacus if installed)")
     opt.add_gate_arguments(run.add_argument)
 
     rep = sub.add_parser("report", help="re-render a report from a run's stored tables")
@@ -36,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--world-sizes", type=opt.world_sizes, default=(1, 2, 4, 8, 16, 32, 64))
     plan.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
 
-    cmp_ = sub.add_parser("compare", help="compare a stored run with a baseline or with another stored run")
+    cmp_ = sub.add_parser("compare", help="compare a stored run with a baseline or with another stored run "
+                                          "(the same comparison as --baseline)")
     cmp_.add_argument("tables_dir", type=Path, help="the <report>_tables directory of a run")
     cmp_.add_argument("other", help="a baseline name/path, or another run's _tables directory")
     cmp_.add_argument("--gate", type=opt.gate_spec, default=None, help="per-field tolerances")
@@ -44,61 +42,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _tables_dir(report: Path) -> Path:
-    return report.with_name(f"{report.stem}_tables")
-
-
 def cmd_run(ns) -> int:
-    from .report import write_report
-    from .store import save_run
     from .worker import launched_by_torchrun
-    m = opt.matrix_from(ns)
     under_torchrun = launched_by_torchrun()
-    if under_torchrun and ns.per_sample:
-        raise argparse.ArgumentTypeError("--per-sample is not available under torchrun yet; run it without "
-                                          "torchrun (python -m harness run --per-sample ...)")
-    baseline = opt.load_baseline_option(ns.baseline, ns.gate)
-    scenarios = m.scenarios()
-    err = sys.stderr
     quiet = ns.quiet or (under_torchrun and int(os.environ.get("RANK", "0")) != 0)
-
-    def progress(i, n, sc, secs):
-        if not quiet:
-            err.write(f"[{i:>3}/{n}] {sc.id:<48} {secs:6.1f}s\n")
-            err.flush()
-
-    if not quiet:
-        where = "this torchrun job" if under_torchrun else "worlds"
-        err.write(f"running {len(scenarios)} scenarios in {where} of {','.join(map(str, m.world_sizes))} ranks\n")
-    if under_torchrun:
-        from .torchrun import run_matrix_under_torchrun
-        res = run_matrix_under_torchrun(scenarios, timeout_s=m.timeout_s, bounds=m.bounds, progress=progress)
-        if res is None:  # not rank 0: rank 0 writes the report and decides the exit status
-            return EXIT_OK
-    else:
-        from .run import run_matrix
-        res = run_matrix(scenarios, timeout_s=m.timeout_s, bounds=m.bounds, progress=progress)
-    if ns.per_sample:
-        from .run import add_per_sample
-        if not ns.quiet:
-            err.write("per-sample gradient norms ...\n")
-        add_per_sample(res, m.world_sizes)
-    if baseline is not None:
-        from .run import apply_gate
-        apply_gate(res, baseline, ns.gate)
-    if ns.save_baseline:
-        from .baseline import save_baseline
-        err.write(f"baseline written: {save_baseline(res.tables, res.env, ns.save_baseline)}\n")
-    save_run(res.tables, res.env, _tables_dir(ns.report))
-    path = write_report(res.tables, res.env, ns.report)
-    counts = {s: sum(v.status == s for v in res.verdicts) for s in ("pass", "fail", "known", "skip")}
+    session = Session(SessionOptions.from_namespace(ns), say=(lambda line: None) if quiet else None,
+                      under_torchrun=under_torchrun)
+    if session.run() is None:  # a torchrun rank other than 0: rank 0 writes and decides
+        return EXIT_OK
+    status = session.finish()
     if ns.json:
-        print(json.dumps([v.as_dict() for v in res.verdicts], indent=1, default=str))
-    for v in res.failed:
-        err.write(f"{v}\n")
-    err.write(f"{counts['pass']} passed, {counts['fail']} failed, {counts['known']} known deviations, "
-              f"{counts['skip']} skipped in {res.wall_s:.1f}s; report: {path}\n")
-    return EXIT_FAILED if counts["fail"] else EXIT_OK
+        print(json.dumps([v.as_dict() for v in session.result.verdicts], indent=1, default=str))
+    for v in session.failures():
+        sys.stderr.write(f"{v}\n")
+    sys.stderr.write(session.summary_line() + "\n")
+    return status
 
 
 def cmd_report(ns) -> int:
@@ -119,16 +77,23 @@ def cmd_plan(ns) -> int:
 
 
 def cmd_compare(ns) -> int:
-    from .baseline import compare_table, load_baseline
+    """The gate's own comparison (harness.baseline.comparison), shown as a table."""
+    from .baseline import baseline_of_run, compare_table, load_baseline
+    from .environment import machine_kind
     from .store import load_run
-    tables, _ = load_run(ns.tables_dir)
-    other = load_run(Path(ns.other))[0] if Path(ns.other).is_dir() else load_baseline(ns.other)
-    table = compare_table(tables, other, ns.gate)
+    tables, env = load_run(ns.tables_dir)
+    other = Path(ns.other)
+    if other.is_dir():
+        base_tables, base_env = load_run(other)
+        base = baseline_of_run(base_tables, base_env, other.name, other)
+    else:  # by name: the file of the stored run's machine kind, as the gate picks it
+        base = load_baseline(ns.other, kind=machine_kind(env))
+    table = compare_table(tables, base, ns.gate, env=env)
     if ns.json:
         print(table.to_json(orient="records", indent=1))
     else:
         print(table.to_markdown(index=False))
-    failed = int((table["status"] == "fail").sum()) if "status" in table else 0
+    failed = int((table["status"] == "fail").sum())
     sys.stderr.write(f"{failed} field(s) outside tolerance\n")
     return EXIT_FAILED if failed else EXIT_OK
 
@@ -138,9 +103,7 @@ def main(argv=None) -> int:
     try:
         ns = parser.parse_args(argv)
         return {"run": cmd_run, "report": cmd_report, "compare": cmd_compare, "plan": cmd_plan}[ns.verb](ns)
-    except (SystemExit, KeyboardInterrupt) as e:
-        if isinstance(e, SystemExit):
-            raise  # argparse's own exits (--help, usage errors)
+    except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130
     except argparse.ArgumentTypeError as e:

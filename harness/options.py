@@ -15,7 +15,9 @@ from .scenario import DATA_MODES, OPTIMIZERS, Scenario, build_matrix
 DEFAULT_IMPLS = ("fsdp_impl", "torch_fsdp2")
 DEFAULT_MODELS = ("mlp", "tinylm")
 DEFAULT_WORLD_SIZES = (1, 2, 4, 8)
-DEFAULT_REPORT = Path("reports/verification.md")
+# Generated output goes apart from the committed reports (git-ignored); the committed
+# reports/verification.md is refreshed on purpose with --report reports/verification.md.
+DEFAULT_REPORT = Path("reports/latest/verification.md")
 
 
 def _items(text: str) -> list[str]:
@@ -135,6 +137,15 @@ def gate_spec(text: str) -> dict:
     return parse_gate(text)
 
 
+def add_output_arguments(add) -> None:
+    """--report, --no-report and --per-sample: what a session adds to the matrix and writes."""
+    add("--report", type=report_path, default=None,
+        help=f"markdown report, written with <stem>_plots/ and <stem>_tables/ beside it (default {DEFAULT_REPORT})")
+    add("--no-report", action="store_true", help="write no report and no tables")
+    add("--per-sample", action="store_true",
+        help="also check per-sample gradient norms (DP-SGD) at the same world sizes (mlp; Opacus if installed)")
+
+
 def add_gate_arguments(add) -> None:
     add("--baseline", type=baseline_name, default=None,
         help="compare the run with this baseline (name under reports/baselines/ or a path); regressions fail")
@@ -143,16 +154,18 @@ def add_gate_arguments(add) -> None:
         help="per-field tolerances, e.g. loss:1e-7,peak_mem:5%%,comm_bytes:0 (defaults in harness/baseline.py)")
 
 
-def load_baseline_option(name, gate=None):
-    """Load a --baseline value early so a missing or corrupt file is one usage-error line."""
+def load_baseline_option(name, gate=None, backend: str = "gloo"):
+    """Load a --baseline value early (the file of this machine kind, harness.baseline) so a missing
+    or corrupt file is one usage-error line."""
     if gate is not None and name is None:
         raise argparse.ArgumentTypeError("--gate needs --baseline NAME (its tolerances apply to a comparison "
                                           "with a baseline)")
     if name is None:
         return None
     from .baseline import BaselineError, load_baseline
+    from .environment import kernel_env, machine_kind
     try:
-        return load_baseline(name)
+        return load_baseline(name, kind=machine_kind(kernel_env(backend)))
     except BaselineError as e:
         raise argparse.ArgumentTypeError(f"--baseline: {e}") from None
 

@@ -206,25 +206,25 @@ def check_per_sample_norms(scenario: str, per_rank: list[list[float]], truth_nor
     """Every rank's norms vs the truth, sample by sample: max relative error; ranks must agree."""
     t = torch.tensor(list(truth_norms), dtype=torch.float64)
     if not per_rank:
-        return Verdict("per_sample_norms", scenario, SKIP, None, bound, message="no norms were produced")
-    worst, where = -1.0, ""
+        return Verdict("per_sample_norms", scenario, FAIL, None, bound, message="could not be checked: no norms were produced")
+    worst, at = -1.0, {}
     for r, values in enumerate(per_rank):
         v = torch.tensor(values, dtype=torch.float64)
         if v.shape != t.shape:
-            return Verdict("per_sample_norms", scenario, FAIL, math.inf, bound, f"rank {r}",
-                           f"rank {r} gave {v.numel()} norms for a global batch of {t.numel()}")
+            return Verdict("per_sample_norms", scenario, FAIL, math.inf, bound, rank=r,
+                           message=f"rank {r} gave {v.numel()} norms for a global batch of {t.numel()}")
         rel = ((v - t).abs() / t).nan_to_num(math.inf)
         k = int(rel.argmax())
         if float(rel[k]) > worst:
-            worst, where = float(rel[k]), f"sample {k}, rank {r}"
+            worst, at = float(rel[k]), {"sample": k, "rank": r}
     agree = all(torch.equal(torch.tensor(v), torch.tensor(per_rank[0])) for v in per_rank)
     mean_v, mean_t = sum(per_rank[0]) / len(per_rank[0]), float(t.mean())
     ratio = mean_v / mean_t
     passed = worst < bound and agree
     msg = (f"max relative error {worst:.3g} vs truth (bound {bound:g}); mean norm {mean_v:.4g} vs truth "
            f"{mean_t:.4g} (ratio {ratio:.3f}); ranks {'agree' if agree else 'DISAGREE'}")
-    return Verdict("per_sample_norms", scenario, PASS if passed else FAIL, worst, bound,
-                   "" if passed else where, msg)
+    return Verdict("per_sample_norms", scenario, PASS if passed else FAIL, worst, bound, message=msg,
+                   **({} if passed else at))
 
 
 def check_clipped_update(scenario: str, update: dict[str, list], truth_update: dict[str, Tensor], *,
@@ -232,8 +232,8 @@ def check_clipped_update(scenario: str, update: dict[str, list], truth_update: d
     """max |update - truth| / max |truth| over all parameters; the message gives the norm ratio."""
     missing = sorted(set(truth_update) - set(update))
     if missing:
-        return Verdict("clipped_update", scenario, FAIL, math.inf, bound, missing[0],
-                       f"no update for {len(missing)} parameters, e.g. {missing[0]}")
+        return Verdict("clipped_update", scenario, FAIL, math.inf, bound, param=missing[0],
+                       message=f"no update for {len(missing)} parameters, e.g. {missing[0]}")
     scale = max(float(t.abs().max()) for t in truth_update.values())
     worst, where, num, den = -1.0, "", 0.0, 0.0
     for name, t in truth_update.items():
@@ -246,8 +246,8 @@ def check_clipped_update(scenario: str, update: dict[str, list], truth_update: d
     passed = worst < bound
     msg = (f"max |update - exact clipped-mean update| = {worst:.3g} of its largest entry (bound {bound:g}); "
            f"|update| / |exact| = {ratio:.4f}")
-    return Verdict("clipped_update", scenario, PASS if passed else FAIL, worst, bound,
-                   "" if passed else where, msg)
+    return Verdict("clipped_update", scenario, PASS if passed else FAIL, worst, bound, message=msg,
+                   param="" if passed else where)
 
 
 # ------------------------------------------------------------------------ Opacus (optional)

@@ -18,6 +18,8 @@ Every impl x mode x W row comes from rank 0; the checks look at every rank.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import re
 import statistics
@@ -79,7 +81,7 @@ def negative_control(v: Verdict, world_size: int) -> Verdict:
             "W=1: a one-rank all-reduce is the identity, so the known-bad aggregation is correct here "
             f"and there is no bug to detect ({v.message})"))
     caught = v.status == FAIL
-    return Verdict(name, v.scenario, PASS if caught else FAIL, v.measured, v.bound, v.where, (
+    return dataclasses.replace(v, check=name, status=PASS if caught else FAIL, message=(
         "negative control (known-bad position-wise all-reduce of per-sample norms): "
         + ("bug DETECTED by per_sample_norms" if caught else "bug NOT detected: per_sample_norms passed")
         + f" - {v.message}"))
@@ -92,7 +94,7 @@ def opacus_update_verdict(v: Verdict, ratio: float, world_size: int, mode: str, 
                  and expected_bs == {batch / world_size})
     if not explained:
         return v
-    return Verdict(v.check, v.scenario, KNOWN, v.measured, v.bound, v.where, (
+    return dataclasses.replace(v, status=KNOWN, message=(
         f"Opacus make_private with replicated data: update is {ratio:.4f}x the exact clipped-mean update "
         f"(W={world_size}). Cause: make_private sets expected_batch_size = len(dataset) * sample_rate / "
         f"world_size = {batch / world_size:g} (the per-worker batch, opacus/privacy_engine.py), assuming each "
@@ -170,8 +172,8 @@ def run_per_sample(models=("mlp",), world_sizes=(1, 2, 4, 8), modes=("replicated
                                          for c in ("per_sample_norms", "clipped_update")]
                             continue
                         nv = ps.check_per_sample_norms(sid, [r["gathered"] for r in recs], t.norms)
-                        nv = Verdict(nv.check, sid, nv.status, nv.measured, nv.bound, nv.where,
-                                     "Opacus ghost_fsdp local norms placed by global index: " + nv.message)
+                        nv = dataclasses.replace(nv, scenario=sid, message="Opacus ghost_fsdp local norms placed "
+                                                 "by global index: " + nv.message)
                         ur = update_ratio(recs[0]["update"], exact)
                         uv = opacus_update_verdict(ps.check_clipped_update(sid, recs[0]["update"], exact), ur, ws,
                                                    mode, {r["expected_batch_size"] for r in recs}, batch)

@@ -75,8 +75,10 @@ def diff_figure(steps: pd.DataFrame, title: str, *, column: str = "max_diff_ref"
     for label, b in (bounds or {}).items():
         if b and b > 0:
             ax.axhline(b, color="red", linewidth=1, linestyle="--", label=f"bound {label} = {b:.0e}")
+    top = max([floor * 30, *[float(v) for v in steps[column] if np.isfinite(v)],
+               *[b for b in (bounds or {}).values() if b and b > 0]])
+    ax.set_ylim(floor / 3, top * 3)  # a range before the log scale: all-exact data has none of its own
     ax.set_yscale("log")
-    ax.set_ylim(bottom=floor / 3)
 
     def tick(v: float, _pos: int) -> str:
         return "0 (exact)" if np.isclose(v, floor, rtol=1e-6, atol=0.0) else f"{v:.0e}"

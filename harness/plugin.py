@@ -1,20 +1,40 @@
-"""pytest plugin: matrix options, one lazily-run matrix per session, a report at the end.
+"""pytest plugin: the harness's options, one `Session` per pytest run, its outputs at the end.
 
-Registered by the `pytest11` entry point and by the root conftest.py. Tests reach the run
-through the `harness_run` fixture; `scenario_ids(config)` lists the ids tests parametrize on.
+Registered by the `pytest11` entry point and by the root conftest.py. Tests reach the run through
+the `harness_run` fixture; `matrix_options(config)` gives the matrix tests parametrize on. The
+matrix runs lazily, once, on the first test that needs it, and only the part the selected tests
+need: `-k fsdp_impl-mlp-ws2` runs that scenario and the runs it is compared with. At the end the
+session writes the same report, tables and baseline as `python -m harness run` with the same
+options, and a failed verdict fails the pytest run even where no test asserted on it.
+
+Under pytest-xdist (`-n N`) the matrix still runs once: the first worker that needs it runs it
+while holding a lock on a file in a folder the controller made, and leaves the result there; the
+other workers wait on the lock and load it; the controller writes the outputs and decides the
+exit status from it. [Note: xdist workers collect the same items, so each computes the same
+selection.]
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import pickle
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from . import options as opt
+from .session import Session, SessionOptions
 
-_RUN_KEY = pytest.StashKey[dict]()
+_SESSION = pytest.StashKey[Session]()
+_SELECTED = pytest.StashKey[object]()  # set of scenario ids, or None for the whole matrix
+_SHARED = pytest.StashKey[Path]()  # xdist controller: the folder workers share the result through
+_SHARED_KEY = "fsdp_harness_shared"
+RESULT_FILE, RAN_BY_FILE = "result.pickle", "ran_by"
+MATRIX_FIXTURE = "harness_run"
 
 
 def pytest_addoption(parser):
@@ -23,19 +43,18 @@ def pytest_addoption(parser):
     if parser.prog == "__main__.py":
         parser.prog = "python -m pytest"
     group = parser.getgroup("fsdp-harness", "FSDP equivalence harness")
-    opt.add_matrix_arguments(lambda name, **kw: group.addoption(name, **kw))
-    group.addoption("--report", type=opt.report_path, default=opt.DEFAULT_REPORT,
-                    help=f"verification report written after the run (default {opt.DEFAULT_REPORT})")
-    group.addoption("--no-report", action="store_true", help="do not write the report")
-    opt.add_gate_arguments(lambda name, **kw: group.addoption(name, **kw))
+    add = lambda name, **kw: group.addoption(name, **kw)  # noqa: E731
+    opt.add_matrix_arguments(add)
+    opt.add_output_arguments(add)
+    opt.add_gate_arguments(add)
     group.addoption("--slow", action="store_true", help="also run tests marked slow")
 
 
 def pytest_configure(config):
+    if _is_controller(config):
+        config.stash[_SHARED] = Path(tempfile.mkdtemp(prefix="fsdp-harness-xdist-"))
     try:
-        config.stash[_RUN_KEY] = {"matrix": opt.matrix_from(config.option), "result": None,
-                                  "baseline": opt.load_baseline_option(config.getoption("--baseline"),
-                                                                           config.getoption("--gate"))}
+        config.stash[_SESSION] = Session(SessionOptions.from_namespace(config.option), say=lambda line: _say(config, line))
     except argparse.ArgumentTypeError as e:
         raise pytest.UsageError(str(e)) from None
 
@@ -49,30 +68,52 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session):
+    """Which scenarios the selected tests need: those they are parametrized on, or every one."""
+    needing = [i for i in session.items if MATRIX_FIXTURE in getattr(i, "fixturenames", ())]
+    ids = [getattr(i, "callspec", None) and i.callspec.params.get("scenario_id") for i in needing]
+    session.config.stash[_SELECTED] = None if any(x is None for x in ids) else set(ids)
+
+
 def matrix_options(config) -> opt.MatrixOptions:
-    return config.stash[_RUN_KEY]["matrix"]
+    return config.stash[_SESSION].options.matrix
 
 
 def get_run(config):
-    """Run the matrix once per session (lazily, on first use) and return the RunResult."""
-    state = config.stash[_RUN_KEY]
-    if state["result"] is None:
-        from .run import run_matrix
-        m = state["matrix"]
-        scenarios = m.scenarios()
-        _say(config, f"\n[fsdp-harness] running {len(scenarios)} scenarios "
-                     f"(world sizes {','.join(map(str, m.world_sizes))})")
-        progress = lambda i, n, sc, secs: _say(config, f"[fsdp-harness] {i:>3}/{n} {sc.id:<48} {secs:5.1f}s")  # noqa: E731
-        result = run_matrix(scenarios, timeout_s=m.timeout_s, bounds=m.bounds, progress=progress)
-        if state["baseline"] is not None:
-            from .run import apply_gate
-            apply_gate(result, state["baseline"], config.getoption("--gate"))
-        state["result"] = result
-    return state["result"]
+    """The session's RunResult: the matrix runs on first use, once per pytest run (xdist included)."""
+    harness = config.stash[_SESSION]
+    shared = getattr(config, "workerinput", {}).get(_SHARED_KEY)
+    if shared is None or harness.result is not None:
+        return harness.run(config.stash.get(_SELECTED, None))
+    with open(Path(shared) / "lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first worker runs the matrix; the others wait here
+        result_file = Path(shared) / RESULT_FILE
+        if result_file.exists():
+            harness.result = pickle.loads(result_file.read_bytes())
+        else:
+            harness.run(config.stash.get(_SELECTED, None))
+            worker = config.workerinput.get("workerid", "?")
+            (Path(shared) / RAN_BY_FILE).write_text(f"{worker} {len(harness.result.scenarios)}")
+            tmp = result_file.with_suffix(".tmp")
+            tmp.write_bytes(pickle.dumps(harness.result))
+            tmp.replace(result_file)
+    return harness.result
+
+
+def _is_controller(config) -> bool:
+    """The process that runs no tests itself: xdist's controller (with -n N, N > 0)."""
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist controller: tell each worker where the shared result goes."""
+    node.workerinput[_SHARED_KEY] = str(node.config.stash[_SHARED])
 
 
 def _say(config, line: str) -> None:
     """Progress on the terminal even while pytest captures output."""
+    line = f"[fsdp-harness] {line}"
     capman = config.pluginmanager.getplugin("capturemanager")
     if capman is None:
         sys.stderr.write(line + "\n")
@@ -88,19 +129,25 @@ def harness_run(request):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    config = session.config
-    state = config.stash.get(_RUN_KEY, None)
-    if not state or state["result"] is None:
+    harness = session.config.stash.get(_SESSION, None)
+    if harness is None:
         return
-    res = state["result"]
-    if config.getoption("--save-baseline"):
-        from .baseline import save_baseline
-        _say(config, f"[fsdp-harness] baseline: {save_baseline(res.tables, res.env, config.getoption('--save-baseline'))}")
-    if config.getoption("--no-report"):
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: the controller writes the outputs
+    shared = session.config.stash.get(_SHARED, None)
+    if shared is not None:  # the xdist controller: the result a worker left
+        result_file = shared / RESULT_FILE
+        if result_file.exists():
+            harness.result = pickle.loads(result_file.read_bytes())
+            worker, n = (shared / RAN_BY_FILE).read_text().split()
+            _say(session.config, f"the matrix ran once, in xdist worker {worker}: {n} scenarios")
+        shutil.rmtree(shared, ignore_errors=True)
+    if harness.result is None:
         return
-    from .report import write_report
-    path = Path(config.getoption("--report"))
-    worker = getattr(config, "workerinput", {}).get("workerid")
-    if worker:
-        path = path.with_name(f"{path.stem}.{worker}{path.suffix}")
-    _say(config, f"\n[fsdp-harness] report: {write_report(res.tables, res.env, path)}")
+    status = harness.finish()
+    _say(session.config, harness.summary_line())
+    if status and session.exitstatus == 0:
+        for v in harness.failures():
+            _say(session.config, f"{v}")
+        _say(session.config, "a failed verdict that no test asserted on fails the run")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

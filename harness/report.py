@@ -116,21 +116,34 @@ def _overall(verdicts: pd.DataFrame, cells: pd.DataFrame) -> str:
             f"({n[SKIP]} skipped; {len(cells)} scenarios{extra})")
 
 
+# the per-step |param diff| column each numeric check holds against its bound
+DIFF_COLUMN = {"ws1_exact": "max_diff_ref", "cross_ws_replicated": "max_diff_ws1",
+               "split_matches_full_batch": "max_diff_ref"}
+
+
+def _int_or_none(x) -> int | None:
+    return None if _missing(x) else int(x)
+
+
+def _text(x) -> str:
+    return "" if _missing(x) else str(x)
+
+
+def location(v: pd.Series) -> str:
+    """A verdicts-table row's place, as `Verdict.location` reads it."""
+    return Verdict(v["check"], v["scenario"], v["status"], None, None, where=_text(v.get("where")),
+                   step=_int_or_none(v.get("step")), param=_text(v.get("param")),
+                   rank=_int_or_none(v.get("rank")), sample=_int_or_none(v.get("sample"))).location
+
+
 def _locate(steps: pd.DataFrame, v: pd.Series) -> tuple[str, int, bool] | None:
-    """(diff column, step, crossed) to anchor a failure trace: the first step whose max |param diff|
-    crossed the bound when the check measured that diff (its max or final value), else the step
-    named in `where`; None when neither is known."""
-    if not len(steps):
+    """(diff column, step, crossed) to anchor a failure trace at the step the verdict names; crossed
+    when that step is where the check's own |param diff| column crossed its bound."""
+    step = _int_or_none(v.get("step"))
+    if not len(steps) or step is None or step not in set(steps["step"]):
         return None
-    cols = ["max_diff_ref", "max_diff_ws1"][:: -1 if ("ws1" in v["check"] or "cross_ws" in v["check"]) else 1]
-    for col in cols if not (_missing(v["measured"]) or _missing(v["bound"])) else []:
-        d = steps[col].astype(float)
-        if np.isclose([d.max(), d.iloc[-1]], float(v["measured"]), rtol=1e-6, atol=0).any():
-            over = steps[d > float(v["bound"])]
-            if len(over):
-                return col, int(over["step"].iloc[0]), True
-    hit = re.search(r"step (\d+)", str(v["where"]))
-    return (cols[0], int(hit.group(1)), False) if hit and int(hit.group(1)) in set(steps["step"]) else None
+    col = DIFF_COLUMN.get(v["check"])
+    return (col, step, True) if col else ("max_diff_ref", step, False)
 
 
 def _failure(v: pd.Series, tables: dict) -> list[str]:
@@ -139,7 +152,7 @@ def _failure(v: pd.Series, tables: dict) -> list[str]:
     out.append(f"- **measured** {num(v['measured'])} against **bound** {num(v['bound'])}"
                + (f" ({times} the bound, over by {num(float(v['measured']) - float(v['bound']))})"
                   if times != "—" else ""))
-    out += [f"- **where** (from the check): {v['where']}"] if v["where"] else []
+    out += [f"- **where** (from the check): {location(v)}"] if location(v) else []
     out += [f"- {v['message']}"] if v["message"] else []
     steps = _t(tables, "steps")
     steps = steps[steps["scenario"] == v["scenario"]].sort_values("step") if len(steps) else steps
@@ -202,6 +215,17 @@ def _closest_pass(check: str, g: pd.DataFrame) -> dict:
     return row
 
 
+KIND_ORDER = ("correctness", "efficiency", "regression gate")
+
+
+def check_kind(check: str) -> str:
+    """'correctness', 'efficiency' (memory, traffic) or 'regression gate', for a check name."""
+    if str(check).startswith("gate:"):
+        return "regression gate"
+    from harness.checks import all_checks
+    return {c.name: c.kind for c in all_checks()}.get(check, "correctness")
+
+
 def _verdict_sections(tables: dict) -> list[str]:
     verdicts = _t(tables, "verdicts")
     out = ["## Verdict summary", ""]
@@ -210,18 +234,27 @@ def _verdict_sections(tables: dict) -> list[str]:
     verdicts = verdicts.assign(_o=verdicts["status"].map(STATUS_ORDER).fillna(9),
                                measured=pd.to_numeric(verdicts["measured"], errors="coerce"),
                                bound=pd.to_numeric(verdicts["bound"], errors="coerce"))
+    verdicts = verdicts.assign(kind=verdicts["check"].map(check_kind))
     verdicts = verdicts.sort_values(["_o", "check"], kind="stable")
     rows = verdicts
     if len(verdicts) > MAX_SUMMARY_ROWS:  # passes of one check collapse into one row
         passed = pd.DataFrame([_closest_pass(check, g) for check, g in
                                verdicts[verdicts["status"] == PASS].groupby("check", sort=True)])
+        passed = passed.assign(kind=passed["check"].map(check_kind))
         rows = pd.concat([verdicts[verdicts["status"] != PASS], passed]).sort_values(["_o", "check"], kind="stable")
         out += [f"Passing verdicts are grouped per check ({len(verdicts)} verdicts in all; the run's "
                 "verdicts table lists each). A grouped row shows the pass closest to its bound.", ""]
-    summary = pd.DataFrame({"check": rows["check"], "scenario": rows["scenario"], "status": rows["status"].str.upper(),
-                            "measured": [num(x) for x in rows["measured"]], "bound": [num(x) for x in rows["bound"]],
-                            "where": rows["where"].fillna("")})
-    out += [md_table(summary), ""]
+    out += ["Correctness checks hold that sharded training computes what the plain model computes; "
+            "efficiency checks hold memory and traffic to the ZeRO-3 ideal; the gate compares with a baseline.", ""]
+    for kind in KIND_ORDER:
+        part = rows[rows["kind"] == kind]
+        if not len(part):
+            continue
+        summary = pd.DataFrame({"check": part["check"], "scenario": part["scenario"],
+                                "status": part["status"].str.upper(), "measured": [num(x) for x in part["measured"]],
+                                "bound": [num(x) for x in part["bound"]],
+                                "where": [location(v) for _, v in part.iterrows()]})
+        out += [f"### {kind.capitalize()}", "", md_table(summary), ""]
     fails = verdicts[verdicts["status"] == FAIL].fillna({"where": "", "message": ""})
     out += ["## Failures", ""] + ([] if len(fails) else ["None.", ""])
     for _, v in fails.iterrows():
@@ -229,7 +262,7 @@ def _verdict_sections(tables: dict) -> list[str]:
     out += ["## Known deviations", ""]
     known = verdicts[verdicts["status"] == KNOWN].fillna({"where": "", "message": ""})
     out += [f"- `{v['check']}` {_on(v)}: measured {num(v['measured'])} vs bound {num(v['bound'])}"
-            f" ({ratio(v['measured'], v['bound'], '.3g')})" + (f" at {v['where']}" if v["where"] else "")
+            f" ({ratio(v['measured'], v['bound'], '.3g')})" + (f" at {location(v)}" if location(v) else "")
             + f". **Cause:** {v['message'] or 'not stated'}" for _, v in known.iterrows()] or ["None."]
     skips = verdicts[verdicts["status"] == SKIP].fillna({"message": ""})
     if len(skips):
@@ -307,8 +340,9 @@ def _group_sections(tables: dict, plots_dir: Path, rel: str) -> list[str]:
         show = diff.reindex(picked).map(num)
         show.columns = [f"W={c}" for c in show.columns]
         bounds = {}
-        if len(verdicts):
-            vb = verdicts[verdicts["scenario"].isin(rows["scenario"]) & ~verdicts["check"].str.startswith("gate:")]
+        if len(verdicts):  # only the bounds held against this plot's quantity, |param diff| vs reference
+            vb = verdicts[verdicts["scenario"].isin(rows["scenario"])
+                          & verdicts["check"].map(lambda c: DIFF_COLUMN.get(c) == "max_diff_ref")]
             vb = vb.assign(bound=pd.to_numeric(vb["bound"], errors="coerce")).dropna(subset=["bound"])
             bounds = {c: float(b) for c, b in zip(vb["check"], vb["bound"]) if b > 0}
         out += ["#### Max |param diff| vs reference per step", "", md_table(show.reset_index()), "",
@@ -395,12 +429,19 @@ def write_report(tables: dict, env: dict, path: Path, *, title: str = "FSDP equi
     """Write `path` (markdown) and `<stem>_plots/` beside it, atomically; returns `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    plots_name = f"{path.stem}_plots"
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.stem}.tmp-"))
     try:
-        (tmp / plots_name).mkdir()
-        (tmp / path.name).write_text(render(tables, env, title, tmp / plots_name, plots_name), encoding="utf-8")
-        swap_into_place([(tmp / plots_name, path.parent / plots_name), (tmp / path.name, path)])
+        swap_into_place(stage_report(tables, env, path, tmp, title=title))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def stage_report(tables: dict, env: dict, path: Path, tmp: Path, *,
+                 title: str = "FSDP equivalence verification") -> list[tuple[Path, Path]]:
+    """Render the report and its plots into `tmp`; the (staged, final) pairs for `swap_into_place`."""
+    path = Path(path)
+    plots_name = f"{path.stem}_plots"
+    (tmp / plots_name).mkdir()
+    (tmp / path.name).write_text(render(tables, env, title, tmp / plots_name, plots_name), encoding="utf-8")
+    return [(tmp / plots_name, path.parent / plots_name), (tmp / path.name, path)]

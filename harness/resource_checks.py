@@ -13,8 +13,10 @@ import math
 
 import pandas as pd
 
+from .checks import Check
 from .measure import ideal_state_bytes
-from .verdict import FAIL, PASS, SKIP, Verdict
+from .policy import Bounds
+from .verdict import FAIL, PASS, Verdict
 
 STATE_CATEGORIES = ("params", "grads", "optimizer_state")
 ALIGN_BYTES_PER_TENSOR = 64  # flat-buffer alignment a shard may add per parameter tensor
@@ -24,9 +26,17 @@ COMM_SLACK = 0.01
 REDUCE_COLLECTIVES = ("reduce_scatter", "all_to_all", "all_reduce")
 
 
-def _ok_sharded_rows(tables) -> pd.DataFrame:
+def _measured_rows(tables, check: str, out: list[Verdict], *, multi_rank: bool = False) -> pd.DataFrame:
+    """The completed scenarios this check applies to whose parameter sizes were recorded; each one
+    without them gets a FAIL in `out` (a check that cannot run never passes)."""
     sc = tables["scenarios"]
-    return sc[(sc.status == "ok") & sc.param_bytes.notna()]
+    rows = sc[sc.status == "ok"]
+    if multi_rank:
+        rows = rows[(rows.world_size > 1) & rows.sharded.astype(bool)]
+    for r in rows[rows.param_bytes.isna()].itertuples():
+        out.append(Verdict(check, r.scenario, FAIL, None, None,
+                           message="could not be checked: the rank recorded no parameter sizes (param_bytes)"))
+    return rows[rows.param_bytes.notna()]
 
 
 def shard_padding(row) -> float:
@@ -45,17 +55,17 @@ def _max_over_ranks(mem: pd.DataFrame, sid: str, category: str) -> float:
     return float(rows["bytes"].max()) if len(rows) else math.nan
 
 
-def memory_sharding(tables) -> list[Verdict]:
+def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """Per-rank params, grads and optimizer state each within padding of the ideal (P x factor / W)."""
     out, mem = [], tables["memory"]
-    for row in _ok_sharded_rows(tables).itertuples():
+    for row in _measured_rows(tables, "memory_sharding", out).itertuples():
         ideal = ideal_state_bytes(int(row.param_bytes), row.optimizer, int(row.world_size), sharded=bool(row.sharded))
         allowance = shard_padding(row)
         worst, worst_limit, where, total_measured = 0.0, 1.0, "", 0.0
         for cat in STATE_CATEGORIES:
             measured = _max_over_ranks(mem, row.scenario, f"state_{cat}")
             if math.isnan(measured):
-                where = where or f"{cat} (not measured)"
+                where = where or f"{cat}: not measured"
                 continue
             total_measured += measured
             copies = ideal[cat] / ideal["params"] if ideal["params"] else 1  # optimizer state: 2 per param (AdamW)
@@ -75,14 +85,15 @@ def memory_sharding(tables) -> list[Verdict]:
     return out
 
 
-def peak_memory_bound(tables) -> list[Verdict]:
+def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """Peak <= sharded state + one unit's unsharded params and grads (twice: prefetch/overlap) +
     measured activations and other, with a stated margin. Keeping every unit unsharded breaks it."""
     out, mem = [], tables["memory"]
-    for row in _ok_sharded_rows(tables).itertuples():
+    for row in _measured_rows(tables, "peak_memory_bound", out).itertuples():
         peak = _max_over_ranks(mem, row.scenario, "peak")
         if math.isnan(peak):
-            out.append(Verdict("peak_memory_bound", row.scenario, SKIP, None, None, "", "peak not measured"))
+            out.append(Verdict("peak_memory_bound", row.scenario, FAIL, None, None,
+                               message="could not be checked: the rank recorded no peak memory"))
             continue
         ideal = ideal_state_bytes(int(row.param_bytes), row.optimizer, int(row.world_size), sharded=bool(row.sharded))
         unsharded = 0 if not row.sharded or row.world_size == 1 else 2 * 2 * float(row.largest_unit_bytes)
@@ -96,20 +107,19 @@ def peak_memory_bound(tables) -> list[Verdict]:
     return out
 
 
-def peak_params_bound(tables) -> list[Verdict]:
+def peak_params_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """Sharded, W > 1: the parameters a rank holds at the step's peak <= its shards + two child
     units gathered (the one running and one prefetched) + the root's own parameters (FSDP2 keeps
     the root gathered between forward and backward), plus padding. Held apart from activations,
     which dominate the peak of a small model and would hide a whole extra copy of the parameters
     (an implementation that skips the reshard after forward fails here, not in peak_memory_bound)."""
     out, mem = [], tables["memory"]
-    for row in _ok_sharded_rows(tables).itertuples():
-        if row.world_size == 1 or not row.sharded:
-            continue
+    for row in _measured_rows(tables, "peak_params_bound", out, multi_rank=True).itertuples():
         held = _max_over_ranks(mem, row.scenario, "params")
         if math.isnan(held) or math.isnan(float(getattr(row, "root_bytes", math.nan))):
-            out.append(Verdict("peak_params_bound", row.scenario, SKIP, None, None, "",
-                               "parameters at the peak not measured"))
+            out.append(Verdict("peak_params_bound", row.scenario, FAIL, None, None,
+                               message="could not be checked: parameters at the peak or the root's own "
+                                       "parameter bytes were not recorded"))
             continue
         shards = -(-int(row.param_bytes) // int(row.world_size))
         gathered = 2 * float(row.largest_child_bytes) + float(row.root_bytes)
@@ -122,13 +132,11 @@ def peak_params_bound(tables) -> list[Verdict]:
     return out
 
 
-def comm_volume(tables) -> list[Verdict]:
+def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """Sharded, W > 1: gradient reduction moves the trainable bytes (P when nothing is frozen),
     parameter all-gathers at most 2P (per step)."""
     out, comm = [], tables["comm"]
-    for row in _ok_sharded_rows(tables).itertuples():
-        if row.world_size == 1 or not row.sharded:
-            continue
+    for row in _measured_rows(tables, "comm_volume", out, multi_rank=True).itertuples():
         c = comm[comm.scenario == row.scenario]
         by = dict(zip(c.collective, c["bytes"]))
         p = float(row.param_bytes)
@@ -153,4 +161,21 @@ def comm_volume(tables) -> list[Verdict]:
     return out
 
 
-RESOURCE_CHECKS = (memory_sharding, peak_memory_bound, peak_params_bound, comm_volume)
+def _ok_row(row) -> bool:
+    return row.status == "ok"
+
+
+def _ok_multi_rank(row) -> bool:
+    return row.status == "ok" and row.world_size > 1 and bool(row.sharded)
+
+
+_SIZES = ("scenario", "status", "world_size", "sharded", "optimizer", "param_bytes", "row_bytes", "param_tensors")
+_MEM = {"memory": ("scenario", "category", "bytes")}
+RESOURCE_CHECKS = (
+    Check(memory_sharding, _ok_row, {"scenarios": _SIZES, **_MEM}, kind="efficiency"),
+    Check(peak_memory_bound, _ok_row, {"scenarios": _SIZES + ("largest_unit_bytes",), **_MEM}, kind="efficiency"),
+    Check(peak_params_bound, _ok_multi_rank, {"scenarios": _SIZES + ("largest_child_bytes", "root_bytes"), **_MEM},
+          kind="efficiency"),
+    Check(comm_volume, _ok_multi_rank, {"scenarios": _SIZES, "comm": ("scenario", "collective", "bytes")},
+          kind="efficiency"),
+)

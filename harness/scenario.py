@@ -39,6 +39,14 @@ class Scenario:
         """The scenario whose trajectory this one is compared with: the plain model, full batch."""
         return dataclasses.replace(self, impl=REFERENCE_IMPL, world_size=1, data_mode="replicated")
 
+    def dependencies(self) -> list["Scenario"]:
+        """The runs this one's checks compare with: the reference and, for a sharded run at W > 1,
+        the same implementation at world size 1 in the same data mode."""
+        deps = [] if self.impl == REFERENCE_IMPL else [self.reference()]
+        if self.impl != REFERENCE_IMPL and self.world_size > 1:
+            deps.append(self.at_world_size(1))
+        return deps
+
     def at_world_size(self, world_size: int) -> "Scenario":
         return dataclasses.replace(self, world_size=world_size)
 
@@ -55,12 +63,21 @@ def build_matrix(
     impls, models, world_sizes, data_modes, optimizers, *, steps=10, seeds=(0,), lr=1e-2,
     global_batch=16, backend="gloo",
 ) -> list[Scenario]:
-    """Every combination, in a stable order, plus the reference runs they are compared with."""
+    """Every combination, in a stable order, plus the runs they are compared with: the references
+    first, and each implementation at world size 1 where the world sizes leave it out."""
     cells = [
         Scenario(impl, model, ws, mode, opt, steps=steps, seed=seed, lr=lr,
                  global_batch=global_batch, backend=backend)
         for seed, impl, model, ws, mode, opt in itertools.product(
             seeds, impls, models, world_sizes, data_modes, optimizers)
     ]
-    refs = sorted({c.reference() for c in cells}, key=lambda s: s.id)
-    return refs + cells
+    return with_dependencies(cells)
+
+
+def with_dependencies(cells: list[Scenario]) -> list[Scenario]:
+    """`cells` plus every run they depend on (`Scenario.dependencies`), references first."""
+    have = set(cells)
+    deps = {d for c in cells for d in c.dependencies() if d not in have}
+    refs = sorted((d for d in deps if d.impl == REFERENCE_IMPL), key=lambda s: s.id)
+    ws1 = sorted((d for d in deps if d.impl != REFERENCE_IMPL), key=lambda s: s.id)
+    return refs + ws1 + cells

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: verdicts carry step, param, rank and sample
 FORMAT = "fsdp-equivalence-run"
 MANIFEST = "run.json"
 # Required columns per known table (the schema in harness/tables.py); extra columns are kept.
@@ -32,7 +32,7 @@ TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
                   "peak_bytes", "step_time_s"),
     "memory": ("scenario", "rank", "category", "bytes"),
     "comm": ("scenario", "collective", "calls", "bytes"),
-    "verdicts": ("check", "scenario", "status", "measured", "bound", "where", "message"),
+    "verdicts": ("check", "scenario", "status", "measured", "bound", "where", "message", "step", "param"),
 }
 
 
@@ -129,24 +129,30 @@ def save_run(tables: dict[str, pd.DataFrame], env: dict, directory: Path) -> Non
     """Write every table as CSV plus run.json into `directory`, atomically replacing an earlier run."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    for name, df in tables.items():
-        check_columns(name, df)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
     try:
-        manifest = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "env": _jsonable(dict(env)), "tables": {}}
-        for name, df in sorted(tables.items()):
-            file = f"{name}.csv"
-            if len(df.columns):
-                df.to_csv(tmp / file, index=False)
-            else:
-                (tmp / file).write_text("")
-            manifest["tables"][name] = {"file": file, "columns": [str(c) for c in df.columns],
-                                        "kinds": {str(c): _kind(df[c].dtype) for c in df.columns},
-                                        "rows": len(df)}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        swap_into_place([(tmp, directory)])
+        swap_into_place([(stage_run(tables, env, tmp / directory.name), directory)])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def stage_run(tables: dict[str, pd.DataFrame], env: dict, folder: Path) -> Path:
+    """Write the run's tables and manifest into a new `folder` (to be swapped into place); returns it."""
+    for name, df in tables.items():
+        check_columns(name, df)
+    folder = Path(folder)
+    folder.mkdir()
+    manifest = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "env": _jsonable(dict(env)), "tables": {}}
+    for name, df in sorted(tables.items()):
+        file = f"{name}.csv"
+        if len(df.columns):
+            df.to_csv(folder / file, index=False)
+        else:
+            (folder / file).write_text("")
+        manifest["tables"][name] = {"file": file, "columns": [str(c) for c in df.columns],
+                                    "kinds": {str(c): _kind(df[c].dtype) for c in df.columns}, "rows": len(df)}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return folder
 
 
 def _read_table(directory: Path, name: str, meta: dict) -> pd.DataFrame:

@@ -53,7 +53,8 @@ import torch.distributed as dist
 
 from .checks import run_checks, verdict_table
 from .policy import Bounds
-from .run import RunResult, environment
+from .environment import environment
+from .run import RunResult
 from .scenario import Scenario
 from .tables import build_tables
 from .worker import RankContext, device_for, launched_by_torchrun, root_cause, setup_process
@@ -77,7 +78,7 @@ class TorchrunUsageError(argparse.ArgumentTypeError):
 def run_matrix_under_torchrun(scenarios: list[Scenario], *, timeout_s: float = 300.0,
                               bounds: Bounds = Bounds(),
                               progress: Callable[[int, int, Scenario, float], None] | None = None,
-                              extra_checks=()) -> RunResult | None:
+                              ) -> RunResult | None:
     """Run ``scenarios`` in this torchrun job; the RunResult on rank 0, None on the other ranks."""
     global _runs
     t0 = time.perf_counter()
@@ -104,7 +105,7 @@ def run_matrix_under_torchrun(scenarios: list[Scenario], *, timeout_s: float = 3
                 store.set("snapshot_dir", tmp.encode())
                 records = runner.run_all(scenarios, tmp, progress)
                 tables = build_tables(scenarios, records)
-            verdicts = run_checks(tables, bounds, extra=extra_checks)
+            verdicts = run_checks(tables, bounds)
             tables["verdicts"] = verdict_table(verdicts)
             return RunResult(scenarios, tables, verdicts, environment(backend), time.perf_counter() - t0,
                              runner.groups_built, records)

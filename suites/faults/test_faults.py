@@ -260,10 +260,9 @@ def test_nan_is_a_failed_finite_verdict_never_a_passed_diff(fault_run, name):
         assert losses[nan_step] != losses[nan_step]  # NaN loss at the next step
     finite = [v for v in verdicts_of(res, sid) if v.check == "finite"]
     assert [v.status for v in finite] == ["fail"]
-    if name == "nan_loss":
-        assert finite[0].where == f"step {nan_step + 1}, loss"
-    else:  # every loss finite: only the parameters can tell
-        assert finite[0].where.startswith(f"step {nan_step}, layers."), finite[0].where
+    # the verdict names the first step a NaN shows: the parameters updated with a NaN gradient at
+    # nan_step (the loss turns NaN only at the step after, or never for nan_param)
+    assert finite[0].step == nan_step and finite[0].param.startswith("layers."), str(finite[0])
     assert not [v for v in verdicts_of(res, sid) if v.check in DIFF_CHECKS and v.status == "pass"]
     assert any(not v.passed for v in verdicts_of(res, sid))  # the scenario's test fails
 
@@ -278,7 +277,8 @@ def test_a_nan_run_through_the_cli_fails_finite_and_still_writes_the_report(tmp_
     assert "Traceback" not in output, output
     assert proc.returncode == 1
     nan_id = scenario("nan_loss", 1).id
-    assert f"[FAIL] finite {nan_id} at step {FAULT_STEP + 1}, loss" in proc.stderr
+    # the first NaN: the parameters updated with the NaN gradient of step FAULT_STEP
+    assert f"[FAIL] finite {nan_id} at step {FAULT_STEP}, layers." in proc.stderr, proc.stderr
     assert report.exists() and "finite" in report.read_text()
 
 
@@ -345,8 +345,8 @@ def test_ctrl_c_of_a_pytest_xdist_run_leaves_no_orphans(tmp_path):
                   "--impl", f"{FA}:hang_rank1", "--data-modes", "replicated", "--optimizers", "adamw",
                   "--steps", "3", "--scenario-timeout", "600", "--report", str(tmp_path / "r.md")])
     try:
-        # each xdist worker runs the matrix: both have a forkserver and a world of 2 hanging
-        assert _interrupt_when(proc, lambda n: n >= 6, within_s=180) >= 6
+        # the matrix runs once, in one xdist worker: its forkserver and the hanging world of 2
+        assert _interrupt_when(proc, lambda n: n >= 3, within_s=180) >= 3
         proc.communicate(timeout=90)
         assert proc.returncode not in (0, None)
         assert wait_session_empty(proc.pid, 15) == []

@@ -98,17 +98,8 @@ class MutantResult:
         hits = self.expected_failures
         if not hits:
             return ""
-        first = min(hits, key=lambda v: _step_of(v.where))
-        return f"{first.scenario}: {first.where}"
-
-
-def _step_of(where: str) -> float:
-    if where.startswith("step "):
-        try:
-            return int(where.split(",")[0].split()[1])
-        except (IndexError, ValueError):
-            pass
-    return math.inf
+        first = min(hits, key=lambda v: math.inf if v.step is None else v.step)
+        return f"{first.scenario}: {first.location}"
 
 
 @dataclass

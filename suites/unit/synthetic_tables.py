@@ -9,7 +9,8 @@ from __future__ import annotations
 import pandas as pd
 
 from harness.scenario import Scenario
-from harness.verdict import FAIL, KNOWN, PASS, SKIP
+from harness.checks import verdict_table
+from harness.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
 
 IMPL, MODEL, OPT = "fsdp_impl", "mlp", "adamw"
 PARAMS = {"layers.0.weight": 4096, "layers.0.bias": 64, "layers.1.weight": 640}
@@ -97,6 +98,9 @@ def _rows(sc: Scenario, fail: bool, steps: int):
                 param_sum=sum(r["sum"] for r in param_rows if r["step"] == steps),
                 max_diff_ref=max(r["max_diff_ref"] for r in step_rows),
                 max_diff_ws1=max(r["max_diff_ws1"] for r in step_rows),
+                sharded=sc.impl != "reference", param_bytes=PARAM_BYTES, trainable_bytes=PARAM_BYTES,
+                largest_unit_bytes=PARAM_BYTES // 2, largest_child_bytes=PARAM_BYTES // 4, root_bytes=PARAM_BYTES // 4,
+                row_bytes=64, param_tensors=len(PARAMS),
                 state_bytes=m["state_total"], peak_bytes=m["peak"], step_time_s=STEP_TIME * ws)
     return step_rows, param_rows, scen
 
@@ -113,14 +117,14 @@ def _verdicts(world_sizes, modes, fail: bool, steps: int) -> list[dict]:
             elif mode == "replicated":
                 st = KNOWN if is_known(ws, mode) else PASS
                 msg = KNOWN_CAUSE if st == KNOWN else "max |param diff| within the replicated bound"
-                where = f"step 1, {FAIL_PARAM}" if st == KNOWN else ""
+                at = dict(step=1, param=FAIL_PARAM) if st == KNOWN else {}
                 out.append(dict(check="cross_ws_replicated", scenario=sc_id, status=st, measured=worst,
-                                bound=REPL_BOUND, where=where, message=msg))
+                                bound=REPL_BOUND, message=msg, **at))
             else:
                 bad = is_failing(ws, mode, fail)
-                out.append(dict(check="split_tolerance", scenario=sc_id, status=FAIL if bad else PASS,
+                out.append(dict(check="split_matches_full_batch", scenario=sc_id, status=FAIL if bad else PASS,
                                 measured=worst, bound=SPLIT_BOUND,
-                                where=f"step {FAIL_STEP}, {FAIL_PARAM}" if bad else "",
+                                **(dict(step=FAIL_STEP, param=FAIL_PARAM) if bad else {}),
                                 message=("max |param diff| vs reference exceeds the split-data bound" if bad
                                          else "max |param diff| within the split-data bound")))
     out.append(dict(check="per_sample_norms", scenario=sid(1, "replicated"), status=SKIP, measured=None,
@@ -149,7 +153,8 @@ def make_tables(*, world_sizes=(1, 2, 4), modes=("replicated", "split"), steps: 
             comm_rows.append(dict(scenario=sc.id, collective=coll, calls=calls, bytes=b))
     return {"steps": pd.DataFrame(steps_rows), "params": pd.DataFrame(param_rows),
             "scenarios": pd.DataFrame(scen_rows), "memory": pd.DataFrame(mem_rows),
-            "comm": pd.DataFrame(comm_rows), "verdicts": pd.DataFrame(_verdicts(world_sizes, modes, fail, steps))}
+            "comm": pd.DataFrame(comm_rows),
+            "verdicts": verdict_table([Verdict(**v) for v in _verdicts(world_sizes, modes, fail, steps)])}
 
 
 ENV = {"torch": "2.13.0", "backend": "gloo", "device": "cpu", "seed": 0, "git_commit": "abc1234",

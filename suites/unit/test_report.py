@@ -267,7 +267,7 @@ def test_a_broken_plot_becomes_a_note(tmp_path, fast_plots, monkeypatch):
 def test_failure_of_another_quantity_is_traced_at_its_where_without_a_crossing_claim(tmp_path, fast_plots):
     tables = syn.make_tables(world_sizes=(1, 4), modes=("split",))
     gate = dict(check="gate:loss", scenario=syn.sid(4, "split"), status="fail", measured=5e-7, bound=1e-7,
-                where="step 2", message="loss regressed at step 2")
+                step=2, message="loss regressed at step 2")
     tables["verdicts"] = pd.concat([tables["verdicts"], pd.DataFrame([gate])], ignore_index=True)
     text = report.write_report(tables, {}, tmp_path / "r.md").read_text()
     gate_part = text[text.index("### FAIL `gate:loss`"):]
@@ -295,7 +295,7 @@ def test_many_passes_collapse_per_check_but_failures_stay_listed(tmp_path, fast_
     tables["verdicts"] = pd.concat([tables["verdicts"], pd.DataFrame(many)], ignore_index=True)
     summary = _section(report.write_report(tables, {}, tmp_path / "r.md").read_text(), "## Verdict summary")
     assert _row(summary, "gate:loss")[1:5] == ["45 scenarios", "PASS", f"{44e-9:.3g}", "1e-07"]
-    assert _row(summary, "split_tolerance")[1:3] == [syn.sid(4, "split"), "FAIL"]
+    assert _row(summary, "split_matches_full_batch")[1:3] == [syn.sid(4, "split"), "FAIL"]
 
 
 def test_diff_plot_bounds_come_from_equivalence_checks_only(tmp_path, monkeypatch):
@@ -304,11 +304,13 @@ def test_diff_plot_bounds_come_from_equivalence_checks_only(tmp_path, monkeypatc
     monkeypatch.setattr(report.plots, "plot_loss", lambda *a, **k: None)
     monkeypatch.setattr(report.plots, "plot_memory", lambda *a, **k: None)
     tables = syn.make_tables(world_sizes=(1, 4), modes=("split",))
-    gate = dict(check="gate:peak_mem", scenario=syn.sid(4, "split"), status="pass", measured=0.0, bound=5e4,
-                where="", message="")
-    tables["verdicts"] = pd.concat([tables["verdicts"], pd.DataFrame([gate])], ignore_index=True)
+    others = [dict(check=c, scenario=syn.sid(4, "split"), status="pass", measured=0.0, bound=b, where="", message="")
+              for c, b in (("gate:peak_mem", 5e4), ("grad_norm_matches", 1e-6), ("peak_memory_bound", 3e5),
+                           ("memory_sharding", 1.04))]
+    tables["verdicts"] = pd.concat([tables["verdicts"], pd.DataFrame(others)], ignore_index=True)
     report.write_report(tables, {}, tmp_path / "r.md")
-    assert seen == [{"split_tolerance": syn.SPLIT_BOUND}]
+    # the diff plot draws only bounds on |param diff| vs the reference: not grad norm, memory or the gate
+    assert seen == [{"split_matches_full_batch": syn.SPLIT_BOUND}]
 
 
 def test_rank_balance_from_state_categories_when_no_state_total(tmp_path, fast_plots):

@@ -1,0 +1,178 @@
+"""One verification session: the flow that `python -m harness run` and the pytest plugin both drive.
+
+    options -> matrix (reused worlds, or torchrun) -> per-sample norms -> gate -> outputs -> exit status
+
+Both entries build a `Session` from the same options and get the same tables, verdicts, report,
+baseline and exit status. Outputs (the report with its plots, the `<report>_tables/` folder and a
+saved baseline) are staged in a temp folder and swapped into place together, so a reader never
+sees a report from one run beside tables from another, and an interrupted run leaves the previous
+outputs as they were.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from . import options as opt
+from .checks import verdict_table
+from .run import RunResult
+from .scenario import Scenario, with_dependencies
+from .verdict import FAIL, KNOWN, PASS, SKIP, Verdict
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    matrix: opt.MatrixOptions
+    report: Path | None = opt.DEFAULT_REPORT  # None: write no outputs (report, tables) at all
+    per_sample: bool = False
+    baseline: str | None = None  # a name under reports/baselines/ or a path
+    gate: dict | None = None  # per-field tolerances (harness.baseline.parse_gate)
+    save_baseline: str | None = None
+
+    @classmethod
+    def from_namespace(cls, ns) -> "SessionOptions":
+        """From parsed CLI or pytest options (the names `add_*_arguments` register)."""
+        report = None if getattr(ns, "no_report", False) else getattr(ns, "report", None) or opt.DEFAULT_REPORT
+        return cls(opt.matrix_from(ns), report, bool(getattr(ns, "per_sample", False)),
+                   getattr(ns, "baseline", None), getattr(ns, "gate", None), getattr(ns, "save_baseline", None))
+
+
+def tables_dir(report: Path) -> Path:
+    """Where a report's tables go: `<report stem>_tables/` beside it."""
+    return Path(report).with_name(f"{Path(report).stem}_tables")
+
+
+class Session:
+    """Runs the matrix once (lazily), then writes every output together and gives the exit status.
+
+    `say` prints one progress line (stderr by default); `under_torchrun` runs the matrix in the
+    job torchrun started instead of in reused worlds (rank 0 alone writes outputs)."""
+
+    def __init__(self, options: SessionOptions, *, say: Callable[[str], None] | None = None,
+                 under_torchrun: bool = False):
+        self.options = options
+        self.say = say or _stderr
+        self.under_torchrun = under_torchrun
+        if under_torchrun and options.per_sample:
+            raise opt.argparse.ArgumentTypeError("--per-sample is not available under torchrun yet; run it "
+                                                 "without torchrun (python -m harness run --per-sample ...)")
+        backend = options.matrix.backend
+        self.baseline = opt.load_baseline_option(options.baseline, options.gate, backend)
+        self.result: RunResult | None = None
+        self.is_writer = True  # False on torchrun ranks other than 0
+
+    # Runtime #
+
+    def scenarios(self, selected: set[str] | None = None) -> list[Scenario]:
+        """The matrix, or the part of it that `selected` ids need (with what they compare with)."""
+        every = self.options.matrix.scenarios()
+        if selected is None:
+            return every
+        return with_dependencies([s for s in every if s.id in selected])
+
+    def run(self, selected: set[str] | None = None) -> RunResult | None:
+        """Run the (selected) matrix once; later calls return the same result. None on torchrun
+        ranks other than 0."""
+        if self.result is not None or not self.is_writer:
+            return self.result
+        m, scenarios = self.options.matrix, self.scenarios(selected)
+        where = "this torchrun job" if self.under_torchrun else "worlds"
+        self.say(f"running {len(scenarios)} scenarios in {where} of {','.join(map(str, m.world_sizes))} ranks")
+
+        def progress(i, n, sc, secs):
+            self.say(f"[{i:>3}/{n}] {sc.id:<48} {secs:6.1f}s")
+
+        if self.under_torchrun:
+            from .torchrun import run_matrix_under_torchrun
+            res = run_matrix_under_torchrun(scenarios, timeout_s=m.timeout_s, bounds=m.bounds, progress=progress)
+            if res is None:
+                self.is_writer = False
+                return None
+        else:
+            from .run import run_matrix
+            res = run_matrix(scenarios, timeout_s=m.timeout_s, bounds=m.bounds, progress=progress)
+        if self.options.per_sample:
+            self.say("per-sample gradient norms ...")
+            self._add_per_sample(res)
+        if self.baseline is not None:
+            self._gate(res)
+        self.result = res
+        return res
+
+    def _add_per_sample(self, res: RunResult) -> None:
+        from .per_sample_run import run_per_sample
+        tables, verdicts = run_per_sample(models=("mlp",), world_sizes=tuple(self.options.matrix.world_sizes))
+        res.tables.update(tables)
+        res.verdicts.extend(verdicts)
+        res.tables["verdicts"] = verdict_table(res.verdicts)
+
+    def _gate(self, res: RunResult) -> None:
+        from .baseline import compare
+        res.verdicts.extend(compare(res.tables, self.baseline, self.options.gate, env=res.env))
+        res.tables["verdicts"] = verdict_table(res.verdicts)
+
+    # Outputs #
+
+    def write_outputs(self) -> list[Path]:
+        """Report (+ plots), tables and a saved baseline, swapped into place together."""
+        from .baseline import DEFAULT_DIR, baseline_file, baseline_text
+        from .report import stage_report
+        from .store import stage_run, swap_into_place
+        res, o = self.result, self.options
+        if res is None or (o.report is None and not o.save_baseline):
+            return []
+        anchor = Path(o.report) if o.report is not None else DEFAULT_DIR / "x"
+        anchor.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=anchor.parent, prefix=".fsdp-harness-out-"))
+        try:
+            moves = []
+            if o.report is not None:
+                moves += stage_report(res.tables, res.env, o.report, tmp)
+                moves.append((stage_run(res.tables, res.env, tmp / "tables"), tables_dir(o.report)))
+            if o.save_baseline:
+                dst = baseline_file(o.save_baseline, res.env)
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                staged = tmp / "baseline.json"
+                staged.write_text(baseline_text(res.tables, res.env, o.save_baseline), encoding="utf-8")
+                moves.append((staged, dst))
+            swap_into_place(moves)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return [dst for _, dst in moves]
+
+    def counts(self) -> dict[str, int]:
+        verdicts = self.result.verdicts if self.result else []
+        return {s: sum(v.status == s for v in verdicts) for s in (PASS, FAIL, KNOWN, SKIP)}
+
+    def failures(self) -> list[Verdict]:
+        return [v for v in (self.result.verdicts if self.result else []) if v.status == FAIL]
+
+    def exit_status(self) -> int:
+        return EXIT_FAILED if self.failures() else EXIT_OK
+
+    def summary_line(self) -> str:
+        n = self.counts()
+        wall = f" in {self.result.wall_s:.1f}s" if self.result else ""
+        where = f"; report: {self.options.report}" if self.options.report is not None else ""
+        return (f"{n[PASS]} passed, {n[FAIL]} failed, {n[KNOWN]} known deviations, {n[SKIP]} skipped{wall}"
+                f"{where}")
+
+    def finish(self) -> int:
+        """Write the outputs and say where they went; the exit status (1 on any failed verdict)."""
+        if self.result is None:
+            return EXIT_OK
+        for path in self.write_outputs():
+            self.say(f"wrote {path}")
+        return self.exit_status()
+
+
+def _stderr(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -1,0 +1,95 @@
+"""One session behind both entries: `python -m harness run` and the pytest plugin give the same
+tables, verdicts and report for the same options; the matrix runs once under pytest-xdist; `-k`
+runs only what the selected tests need; output never lands on the committed reports.
+
+Each test runs the entry point in a subprocess on a small slice (mlp, W 1 and 2, 2 steps), in a
+fresh working directory, so the default output location is the one a user gets.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from harness.store import load_run
+
+ROOT = Path(__file__).resolve().parents[1]
+SLICE = ["--world-sizes", "2", "--impl", "fsdp_impl", "--models", "mlp", "--optimizers", "sgd", "--steps", "2"]
+REPORT = Path("reports/latest/verification.md")
+
+
+def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _pytest(cwd: Path, *extra: str) -> subprocess.CompletedProcess:
+    return _run(["-m", "pytest", str(ROOT / "suites" / "test_equivalence.py"), "-q", "-p", "no:cacheprovider",
+                 "--rootdir", str(ROOT), *SLICE, *extra], cwd)
+
+
+def _verdicts(folder: Path) -> set[tuple]:
+    tables, _ = load_run(folder / "reports" / "latest" / "verification_tables")
+    v = tables["verdicts"]
+    return set(zip(v["check"], v["scenario"], v["status"]))
+
+
+@pytest.fixture(scope="module")
+def cli_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("cli")
+    proc = _run(["-m", "harness", "run", *SLICE], d)
+    assert proc.returncode == 0, proc.stderr
+    return d
+
+
+def test_a_world_size_list_without_1_passes_on_correct_code(cli_dir):
+    """--world-sizes 2 alone: the W=1 run the cross-world-size check needs is added, not skipped."""
+    tables, _ = load_run(cli_dir / "reports" / "latest" / "verification_tables")
+    assert "fsdp_impl-mlp-ws1-replicated-sgd" in set(tables["scenarios"]["scenario"])
+    cross = tables["verdicts"].query("check == 'cross_ws_replicated'")
+    assert list(cross["status"]) == ["pass"] and list(cross["scenario"]) == ["fsdp_impl-mlp-ws2-replicated-sgd"]
+
+
+def test_default_output_goes_to_reports_latest_not_the_committed_report(cli_dir):
+    assert (cli_dir / REPORT).is_file() and (cli_dir / "reports" / "latest" / "verification_plots").is_dir()
+    assert not (cli_dir / "reports" / "verification.md").exists()
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(REPORT)], cwd=ROOT).returncode
+    assert ignored == 0, "reports/latest/ must be git-ignored"
+
+
+def test_pytest_and_the_cli_write_the_same_tables_and_verdicts(cli_dir, tmp_path):
+    proc = _pytest(tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / REPORT).is_file()
+    assert _verdicts(tmp_path) == _verdicts(cli_dir)
+    mine, _ = load_run(tmp_path / "reports" / "latest" / "verification_tables")
+    theirs, _ = load_run(cli_dir / "reports" / "latest" / "verification_tables")
+    assert set(mine) == set(theirs)
+    cols = ["scenario", "step", "loss", "max_diff_ref", "max_diff_ws1"]
+    pd.testing.assert_frame_equal(mine["steps"][cols], theirs["steps"][cols])
+
+
+def test_under_xdist_the_matrix_runs_once_and_one_report_is_written(tmp_path):
+    proc = _pytest(tmp_path, "-n", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # reference, W=1 and W=2 in both data modes: 5 scenarios, run by one worker, once
+    assert proc.stderr.count("the matrix ran once, in xdist worker") == 1, proc.stderr
+    assert proc.stderr.count("running 5 scenarios") == 1 and ": 5 scenarios" in proc.stderr, proc.stderr
+    written = sorted(p.name for p in (tmp_path / "reports" / "latest").iterdir())
+    assert written == ["verification.md", "verification_plots", "verification_tables"]
+    assert len(_verdicts(tmp_path)) > 0
+
+
+def test_k_runs_only_the_selected_scenario_and_what_it_is_compared_with(tmp_path):
+    proc = _pytest(tmp_path, "-k", "fsdp_impl-mlp-ws2-replicated-sgd")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # the scenario, the plain reference and the same implementation at W=1
+    assert "running 3 scenarios" in proc.stderr, proc.stderr
+    assert {s for _, s, _ in _verdicts(tmp_path)} == {"reference-mlp-ws1-replicated-sgd",
+                                                    "fsdp_impl-mlp-ws1-replicated-sgd",
+                                                    "fsdp_impl-mlp-ws2-replicated-sgd"}
