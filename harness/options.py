@@ -6,6 +6,7 @@ Each raises argparse.ArgumentTypeError with one clear line; callers turn it into
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,13 +89,29 @@ def seeds(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected integers, got {text!r}") from None
 
 
-def positive_float(text: str) -> float:
+def _number(text: str) -> float:
     try:
-        x = float(text)
+        return float(text)
     except (TypeError, ValueError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+
+
+def positive_float(text: str) -> float:
+    x = _number(text)
+    if not (x > 0 and math.isfinite(x)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return x
+
+
+# A wait on the workers (multiprocessing.connection.wait: epoll) takes at most 2**31 - 1 ms.
+MAX_TIMEOUT_S = 2147483
+
+
+def timeout_seconds(text: str) -> float:
+    x = _number(text)
+    if not 0 < x <= MAX_TIMEOUT_S:  # NaN fails too
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of seconds > 0 and at most {MAX_TIMEOUT_S} (24 days), got {text}")
     return x
 
 
@@ -208,7 +225,7 @@ def add_matrix_arguments(add) -> None:
     add("--lr", type=positive_float, default=None, help="learning rate (default 1e-2)")
     add("--global-batch", type=positive_int, default=None, help="global batch size (default 16)")
     add("--backend", choices=("gloo", "nccl"), default=None, help="gloo (CPU, default) or nccl (CUDA)")
-    add("--scenario-timeout", type=positive_float, default=None,
+    add("--scenario-timeout", type=timeout_seconds, default=None,
         help="seconds before a scenario counts as hung (default 300)")
     add("--cross-ws-bound", type=positive_float, default=None,
         help="max |param diff| vs world size 1 with replicated data (default 3e-8)")

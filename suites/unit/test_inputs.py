@@ -1,0 +1,44 @@
+"""Bad options are one usage-error line at parse time (harness.options), and output errors are one
+line with nothing left behind (harness.store / harness.report writers)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from harness import options as opt
+
+
+def _refused(parse, text: str) -> str:
+    with pytest.raises(argparse.ArgumentTypeError) as err:
+        parse(text)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+# -- numbers ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["inf", "-inf", "nan", "1e309", "0", "-1"])
+def test_lr_and_bounds_must_be_finite_and_positive(text):
+    assert "must be a finite number > 0" in _refused(opt.positive_float, text)
+
+
+@pytest.mark.parametrize("text", ["inf", "nan", "1e9", "2147484", "0", "-5"])
+def test_scenario_timeout_must_be_finite_positive_and_waitable(text):
+    assert "must be a finite number of seconds > 0 and at most 2147483" in _refused(opt.timeout_seconds, text)
+
+
+def test_the_longest_scenario_timeout_is_one_a_worker_wait_accepts():
+    """The bound is the real one: a wait on the workers' pipes (multiprocessing.connection.wait,
+    as harness.world does) takes the longest timeout the parser accepts and refuses a longer one."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    r, w = multiprocessing.Pipe(duplex=False)
+    w.send(1)
+    assert wait([r], opt.timeout_seconds("2147483")) == [r]
+    with pytest.raises(OverflowError):
+        wait([r], 2147484)
+    assert opt.timeout_seconds("0.5") == 0.5 and opt.positive_float("1e-3") == 1e-3
