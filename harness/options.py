@@ -82,11 +82,20 @@ def positive_int(text: str) -> int:
     return n
 
 
+# torch.manual_seed takes -2**63 .. 2**64 - 1, but the stored tables hold seeds as int64.
+SEED_RANGE = (-2**63, 2**63 - 1)
+
+
 def seeds(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(t) for t in _items(text))
+        out = tuple(int(t) for t in _items(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers, got {text!r}") from None
+    low, high = SEED_RANGE
+    bad = [n for n in out if not low <= n <= high]
+    if bad:
+        raise argparse.ArgumentTypeError(f"seed {bad[0]} is out of range: seeds are integers from {low} to {high}")
+    return out
 
 
 def _number(text: str) -> float:

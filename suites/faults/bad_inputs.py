@@ -81,6 +81,9 @@ CASES: tuple[Case, ...] = (
     Case("infinite learning rate", ("--lr", "inf"), "--lr: must be a finite number > 0, got inf"),
     Case("NaN learning rate", ("--lr", "nan"), "--lr: must be a finite number > 0, got nan"),
     Case("seeds as text", ("--seeds", "a"), "--seeds: expected integers"),
+    Case("seed too large for torch", ("--seeds", "99999999999999999999"),
+         "--seeds: seed 99999999999999999999 is out of range: seeds are integers from -9223372036854775808 to "
+         "9223372036854775807"),
     Case("conflicting pair: split data, batch not divisible",
          ("--world-sizes", "1,2", "--data-modes", "split", "--global-batch", "3"),
          "needs the global batch (3) divisible by every world size", pytest=True),

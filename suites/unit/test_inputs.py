@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 
+import pandas as pd
 import pytest
+import torch
 
 from harness import options as opt
+from harness.store import load_run, save_run
 
 
 def _refused(parse, text: str) -> str:
@@ -42,3 +45,27 @@ def test_the_longest_scenario_timeout_is_one_a_worker_wait_accepts():
     with pytest.raises(OverflowError):
         wait([r], 2147484)
     assert opt.timeout_seconds("0.5") == 0.5 and opt.positive_float("1e-3") == 1e-3
+
+
+# -- seeds -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["99999999999999999999", "9223372036854775808", "-9223372036854775809",
+                                  "0,18446744073709551615"])
+def test_seeds_outside_64_bit_signed_are_refused_naming_the_range(text):
+    message = _refused(opt.seeds, text)
+    assert "-9223372036854775808 to 9223372036854775807" in message
+
+
+def test_the_seed_range_is_what_torch_and_the_stored_tables_take(tmp_path):
+    low, high = opt.seeds("-9223372036854775808,9223372036854775807")
+    with torch.random.fork_rng(devices=[]):
+        for seed in (low, high):
+            torch.manual_seed(seed)
+        with pytest.raises((ValueError, RuntimeError)):  # one below: torch refuses it
+            torch.manual_seed(low - 1)
+    tables = {"seeds": pd.DataFrame({"seed": [low, high]})}
+    save_run(tables, {}, tmp_path / "run")
+    assert load_run(tmp_path / "run")[0]["seeds"]["seed"].tolist() == [low, high]
+    # one above: torch takes it, but the stored tables do not give it back (int64 columns)
+    save_run({"seeds": pd.DataFrame({"seed": [high + 1]})}, {}, tmp_path / "run")
+    assert load_run(tmp_path / "run")[0]["seeds"]["seed"].tolist() != [high + 1]
