@@ -72,13 +72,27 @@ def impls(text: str) -> tuple[str, ...]:
     return tuple(items)
 
 
-def positive_int(text: str) -> int:
+def _integer(text: str) -> int:
     try:
-        n = int(text)
+        return int(text)
     except (TypeError, ValueError):
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def positive_int(text: str) -> int:
+    n = _integer(text)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def steps(text: str) -> int:
+    """At least 2: memory is measured on step 2 (harness.train.MEASURED_STEP: once optimizer state
+    exists) and `converges` compares the last step's loss with the first's."""
+    n = _integer(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (got {n}): memory is measured on step 2 and the "
+                                         "convergence check compares the last step's loss with the first's")
     return n
 
 
@@ -229,7 +243,7 @@ def add_matrix_arguments(add) -> None:
     add("--models", type=models, default=None, help="model zoo names (default mlp,tinylm)")
     add("--data-modes", type=data_modes, default=None, help="replicated,split (default both)")
     add("--optimizers", type=optimizers, default=None, help="adamw,sgd (default both)")
-    add("--steps", type=positive_int, default=None, help="training steps per scenario (default 10)")
+    add("--steps", type=steps, default=None, help="training steps per scenario, at least 2 (default 10)")
     add("--seeds", type=seeds, default=None, help="comma list of seeds (default 0)")
     add("--lr", type=positive_float, default=None, help="learning rate (default 1e-2)")
     add("--global-batch", type=positive_int, default=None, help="global batch size (default 16)")

@@ -69,3 +69,16 @@ def test_the_seed_range_is_what_torch_and_the_stored_tables_take(tmp_path):
     # one above: torch takes it, but the stored tables do not give it back (int64 columns)
     save_run({"seeds": pd.DataFrame({"seed": [high + 1]})}, {}, tmp_path / "run")
     assert load_run(tmp_path / "run")[0]["seeds"]["seed"].tolist() != [high + 1]
+
+
+# -- steps -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["1", "0", "-3"])
+def test_steps_must_be_at_least_two(text):
+    assert _refused(opt.steps, text).startswith(f"must be >= 2 (got {text}): ")
+
+
+def test_the_least_steps_include_the_step_memory_is_measured_on():
+    from harness.train import MEASURED_STEP  # 0-based: memory is measured on step MEASURED_STEP + 1
+
+    assert opt.steps("2") == 2 and MEASURED_STEP + 1 <= 2
