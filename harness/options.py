@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,6 +171,19 @@ def baseline_name(text: str) -> str:
     return text
 
 
+# The rule harness.baseline.save_baseline enforces (test_inputs.py checks that they agree).
+_NEW_BASELINE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def new_baseline_name(text: str) -> str:
+    """A name to store a baseline under (reports/baselines/NAME.json), never a path."""
+    if not _NEW_BASELINE_NAME.fullmatch(text or ""):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a baseline name: use letters, digits, '-', '_' and '.', starting with a letter or "
+            "digit, no path (it is stored as reports/baselines/NAME.json)")
+    return text
+
+
 def gate_spec(text: str) -> dict:
     from .baseline import parse_gate
     return parse_gate(text)
@@ -178,7 +192,8 @@ def gate_spec(text: str) -> dict:
 def add_gate_arguments(add) -> None:
     add("--baseline", type=baseline_name, default=None,
         help="compare the run with this baseline (name under reports/baselines/ or a path); regressions fail")
-    add("--save-baseline", type=baseline_name, default=None, help="store this run's summary as a baseline")
+    add("--save-baseline", type=new_baseline_name, default=None,
+        help="store this run's summary as reports/baselines/NAME.json (a name, not a path)")
     add("--gate", type=gate_spec, default=None,
         help="per-field tolerances, e.g. loss:1e-7,peak_mem:5%%,comm_bytes:0 (defaults in harness/baseline.py)")
 

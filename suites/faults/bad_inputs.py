@@ -85,6 +85,9 @@ CASES: tuple[Case, ...] = (
     Case("seed too large for torch", ("--seeds", "99999999999999999999"),
          "--seeds: seed 99999999999999999999 is out of range: seeds are integers from -9223372036854775808 to "
          "9223372036854775807"),
+    Case("baseline to save given as a path", ("--save-baseline", "../x"),
+         "--save-baseline: '../x' is not a baseline name", pytest=True),
+    Case("baseline to save named '..'", ("--save-baseline", ".."), "--save-baseline: '..' is not a baseline name"),
     Case("conflicting pair: split data, batch not divisible",
          ("--world-sizes", "1,2", "--data-modes", "split", "--global-batch", "3"),
          "needs the global batch (3) divisible by every world size", pytest=True),

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from harness import options as opt
+from harness.baseline import save_baseline
 from harness.store import load_run, save_run
+from . import synthetic_tables as syn
 
 
 def _refused(parse, text: str) -> str:
@@ -82,3 +84,36 @@ def test_the_least_steps_include_the_step_memory_is_measured_on():
     from harness.train import MEASURED_STEP  # 0-based: memory is measured on step MEASURED_STEP + 1
 
     assert opt.steps("2") == 2 and MEASURED_STEP + 1 <= 2
+
+
+# -- baselines -------------------------------------------------------------------------------------
+
+NOT_NAMES = ["../x", "a/b", "/tmp/x", ".", "..", ".hidden", "-x", "a b", "", "x\\y", "name\n"]
+
+
+@pytest.mark.parametrize("text", NOT_NAMES)
+def test_save_baseline_takes_a_name_only(text):
+    assert "is not a baseline name" in _refused(opt.new_baseline_name, text)
+
+
+@pytest.mark.parametrize("text", ["default", "cpu-2.13", "gpu_h100", "v1.2.3", "A9"])
+def test_save_baseline_names_are_the_ones_save_baseline_writes(text, tmp_path):
+    assert opt.new_baseline_name(text) == text
+    path = save_baseline(syn.make_tables(world_sizes=(1,), modes=("replicated",)), {}, text, tmp_path)
+    assert path == tmp_path / f"{text}.json" and path.is_file()
+
+
+@pytest.mark.parametrize("text", NOT_NAMES)
+def test_names_the_parser_refuses_save_baseline_refuses_too(text, tmp_path):
+    with pytest.raises(ValueError):
+        save_baseline({}, {}, text, tmp_path)
+
+
+def test_baseline_to_read_may_still_be_a_path():
+    assert opt.baseline_name("reports/baselines/default.json") == "reports/baselines/default.json"
+
+
+def test_the_cli_and_plugin_use_the_name_parser_for_save_baseline():
+    seen = {}
+    opt.add_gate_arguments(lambda name, **kw: seen.setdefault(name, kw["type"]))
+    assert seen["--save-baseline"] is opt.new_baseline_name and seen["--baseline"] is opt.baseline_name
