@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from . import options as opt
+from .store import OutputError
 from .session import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Session, SessionOptions
 
 
@@ -110,6 +111,8 @@ def main(argv=None) -> int:
         parser.exit(EXIT_USAGE, f"error: {e}\n")
     except _input_errors() as e:
         parser.exit(EXIT_USAGE, f"error: {e}\n")
+    except OutputError as e:  # a full disk, no permission: one line, the earlier outputs left in place
+        parser.exit(EXIT_FAILED, f"error: {e}\n")
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:

@@ -6,6 +6,8 @@ Each raises argparse.ArgumentTypeError with one clear line; callers turn it into
 from __future__ import annotations
 
 import argparse
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,30 +75,69 @@ def impls(text: str) -> tuple[str, ...]:
     return tuple(items)
 
 
-def positive_int(text: str) -> int:
+def _integer(text: str) -> int:
     try:
-        n = int(text)
+        return int(text)
     except (TypeError, ValueError):
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def positive_int(text: str) -> int:
+    n = _integer(text)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
     return n
 
 
+def steps(text: str) -> int:
+    """At least 2: memory is measured on step 2 (harness.train.MEASURED_STEP: once optimizer state
+    exists) and `converges` compares the last step's loss with the first's."""
+    n = _integer(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (got {n}): memory is measured on step 2 and the "
+                                         "convergence check compares the last step's loss with the first's")
+    return n
+
+
+# torch.manual_seed takes -2**63 .. 2**64 - 1, but the stored tables hold seeds as int64.
+SEED_RANGE = (-2**63, 2**63 - 1)
+
+
 def seeds(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(t) for t in _items(text))
+        out = tuple(int(t) for t in _items(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers, got {text!r}") from None
+    low, high = SEED_RANGE
+    bad = [n for n in out if not low <= n <= high]
+    if bad:
+        raise argparse.ArgumentTypeError(f"seed {bad[0]} is out of range: seeds are integers from {low} to {high}")
+    return out
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
 def positive_float(text: str) -> float:
-    try:
-        x = float(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    x = _number(text)
+    if not (x > 0 and math.isfinite(x)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return x
+
+
+# A wait on the workers (multiprocessing.connection.wait: epoll) takes at most 2**31 - 1 ms.
+MAX_TIMEOUT_S = 2147483
+
+
+def timeout_seconds(text: str) -> float:
+    x = _number(text)
+    if not 0 < x <= MAX_TIMEOUT_S:  # NaN fails too
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of seconds > 0 and at most {MAX_TIMEOUT_S} (24 days), got {text}")
     return x
 
 
@@ -132,6 +173,17 @@ def baseline_name(text: str) -> str:
     return text
 
 
+def new_baseline_name(text: str) -> str:
+    """A name to store a baseline under (reports/baselines/NAME/<machine kind>.json), never a path:
+    the rule harness.baseline.baseline_file enforces, checked here before the run."""
+    from .baseline import NAME_RULE
+    if not re.fullmatch(NAME_RULE, text or "") or text in (".", ".."):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a baseline name: use letters, digits, '-', '_' and '.', starting with a letter or "
+            "digit, no path (it is stored as reports/baselines/NAME/<machine kind>.json)")
+    return text
+
+
 def gate_spec(text: str) -> dict:
     from .baseline import parse_gate
     return parse_gate(text)
@@ -149,7 +201,8 @@ def add_output_arguments(add) -> None:
 def add_gate_arguments(add) -> None:
     add("--baseline", type=baseline_name, default=None,
         help="compare the run with this baseline (name under reports/baselines/ or a path); regressions fail")
-    add("--save-baseline", type=baseline_name, default=None, help="store this run's summary as a baseline")
+    add("--save-baseline", type=new_baseline_name, default=None,
+        help="store this run's summary as reports/baselines/NAME/<machine kind>.json (a name, not a path)")
     add("--gate", type=gate_spec, default=None,
         help="per-field tolerances, e.g. loss:1e-7,peak_mem:5%%,comm_bytes:0 (defaults in harness/baseline.py)")
 
@@ -216,12 +269,12 @@ def add_matrix_arguments(add) -> None:
     add("--models", type=models, default=None, help="model zoo names (default mlp,tinylm)")
     add("--data-modes", type=data_modes, default=None, help="replicated,split (default both)")
     add("--optimizers", type=optimizers, default=None, help="adamw,sgd (default both)")
-    add("--steps", type=positive_int, default=None, help="training steps per scenario (default 10)")
+    add("--steps", type=steps, default=None, help="training steps per scenario, at least 2 (default 10)")
     add("--seeds", type=seeds, default=None, help="comma list of seeds (default 0)")
     add("--lr", type=positive_float, default=None, help="learning rate (default 1e-2)")
     add("--global-batch", type=positive_int, default=None, help="global batch size (default 16)")
     add("--backend", choices=("gloo", "nccl"), default=None, help="gloo (CPU, default) or nccl (CUDA)")
-    add("--scenario-timeout", type=positive_float, default=None,
+    add("--scenario-timeout", type=timeout_seconds, default=None,
         help="seconds before a scenario counts as hung (default 300)")
     add("--cross-ws-bound", type=positive_float, default=None,
         help="max |param diff| vs world size 1 with replicated data (default 3e-8)")

@@ -28,6 +28,7 @@ import pytest
 
 from . import options as opt
 from .session import Session, SessionOptions
+from .store import OutputError
 
 _SESSION = pytest.StashKey[Session]()
 _SELECTED = pytest.StashKey[object]()  # set of scenario ids, or None for the whole matrix
@@ -144,7 +145,12 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(shared, ignore_errors=True)
     if harness.result is None:
         return
-    status = harness.finish()
+    try:
+        status = harness.finish()
+    except OutputError as e:
+        _say(session.config, f"error: {e}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        return
     _say(session.config, harness.summary_line())
     if status and session.exitstatus == 0:
         for v in harness.failures():

@@ -19,7 +19,7 @@ import pandas as pd
 from harness import plots
 from harness.report_per_sample import per_sample_section
 from harness.scenario import REFERENCE_IMPL
-from harness.store import rank_bytes, swap_into_place
+from harness.store import rank_bytes, swap_into_place, writing
 from harness.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
 
 GROUP = ["impl", "model", "data_mode", "optimizer", "seed"]
@@ -426,14 +426,16 @@ def render(tables: dict, env: dict, title: str, plots_dir: Path, rel: str) -> st
 
 
 def write_report(tables: dict, env: dict, path: Path, *, title: str = "FSDP equivalence verification") -> Path:
-    """Write `path` (markdown) and `<stem>_plots/` beside it, atomically; returns `path`."""
+    """Write `path` (markdown) and `<stem>_plots/` beside it, atomically; returns `path`. A write
+    that fails raises harness.store.OutputError (one line) and leaves the earlier report in place."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.stem}.tmp-"))
-    try:
-        swap_into_place(stage_report(tables, env, path, tmp, title=title))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.stem}.tmp-"))
+        try:
+            swap_into_place(stage_report(tables, env, path, tmp, title=title))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

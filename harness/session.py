@@ -124,24 +124,26 @@ class Session:
         """Report (+ plots), tables and a saved baseline, swapped into place together."""
         from .baseline import DEFAULT_DIR, baseline_file, baseline_text
         from .report import stage_report
-        from .store import stage_run, swap_into_place
+        from .store import stage_run, swap_into_place, writing
         res, o = self.result, self.options
         if res is None or (o.report is None and not o.save_baseline):
             return []
         anchor = Path(o.report) if o.report is not None else DEFAULT_DIR / "x"
-        anchor.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=anchor.parent, prefix=".fsdp-harness-out-"))
+        with writing(anchor):
+            anchor.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=anchor.parent, prefix=".fsdp-harness-out-"))
         try:
             moves = []
-            if o.report is not None:
-                moves += stage_report(res.tables, res.env, o.report, tmp)
-                moves.append((stage_run(res.tables, res.env, tmp / "tables"), tables_dir(o.report)))
-            if o.save_baseline:
-                dst = baseline_file(o.save_baseline, res.env)
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                staged = tmp / "baseline.json"
-                staged.write_text(baseline_text(res.tables, res.env, o.save_baseline), encoding="utf-8")
-                moves.append((staged, dst))
+            with writing(anchor):  # staging: a full disk here is the same one-line error
+                if o.report is not None:
+                    moves += stage_report(res.tables, res.env, o.report, tmp)
+                    moves.append((stage_run(res.tables, res.env, tmp / "tables"), tables_dir(o.report)))
+                if o.save_baseline:
+                    dst = baseline_file(o.save_baseline, res.env)
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    staged = tmp / "baseline.json"
+                    staged.write_text(baseline_text(res.tables, res.env, o.save_baseline), encoding="utf-8")
+                    moves.append((staged, dst))
             swap_into_place(moves)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -165,7 +167,8 @@ class Session:
                 f"{where}")
 
     def finish(self) -> int:
-        """Write the outputs and say where they went; the exit status (1 on any failed verdict)."""
+        """Write the outputs and say where they went; the exit status (1 on any failed verdict).
+        A failed write raises harness.store.OutputError (one line; earlier outputs left in place)."""
         if self.result is None:
             return EXIT_OK
         for path in self.write_outputs():

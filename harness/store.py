@@ -7,10 +7,12 @@ Layout of a run directory::
     <name>.csv      one per table, exact float round trip (repr precision)
 
 Writes are atomic: everything goes to a temp directory beside the target, which then replaces it.
+A write that fails raises OutputError (one line) and leaves no temp or backup entry behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -38,6 +40,35 @@ TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
 
 class StoreError(Exception):
     """A run directory that cannot be read back; the message is one line naming the problem."""
+
+
+class OutputError(OSError):
+    """An output that cannot be written (full disk, no permission, read-only file system, ...).
+
+    Raised by write_text_atomic, swap_into_place, save_run and harness.report.write_report (so
+    also by harness.baseline.save_baseline); ``str()`` is one line naming the path and the OS
+    reason: ``cannot write reports/verification.md: No space left on device``. ``errno`` and
+    ``strerror`` are the cause's. When it is raised, the write's temp and backup entries are gone
+    and what the path held before is back in place.
+    """
+
+    def __init__(self, path, cause: OSError):
+        reason = " ".join((cause.strerror or str(cause) or type(cause).__name__).split())
+        super().__init__(cause.errno, reason, str(path))
+
+    def __str__(self) -> str:
+        return f"cannot write {self.filename}: {self.strerror}"
+
+
+@contextlib.contextmanager
+def writing(path):
+    """Turn an OSError raised in the block into OutputError naming `path` (an OutputError passes)."""
+    try:
+        yield
+    except OutputError:
+        raise
+    except OSError as exc:
+        raise OutputError(path, exc) from exc
 
 
 def check_columns(name: str, df: pd.DataFrame) -> None:
@@ -80,15 +111,16 @@ def write_text_atomic(path: Path, text: str) -> Path:
     """Write `text` to `path` through a temp file beside it: readers see the old file or the new one,
     never a part; an interrupted write leaves no temp file behind."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
     return path
 
 
@@ -96,44 +128,63 @@ def swap_into_place(moves: list[tuple[Path, Path]]) -> None:
     """Move each src onto its dst (files or folders); if any move fails, every dst is restored.
 
     A file dst is replaced atomically (os.replace); a folder dst is renamed aside first, so it is
-    briefly absent. Backups live beside dst and are removed once every move has succeeded.
+    briefly absent. Backups live beside dst and are removed once every move has succeeded, or once
+    restored; OutputError names the dst that failed. A backup that cannot be restored is kept
+    (the only copy of the old content).
     """
     done: list[tuple[Path, Path | None]] = []  # (dst, backup of its old content or None)
+    folders: list[Path] = []  # backup folders, removed at the end
     try:
         for src, dst in moves:
             backup = None
             if dst.exists():
-                backup = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.old-")) / dst.name
+                folders.append(Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.old-")))
+                backup = folders[-1] / dst.name
                 if dst.is_dir():
                     os.replace(dst, backup)
                 else:
                     os.link(dst, backup)
             done.append((dst, backup))
             os.replace(src, dst)
-    except BaseException:
-        for dst, backup in reversed(done):
-            if dst.is_dir():  # only the new content can be here: the old one was moved aside
-                shutil.rmtree(dst, ignore_errors=True)
-            if backup is not None:
-                os.replace(backup, dst)
-            elif dst.is_file():
-                dst.unlink()
+    except BaseException as exc:
+        for moved, backup in reversed(done):
+            try:
+                _put_back(moved, backup)
+            except OSError:
+                if backup is not None:
+                    folders.remove(backup.parent)
+        if isinstance(exc, OSError) and not isinstance(exc, OutputError):
+            raise OutputError(dst, exc) from exc
         raise
     finally:
-        for _, backup in done:
-            if backup is not None:
-                shutil.rmtree(backup.parent, ignore_errors=True)
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _put_back(dst: Path, backup: Path | None) -> None:
+    """Undo a move onto `dst`: its old content (`backup`) back in place, or no `dst` if it had none."""
+    if backup is not None and dst.is_file() and os.path.samefile(dst, backup):
+        return  # a file whose replacement never landed: the old one is still there
+    if dst.is_dir():  # only new content can be here: an old folder was moved aside
+        shutil.rmtree(dst)
+    if backup is not None:
+        os.replace(backup, dst)
+    elif dst.exists():
+        dst.unlink()
 
 
 def save_run(tables: dict[str, pd.DataFrame], env: dict, directory: Path) -> None:
     """Write every table as CSV plus run.json into `directory`, atomically replacing an earlier run."""
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
-    try:
-        swap_into_place([(stage_run(tables, env, tmp / directory.name), directory)])
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    for name, df in tables.items():
+        check_columns(name, df)
+    with writing(directory):
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
+        try:
+            swap_into_place([(stage_run(tables, env, tmp / directory.name), directory)])
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def stage_run(tables: dict[str, pd.DataFrame], env: dict, folder: Path) -> Path:

@@ -57,7 +57,7 @@ from .environment import environment
 from .run import RunResult
 from .scenario import Scenario
 from .tables import build_tables
-from .worker import RankContext, device_for, launched_by_torchrun, root_cause, setup_process
+from .worker import TORCHRUN_VARIABLES, RankContext, device_for, launched_by_torchrun, root_cause, setup_process
 
 __all__ = ["run_matrix_under_torchrun", "TorchrunError", "TorchrunUsageError"]
 
@@ -83,7 +83,7 @@ def run_matrix_under_torchrun(scenarios: list[Scenario], *, timeout_s: float = 3
     global _runs
     t0 = time.perf_counter()
     if not launched_by_torchrun():
-        raise TorchrunError("not launched by torchrun: RANK / WORLD_SIZE / MASTER_ADDR are not set")
+        raise TorchrunError(f"not launched by torchrun: {' / '.join(TORCHRUN_VARIABLES)} are not all set")
     rank, job_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = _check_fits(scenarios, job_size)
     setup_process()

@@ -88,8 +88,14 @@ def main(rank: int, world_size: int, backend: str, store_path: str, conn: Connec
         dist.destroy_process_group()
 
 
+TORCHRUN_VARIABLES = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR")
+
+
 def launched_by_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+    """Started by torchrun: its elastic agent sets TORCHELASTIC_RUN_ID (torch's own test,
+    dist.is_torchelastic_launched) besides RANK / WORLD_SIZE / MASTER_ADDR, which alone may be
+    stale exports in the user's shell."""
+    return all(k in os.environ for k in TORCHRUN_VARIABLES)
 
 
 def run_under_torchrun(fn: str, payload: Any = None, backend: str | None = None) -> list | None:
@@ -100,7 +106,7 @@ def run_under_torchrun(fn: str, payload: Any = None, backend: str | None = None)
     is used as it is and left alone.
     """
     if not launched_by_torchrun():
-        raise RuntimeError("not launched by torchrun: RANK / WORLD_SIZE / MASTER_ADDR are not set")
+        raise RuntimeError(f"not launched by torchrun: {' / '.join(TORCHRUN_VARIABLES)} are not all set")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

@@ -5,6 +5,10 @@ order. Rendezvous goes through a ``FileStore`` in a fresh temp dir (never a fixe
 pytest-xdist workers never collide). A raising rank gives ``RankFailed``; a rank that does not
 answer in time gives ``WorldHung`` with the Python stack of each stuck rank. Either way the world
 is killed: no worker outlives a failure, a ``close()``, Ctrl-C, ``atexit`` or the parent's death.
+
+The process that builds a world or a pool (the parent, never a worker) unwinds on SIGTERM and
+SIGHUP as on Ctrl-C: they raise KeyboardInterrupt in its main thread, so worlds are killed and
+temp dirs removed on the way out (see ``unwind_on_termination``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import types
 import weakref
@@ -40,6 +45,27 @@ _FAILURE_GRACE_S = 1.0  # after a first failure, time left for the other ranks t
 _STACK_WAIT_S = 3.0  # how long a stuck rank gets to write its stack
 _CLOSE_WAIT_S = 5.0  # how long a clean close waits before killing
 _LIVE: "weakref.WeakSet[World]" = weakref.WeakSet()  # closed at interpreter exit
+_UNWIND_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # `kill PID`, a closed terminal
+
+
+def unwind_on_termination() -> None:
+    """Make SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread, as Ctrl-C does.
+
+    Only for a signal that still has its default action (a handler the program installed is
+    kept) and only from the main thread (where Python runs handlers). The first such signal
+    restores the default action of both: a second one ends the process at once.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in _UNWIND_SIGNALS:
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _interrupt)
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    for sig in _UNWIND_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 class WorldError(RuntimeError):
@@ -72,6 +98,7 @@ class World:
         if backend == "nccl" and torch.cuda.device_count() < world_size:
             raise WorldError(f"backend 'nccl' needs {world_size} CUDA devices, "
                              f"found {torch.cuda.device_count()}")
+        unwind_on_termination()
         self.world_size, self.backend, self.timeout_s = world_size, backend, timeout_s
         self.start_method = start_method
         self._broken = self._closed = False
@@ -251,6 +278,7 @@ class WorldPool:
     ``reuse=False`` starts a fresh world for every ``get`` (the baseline the benchmark measures)."""
 
     def __init__(self, *, timeout_s: float = 300.0, start_method: str = "forkserver", reuse: bool = True):
+        unwind_on_termination()  # before the owner makes temp dirs for the pool's worlds to write in
         self.timeout_s, self.start_method, self.reuse = timeout_s, start_method, reuse
         self.worlds_started = 0
         self._world: World | None = None

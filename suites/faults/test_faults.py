@@ -439,6 +439,7 @@ def _no_nan(rows: list[dict]) -> list[dict]:
 def test_under_torchrun_a_scenario_larger_than_the_job_is_one_clear_error(monkeypatch):
     from harness.torchrun import TorchrunUsageError, run_matrix_under_torchrun
 
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -60,6 +60,7 @@ def as_torchrun_rank(rank: int, world_size: int, port: int, conn) -> None:
     """Process target: set the variables torchrun sets, then call run_under_torchrun."""
     from harness.world import run_under_torchrun
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(TORCHELASTIC_RUN_ID="test", RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     conn.send(run_under_torchrun(f"{__name__}:all_reduce_sum", 0.5))
