@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 from . import options as opt
-from .store import OutputError
 from .session import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Session, SessionOptions
 
 
@@ -104,6 +103,8 @@ def main(argv=None) -> int:
     try:
         ns = parser.parse_args(argv)
         return {"run": cmd_run, "report": cmd_report, "compare": cmd_compare, "plan": cmd_plan}[ns.verb](ns)
+    except SystemExit:
+        raise  # argparse's own exits (--help, usage errors), before the clauses below import anything
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130
@@ -111,8 +112,13 @@ def main(argv=None) -> int:
         parser.exit(EXIT_USAGE, f"error: {e}\n")
     except _input_errors() as e:
         parser.exit(EXIT_USAGE, f"error: {e}\n")
-    except OutputError as e:  # a full disk, no permission: one line, the earlier outputs left in place
+    except _output_errors() as e:  # a full disk, no permission: one line, the earlier outputs left in place
         parser.exit(EXIT_FAILED, f"error: {e}\n")
+
+
+def _output_errors() -> tuple[type[BaseException], ...]:
+    from .store import OutputError
+    return (OutputError,)
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:

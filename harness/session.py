@@ -16,13 +16,14 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from . import options as opt
-from .checks import verdict_table
-from .run import RunResult
 from .scenario import Scenario, with_dependencies
 from .verdict import FAIL, KNOWN, PASS, SKIP, Verdict
+
+if TYPE_CHECKING:  # torch and pandas load only once a run starts: a usage error stays instant
+    from .run import RunResult
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -107,6 +108,7 @@ class Session:
         return res
 
     def _add_per_sample(self, res: RunResult) -> None:
+        from .checks import verdict_table
         from .per_sample_run import run_per_sample
         tables, verdicts = run_per_sample(models=("mlp",), world_sizes=tuple(self.options.matrix.world_sizes))
         res.tables.update(tables)
@@ -115,6 +117,7 @@ class Session:
 
     def _gate(self, res: RunResult) -> None:
         from .baseline import compare
+        from .checks import verdict_table
         res.verdicts.extend(compare(res.tables, self.baseline, self.options.gate, env=res.env))
         res.tables["verdicts"] = verdict_table(res.verdicts)
 
