@@ -211,6 +211,33 @@ def finite(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     return out
 
 
+def params_cover_model(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    """`full_params` gives every parameter of the plain model, under its name, with its shape, at
+    every step: a parameter left out would never be compared, so a bug confined to it would pass."""
+    out = []
+    sc, cover = tables["scenarios"], tables["coverage"]
+    for row in _ok(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
+        n = row.params_compared
+        if pd.isna(n):
+            out.append(_not_measured("params_cover_model", row, f"no parameters of {_reference_id(row)} "
+                                     "to hold full_params against"))
+            continue
+        bad = cover[cover.scenario == row.scenario].sort_values("step", kind="stable")  # missing first
+        if not len(bad):
+            out.append(Verdict("params_cover_model", row.scenario, PASS, 0, 0, message=(
+                f"full_params gave all {int(n)} parameters of the plain model, names and shapes, at every step")))
+            continue
+        first = bad.iloc[0]
+        at_first = bad[bad.step == first.step]
+        listed = "; ".join(f"{r.param}: {r.problem}" for r in at_first.head(5).itertuples())
+        more = f" (and {len(at_first) - 5} more)" if len(at_first) > 5 else ""
+        out.append(_verdict("params_cover_model", row, False, len(at_first), 0,
+                            f"full_params disagrees with the plain model's {int(n)} parameters at step "
+                            f"{int(first.step)}: {listed}{more}", step=int(first.step), param=str(first.param),
+                            where=str(first.problem)))
+    return out
+
+
 def completed(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """Every rank finished; a scenario that raised or hung is a failure with its message."""
     return [Verdict("completed", row.scenario, PASS if row.status == "ok" else FAIL, None, None,
@@ -272,6 +299,8 @@ NUMERIC_CHECKS = (
           {"scenarios": _ROW + ("steps", "lr"), "steps": _DIFFS}),
     Check(grad_norm_matches, _not_reference, {"scenarios": _ROW, "steps": _STEPS + ("grad_norm",)}),
     Check(converges, _not_reference, {"scenarios": _ROW, "steps": _STEPS}),
+    Check(params_cover_model, _not_reference, {"scenarios": _ROW + ("params_compared",),
+                                               "coverage": ("scenario", "step", "param", "problem")}),
 )
 
 

@@ -387,7 +387,8 @@ def _memory_section(tables: dict, plots_dir: Path, rel: str) -> list[str]:
 
 def _comm_section(tables: dict) -> list[str]:
     comm, cells = _t(tables, "comm"), _cells(tables)
-    out = ["## Communication", "", "Per training step on rank 0. ZeRO-3 ideal: 2 all-gathers and 1 reduce-scatter "
+    out = ["## Communication", "", "Per training step on rank 0, per collective and element type, in elements "
+           "and bytes of the full size each collective handles. ZeRO-3 ideal: 2 all-gathers and 1 reduce-scatter "
            "of the parameters per step, (W-1)/W of their bytes each on the wire.", ""]
     if not len(comm) or not len(cells):
         return out + ["_Communication: not measured._", ""]
@@ -397,8 +398,12 @@ def _comm_section(tables: dict) -> list[str]:
         if not len(c):
             out += ["_No collectives recorded._", ""]
             continue
+        col = lambda name: c[name] if name in c else pd.Series(np.nan, index=c.index)  # noqa: E731
         t = pd.DataFrame({"world size": c["world_size"], "collective": c["collective"],
+                          "dtype": col("dtype").fillna("").astype(str),
                           "calls per step": [num(x, "g") for x in c["calls"]],
+                          "elements per step": [num(x, ",.0f" if float(x).is_integer() else ",.6g")
+                                                for x in col("elements")],
                           "bytes per step": [human_bytes(x) for x in c["bytes"]],
                           "bytes (exact)": [num(x, ".0f" if float(x).is_integer() else ".6g") for x in c["bytes"]]})
         if "ideal_bytes" in c:

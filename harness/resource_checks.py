@@ -3,8 +3,8 @@
 Ideal per rank at world size W, for full parameters of P bytes (harness.measure):
     state    params P/W + grads P/W + optimizer state (AdamW 2P, SGD-momentum P)/W; no division
              for an adapter that declares itself unsharded (DDP), so a sharding claim can fail
-    traffic  all-gather 2P (forward and backward) + gradient reduce-scatter P per step, counted as
-             the full size each collective handles (harness.measure.comm)
+    traffic  all-gather 2P (forward and backward) + gradient reduce-scatter P per step, counted in
+             elements of the full size each collective handles (harness.measure.comm), bytes beside
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ ALIGN_BYTES_PER_TENSOR = 64  # flat-buffer alignment a shard may add per paramet
 STATE_SLACK = 0.01  # relative slack on top of the padding allowance
 PEAK_SLACK = 0.10
 COMM_SLACK = 0.01
-REDUCE_COLLECTIVES = ("reduce_scatter", "all_to_all", "all_reduce")
+SCATTER_COLLECTIVES = ("reduce_scatter", "all_to_all")  # each rank receives only its shard
 
 
 def _measured_rows(tables, check: str, out: list[Verdict], *, multi_rank: bool = False) -> pd.DataFrame:
@@ -133,30 +133,44 @@ def peak_params_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 
 
 def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
-    """Sharded, W > 1: gradient reduction moves the trainable bytes (P when nothing is frozen),
-    parameter all-gathers at most 2P (per step)."""
+    """Sharded, W > 1, per step, counted in elements so that the element type neither hides nor
+    fakes volume: parameter all-gathers at most 2P elements, and the gradient reduction exactly the
+    trainable elements T (P when nothing is frozen: a frozen parameter is gathered, never reduced)
+    by a reduce-scatter or an all-to-all. An all-reduce hands every rank the whole reduced gradient
+    (DDP or ZeRO-2 style): twice a reduce-scatter's ring traffic, so it fails here whatever its
+    bytes. The bytes follow from the element types: a reduction in a wider type than the
+    parameters (float64, exact by design) is reported with its traffic factor, not failed."""
     out, comm = [], tables["comm"]
     for row in _measured_rows(tables, "comm_volume", out, multi_rank=True).itertuples():
         c = comm[comm.scenario == row.scenario]
-        by = dict(zip(c.collective, c["bytes"]))
-        p = float(row.param_bytes)
-        # gradients exist only for trainable parameters: a frozen one is gathered, never reduced
-        t = float(getattr(row, "trainable_bytes", math.nan))
-        t = p if math.isnan(t) else t
-        allowance = gather_padding(row)
-        gather = by.get("all_gather", 0.0)
-        reduce = sum(by.get(k, 0.0) for k in REDUCE_COLLECTIVES)
+        elements = c.groupby("collective")["elements"].sum().to_dict()
+        nbytes = c.groupby("collective")["bytes"].sum().to_dict()
+        p = float(row.param_elements)
+        width = float(row.param_bytes) / p  # bytes per parameter element
+        t = float(row.trainable_elements)
+        allowance = gather_padding(row) / width
+        gather = elements.get("all_gather", 0.0)
+        scatter = sum(elements.get(k, 0.0) for k in SCATTER_COLLECTIVES)
+        all_reduce = elements.get("all_reduce", 0.0)
+        reduce = scatter + all_reduce
+        reduce_bytes = sum(nbytes.get(k, 0.0) for k in (*SCATTER_COLLECTIVES, "all_reduce"))
+        factor = reduce_bytes / (reduce * width) if reduce else math.nan
+        types = sorted(set(c[c.collective.isin((*SCATTER_COLLECTIVES, "all_reduce"))].dtype.astype(str)))
         problems = []
         if gather > 2 * (p * (1 + COMM_SLACK) + allowance):
-            problems.append(f"all_gather {gather:,.0f} B > 2P = {2 * p:,.0f} B")
+            problems.append(f"all_gather {gather:,.0f} elements > 2P = {2 * p:,.0f}")
         if not t <= reduce <= t * (1 + COMM_SLACK) + allowance:
-            problems.append(f"gradient reduction {reduce:,.0f} B != trainable {t:,.0f} B" if t != p else
-                            f"gradient reduction {reduce:,.0f} B != P = {p:,.0f} B")
-        total = gather + reduce
-        msg = (f"per step: all_gather {gather:,.0f} B ({gather / p:.2f}P), gradient reduction {reduce:,.0f} B "
-               f"({reduce / p:.2f}P); ZeRO-3 ideal 2P + P with P = {p:,.0f} B")
+            what = "trainable" if t != p else "P ="
+            problems.append(f"gradient reduction {reduce:,.0f} elements != {what} {t:,.0f}")
+        if all_reduce:
+            problems.append(f"gradients reduced by all_reduce ({all_reduce:,.0f} elements): every rank receives the "
+                            "whole reduced gradient, twice a reduce-scatter's traffic (not ZeRO-3)")
+        msg = (f"per step: all_gather {gather:,.0f} elements ({gather / p:.2f}P), gradient reduction "
+               f"{reduce:,.0f} elements ({reduce / p:.2f}P) in {', '.join(types) or 'no type'}, "
+               f"{reduce_bytes:,.0f} B: traffic factor {factor:.2f}x the parameters' {8 * width:g}-bit elements; "
+               f"ZeRO-3 ideal 2P + P with P = {p:,.0f} elements")
         limit = (2 * p + t) * (1 + COMM_SLACK) + 3 * allowance  # the most both conditions above allow together
-        out.append(Verdict("comm_volume", row.scenario, FAIL if problems else PASS, total / p, limit / p,
+        out.append(Verdict("comm_volume", row.scenario, FAIL if problems else PASS, (gather + reduce) / p, limit / p,
                            "; ".join(problems), msg + f"; allowed up to {limit / p:.3g}P with padding"))
     return out
 
@@ -176,6 +190,7 @@ RESOURCE_CHECKS = (
     Check(peak_memory_bound, _ok_row, {"scenarios": _SIZES + ("largest_unit_bytes",), **_MEM}, kind="efficiency"),
     Check(peak_params_bound, _ok_multi_rank, {"scenarios": _SIZES + ("largest_child_bytes", "root_bytes"), **_MEM},
           kind="efficiency"),
-    Check(comm_volume, _ok_multi_rank, {"scenarios": _SIZES, "comm": ("scenario", "collective", "bytes")},
+    Check(comm_volume, _ok_multi_rank, {"scenarios": _SIZES + ("param_elements", "trainable_elements"),
+                                        "comm": ("scenario", "collective", "dtype", "elements", "bytes")},
           kind="efficiency"),
 )

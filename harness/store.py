@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
-SCHEMA_VERSION = 2  # 2: verdicts carry step, param, rank and sample
+SCHEMA_VERSION = 2  # 2: verdicts carry step, param, rank and sample; the coverage table
 FORMAT = "fsdp-equivalence-run"
 MANIFEST = "run.json"
 # Required columns per known table (the schema in harness/tables.py); extra columns are kept.
@@ -33,7 +33,8 @@ TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
                   "status", "error", "final_loss", "param_sum", "max_diff_ref", "max_diff_ws1", "state_bytes",
                   "peak_bytes", "step_time_s"),
     "memory": ("scenario", "rank", "category", "bytes"),
-    "comm": ("scenario", "collective", "calls", "bytes"),
+    "comm": ("scenario", "collective", "dtype", "calls", "elements", "bytes"),
+    "coverage": ("scenario", "step", "param", "problem"),
     "verdicts": ("check", "scenario", "status", "measured", "bound", "where", "message", "step", "param"),
 }
 

@@ -10,16 +10,22 @@ params     one row per scenario x step x parameter (full, unsharded parameter un
 scenarios  one row per scenario
            scenario, impl, model, world_size, data_mode, optimizer, seed, steps, lr, status, error,
            final_loss, param_sum, max_diff_ref, max_diff_ws1, sharded, param_bytes (full parameters),
+           trainable_bytes, param_elements, trainable_elements,
            largest_unit_bytes (largest unit's full parameters), row_bytes (one dim-0 row of every
-           parameter tensor, summed), param_tensors (count), state_bytes (max over ranks of
+           parameter tensor, summed), param_tensors (count), params_compared (parameters of the plain
+           model whose names and shapes were held against full_params), state_bytes (max over ranks of
            params + grads + optimizer state held), peak_bytes (max over ranks), step_time_s
 memory     one row per scenario x rank x category (bytes on that rank)
            scenario, rank, category, bytes
            categories: peak by category during the measured step (params, grads, optimizer_state,
            activations, other, peak) and state held after it (state_params, state_grads,
            state_optimizer_state, state_total)
-comm       one row per scenario x collective (per training step, averaged over measured steps, rank 0)
-           scenario, collective, calls, bytes
+comm       one row per scenario x collective x element type (per training step, averaged over the
+           steps, rank 0): scenario, collective, dtype, calls, elements, bytes (the full size each
+           collective handles, harness.measure.comm)
+coverage   one row per scenario x step x parameter that `full_params` got wrong against the plain
+           model (left out, not a parameter of the plain model, another shape); empty when all held
+           scenario, step, param, problem
 verdicts   one row per Verdict (harness.verdict): check, scenario, status, measured, bound, where, message
 """
 
@@ -83,7 +89,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
     """results: scenario id -> {"ranks": [per-rank record...]} or {"error": str}."""
     by_id = {s.id: s for s in scenarios}
     snaps = _Snapshots({sid: r["ranks"][0]["snapshot_dir"] for sid, r in results.items() if "ranks" in r})
-    steps_rows, param_rows, scen_rows, mem_rows, comm_rows = [], [], [], [], []
+    steps_rows, param_rows, scen_rows, mem_rows, comm_rows, cover_rows = [], [], [], [], [], []
     for sc in scenarios:
         res = results.get(sc.id, {"error": "not run"})
         base = _scenario_fields(sc)
@@ -93,11 +99,15 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
         r0 = res["ranks"][0]
         ref_id = sc.reference().id
         ws1_id = ws1_of(sc).id if sc.impl != REFERENCE_IMPL else None
-        final = {}
+        final, compared = {}, math.nan
         for rec in r0["steps"]:
             k = rec["step"]
             cur = snaps.get(sc.id, k) or {}
-            d_ref = _diffs(cur, snaps.get(ref_id, k)) if ref_id in by_id else {}
+            ref = snaps.get(ref_id, k) if ref_id in by_id else None
+            if ref is not None and sc.impl != REFERENCE_IMPL:
+                cover_rows += _coverage(sc.id, k, cur, ref)
+                compared = len(ref)
+            d_ref = _diffs(cur, ref)
             d_ws1 = _diffs(cur, snaps.get(ws1_id, k)) if ws1_id in by_id else {}
             for name, t in cur.items():
                 param_rows.append({"scenario": sc.id, "step": k, "param": name, "numel": t.numel(),
@@ -119,11 +129,13 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
         scen_rows.append({**base, "steps": sc.steps, "lr": sc.lr, "status": "ok", "error": "", **final,
                           "sharded": r0.get("sharded", True), "param_bytes": r0.get("param_bytes", math.nan),
                           "trainable_bytes": r0.get("trainable_bytes", math.nan),
+                          "param_elements": r0.get("param_elements", math.nan),
+                          "trainable_elements": r0.get("trainable_elements", math.nan),
                           "largest_unit_bytes": r0.get("largest_unit_bytes", math.nan),
                           "largest_child_bytes": r0.get("largest_child_bytes", math.nan),
                           "root_bytes": r0.get("root_bytes", math.nan),
                           "row_bytes": r0.get("row_bytes", math.nan), "param_tensors": r0.get("param_tensors", math.nan),
-                          "state_bytes": max(state), "peak_bytes": max(peak),
+                          "params_compared": compared, "state_bytes": max(state), "peak_bytes": max(peak),
                           "step_time_s": max(rr["step_time_s"] for rr in res["ranks"])})
     return {
         "steps": pd.DataFrame(steps_rows, columns=SCENARIO_COLUMNS + [
@@ -131,10 +143,29 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
         "params": pd.DataFrame(param_rows, columns=["scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum"]),
         "scenarios": pd.DataFrame(scen_rows, columns=SCENARIO_COLUMNS + [
             "steps", "lr", "status", "error", "final_loss", "param_sum", "max_diff_ref", "max_diff_ws1",
-            "sharded", "param_bytes", "trainable_bytes", "largest_unit_bytes", "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "state_bytes", "peak_bytes", "step_time_s"]),
+            "sharded", "param_bytes", "trainable_bytes", "param_elements", "trainable_elements", "largest_unit_bytes", "largest_child_bytes", "root_bytes",
+            "row_bytes", "param_tensors", "params_compared", "state_bytes", "peak_bytes", "step_time_s"]),
         "memory": pd.DataFrame(mem_rows, columns=["scenario", "rank", "category", "bytes"]),
-        "comm": pd.DataFrame(comm_rows, columns=["scenario", "collective", "calls", "bytes"]),
+        "comm": pd.DataFrame(comm_rows, columns=COMM_COLUMNS),
+        "coverage": pd.DataFrame(cover_rows, columns=COVERAGE_COLUMNS),
     }
+
+
+COVERAGE_COLUMNS = ["scenario", "step", "param", "problem"]
+COMM_COLUMNS = ["scenario", "collective", "dtype", "calls", "elements", "bytes"]
+
+
+def _coverage(sid: str, step: int, cur: dict, ref: dict) -> list[dict]:
+    """What `full_params` got wrong against the plain model's parameters at one step: a name it left
+    out, a name the plain model does not have, or another shape. Empty when every parameter of the
+    plain model came back under its name with its shape."""
+    rows = [{"scenario": sid, "step": step, "param": n, "problem": "missing"} for n in ref if n not in cur]
+    rows += [{"scenario": sid, "step": step, "param": n, "problem": "not a parameter of the plain model"}
+             for n in cur if n not in ref]
+    rows += [{"scenario": sid, "step": step, "param": n,
+              "problem": f"shape {tuple(cur[n].shape)}, the plain model's is {tuple(ref[n].shape)}"}
+             for n in cur if n in ref and cur[n].shape != ref[n].shape]
+    return rows
 
 
 def _worst(diffs: dict[str, float]) -> tuple[str, float]:

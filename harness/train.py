@@ -70,26 +70,28 @@ def run_scenario(ctx, payload: dict) -> dict:
             memory["state_total"] = sum(held.values())
         optimizer.zero_grad(set_to_none=True)
         for row in counter.summary():
-            tot = comm_totals.setdefault(row["collective"], {"calls": 0, "bytes": 0})
-            tot["calls"] += row["calls"]
-            tot["bytes"] += row["bytes"]
+            tot = comm_totals.setdefault((row["collective"], row["dtype"]), {"calls": 0, "elements": 0, "bytes": 0})
+            for k in tot:
+                tot[k] += row[k]
         steps.append({"step": step, "loss": _global_loss(loss, sc, ctx),
                       "grad_norm": _global_grad_norm(grad_sq, adapter, ctx)})
         _snapshot(adapter, wrapped, snap_dir / f"step{step}.pt", ctx.rank)
 
-    comm = [{"collective": k, "calls": v["calls"] / sc.steps, "bytes": v["bytes"] / sc.steps}
-            for k, v in sorted(comm_totals.items())]
+    comm = [{"collective": c, "dtype": d, **{k: v / sc.steps for k, v in tot.items()}}
+            for (c, d), tot in sorted(comm_totals.items())]
     return {"scenario": sc.id, "rank": ctx.rank, "steps": steps, "memory": memory, "comm": comm,
             "sharded": bool(adapter.sharded), **sizes,
             "step_time_s": sum(times) / len(times) if times else math.nan, "snapshot_dir": str(snap_dir)}
 
 
 def _param_bytes(model, units) -> dict:
-    """Full parameter bytes; the largest that one unit (or the root's remainder) holds unsharded; the
+    """Full parameter bytes and elements; the largest that one unit (or the root's remainder) holds unsharded; the
     largest child unit and the root's own parameters apart (FSDP2 keeps the root gathered after forward)."""
     nbytes = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
     params = list(model.parameters())
     total = nbytes(params)
+    elements = {"param_elements": sum(p.numel() for p in params),
+                "trainable_elements": sum(p.numel() for p in params if p.requires_grad)}
     per_unit = [nbytes(u.parameters()) for u in units]
     # one dim-0 row of every tensor: the most per-parameter dim-0 sharding pads per rank
     row_bytes = sum((p.numel() // p.shape[0] if p.dim() else 1) * p.element_size() for p in params if p.numel())
@@ -97,7 +99,7 @@ def _param_bytes(model, units) -> dict:
     return {"param_bytes": total, "trainable_bytes": nbytes(p for p in params if p.requires_grad),
             "largest_unit_bytes": max(per_unit + [root]),
             "largest_child_bytes": max(per_unit + [0]), "root_bytes": root,
-            "row_bytes": row_bytes, "param_tensors": len(params)}
+            "row_bytes": row_bytes, "param_tensors": len(params), **elements}
 
 
 def _snapshot(adapter, wrapped, path: Path, rank: int) -> None:

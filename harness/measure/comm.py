@@ -7,7 +7,8 @@ wrappers, which DDP's reducer and FSDP1/FSDP2 use, all call it), and functional 
 ``torch.ops._c10d_functional.*``; both are counted. DTensor ops are handed back
 (``NotImplemented``) so that the collectives they lower to are seen, as ``CommDebugMode`` does.
 
-Bytes: the size of the FULL (unsharded) tensor each collective handles, on this rank, in bytes:
+Size: the FULL (unsharded) tensor each collective handles, on this rank, in elements and in bytes,
+per element type (so a reduction in float64 reads as the same elements at twice the bytes):
 
     all_gather      output (W x the input shard)      reduce_scatter  input (W x the output shard)
     all_reduce      the tensor                        broadcast       the tensor
@@ -34,6 +35,7 @@ bytes rather than dropped silently.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -47,13 +49,30 @@ except ImportError:  # torch built without distributed
 __all__ = ["CommCounter", "ideal_comm_bytes", "wire_bytes"]
 
 
-def _nbytes(x: Any) -> int:
-    """Bytes of a tensor, or the sum over a (nested) list of tensors."""
+@dataclass(frozen=True)
+class Size:
+    """What one collective handles: elements, bytes and the element type ('float32', or 'mixed'
+    for a list of tensors of several types)."""
+
+    elements: int = 0
+    bytes: int = 0
+    dtype: str = ""
+
+    def __mul__(self, k: int) -> "Size":
+        return Size(self.elements * int(k), self.bytes * int(k), self.dtype)
+
+    def __add__(self, other: "Size") -> "Size":
+        dtype = self.dtype if other.dtype in ("", self.dtype) else other.dtype if not self.dtype else "mixed"
+        return Size(self.elements + other.elements, self.bytes + other.bytes, dtype)
+
+
+def _size(x: Any) -> Size:
+    """Size of a tensor, or the sum over a (nested) list of tensors."""
     if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
+        return Size(x.numel(), x.numel() * x.element_size(), str(x.dtype).removeprefix("torch."))
     if isinstance(x, (list, tuple)):
-        return sum(_nbytes(y) for y in x)
-    return 0
+        return sum((_size(y) for y in x), Size())
+    return Size()
 
 
 def _pg_size(pg: Any) -> int:
@@ -65,47 +84,47 @@ def _pg_size(pg: Any) -> int:
 
 
 # c10d op name -> (collective, bytes(args)); args are the op's positional arguments.
-_C10D: dict[str, tuple[str, Callable[[tuple], int]]] = {
-    "_allgather_base_": ("all_gather", lambda a: _nbytes(a[0])),
-    "allgather_": ("all_gather", lambda a: _nbytes(a[0])),
-    "allgather_coalesced_": ("all_gather", lambda a: _nbytes(a[0])),
-    "allgather_into_tensor_coalesced_": ("all_gather", lambda a: _nbytes(a[0])),
-    "_reduce_scatter_base_": ("reduce_scatter", lambda a: _nbytes(a[1])),
-    "reduce_scatter_": ("reduce_scatter", lambda a: _nbytes(a[1])),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", lambda a: _nbytes(a[1])),
-    "allreduce_": ("all_reduce", lambda a: _nbytes(a[0])),
-    "allreduce_coalesced_": ("all_reduce", lambda a: _nbytes(a[0])),
-    "broadcast_": ("broadcast", lambda a: _nbytes(a[0])),
-    "alltoall_": ("all_to_all", lambda a: _nbytes(a[1])),
-    "alltoall_base_": ("all_to_all", lambda a: _nbytes(a[1])),
-    "reduce_": ("reduce", lambda a: _nbytes(a[0])),
-    "gather_": ("gather", lambda a: _nbytes(a[1]) * _pg_size(a[2])),
-    "scatter_": ("scatter", lambda a: _nbytes(a[0]) * _pg_size(a[2])),
-    "send": ("send", lambda a: _nbytes(a[0])),
-    "recv_": ("recv", lambda a: _nbytes(a[0])),
-    "recv_any_source_": ("recv", lambda a: _nbytes(a[0])),
-    "barrier": ("barrier", lambda a: 0),
-    "monitored_barrier_": ("barrier", lambda a: 0),
+_C10D: dict[str, tuple[str, Callable[[tuple], Size]]] = {
+    "_allgather_base_": ("all_gather", lambda a: _size(a[0])),
+    "allgather_": ("all_gather", lambda a: _size(a[0])),
+    "allgather_coalesced_": ("all_gather", lambda a: _size(a[0])),
+    "allgather_into_tensor_coalesced_": ("all_gather", lambda a: _size(a[0])),
+    "_reduce_scatter_base_": ("reduce_scatter", lambda a: _size(a[1])),
+    "reduce_scatter_": ("reduce_scatter", lambda a: _size(a[1])),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", lambda a: _size(a[1])),
+    "allreduce_": ("all_reduce", lambda a: _size(a[0])),
+    "allreduce_coalesced_": ("all_reduce", lambda a: _size(a[0])),
+    "broadcast_": ("broadcast", lambda a: _size(a[0])),
+    "alltoall_": ("all_to_all", lambda a: _size(a[1])),
+    "alltoall_base_": ("all_to_all", lambda a: _size(a[1])),
+    "reduce_": ("reduce", lambda a: _size(a[0])),
+    "gather_": ("gather", lambda a: _size(a[1]) * _pg_size(a[2])),
+    "scatter_": ("scatter", lambda a: _size(a[0]) * _pg_size(a[2])),
+    "send": ("send", lambda a: _size(a[0])),
+    "recv_": ("recv", lambda a: _size(a[0])),
+    "recv_any_source_": ("recv", lambda a: _size(a[0])),
+    "barrier": ("barrier", lambda a: Size()),
+    "monitored_barrier_": ("barrier", lambda a: Size()),
 }
 
 # _c10d_functional op name -> (collective, bytes(args)); group_size is an explicit argument.
-_FUNCTIONAL: dict[str, tuple[str, Callable[[tuple], int]]] = {
-    "all_gather_into_tensor": ("all_gather", lambda a: _nbytes(a[0]) * a[1]),
-    "all_gather_into_tensor_out": ("all_gather", lambda a: _nbytes(a[0]) * a[1]),
-    "all_gather_into_tensor_coalesced": ("all_gather", lambda a: _nbytes(a[0]) * a[1]),
-    "reduce_scatter_tensor": ("reduce_scatter", lambda a: _nbytes(a[0])),
-    "reduce_scatter_tensor_out": ("reduce_scatter", lambda a: _nbytes(a[0])),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter", lambda a: _nbytes(a[0])),
-    "all_reduce": ("all_reduce", lambda a: _nbytes(a[0])),
-    "all_reduce_": ("all_reduce", lambda a: _nbytes(a[0])),
-    "all_reduce_coalesced": ("all_reduce", lambda a: _nbytes(a[0])),
-    "all_reduce_coalesced_": ("all_reduce", lambda a: _nbytes(a[0])),
-    "broadcast": ("broadcast", lambda a: _nbytes(a[0])),
-    "broadcast_": ("broadcast", lambda a: _nbytes(a[0])),
-    "all_to_all_single": ("all_to_all", lambda a: _nbytes(a[0])),
-    "isend": ("send", lambda a: _nbytes(a[0])),
-    "irecv": ("recv", lambda a: _nbytes(a[0])),
-    "batch_p2p_ops": ("p2p", lambda a: _nbytes(a[3])),
+_FUNCTIONAL: dict[str, tuple[str, Callable[[tuple], Size]]] = {
+    "all_gather_into_tensor": ("all_gather", lambda a: _size(a[0]) * a[1]),
+    "all_gather_into_tensor_out": ("all_gather", lambda a: _size(a[0]) * a[1]),
+    "all_gather_into_tensor_coalesced": ("all_gather", lambda a: _size(a[0]) * a[1]),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda a: _size(a[0])),
+    "reduce_scatter_tensor_out": ("reduce_scatter", lambda a: _size(a[0])),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", lambda a: _size(a[0])),
+    "all_reduce": ("all_reduce", lambda a: _size(a[0])),
+    "all_reduce_": ("all_reduce", lambda a: _size(a[0])),
+    "all_reduce_coalesced": ("all_reduce", lambda a: _size(a[0])),
+    "all_reduce_coalesced_": ("all_reduce", lambda a: _size(a[0])),
+    "broadcast": ("broadcast", lambda a: _size(a[0])),
+    "broadcast_": ("broadcast", lambda a: _size(a[0])),
+    "all_to_all_single": ("all_to_all", lambda a: _size(a[0])),
+    "isend": ("send", lambda a: _size(a[0])),
+    "irecv": ("recv", lambda a: _size(a[0])),
+    "batch_p2p_ops": ("p2p", lambda a: _size(a[3])),
 }
 _NAMESPACES = {"c10d": _C10D, "_c10d_functional": _FUNCTIONAL,
                "_c10d_functional_autograd": _FUNCTIONAL, "c10d_functional": _FUNCTIONAL}
@@ -150,7 +169,7 @@ def _patch_backend() -> None:
             collective, size = _C10D[_op]
             padded = (tuple(args[:2]) + (None, None))[:2] + (self,)
             for counter in _ACTIVE:
-                counter._record(collective, int(size(padded)))
+                counter._record(collective, size(padded))
             return _orig(self, *args, **kwargs)
 
         setattr(backend, meth, wrapper)
@@ -163,8 +182,8 @@ def _unpatch_backend() -> None:
     _SAVED.clear()
 
 
-def _classify(func: Any, args: tuple) -> tuple[str, int] | None:
-    """(collective, bytes) for a collective op, None for any other op."""
+def _classify(func: Any, args: tuple) -> tuple[str, Size] | None:
+    """(collective, size) for a collective op, None for any other op."""
     packet = getattr(func, "_overloadpacket", None)
     ns = getattr(func, "namespace", None)
     table = _NAMESPACES.get(ns or "")
@@ -174,25 +193,26 @@ def _classify(func: Any, args: tuple) -> tuple[str, int] | None:
     if name in _IGNORED:
         return None
     if name not in table:
-        return ("unknown:" + f"{ns}.{name}", 0)
+        return ("unknown:" + f"{ns}.{name}", Size())
     collective, size = table[name]
-    return collective, int(size(args))
+    return collective, size(args)
 
 
 class CommCounter(TorchDispatchMode):
-    """Counts calls and full-tensor bytes per collective issued in this thread while active.
+    """Counts calls, elements and full-tensor bytes per collective and element type issued in this
+    thread while active.
 
     Usage: ``with CommCounter() as cc: step(); cc.summary()``. Re-entering resets the counts.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.calls: dict[str, int] = defaultdict(int)
-        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+        self.sizes: dict[tuple[str, str], Size] = defaultdict(Size)
 
     def __enter__(self) -> "CommCounter":
         self.calls.clear()
-        self.bytes.clear()
+        self.sizes.clear()
         if not _ACTIVE:
             _patch_backend()
         _ACTIVE.append(self)
@@ -205,9 +225,10 @@ class CommCounter(TorchDispatchMode):
         if not _ACTIVE:
             _unpatch_backend()
 
-    def _record(self, collective: str, nbytes: int) -> None:
-        self.calls[collective] += 1
-        self.bytes[collective] += nbytes
+    def _record(self, collective: str, size: Size) -> None:
+        key = (collective, size.dtype)
+        self.calls[key] += 1
+        self.sizes[key] = self.sizes[key] + size
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -222,15 +243,19 @@ class CommCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def summary(self) -> list[dict]:
-        """One dict per collective seen: {"collective", "calls", "bytes"}, sorted by name."""
-        return [{"collective": c, "calls": self.calls[c], "bytes": self.bytes[c]}
-                for c in sorted(self.calls)]
+        """One dict per collective and element type seen: {"collective", "dtype", "calls",
+        "elements", "bytes"}, sorted."""
+        return [{"collective": c, "dtype": d, "calls": self.calls[(c, d)], "elements": self.sizes[(c, d)].elements,
+                 "bytes": self.sizes[(c, d)].bytes} for c, d in sorted(self.calls)]
 
     def bytes_of(self, collective: str) -> int:
-        return self.bytes.get(collective, 0)
+        return sum(s.bytes for (c, _), s in self.sizes.items() if c == collective)
+
+    def elements_of(self, collective: str) -> int:
+        return sum(s.elements for (c, _), s in self.sizes.items() if c == collective)
 
     def calls_of(self, collective: str) -> int:
-        return self.calls.get(collective, 0)
+        return sum(n for (c, _), n in self.calls.items() if c == collective)
 
 
 def wire_bytes(full_bytes: int, world_size: int, collective: str) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pandas as pd
 
 from harness.scenario import Scenario
+from harness.tables import COVERAGE_COLUMNS
 from harness.checks import verdict_table
 from harness.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
 
@@ -99,8 +100,9 @@ def _rows(sc: Scenario, fail: bool, steps: int):
                 max_diff_ref=max(r["max_diff_ref"] for r in step_rows),
                 max_diff_ws1=max(r["max_diff_ws1"] for r in step_rows),
                 sharded=sc.impl != "reference", param_bytes=PARAM_BYTES, trainable_bytes=PARAM_BYTES,
+                param_elements=PARAM_BYTES // 4, trainable_elements=PARAM_BYTES // 4,
                 largest_unit_bytes=PARAM_BYTES // 2, largest_child_bytes=PARAM_BYTES // 4, root_bytes=PARAM_BYTES // 4,
-                row_bytes=64, param_tensors=len(PARAMS),
+                row_bytes=64, param_tensors=len(PARAMS), params_compared=len(PARAMS),
                 state_bytes=m["state_total"], peak_bytes=m["peak"], step_time_s=STEP_TIME * ws)
     return step_rows, param_rows, scen
 
@@ -134,7 +136,7 @@ def _verdicts(world_sizes, modes, fail: bool, steps: int) -> list[dict]:
 
 def make_tables(*, world_sizes=(1, 2, 4), modes=("replicated", "split"), steps: int = 5, fail: bool = True,
                 ideal_memory: bool = False) -> dict[str, pd.DataFrame]:
-    """All six tables for the reference run plus every (world size, data mode) cell."""
+    """All seven tables for the reference run plus every (world size, data mode) cell."""
     steps_rows, param_rows, scen_rows, mem_rows, comm_rows = [], [], [], [], []
     cells = [scenario(1, "replicated").reference()] + [scenario(ws, m) for ws in world_sizes for m in modes]
     for sc in cells:
@@ -150,10 +152,11 @@ def make_tables(*, world_sizes=(1, 2, 4), modes=("replicated", "split"), steps: 
                     r["ideal_bytes"] = ideal1[cat] // sc.world_size
                 mem_rows.append(r)
         for coll, (calls, b) in comm(sc.world_size).items():
-            comm_rows.append(dict(scenario=sc.id, collective=coll, calls=calls, bytes=b))
+            comm_rows.append(dict(scenario=sc.id, collective=coll, dtype="float32", calls=calls, elements=b // 4,
+                                  bytes=b))
     return {"steps": pd.DataFrame(steps_rows), "params": pd.DataFrame(param_rows),
             "scenarios": pd.DataFrame(scen_rows), "memory": pd.DataFrame(mem_rows),
-            "comm": pd.DataFrame(comm_rows),
+            "comm": pd.DataFrame(comm_rows), "coverage": pd.DataFrame(columns=COVERAGE_COLUMNS),
             "verdicts": verdict_table([Verdict(**v) for v in _verdicts(world_sizes, modes, fail, steps)])}
 
 

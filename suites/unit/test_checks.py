@@ -10,7 +10,7 @@ import pytest
 from harness import checks, options, resource_checks
 from harness.policy import Bounds
 from harness.scenario import Scenario
-from harness.tables import SCENARIO_COLUMNS
+from harness.tables import COMM_COLUMNS, SCENARIO_COLUMNS
 
 P_BYTES = 4000  # full parameter bytes of the pretend model
 
@@ -32,7 +32,8 @@ def make(cells):
             params.append({"scenario": sc.id, "step": k + 1, "param": "fc2.weight", "numel": 10,
                            "diff_ref": dref[k], "diff_ws1": dws1[k], "sum": 1.0})
         scen.append({**base, "steps": 3, "lr": sc.lr, "status": "ok", "error": "", "sharded": True,
-                     "param_bytes": P_BYTES, "largest_unit_bytes": P_BYTES // 2,
+                     "param_bytes": P_BYTES, "param_elements": P_BYTES // 4, "trainable_elements": P_BYTES // 4,
+                     "largest_unit_bytes": P_BYTES // 2,
                      "largest_child_bytes": P_BYTES // 4, "root_bytes": P_BYTES // 4, "row_bytes": 40,
                      "param_tensors": 4})
     return {"steps": pd.DataFrame(steps), "scenarios": pd.DataFrame(scen, columns=SCENARIO_COLUMNS + list(scen[0])[7:]),
@@ -181,27 +182,52 @@ def test_memory_sharding_names_the_unsharded_category():
     assert v.status == "fail" and v.where.startswith("optimizer_state")
 
 
+P_EL = P_BYTES // 4  # float32 parameters
+
+
+def _comm(sid, *rows):
+    """rows: (collective, dtype, elements); bytes follow from the element type."""
+    width = {"float32": 4, "float64": 8, "bfloat16": 2}
+    return pd.DataFrame([(sid, c, d, 1, n, n * width[d]) for c, d, n in rows], columns=COMM_COLUMNS)
+
+
 def test_comm_volume_fails_on_an_extra_all_gather():
     sc = _sc("fsdp_impl", 4)
     t = make([(sc, LOSSES, ZERO, ZERO)])
-    t["comm"] = pd.DataFrame([(sc.id, "all_gather", 2, 2 * P_BYTES), (sc.id, "all_to_all", 1, P_BYTES)],
-                             columns=["scenario", "collective", "calls", "bytes"])
+    t["comm"] = _comm(sc.id, ("all_gather", "float32", 2 * P_EL), ("all_to_all", "float32", P_EL))
     assert resource_checks.comm_volume(t)[0].status == "pass"
-    t["comm"].loc[0, "bytes"] = 3 * P_BYTES
+    t["comm"] = _comm(sc.id, ("all_gather", "float32", 3 * P_EL), ("all_to_all", "float32", P_EL))
     v = resource_checks.comm_volume(t)[0]
     assert v.status == "fail" and "all_gather" in v.where
 
 
-def test_comm_volume_expects_only_trainable_bytes_reduced():
+def test_comm_volume_expects_only_trainable_elements_reduced():
     sc = _sc("fsdp_impl", 4)
     t = make([(sc, LOSSES, ZERO, ZERO)])
-    t["scenarios"]["trainable_bytes"] = P_BYTES // 2  # half the parameters frozen
-    t["comm"] = pd.DataFrame([(sc.id, "all_gather", 2, 2 * P_BYTES), (sc.id, "reduce_scatter", 1, P_BYTES // 2)],
-                             columns=["scenario", "collective", "calls", "bytes"])
+    t["scenarios"]["trainable_elements"] = P_EL // 2  # half the parameters frozen
+    t["comm"] = _comm(sc.id, ("all_gather", "float32", 2 * P_EL), ("reduce_scatter", "float32", P_EL // 2))
     assert resource_checks.comm_volume(t)[0].status == "pass"
-    t["comm"].loc[1, "bytes"] = P_BYTES  # frozen gradients reduced too
-    v = resource_checks.comm_volume(t)[0]
+    t["comm"] = _comm(sc.id, ("all_gather", "float32", 2 * P_EL), ("reduce_scatter", "float32", P_EL))
+    v = resource_checks.comm_volume(t)[0]  # frozen gradients reduced too
     assert v.status == "fail" and "trainable" in v.where
+
+
+def test_a_float64_reduction_passes_with_its_traffic_factor():
+    """Twice the bytes on purpose (an exact reduction): the same elements, reported as a factor."""
+    sc = _sc("torch_fsdp2_fp64reduce", 4)
+    t = make([(sc, LOSSES, ZERO, ZERO)])
+    t["comm"] = _comm(sc.id, ("all_gather", "float32", 2 * P_EL), ("reduce_scatter", "float64", P_EL))
+    [v] = resource_checks.comm_volume(t)
+    assert v.status == "pass" and "float64" in v.message and "traffic factor 2.00x" in v.message
+
+
+def test_an_all_reduce_where_zero3_reduce_scatters_fails_whatever_its_bytes():
+    """The same elements and bytes as a reduce-scatter, but every rank gets the whole gradient."""
+    sc = _sc("fsdp_impl", 4)
+    t = make([(sc, LOSSES, ZERO, ZERO)])
+    t["comm"] = _comm(sc.id, ("all_gather", "float32", 2 * P_EL), ("all_reduce", "float32", P_EL))
+    [v] = resource_checks.comm_volume(t)
+    assert v.status == "fail" and "all_reduce" in v.where and "traffic factor 1.00x" in v.message
 
 
 @pytest.mark.parametrize("text", ["0", "-2", "a", "", "1,1", "1,,2"])
@@ -234,7 +260,7 @@ def _expected_applicable(sc_row) -> set[str]:
         return {"completed"}
     names = {"completed", "finite", "memory_sharding", "peak_memory_bound"}
     if sc_row["impl"] != "reference":
-        names |= {"grad_norm_matches", "converges"}
+        names |= {"grad_norm_matches", "converges", "params_cover_model"}
         if sc_row["world_size"] == 1:
             names.add("ws1_exact")
     if sc_row["world_size"] > 1:

@@ -150,7 +150,12 @@ def world() -> dict[int, dict[str, Any]]:
 
 
 def _by_name(summary: list[dict]) -> dict[str, tuple[int, int]]:
-    return {row["collective"]: (row["calls"], row["bytes"]) for row in summary}
+    """collective -> (calls, bytes), summed over element types."""
+    out: dict[str, tuple[int, int]] = {}
+    for row in summary:
+        calls, nbytes = out.get(row["collective"], (0, 0))
+        out[row["collective"]] = (calls + row["calls"], nbytes + row["bytes"])
+    return out
 
 
 # ------------------------------------------------------------------ CommCounter
@@ -164,6 +169,16 @@ def test_raw_collectives_counted_with_full_tensor_bytes(world):
     }
     for rank in range(W):
         assert _by_name(world[rank]["raw"]) == expected, rank
+
+
+def test_raw_collectives_counted_per_element_type_in_elements_and_bytes(world):
+    rows = {(r["collective"], r["dtype"]): (r["calls"], r["elements"], r["bytes"]) for r in world[0]["raw"]}
+    assert rows == {
+        ("all_gather", "float64"): (1, W * AG_N, W * AG_N * 8), ("all_gather", "float32"): (1, W * FAG_N, W * FAG_N * 4),
+        ("reduce_scatter", "float32"): (2, W * RS_N + W * FRS_N, (W * RS_N + W * FRS_N) * 4),
+        ("all_reduce", "int64"): (2, 2 * AR_N, 2 * AR_N * 8),
+        ("all_reduce", "float32"): (2, FAR_N + BK_N, (FAR_N + BK_N) * 4),
+    }
 
 
 @pytest.mark.parametrize("tag,widths", [("even", EVEN), ("odd", ODD)])
