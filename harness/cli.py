@@ -43,11 +43,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_run(ns) -> int:
+    options = SessionOptions.from_namespace(ns)  # cross-option errors first: torch is not loaded yet
     from .worker import launched_by_torchrun
     under_torchrun = launched_by_torchrun()
     quiet = ns.quiet or (under_torchrun and int(os.environ.get("RANK", "0")) != 0)
-    session = Session(SessionOptions.from_namespace(ns), say=(lambda line: None) if quiet else None,
-                      under_torchrun=under_torchrun)
+    session = Session(options, say=(lambda line: None) if quiet else None, under_torchrun=under_torchrun)
     if session.run() is None:  # a torchrun rank other than 0: rank 0 writes and decides
         return EXIT_OK
     status = session.finish()

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import names
 from .policy import Bounds
 from .scenario import DATA_MODES, OPTIMIZERS, Scenario, build_matrix
 
@@ -59,15 +60,19 @@ data_modes = choices(DATA_MODES)
 optimizers = choices(OPTIMIZERS)
 
 
-def models(text: str) -> tuple[str, ...]:
-    from .models import MODELS
-    return choices(tuple(MODELS))(text)
+models = choices(names.MODELS)
 
 
 def impls(text: str) -> tuple[str, ...]:
-    from .adapters import AdapterError, load_adapter
+    """Built-in names are checked by name (no torch import: a usage error stays instant); a user's
+    'package.module:object' or 'cs336:module' is imported and checked against the protocol."""
     items = _items(text)
     for name in items:
+        if name in names.BUILTIN_ADAPTERS:
+            continue
+        if ":" not in name:
+            raise argparse.ArgumentTypeError(names.unknown_adapter(name))
+        from .adapters import AdapterError, load_adapter
         try:
             load_adapter(name)
         except AdapterError as e:

@@ -19,7 +19,8 @@ import pytest
 from harness.store import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
-SLICE = ["--world-sizes", "2", "--impl", "fsdp_impl", "--models", "mlp", "--optimizers", "sgd", "--steps", "2"]
+SLICE = ["--world-sizes", "2", "--impl", "fsdp_impl", "--models", "mlp", "--optimizers", "sgd", "--steps", "2",
+         "--data-modes", "replicated"]
 REPORT = Path("reports/latest/verification.md")
 
 
@@ -77,18 +78,19 @@ def test_pytest_and_the_cli_write_the_same_tables_and_verdicts(cli_dir, tmp_path
 def test_under_xdist_the_matrix_runs_once_and_one_report_is_written(tmp_path):
     proc = _pytest(tmp_path, "-n", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # reference, W=1 and W=2 in both data modes: 5 scenarios, run by one worker, once
+    # the reference, W=1 and W=2: 3 scenarios, run by one worker, once
     assert proc.stderr.count("the matrix ran once, in xdist worker") == 1, proc.stderr
-    assert proc.stderr.count("running 5 scenarios") == 1 and ": 5 scenarios" in proc.stderr, proc.stderr
+    assert proc.stderr.count("running 3 scenarios") == 1 and ": 3 scenarios" in proc.stderr, proc.stderr
     written = sorted(p.name for p in (tmp_path / "reports" / "latest").iterdir())
     assert written == ["verification.md", "verification_plots", "verification_tables"]
     assert len(_verdicts(tmp_path)) > 0
 
 
 def test_k_runs_only_the_selected_scenario_and_what_it_is_compared_with(tmp_path):
-    proc = _pytest(tmp_path, "-k", "fsdp_impl-mlp-ws2-replicated-sgd")
+    # both data modes: 5 scenarios in the matrix; the selected one needs the plain reference and
+    # the same implementation at W=1, not the split-data runs
+    proc = _pytest(tmp_path, "--data-modes", "replicated,split", "-k", "fsdp_impl-mlp-ws2-replicated-sgd")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # the scenario, the plain reference and the same implementation at W=1
     assert "running 3 scenarios" in proc.stderr, proc.stderr
     assert {s for _, s, _ in _verdicts(tmp_path)} == {"reference-mlp-ws1-replicated-sgd",
                                                     "fsdp_impl-mlp-ws1-replicated-sgd",

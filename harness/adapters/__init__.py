@@ -18,6 +18,7 @@ from harness.adapters.reference import ReferenceAdapter
 from harness.adapters.torch_fsdp1 import TorchFSDP1Adapter
 from harness.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from harness.adapters.user import load_user_adapter
+from harness.names import unknown_adapter
 
 BUILTINS: dict[str, Callable[[], Adapter]] = {
     "reference": ReferenceAdapter,
@@ -27,7 +28,6 @@ BUILTINS: dict[str, Callable[[], Adapter]] = {
     "torch_fsdp1": TorchFSDP1Adapter,
     "ddp": DDPAdapter,
 }
-FORMS = "'cs336:<module>', or 'package.module:object'"
 
 
 def load_adapter(name: str) -> Adapter:
@@ -38,7 +38,7 @@ def load_adapter(name: str) -> Adapter:
         return CS336Adapter.from_name(name)
     if ":" in name:
         return load_user_adapter(name)
-    raise AdapterError(f"unknown adapter {name!r}; valid: {', '.join(BUILTINS)}, {FORMS}")
+    raise AdapterError(unknown_adapter(name))
 
 
 __all__ = ["Adapter", "AdapterError", "BUILTINS", "as_adapter", "load_adapter"]

@@ -272,3 +272,26 @@ def test_an_old_report_that_cannot_be_put_back_is_kept_aside_not_deleted(old_rep
     monkeypatch.undo()
     [kept] = old_report.parent.glob(".r_plots.old-*/r_plots")
     assert _state(kept) == before and not plots.exists()
+
+
+def test_the_torch_free_names_are_the_registries():
+    """harness.names answers usage errors without importing torch; it must list what the
+    registries hold, in the same order (the order the help and the errors show)."""
+    from harness import names
+    from harness.adapters import BUILTINS
+    from harness.models import MODELS
+
+    assert names.BUILTIN_ADAPTERS == tuple(BUILTINS) and names.MODELS == tuple(MODELS)
+
+
+def test_a_usage_error_imports_no_torch():
+    import subprocess
+    import sys
+    code = ("import sys; from harness.cli import main\n"
+            "try: main(['run', '--impl', 'fsdp_impl', '--models', 'mlp', '--data-modes', 'split',"
+            " '--world-sizes', '1,3'])\n"
+            "except SystemExit: pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+    assert "divisible" in out.stderr

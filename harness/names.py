@@ -1,0 +1,13 @@
+"""Names the command line accepts, kept free of torch so that a usage error answers at once.
+
+`harness.adapters.BUILTINS` and `harness.models.MODELS` are the registries behind these names;
+`suites/unit/test_inputs.py` holds them equal, so a name added there must be added here.
+"""
+
+BUILTIN_ADAPTERS = ("reference", "fsdp_impl", "torch_fsdp2", "torch_fsdp2_fp64reduce", "torch_fsdp1", "ddp")
+ADAPTER_FORMS = "'cs336:<module>', or 'package.module:object'"
+MODELS = ("mlp", "mlp_frozen", "tinylm", "tinylm_tied", "gpt2_medium")
+
+
+def unknown_adapter(name: str) -> str:
+    return f"unknown adapter {name!r}; valid: {', '.join(BUILTIN_ADAPTERS)}, {ADAPTER_FORMS}"
