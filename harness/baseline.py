@@ -13,8 +13,11 @@ step's loss moved). Gate fields and their default tolerances (override with pars
 
 Files are kept one per machine kind: `reports/baselines/<name>/<kind>.json` with kind =
 device-capability-torch (`harness.environment.machine_kind`, e.g. cpu-avx512-torch2.13.0_cpu).
-`--baseline NAME` reads the file of the kind the run is on; where that kind has none, another
-kind's file gates memory and traffic and the verdicts say plainly that losses were not gated.
+`--baseline NAME` reads the file of the kind the run is on; where that kind has none, the file of
+another CPU kind with the same device and torch version gates memory and traffic, and the
+verdicts say plainly that losses were not gated; with only other devices or torch versions on
+file, nothing is gated and the verdicts say so (torch's own FSDP moves its memory and traffic
+between versions).
 
 `comparison()` is the one comparison; the gate's verdicts (`compare`) and the `compare` command's
 table (`compare_table`) are two views of its rows: "gate:<field>" per scenario x field (a field
@@ -182,6 +185,8 @@ class Baseline:
     # set when no file of the run's machine kind exists and another kind's was taken: memory and
     # traffic are gated against it, losses and diffs are not (their kernels differ)
     wanted_kind: str = ""
+    # False when the name has files only for other devices or torch versions: nothing is gated
+    comparable: bool = True
 
     @property
     def kind(self) -> str:
@@ -229,17 +234,20 @@ def _check_entry(path: Path, sid: str, entry) -> None:
         raise BaselineError(f"baseline {path} is malformed: scenario '{sid}' fields {bad} are not numbers")
 
 
-def _pick_file(name: str, directory: Path, kind: str | None) -> tuple[Path, str]:
+def _pick_file(name: str, directory: Path, kind: str | None) -> tuple[Path | None, str]:
     """(file, the kind wanted but missing or '') for a baseline name: the file of this machine kind
-    when there is one, else another kind's (the same device first), else a legacy `<name>.json`."""
+    when there is one; else one of another CPU kind with the same device and torch version (memory
+    and traffic compare across CPU kinds, losses do not); else None: the files there were made
+    with another torch or device, whose own implementations' memory and traffic differ. A legacy
+    `<name>.json` is read when the folder does not exist."""
     folder = Path(directory) / name
     files = sorted(folder.glob("*.json")) if folder.is_dir() else []
     if kind and (folder / f"{kind}.json").is_file():
         return folder / f"{kind}.json", ""
     if files:
-        device = (kind or "").split("-")[0]
-        same_device = [f for f in files if f.stem.split("-")[0] == device]
-        return (same_device or files)[0], kind or ""
+        device, *_, torch_version = (kind or "--").split("-")
+        alike = [f for f in files if f.stem.split("-")[0] == device and f.stem.split("-")[-1] == torch_version]
+        return (alike[0] if alike else None), kind or ""
     legacy = Path(directory) / f"{name}.json"
     if legacy.is_file():
         return legacy, ""
@@ -258,6 +266,8 @@ def load_baseline(name_or_path: str | Path, directory: Path = DEFAULT_DIR, *, ki
         path = Path(s)
     else:
         path, wanted = _pick_file(s, directory, kind)
+        if path is None:  # only other devices or torch versions: nothing comparable (see _pick_file)
+            return Baseline(s, Path(directory) / s, {}, {}, wanted, comparable=False)
     if not path.is_file():
         raise BaselineError(f"baseline not found: {path} (save one with save_baseline / --save-baseline)")
     try:
@@ -392,6 +402,11 @@ def comparison(current: dict[str, dict], env: dict | None, base: Baseline,
     that names it (a run of part of the matrix is gated on the part it ran); a scenario that ran in
     the baseline and errored now is a FAIL."""
     tols = _resolve(tolerances)
+    if not base.comparable:
+        why = (f"baseline '{base.name}' has no file for this machine kind ({base.wanted_kind}) nor for another "
+               f"CPU kind with this device and torch version: nothing was gated (torch's own implementations "
+               f"move memory and traffic between versions; save one with --save-baseline {base.name})")
+        return [GateRow(f"gate:{f}", "", SKIP, why) for f, t in tols.items() if not t.off]
     rows = [GateRow("gate:env", "", SKIP, msg, label=k) for k, msg in env_warnings(env, base)]
     rows += [GateRow(f"gate:{f}", "", SKIP, f"gate off for {f} (enable with e.g. {f}:50%)") for f, t in tols.items()
              if t.off]

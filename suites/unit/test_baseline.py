@@ -176,6 +176,22 @@ def test_a_kind_without_its_own_file_gates_memory_not_losses(tables, tmp_path):
     assert ("gate:loss", SPLIT2) in [(v.check, v.scenario) for v in _fails(compare(moved, own, env=here))]
 
 
+@pytest.mark.parametrize("here", [{"torch": "2.9.1"}, {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3"}])
+def test_only_another_torch_or_device_on_file_gates_nothing_and_says_so(tables, tmp_path, here):
+    """A GPU box or another torch keeps its own torch: FSDP2's memory and traffic may differ there,
+    so another version's figures are no yardstick. Nothing is gated, and every field says why."""
+    save_baseline(tables, {**syn.ENV, "cpu_capability": "AVX2"}, "default", tmp_path)
+    env = {**syn.ENV, "cpu_capability": "AVX2", **here}
+    base = load_baseline("default", tmp_path, kind=machine_kind(env))
+    assert not base.comparable and not base.scenarios
+    doubled = _edit(tables, "scenarios", SPLIT2, "peak_bytes", lambda b: b * 2)
+    verdicts = compare(doubled, base, env=env)
+    gated = [f for f, (t, _) in FIELDS.items() if not t.off]
+    assert sorted(v.check for v in verdicts) == sorted(f"gate:{f}" for f in gated)
+    assert all(v.status == "skip" and v.scenario == "" and "nothing was gated" in v.message for v in verdicts)
+    assert machine_kind(env) in verdicts[0].message
+
+
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
