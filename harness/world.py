@@ -16,6 +16,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import multiprocessing as mp
+import multiprocessing.process
+import multiprocessing.util
 import os
 import shutil
 import signal
@@ -168,6 +170,7 @@ class World:
     def _start(self) -> None:
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
+            _socket_dir_that_fits()
             ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
         lifeline_r, self._lifeline = ctx.Pipe(duplex=False)  # we never write: EOF = we are gone
         store_path = os.path.join(self._tmp, "store")
@@ -303,6 +306,39 @@ class WorldPool:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+# [Note: forkserver socket path] The forkserver listens on an AF_UNIX socket at
+# <multiprocessing temp dir>/listener-XXXXXXXX, and that temp dir is <TMPDIR>/pymp-XXXXXXXX. Linux
+# holds a socket path in 108 bytes with its NUL, so a TMPDIR longer than about 74 characters
+# (pytest's tmp_path for a long test name is one) makes the server's bind() fail with "AF_UNIX path
+# too long". Python 3.14 falls back to a short system temp dir in that case; on older Pythons the
+# harness does the same before the first forkserver starts.
+_SOCKET_PATH_MAX = 107
+_SOCKET_SUFFIX = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+_SHORT_TEMP_DIRS = ("/tmp", "/var/tmp", "/usr/tmp")
+
+
+def _socket_dir_that_fits() -> None:
+    """Make multiprocessing's temp dir one whose socket paths fit (see [Note: forkserver socket path])."""
+    config = mp.process.current_process()._config  # where multiprocessing.util.get_temp_dir caches it
+    current = config.get("tempdir")
+    if current is not None:
+        if len(current) + _SOCKET_SUFFIX - len("/pymp-XXXXXXXX") <= _SOCKET_PATH_MAX:
+            return
+    elif len(tempfile.gettempdir()) + _SOCKET_SUFFIX <= _SOCKET_PATH_MAX:
+        return
+    for base in _SHORT_TEMP_DIRS:
+        if os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
+            short = tempfile.mkdtemp(prefix="pymp-", dir=base)
+            break
+    else:
+        raise WorldError(f"the temp dir {tempfile.gettempdir()!r} is too long for the forkserver's socket "
+                         f"(AF_UNIX paths hold {_SOCKET_PATH_MAX} bytes) and none of {', '.join(_SHORT_TEMP_DIRS)} "
+                         "is writable: set TMPDIR to a shorter path")
+    config["tempdir"] = short  # a long one made earlier stays: multiprocessing removes it at exit
+    # removed at exit, as multiprocessing removes the temp dir it makes itself
+    mp.util.Finalize(None, shutil.rmtree, args=(short,), kwargs={"ignore_errors": True}, exitpriority=-100)
 
 
 def _drop_lifeline_thread(dump: str) -> str:

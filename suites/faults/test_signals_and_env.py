@@ -3,12 +3,14 @@ variables, and SIGTERM / SIGHUP from a job manager or a closed terminal."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -39,6 +41,43 @@ def test_stale_torchrun_variables_in_the_shell_do_not_make_a_plain_run_wait_for_
         kill_session(proc)
 
 
+def test_a_temp_dir_too_long_for_a_unix_socket_path_still_runs(tmp_path):
+    """The forkserver's socket lives under TMPDIR; Linux caps a socket path at 107 bytes. A deep
+    TMPDIR (pytest's own tmp_path under a long test name is one) must not break the run."""
+    tmpdir = tmp_path / ("t" * 80)
+    tmpdir.mkdir()
+    assert len(str(tmpdir)) + len("/pymp-XXXXXXXX/listener-XXXXXXXX") > 107
+    proc = start([sys.executable, "-m", "harness", "run", "--world-sizes", "1,2", "--impl", "fsdp_impl", *SMALL,
+                  "--report", str(tmp_path / "r.md")],
+                 env={**ENV, "TMPDIR": str(tmpdir), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    try:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out + err
+        assert "Traceback" not in err, err
+        assert (tmp_path / "r.md").is_file()
+        assert sorted(p.name for p in tmpdir.iterdir()) == []  # nothing left behind
+    finally:
+        kill_session(proc)
+
+
+def first_progress_line(proc: subprocess.Popen, lines: "queue.Queue[str | None]", within_s: float) -> str:
+    """Read the CLI's stderr until its first progress line ("[  1/4] <scenario> <secs>s"); fail with
+    what it printed if it exits or stays silent first."""
+    seen = []
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if line is None:
+            pytest.fail(f"the run ended (exit {proc.wait()}) before its first progress line:\n" + "".join(seen))
+        if line.startswith("["):
+            return line
+        seen.append(line)
+    pytest.fail(f"no progress line within {within_s:.0f} s; it printed:\n" + "".join(seen))
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_sigterm_or_sighup_of_the_cli_unwinds_like_ctrl_c(tmp_path, sig):
     """`kill PID` (or a closed terminal) mid-run: the run ends at once, its worlds' workers die and
@@ -51,17 +90,17 @@ def test_sigterm_or_sighup_of_the_cli_unwinds_like_ctrl_c(tmp_path, sig):
     # torch's own per-user cache dir (created in TMPDIR by default, and kept by every run) goes elsewhere
     proc = start(cmd, env={**ENV, "TMPDIR": str(tmpdir), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
     try:
-        lines: queue.Queue[str] = queue.Queue()
-        reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True)
+        lines: queue.Queue[str | None] = queue.Queue()
+        reader = threading.Thread(target=lambda: [lines.put(line) for line in itertools.chain(proc.stderr, [None])],
+                                  daemon=True)
         reader.start()
-        while not lines.get(timeout=120).startswith("["):  # a progress line: "[  1/4] <scenario> <secs>s"
-            pass
+        first_progress_line(proc, lines, within_s=120)
         assert any(tmpdir.iterdir())  # the run's temp dirs exist before the signal
         os.kill(proc.pid, sig)  # to the CLI process alone, as `kill PID` does
         assert proc.wait(timeout=30) not in (0, None)
         assert wait_session_empty(proc.pid, 10) == []
         reader.join(10)
-        rest = [lines.get_nowait().rstrip() for _ in range(lines.qsize())]
+        rest = [line.rstrip() for line in (lines.get_nowait() for _ in range(lines.qsize())) if line is not None]
         assert rest[-1:] == ["interrupted"] and not any("Traceback" in line for line in rest), rest
         assert sorted(p.name for p in tmpdir.iterdir()) == []
         assert not (tmp_path / "r.md").exists()
