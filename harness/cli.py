@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from . import options as opt
-from .session import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Session, SessionOptions
+from harness import options as opt
+from harness.session import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Session, SessionOptions
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def cmd_run(ns) -> int:
     options = SessionOptions.from_namespace(ns)  # cross-option errors first: torch is not loaded yet
-    from .worker import launched_by_torchrun
+    from harness.execute.worker import launched_by_torchrun
     under_torchrun = launched_by_torchrun()
     quiet = ns.quiet or (under_torchrun and int(os.environ.get("RANK", "0")) != 0)
     session = Session(options, say=(lambda line: None) if quiet else None, under_torchrun=under_torchrun)
@@ -60,8 +60,8 @@ def cmd_run(ns) -> int:
 
 
 def cmd_report(ns) -> int:
-    from .report import write_report
-    from .store import load_run
+    from harness.report.markdown import write_report
+    from harness.tables.store import load_run
     tables, env = load_run(ns.tables_dir)
     out = ns.report or ns.tables_dir.with_name(ns.tables_dir.name.removesuffix("_tables") + ".md")
     print(write_report(tables, env, out))
@@ -69,7 +69,7 @@ def cmd_report(ns) -> int:
 
 
 def cmd_plan(ns) -> int:
-    from .planning import format_plan, plan_table
+    from harness.measure.planning import format_plan, plan_table
     for model in ns.model:
         print(f"## {model}: per-rank state, {ns.optimizer}\n")
         print(format_plan(plan_table(model, ns.impls, ns.world_sizes, ns.optimizer)) + "\n")
@@ -77,10 +77,10 @@ def cmd_plan(ns) -> int:
 
 
 def cmd_compare(ns) -> int:
-    """The gate's own comparison (harness.baseline.comparison), shown as a table."""
-    from .baseline import baseline_of_run, compare_table, load_baseline
-    from .environment import machine_kind
-    from .store import load_run
+    """The gate's own comparison (harness.gate.baseline.comparison), shown as a table."""
+    from harness.core.environment import machine_kind
+    from harness.gate.baseline import baseline_of_run, compare_table, load_baseline
+    from harness.tables.store import load_run
     tables, env = load_run(ns.tables_dir)
     other = Path(ns.other)
     if other.is_dir():
@@ -117,14 +117,14 @@ def main(argv=None) -> int:
 
 
 def _output_errors() -> tuple[type[BaseException], ...]:
-    from .store import OutputError
+    from harness.tables.store import OutputError
     return (OutputError,)
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean bad input files (a corrupt baseline or stored run): one line, exit 2."""
-    from .baseline import BaselineError
-    from .store import StoreError
+    from harness.gate.baseline import BaselineError
+    from harness.tables.store import StoreError
     return (BaselineError, StoreError)
 
 

@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import names
-from .policy import Bounds
-from .scenario import DATA_MODES, OPTIMIZERS, Scenario, build_matrix
+from harness.core import names
+from harness.core.policy import Bounds
+from harness.core.scenario import DATA_MODES, OPTIMIZERS, Scenario, build_matrix
 
 DEFAULT_IMPLS = ("fsdp_impl", "torch_fsdp2")
 DEFAULT_MODELS = ("mlp", "tinylm")
@@ -72,7 +72,7 @@ def impls(text: str) -> tuple[str, ...]:
             continue
         if ":" not in name:
             raise argparse.ArgumentTypeError(names.unknown_adapter(name))
-        from .adapters import AdapterError, load_adapter
+        from harness.adapters import AdapterError, load_adapter
         try:
             load_adapter(name)
         except AdapterError as e:
@@ -95,7 +95,7 @@ def positive_int(text: str) -> int:
 
 
 def steps(text: str) -> int:
-    """At least 2: memory is measured on step 2 (harness.train.MEASURED_STEP: once optimizer state
+    """At least 2: memory is measured on step 2 (harness.train.task.MEASURED_STEP: once optimizer state
     exists) and `converges` compares the last step's loss with the first's."""
     n = _integer(text)
     if n < 2:
@@ -180,8 +180,8 @@ def baseline_name(text: str) -> str:
 
 def new_baseline_name(text: str) -> str:
     """A name to store a baseline under (reports/baselines/NAME/<machine kind>.json), never a path:
-    the rule harness.baseline.baseline_file enforces, checked here before the run."""
-    from .baseline import NAME_RULE
+    the rule harness.gate.baseline.baseline_file enforces, checked here before the run."""
+    from harness.gate.baseline import NAME_RULE
     if not re.fullmatch(NAME_RULE, text or "") or text in (".", ".."):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a baseline name: use letters, digits, '-', '_' and '.', starting with a letter or "
@@ -190,7 +190,7 @@ def new_baseline_name(text: str) -> str:
 
 
 def gate_spec(text: str) -> dict:
-    from .baseline import parse_gate
+    from harness.gate.baseline import parse_gate
     return parse_gate(text)
 
 
@@ -209,19 +209,19 @@ def add_gate_arguments(add) -> None:
     add("--save-baseline", type=new_baseline_name, default=None,
         help="store this run's summary as reports/baselines/NAME/<machine kind>.json (a name, not a path)")
     add("--gate", type=gate_spec, default=None,
-        help="per-field tolerances, e.g. loss:1e-7,peak_mem:5%%,comm_bytes:0 (defaults in harness/baseline.py)")
+        help="per-field tolerances, e.g. loss:1e-7,peak_mem:5%%,comm_bytes:0 (defaults in harness/gate/baseline.py)")
 
 
 def load_baseline_option(name, gate=None, backend: str = "gloo"):
-    """Load a --baseline value early (the file of this machine kind, harness.baseline) so a missing
+    """Load a --baseline value early (the file of this machine kind, harness.gate.baseline) so a missing
     or corrupt file is one usage-error line."""
     if gate is not None and name is None:
         raise argparse.ArgumentTypeError("--gate needs --baseline NAME (its tolerances apply to a comparison "
                                           "with a baseline)")
     if name is None:
         return None
-    from .baseline import BaselineError, load_baseline
-    from .environment import kernel_env, machine_kind
+    from harness.core.environment import kernel_env, machine_kind
+    from harness.gate.baseline import BaselineError, load_baseline
     try:
         return load_baseline(name, kind=machine_kind(kernel_env(backend)))
     except BaselineError as e:

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from . import options as opt
-from .session import Session, SessionOptions
-from .store import OutputError
+from harness import options as opt
+from harness.session import Session, SessionOptions
+from harness.tables.store import OutputError
 
 _SESSION = pytest.StashKey[Session]()
 _SELECTED = pytest.StashKey[object]()  # set of scenario ids, or None for the whole matrix

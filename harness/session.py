@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from . import options as opt
-from .scenario import Scenario, with_dependencies
-from .verdict import FAIL, KNOWN, PASS, SKIP, Verdict
+from harness import options as opt
+from harness.core.scenario import Scenario, with_dependencies
+from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
 
 if TYPE_CHECKING:  # torch and pandas load only once a run starts: a usage error stays instant
-    from .run import RunResult
+    from harness.execute.executor import RunResult
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -34,7 +34,7 @@ class SessionOptions:
     report: Path | None = opt.DEFAULT_REPORT  # None: write no outputs (report, tables) at all
     per_sample: bool = False
     baseline: str | None = None  # a name under reports/baselines/ or a path
-    gate: dict | None = None  # per-field tolerances (harness.baseline.parse_gate)
+    gate: dict | None = None  # per-field tolerances (harness.gate.baseline.parse_gate)
     save_baseline: str | None = None
 
     @classmethod
@@ -91,13 +91,13 @@ class Session:
             self.say(f"[{i:>3}/{n}] {sc.id:<48} {secs:6.1f}s")
 
         if self.under_torchrun:
-            from .torchrun import run_matrix_under_torchrun
+            from harness.execute.torchrun import run_matrix_under_torchrun
             res = run_matrix_under_torchrun(scenarios, timeout_s=m.timeout_s, bounds=m.bounds, progress=progress)
             if res is None:
                 self.is_writer = False
                 return None
         else:
-            from .run import run_matrix
+            from harness.execute.executor import run_matrix
             res = run_matrix(scenarios, timeout_s=m.timeout_s, bounds=m.bounds, progress=progress)
         if self.options.per_sample:
             self.say("per-sample gradient norms ...")
@@ -108,16 +108,16 @@ class Session:
         return res
 
     def _add_per_sample(self, res: RunResult) -> None:
-        from .checks import verdict_table
-        from .per_sample_run import run_per_sample
+        from harness.checks.numeric import verdict_table
+        from harness.per_sample.run import run_per_sample
         tables, verdicts = run_per_sample(models=("mlp",), world_sizes=tuple(self.options.matrix.world_sizes))
         res.tables.update(tables)
         res.verdicts.extend(verdicts)
         res.tables["verdicts"] = verdict_table(res.verdicts)
 
     def _gate(self, res: RunResult) -> None:
-        from .baseline import compare
-        from .checks import verdict_table
+        from harness.checks.numeric import verdict_table
+        from harness.gate.baseline import compare
         res.verdicts.extend(compare(res.tables, self.baseline, self.options.gate, env=res.env))
         res.tables["verdicts"] = verdict_table(res.verdicts)
 
@@ -125,9 +125,9 @@ class Session:
 
     def write_outputs(self) -> list[Path]:
         """Report (+ plots), tables and a saved baseline, swapped into place together."""
-        from .baseline import DEFAULT_DIR, baseline_file, baseline_text
-        from .report import stage_report
-        from .store import stage_run, swap_into_place, writing
+        from harness.gate.baseline import DEFAULT_DIR, baseline_file, baseline_text
+        from harness.report.markdown import stage_report
+        from harness.tables.store import stage_run, swap_into_place, writing
         res, o = self.result, self.options
         if res is None or (o.report is None and not o.save_baseline):
             return []
@@ -171,7 +171,7 @@ class Session:
 
     def finish(self) -> int:
         """Write the outputs and say where they went; the exit status (1 on any failed verdict).
-        A failed write raises harness.store.OutputError (one line; earlier outputs left in place)."""
+        A failed write raises harness.tables.store.OutputError (one line; earlier outputs left in place)."""
         if self.result is None:
             return EXIT_OK
         for path in self.write_outputs():

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from harness.models import get_model_spec
-from harness.optim import make_optimizer
+from harness.train.models import get_model_spec
+from harness.train.optim import make_optimizer
 
 BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
 

@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
-from harness.run import run_matrix
-from harness.scenario import build_matrix
-from harness.world import World
+from harness.core.scenario import build_matrix
+from harness.execute.executor import run_matrix
+from harness.execute.world import World
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

@@ -1,7 +1,7 @@
 """The equivalence matrix: one test per scenario, asserting every verdict about it.
 
 The matrix comes from the command line (--world-sizes, --impl, --models, --data-modes, ...).
-A verdict with status "known" (a documented deviation of a real implementation, harness/policy.py)
+A verdict with status "known" (a documented deviation of a real implementation, harness/core/policy.py)
 makes the test xfail with the measured value and the cause; any other failure fails the test.
 """
 

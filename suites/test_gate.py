@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.baseline import compare, compare_table, load_baseline, save_baseline
-from harness.run import run_matrix
-from harness.scenario import build_matrix
+from harness.core.scenario import build_matrix
+from harness.execute.executor import run_matrix
+from harness.gate.baseline import compare, compare_table, load_baseline, save_baseline
 
 
 def _slice(lr):

@@ -7,8 +7,8 @@ moments, 4 x P bytes, divided by W. The GPT-2-medium-size tier is marked slow (-
 import pytest
 import torch
 
-from harness.models import get_model_spec
-from harness.planning import plan_table
+from harness.measure.planning import plan_table
+from harness.train.models import get_model_spec
 
 
 def _full_bytes(model: str) -> int:

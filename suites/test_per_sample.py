@@ -1,7 +1,7 @@
 """Per-sample gradient norms and DP-SGD clipping under FSDP, in both data modes (issue #5).
 
 Every world size runs all its tasks in ONE world (started once, then closed), and the tests
-assert on the ``Verdict``s of ``harness.per_sample``'s checks against a float64 ground truth.
+assert on the ``Verdict``s of ``harness.per_sample.tasks``'s checks against a float64 ground truth.
 Expected failures are asserted as failures, with bounds derived from the truth norms:
 
 - position-wise all-reduce of complete per-sample norms, split data: mean norm ratio r with
@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness import per_sample as ps
-from harness.verdict import FAIL, PASS
-from harness.world import World
+from harness.core.verdict import FAIL, PASS
+from harness.execute.world import World
+from harness.per_sample import tasks as ps
 
 WORLD_SIZES = (1, 2, 4, 8)
 MODES = ("replicated", "split")
@@ -54,28 +54,28 @@ def run_world(world_size: int) -> dict:
         for model in MODELS:
             for mode in MODES:
                 base = {"model": model, "seed": SEED, "batch": BATCH, "mode": mode}
-                records["norms", model, mode] = world.run("harness.per_sample:norms_task", base)
+                records["norms", model, mode] = world.run("harness.per_sample.tasks:norms_task", base)
                 records["update", model, mode] = world.run(
-                    "harness.per_sample:clipped_update_task", {**base, "max_norm": max_norm(model), "lr": LR})
+                    "harness.per_sample.tasks:clipped_update_task", {**base, "max_norm": max_norm(model), "lr": LR})
                 if world_size == TIED_WORLD_SIZE and model == "tinylm":
                     tied = {**base, "model": "tinylm_tied"}
                     records["norms", "tinylm_tied", mode] = world.run(
-                        "harness.per_sample:norms_task", {**tied, "variants": ["fsdp_impl"]})
+                        "harness.per_sample.tasks:norms_task", {**tied, "variants": ["fsdp_impl"]})
                     records["update", "tinylm_tied", mode] = world.run(
-                        "harness.per_sample:clipped_update_task",
+                        "harness.per_sample.tasks:clipped_update_task",
                         {**tied, "max_norm": max_norm("tinylm_tied"), "lr": LR})
                 if OPACUS_MISSING is None and world_size in OPACUS_WORLD_SIZES and model == "mlp":
                     records["opacus", model, mode] = world.run(
-                        "harness.per_sample:opacus_fsdp_task", {**base, "max_norm": max_norm(model), "lr": LR})
-                    records["opacus_tp", model, mode] = world.run("harness.per_sample:opacus_tp_task", base)
+                        "harness.per_sample.tasks:opacus_fsdp_task", {**base, "max_norm": max_norm(model), "lr": LR})
+                    records["opacus_tp", model, mode] = world.run("harness.per_sample.tasks:opacus_tp_task", base)
         if world_size == 2:
             for name, indices in ODD_LAYOUTS.items():
                 odd = {"model": "mlp", "seed": SEED, "batch": BATCH, "mode": name, "indices": indices}
-                records["norms", "mlp", name] = world.run("harness.per_sample:norms_task",
+                records["norms", "mlp", name] = world.run("harness.per_sample.tasks:norms_task",
                                                           {**odd, "variants": ["fsdp_impl"]})
-                records["update", "mlp", name] = world.run("harness.per_sample:clipped_update_task",
+                records["update", "mlp", name] = world.run("harness.per_sample.tasks:clipped_update_task",
                                                            {**odd, "max_norm": max_norm("mlp"), "lr": LR})
-            records["repeated"] = world.run("harness.per_sample:refused_indices_task", [[0, 1, 2, 3], [4, 5, 5, 6]])
+            records["repeated"] = world.run("harness.per_sample.tasks:refused_indices_task", [[0, 1, 2, 3], [4, 5, 5, 6]])
     return records
 
 

@@ -1,5 +1,5 @@
-"""The report's per-sample-norm tables, verdicts and section (harness.per_sample_run, issue #5),
-for mlp at W = 1, 2. Expectations come from the inputs and from ``harness.per_sample.truth``."""
+"""The report's per-sample-norm tables, verdicts and section (harness.per_sample.run, issue #5),
+for mlp at W = 1, 2. Expectations come from the inputs and from ``harness.per_sample.tasks.truth``."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import statistics
 import pandas as pd
 import pytest
 
-from harness import per_sample as ps
-from harness import report
-from harness.per_sample_run import negative_control, opacus_update_verdict, run_per_sample
-from harness.verdict import FAIL, KNOWN, PASS, SKIP
-from harness.world import WorldPool
+from harness.core.verdict import FAIL, KNOWN, PASS, SKIP
+from harness.execute.world import WorldPool
+from harness.per_sample import tasks as ps
+from harness.per_sample.run import negative_control, opacus_update_verdict, run_per_sample
+from harness.report import markdown as report
 
 MODEL, WORLD_SIZES, MODES, BATCH, SEED = "mlp", (1, 2), ("replicated", "split"), 8, 0
 OPACUS = ps.opacus_unavailable() is None

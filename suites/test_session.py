@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.store import load_run
+from harness.tables.store import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SLICE = ["--world-sizes", "2", "--impl", "fsdp_impl", "--models", "mlp", "--optimizers", "sgd", "--steps", "2",

@@ -18,7 +18,7 @@ from harness.adapters.reference import ReferenceAdapter
 from harness.adapters.torch_fsdp1 import TorchFSDP1Adapter
 from harness.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from harness.adapters.user import load_user_adapter
-from harness.names import unknown_adapter
+from harness.core.names import unknown_adapter
 
 BUILTINS: dict[str, Callable[[], Adapter]] = {
     "reference": ReferenceAdapter,

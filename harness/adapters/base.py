@@ -19,7 +19,7 @@ Methods:
   submodules to shard as separate units, bottom-up; the root is expected to be wrapped last.
   Move the model to ``device`` (``cpu`` for gloo, ``cuda:i`` for nccl). The gradient the
   optimizer sees must be the MEAN over ranks (each rank's loss is its local-batch mean).
-- ``make_optimizer``: default ``harness.optim.make_optimizer(wrapped.parameters(), name, lr)``.
+- ``make_optimizer``: default ``harness.train.optim.make_optimizer(wrapped.parameters(), name, lr)``.
 - ``after_backward``: called after ``backward()`` and before ``step()``; wait for outstanding
   gradient communication here. Default: nothing.
 - ``full_params`` (required): the full, unsharded parameters keyed by the UNWRAPPED module's
@@ -36,7 +36,7 @@ import inspect
 import torch
 from torch import Tensor, nn
 
-from harness.optim import make_optimizer as _make_optimizer
+from harness.train.optim import make_optimizer as _make_optimizer
 
 REQUIRED = ("wrap", "full_params")
 OPTIONAL = ("make_optimizer", "after_backward")

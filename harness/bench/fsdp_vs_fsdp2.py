@@ -32,10 +32,10 @@ import torch.distributed as dist
 
 from harness.adapters import load_adapter
 from harness.adapters.fsdp_impl import FsdpImplAdapter
-from harness.data import global_batch, local_slice
+from harness.execute.world import World
 from harness.measure import PeakMemory, state_bytes
-from harness.models import get_model_spec
-from harness.world import World
+from harness.train.data import global_batch, local_slice
+from harness.train.models import get_model_spec
 
 TASK = "harness.bench.fsdp_vs_fsdp2:bench_rank"
 FSDP2 = "torch_fsdp2"

@@ -14,8 +14,8 @@ import argparse
 import time
 
 from harness import options as opt
-from harness.run import run_matrix
-from harness.world import WorldPool
+from harness.execute.executor import run_matrix
+from harness.execute.world import WorldPool
 
 
 def main(argv=None) -> None:

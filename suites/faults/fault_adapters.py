@@ -19,7 +19,7 @@ fault at step 2 means: step 1 trained normally on every rank. Names:
 The raising functions are named after their phase (``raise_in_forward`` ...) and the exception
 text says phase, rank and step, so a test can check that the report points at the right place.
 ``torchrun_main`` (``python -m suites.faults.fault_adapters`` under torchrun) runs a small matrix
-through ``harness.torchrun.run_matrix_under_torchrun``.
+through ``harness.execute.torchrun.run_matrix_under_torchrun``.
 """
 
 from __future__ import annotations
@@ -164,8 +164,8 @@ def scenario_after_fault(ctx, payload: dict) -> dict:
     good scenario in the same process, as a torchrun rank goes on after a failed scenario."""
     import dataclasses
 
-    from harness.scenario import Scenario
-    from harness.train import run_scenario
+    from harness.core.scenario import Scenario
+    from harness.train.task import run_scenario
 
     out = {}
     for label, impl in (("faulty", f"{__name__}:forward_rank0"), ("next", "fsdp_impl")):
@@ -180,8 +180,8 @@ def scenario_after_fault(ctx, payload: dict) -> dict:
 
 def warm_up(ctx, payload) -> int:
     """A World task: import what a scenario imports, so that a short timeout measures the fault."""
-    import harness.train  # noqa: F401
     import fsdp_impl  # noqa: F401
+    import harness.train.task  # noqa: F401
     return ctx.rank
 
 
@@ -196,8 +196,8 @@ def torchrun_main(argv: list[str] | None = None) -> int:
     import json
     from pathlib import Path
 
-    from harness.scenario import Scenario
-    from harness.torchrun import run_matrix_under_torchrun
+    from harness.core.scenario import Scenario
+    from harness.execute.torchrun import run_matrix_under_torchrun
 
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)

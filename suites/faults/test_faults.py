@@ -1,7 +1,7 @@
 """Faults (issue #8): a rank that raises, dies, hangs or produces NaN; Ctrl-C; bad input; torchrun.
 
 One small matrix (mlp, 3 steps, world size 2, replicated data) runs every fault adapter of
-``fault_adapters`` once through ``harness.run.run_matrix``, between good scenarios, with a short
+``fault_adapters`` once through ``harness.execute.executor.run_matrix``, between good scenarios, with a short
 scenario timeout; the tests below read that one run. The subprocess tests (Ctrl-C, bad input,
 torchrun) start the CLI / pytest / torchrun in a session of their own and look for survivors by
 session id in /proc.
@@ -21,9 +21,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness.run import run_matrix
-from harness.scenario import Scenario
-from harness.world import World, WorldPool
+from harness.core.scenario import Scenario
+from harness.execute.executor import run_matrix
+from harness.execute.world import World, WorldPool
 from suites.faults import bad_inputs
 from suites.faults.fault_adapters import FAULT_STEP, NAN_PARAM_STEP
 
@@ -145,7 +145,7 @@ def fault_run(tmp_path_factory):
                          progress=lambda i, n, sc, secs: seconds.__setitem__(sc.id, secs))
     finally:
         pool.close()
-    from harness.report import write_report
+    from harness.report.markdown import write_report
     # the NaN scenarios are left out of this report: they crash the writer (see test_a_nan_run_...)
     nan_ids = {scenario(name).id for name in NAN}
     tables = {k: t[~t["scenario"].isin(nan_ids)] if "scenario" in t else t for k, t in res.tables.items()}
@@ -179,10 +179,10 @@ def test_a_raising_rank_fails_its_scenario_with_its_rank_and_traceback(fault_run
     v = completed_failure(fault_run.result, sid)
     message = v.message
     first = message.splitlines()[0]
-    assert re.fullmatch(rf"rank {rank} of World\(2\b.*\) failed in harness\.train:run_scenario:", first), first
+    assert re.fullmatch(rf"rank {rank} of World\(2\b.*\) failed in harness\.train\.task:run_scenario:", first), first
     assert f"rank {1 - rank} of World" not in message  # the peer that only waited is not blamed
     assert "Traceback (most recent call last)" in message
-    assert "harness/train.py" in message and harness_code in message  # where in the training step
+    assert "harness/train/task.py" in message and harness_code in message  # where in the training step
     assert raiser in message and "fault_adapters.py" in message  # the user code that raised
     exc_line = f"FaultInjected: injected fault in {phase} on rank {rank} at step {step}"
     assert exc_line in message
@@ -204,13 +204,13 @@ def test_a_hang_times_out_and_says_which_ranks_waited_where(fault_run):
     sid = scenario("hang_rank1").id
     v = completed_failure(fault_run.result, sid)
     message = v.message
-    assert "hung in harness.train:run_scenario: ranks [] answered, ranks [0, 1] did not" in message
+    assert "hung in harness.train.task:run_scenario: ranks [] answered, ranks [0, 1] did not" in message
     stacks = sections(message)
     assert set(stacks) == {0, 1}, message
     # rank 1 waits in the all_reduce that rank 0 skipped ...
     assert "hang_in_skipped_collective" in stacks[1] and "in all_reduce" in stacks[1]
     # ... and rank 0 in its next collective of the training step, waiting for rank 1
-    assert "harness/train.py" in stacks[0] and "distributed_c10d.py" in stacks[0]
+    assert "harness/train/task.py" in stacks[0] and "distributed_c10d.py" in stacks[0]
     assert "hang_in_skipped_collective" not in stacks[0]
     assert HANG_TIMEOUT_S <= fault_run.seconds[sid] < HANG_TIMEOUT_S + 20
 
@@ -437,7 +437,7 @@ def _no_nan(rows: list[dict]) -> list[dict]:
 
 
 def test_under_torchrun_a_scenario_larger_than_the_job_is_one_clear_error(monkeypatch):
-    from harness.torchrun import TorchrunUsageError, run_matrix_under_torchrun
+    from harness.execute.torchrun import TorchrunUsageError, run_matrix_under_torchrun
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     monkeypatch.setenv("RANK", "0")

@@ -110,7 +110,7 @@ def test_sigterm_or_sighup_of_the_cli_unwinds_like_ctrl_c(tmp_path, sig):
 
 def test_a_termination_handler_the_program_installed_is_kept():
     code = ("import signal\n"
-            "from harness.world import WorldPool\n"
+            "from harness.execute.world import WorldPool\n"
             "mine = lambda *_: None\n"
             "signal.signal(signal.SIGTERM, mine)\n"
             "WorldPool()\n"

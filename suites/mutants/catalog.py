@@ -434,8 +434,8 @@ def per_sample_task(ctx, p: dict) -> dict:
     """World task: the seeded model sharded by fsdp_impl, this rank's slice of batch `step`, the
     per-sample norms of the global batch by the product ("control") and by the mutant."""
     from fsdp_impl.per_sample import per_sample_grad_norms
-    from harness.data import global_batch, local_slice
-    from harness.models import get_model_spec
+    from harness.train.data import global_batch, local_slice
+    from harness.train.models import get_model_spec
 
     spec = get_model_spec(p["model"])
     torch.manual_seed(p["seed"])
@@ -454,8 +454,8 @@ def frozen_probe_task(ctx, p: dict) -> dict:
     """World task: mlp_frozen (the MLP with layers.0 frozen) trained `steps` steps on replicated data
     by adapter `impl`; returns how far each frozen parameter moved (max |delta|)."""
     from harness.adapters import load_adapter
-    from harness.data import global_batch, local_slice
-    from harness.models import get_model_spec
+    from harness.train.data import global_batch, local_slice
+    from harness.train.models import get_model_spec
 
     spec, adapter = get_model_spec("mlp_frozen"), load_adapter(p["impl"])
     torch.manual_seed(p["seed"])

@@ -3,7 +3,7 @@
 A harness that catches every mutant by failing everything is worthless. The slow tier runs the
 default matrix (models, world sizes 1/2/4/8, both data modes, both optimizers, 10 steps) for
 ``fsdp_impl``, PyTorch FSDP2 and DDP under several seeds (init and data both change). KNOWN verdicts
-are documented deviations of a real implementation (harness/policy.py), shown and counted, never
+are documented deviations of a real implementation (harness/core/policy.py), shown and counted, never
 hidden. ``margins`` says how close the passes came to their bounds: a check that passes with a
 measured value at 90% of its bound is one seed away from a false alarm.
 """
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from harness.core.scenario import DATA_MODES, OPTIMIZERS, Scenario, build_matrix
+from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
 from harness.options import DEFAULT_MODELS, DEFAULT_WORLD_SIZES
-from harness.scenario import DATA_MODES, OPTIMIZERS, Scenario, build_matrix
-from harness.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
 
 CORRECT = ("fsdp_impl", "torch_fsdp2", "ddp")
 SEEDS = (0, 1, 2, 3, 4)
@@ -58,7 +58,7 @@ class FalseAlarmRun:
 
 
 def run_false_alarms(scenarios: list[Scenario], *, seed: int, pool=None, progress=None) -> FalseAlarmRun:
-    from harness.run import run_matrix
+    from harness.execute.executor import run_matrix
 
     t0 = time.perf_counter()
     res = run_matrix(scenarios, pool=pool, progress=progress)

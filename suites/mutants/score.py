@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.options import DEFAULT_WORLD_SIZES, seeds as seed_list
-from harness.scenario import REFERENCE_IMPL, Scenario, build_matrix
-from harness.store import write_text_atomic
-from harness.verdict import FAIL, Verdict
+from harness.core.scenario import REFERENCE_IMPL, Scenario, build_matrix
+from harness.core.verdict import FAIL, Verdict
+from harness.options import DEFAULT_WORLD_SIZES
+from harness.options import seeds as seed_list
+from harness.tables.store import write_text_atomic
 from suites.mutants import false_alarms as fa
 from suites.mutants.catalog import CATALOGUE, CONTROLS, Mutant
 
@@ -115,8 +116,8 @@ def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), poo
                   progress=None) -> CatalogueRun:
     """Run every mutant (and the controls) in one matrix; then the per-sample mutants; then the
     correct implementations' full matrix under each of `false_alarm_seeds`."""
-    from harness.run import run_matrix
-    from harness.world import WorldPool
+    from harness.execute.executor import run_matrix
+    from harness.execute.world import WorldPool
 
     t0 = time.perf_counter()
     mutants = list(mutants)
@@ -150,7 +151,7 @@ def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), poo
 
 def _run_per_sample(m: Mutant, pool, seed: int) -> tuple[list[Verdict], list[Verdict]]:
     """(verdicts about the mutant's norms, verdicts about the product's norms) per (W, data mode)."""
-    from harness.per_sample import check_per_sample_norms, truth
+    from harness.per_sample.tasks import check_per_sample_norms, truth
 
     mutant, control = [], []
     for model in m.models:
@@ -192,7 +193,7 @@ def _false_alarm_section(runs: list) -> list[str]:
              f"**{n_alarms} false alarm(s)** in {n_scen} scenarios: {', '.join(fa.CORRECT)} (and the "
              f"non-sharded reference) through the default matrix, {fa.FULL_STEPS} steps, seeds {seeds} "
              f"({sum(r.wall_s for r in runs):.0f} s). KNOWN verdicts are documented deviations of that "
-             "implementation (harness/policy.py), held to the same bound and shown with their cause.", "",
+             "implementation (harness/core/policy.py), held to the same bound and shown with their cause.", "",
              fa.summary(runs).to_markdown(index=False), ""]
     known = fa.known(runs)
     if len(known):

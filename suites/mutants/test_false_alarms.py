@@ -1,6 +1,6 @@
 """No false alarms: correct implementations (fsdp_impl, PyTorch FSDP2, DDP) fail no check.
 
-KNOWN verdicts (documented deviations of a real implementation, harness/policy.py) are allowed. The
+KNOWN verdicts (documented deviations of a real implementation, harness/core/policy.py) are allowed. The
 quick matrix runs in every CI run; the full matrix under 5 seeds is the slow tier (``--slow``,
 about 4 minutes a seed on 2 cores). ``python -m suites.mutants.score --false-alarm-seeds 0,1,2,3,4``
 runs the same tier and writes its table into the mutation score report.
@@ -31,8 +31,8 @@ def test_correct_implementations_pass_full_matrix(seed):
 
 def _synthetic_run():
     """Two implementations, hand-made verdicts: what the report's tables must say about them."""
-    from harness.scenario import Scenario
-    from harness.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
+    from harness.core.scenario import Scenario
+    from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
     from suites.mutants.false_alarms import FalseAlarmRun
 
     a, b = Scenario("fsdp_impl", "mlp", 2, "replicated", "adamw"), Scenario("ddp", "mlp", 8, "replicated", "sgd")

@@ -9,15 +9,14 @@ check or scenario, never a weaker mutant.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from harness.adapters import load_adapter
-from harness.checks import NUMERIC_CHECKS
-from harness.models import MODELS, get_model_spec
-from harness.resource_checks import RESOURCE_CHECKS
-from harness.verdict import FAIL
+from harness.checks.numeric import NUMERIC_CHECKS
+from harness.checks.resources import RESOURCE_CHECKS
+from harness.core.verdict import FAIL
+from harness.train.models import MODELS, get_model_spec
 from suites.mutants.catalog import CATALOGUE, Mutant
 from suites.mutants.score import run_catalogue
 
@@ -37,7 +36,7 @@ def _marks(m: Mutant):
 
 @pytest.fixture(scope="module")
 def pool():
-    from harness.world import WorldPool
+    from harness.execute.world import WorldPool
 
     p = WorldPool()
     yield p

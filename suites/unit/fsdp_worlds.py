@@ -1,4 +1,4 @@
-"""Small multi-rank checks of fsdp_impl, run inside ``harness.world.World`` workers.
+"""Small multi-rank checks of fsdp_impl, run inside ``harness.execute.world.World`` workers.
 
 Tests call ``world.run("suites.unit.fsdp_worlds:<task>", payload)``; each task builds a seeded
 model on every rank, does its thing, and returns plain data (numpy arrays, floats, strings) so
@@ -20,8 +20,8 @@ from torch import nn
 import fsdp_impl.handle as fsdp_handle
 from fsdp_impl import MixedPrecisionPolicy, full_state_dict, fully_shard, load_full_state_dict, materialize_meta
 from fsdp_impl.api import units
-from harness.models import get_model_spec
-from harness.optim import make_optimizer
+from harness.train.models import get_model_spec
+from harness.train.optim import make_optimizer
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, None: None}
 

@@ -1,4 +1,4 @@
-"""Small synthetic tables in the harness schema (harness/tables.py), built from closed formulas.
+"""Small synthetic tables in the harness schema (harness/tables/build.py), built from closed formulas.
 
 Tests compute their expectations from the formulas and constants here, never from the code under
 test. One (impl, model, optimizer) over world sizes x data modes, plus the reference run.
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.scenario import Scenario
-from harness.tables import COVERAGE_COLUMNS
-from harness.checks import verdict_table
-from harness.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
+from harness.checks.numeric import verdict_table
+from harness.core.scenario import Scenario
+from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
+from harness.tables.build import COVERAGE_COLUMNS
 
 IMPL, MODEL, OPT = "fsdp_impl", "mlp", "adamw"
 PARAMS = {"layers.0.weight": 4096, "layers.0.bias": 64, "layers.1.weight": 640}

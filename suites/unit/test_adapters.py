@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from harness.adapters import BUILTINS, AdapterError, load_adapter
-from harness.data import global_batch, local_slice
-from harness.models import get_model_spec
+from harness.train.data import global_batch, local_slice
+from harness.train.models import get_model_spec
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = "suites.unit.example_adapter"

@@ -1,4 +1,4 @@
-"""The regression gate (harness.baseline): diffable baseline files, tolerances, compare verdicts."""
+"""The regression gate (harness.gate.baseline): diffable baseline files, tolerances, compare verdicts."""
 
 from __future__ import annotations
 
@@ -9,9 +9,18 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.baseline import (DEFAULT_TOLERANCES, FIELDS, BaselineError, Tolerance, compare, compare_table,
-                              load_baseline, parse_gate, save_baseline)
-from harness.environment import machine_kind
+from harness.core.environment import machine_kind
+from harness.gate.baseline import (
+    DEFAULT_TOLERANCES,
+    FIELDS,
+    BaselineError,
+    Tolerance,
+    compare,
+    compare_table,
+    load_baseline,
+    parse_gate,
+    save_baseline,
+)
 
 from . import synthetic_tables as syn
 
@@ -250,7 +259,7 @@ def test_parse_gate_message_reaches_argparse(capsys):
 
 def test_save_baseline_is_atomic_and_validates_name(tables, saved, monkeypatch):
     before = saved.read_bytes()
-    monkeypatch.setattr("harness.baseline.json.dumps", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr("harness.gate.baseline.json.dumps", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         save_baseline(tables, syn.ENV, "cpu", saved.parent.parent)
     assert saved.read_bytes() == before and [p.name for p in saved.parent.iterdir()] == [saved.name]

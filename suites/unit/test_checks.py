@@ -7,10 +7,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness import checks, options, resource_checks
-from harness.policy import Bounds
-from harness.scenario import Scenario
-from harness.tables import COMM_COLUMNS, SCENARIO_COLUMNS
+from harness import options
+from harness.checks import numeric as checks
+from harness.checks import resources as resource_checks
+from harness.core.policy import Bounds
+from harness.core.scenario import Scenario
+from harness.tables.build import COMM_COLUMNS, SCENARIO_COLUMNS
 
 P_BYTES = 4000  # full parameter bytes of the pretend model
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.models import get_model_spec
-from harness.run import run_matrix
-from harness.scenario import build_matrix
+from harness.core.scenario import build_matrix
+from harness.execute.executor import run_matrix
+from harness.train.models import get_model_spec
 
 from .partial_adapters import DROPPED
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from fsdp_impl.sharding import ALIGN_ELEMENTS
-from harness.world import World
+from harness.execute.world import World
 
 TASKS = "suites.unit.fsdp_worlds"
 REPLICATED_BOUND = 3e-8  # max |param diff| across world sizes with replicated data (DESIGN.md)

@@ -1,5 +1,5 @@
 """Bad options are one usage-error line at parse time (harness.options), and output errors are one
-line with nothing left behind (harness.store / harness.report writers)."""
+line with nothing left behind (harness.tables.store / harness.report.markdown writers)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import options as opt, report
-from harness.baseline import save_baseline
-from harness.store import OutputError, load_run, save_run, write_text_atomic
+from harness import options as opt
+from harness.gate.baseline import save_baseline
+from harness.report import markdown as report
+from harness.tables.store import OutputError, load_run, save_run, write_text_atomic
+
 from . import synthetic_tables as syn
 
 
@@ -41,7 +43,7 @@ def test_scenario_timeout_must_be_finite_positive_and_waitable(text):
 
 def test_the_longest_scenario_timeout_is_one_a_worker_wait_accepts():
     """The bound is the real one: a wait on the workers' pipes (multiprocessing.connection.wait,
-    as harness.world does) takes the longest timeout the parser accepts and refuses a longer one."""
+    as harness.execute.world does) takes the longest timeout the parser accepts and refuses a longer one."""
     import multiprocessing
     from multiprocessing.connection import wait
 
@@ -85,7 +87,7 @@ def test_steps_must_be_at_least_two(text):
 
 
 def test_the_least_steps_include_the_step_memory_is_measured_on():
-    from harness.train import MEASURED_STEP  # 0-based: memory is measured on step MEASURED_STEP + 1
+    from harness.train.task import MEASURED_STEP  # 0-based: memory is measured on step MEASURED_STEP + 1
 
     assert opt.steps("2") == 2 and MEASURED_STEP + 1 <= 2
 
@@ -275,11 +277,11 @@ def test_an_old_report_that_cannot_be_put_back_is_kept_aside_not_deleted(old_rep
 
 
 def test_the_torch_free_names_are_the_registries():
-    """harness.names answers usage errors without importing torch; it must list what the
+    """harness.core.names answers usage errors without importing torch; it must list what the
     registries hold, in the same order (the order the help and the errors show)."""
-    from harness import names
     from harness.adapters import BUILTINS
-    from harness.models import MODELS
+    from harness.core import names
+    from harness.train.models import MODELS
 
     assert names.BUILTIN_ADAPTERS == tuple(BUILTINS) and names.MODELS == tuple(MODELS)
 

@@ -18,8 +18,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from harness.measure import (CommCounter, PeakMemory, ideal_comm_bytes, ideal_state_bytes,
-                             state_bytes)
+from harness.measure import CommCounter, PeakMemory, ideal_comm_bytes, ideal_state_bytes, state_bytes
 
 W = 2
 # Raw collectives: (elements, dtype) per call; the expected bytes are derived below.

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from harness.data import global_batch, local_slice
-from harness.models import MODELS, LMConfig, TransformerLM, get_model_spec, materialize_meta
-from harness.optim import make_optimizer
+from harness.train.data import global_batch, local_slice
+from harness.train.models import MODELS, LMConfig, TransformerLM, get_model_spec, materialize_meta
+from harness.train.optim import make_optimizer
 
 SMALL = ["mlp", "mlp_frozen", "tinylm", "tinylm_tied"]  # gpt2_medium is only ever built on meta here
 

@@ -1,4 +1,4 @@
-"""The markdown report, its plots, atomic writes, and the CSV run store (harness.report / plots / store)."""
+"""The markdown report, its plots, atomic writes, and the CSV run store (harness.report.markdown / plots / store)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness import plots, report, store
-from harness.store import StoreError, load_run, save_run
+from harness.report import markdown as report
+from harness.report import plots
+from harness.tables import store
+from harness.tables.store import StoreError, load_run, save_run
+
 from . import synthetic_tables as syn
 
 SECTIONS = ["# FSDP equivalence verification", "**Overall: FAIL**", "## Verdict summary", "## Failures",
@@ -280,7 +283,7 @@ def test_failure_of_another_quantity_is_traced_at_its_where_without_a_crossing_c
 
 
 def test_verdict_objects_and_gate_warnings_render(tmp_path, fast_plots):
-    from harness.verdict import Verdict
+    from harness.core.verdict import Verdict
 
     tables = syn.make_tables(world_sizes=(1, 2), modes=("split",), fail=False)
     env_warning = Verdict("gate:env", "", "skip", None, None, "torch", "environment differs: torch was '2.12.0'")

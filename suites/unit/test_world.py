@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
-import multiprocessing
 import socket
 import subprocess
 import sys
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.world import RankFailed, World, WorldError, WorldHung, WorldPool
+from harness.execute.world import RankFailed, World, WorldError, WorldHung, WorldPool
 from suites.unit.world_tasks import as_torchrun_rank
 
 TASKS = "suites.unit.world_tasks"
@@ -175,7 +175,7 @@ def test_ctrl_c_in_the_parent_kills_the_world():
 
 
 ORPHAN_SCRIPT = textwrap.dedent(f"""
-    from harness.world import World
+    from harness.execute.world import World
     if __name__ == "__main__":
         world = World(2, timeout_s=600)
         print(*world.pids, flush=True)

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from harness.world import RankContext
+from harness.execute.world import RankContext
 
 
 def whoami(ctx: RankContext, payload: object) -> dict:
@@ -58,7 +58,7 @@ def unpicklable(ctx: RankContext, payload: object) -> object:
 
 def as_torchrun_rank(rank: int, world_size: int, port: int, conn) -> None:
     """Process target: set the variables torchrun sets, then call run_under_torchrun."""
-    from harness.world import run_under_torchrun
+    from harness.execute.world import run_under_torchrun
 
     os.environ.update(TORCHELASTIC_RUN_ID="test", RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",

@@ -1,12 +1,12 @@
 """The report's "Per-sample gradient norms" section (issue #5), from the tables that
-``harness.per_sample_run.run_per_sample`` returns: "per_sample_summary" (one row per model x impl x
+``harness.per_sample.run.run_per_sample`` returns: "per_sample_summary" (one row per model x impl x
 data mode x world size) and "per_sample" (one row per sample), plus the run's verdicts."""
 
 from __future__ import annotations
 
 import pandas as pd
 
-from harness.verdict import PASS, SKIP
+from harness.core.verdict import PASS, SKIP
 
 MAX_SAMPLES = 8
 NEGATIVE_CONTROL = "allreduce"
@@ -74,8 +74,8 @@ def _findings(verdicts: pd.DataFrame, summary: pd.DataFrame, ids: list[str]) -> 
 
 def per_sample_section(tables: dict) -> list[str]:
     """Markdown lines; empty when the run has no "per_sample_summary" table."""
-    from harness.per_sample import scenario_id
-    from harness.report import _t, md_table, num
+    from harness.per_sample.tasks import scenario_id
+    from harness.report.markdown import _t, md_table, num
 
     summary = _t(tables, "per_sample_summary")
     if not len(summary):

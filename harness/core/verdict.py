@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields
 # status values
 PASS = "pass"
 FAIL = "fail"  # the property was measured and does not hold, or it could not be measured at all
-KNOWN = "known"  # a documented deviation of a real implementation (see harness/policy.py): shown, never hidden
+KNOWN = "known"  # a documented deviation of a real implementation (see harness/core/policy.py): shown, never hidden
 SKIP = "skip"  # the check does not apply to this scenario (the reason is in `message`); never "could not run"
 
 

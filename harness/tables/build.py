@@ -26,7 +26,7 @@ comm       one row per scenario x collective x element type (per training step, 
 coverage   one row per scenario x step x parameter that `full_params` got wrong against the plain
            model (left out, not a parameter of the plain model, another shape); empty when all held
            scenario, step, param, problem
-verdicts   one row per Verdict (harness.verdict): check, scenario, status, measured, bound, where, message
+verdicts   one row per Verdict (harness.core.verdict): check, scenario, status, measured, bound, where, message
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from .scenario import REFERENCE_IMPL, Scenario
+from harness.core.scenario import REFERENCE_IMPL, Scenario
 
 SCENARIO_COLUMNS = ["scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed"]
 

@@ -2,7 +2,7 @@
 
 Section order: title + overall line, verdict summary, failures (with divergence location), known
 deviations, skipped checks, results per world size (with loss / diff-vs-step tables and plots),
-memory, communication, per-sample gradient norms (only when the run has them; harness/report_per_sample.py),
+memory, communication, per-sample gradient norms (only when the run has them; harness/per_sample/section.py),
 environment. Missing or empty tables render as "not measured".
 """
 
@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from harness import plots
-from harness.report_per_sample import per_sample_section
-from harness.scenario import REFERENCE_IMPL
-from harness.store import rank_bytes, swap_into_place, writing
-from harness.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
+from harness.core.scenario import REFERENCE_IMPL
+from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
+from harness.per_sample.section import per_sample_section
+from harness.report import plots
+from harness.tables.store import rank_bytes, swap_into_place, writing
 
 GROUP = ["impl", "model", "data_mode", "optimizer", "seed"]
 STATUS_ORDER = {FAIL: 0, KNOWN: 1, PASS: 2, SKIP: 3}
@@ -222,7 +222,7 @@ def check_kind(check: str) -> str:
     """'correctness', 'efficiency' (memory, traffic) or 'regression gate', for a check name."""
     if str(check).startswith("gate:"):
         return "regression gate"
-    from harness.checks import all_checks
+    from harness.checks.numeric import all_checks
     return {c.name: c.kind for c in all_checks()}.get(check, "correctness")
 
 
@@ -432,7 +432,7 @@ def render(tables: dict, env: dict, title: str, plots_dir: Path, rel: str) -> st
 
 def write_report(tables: dict, env: dict, path: Path, *, title: str = "FSDP equivalence verification") -> Path:
     """Write `path` (markdown) and `<stem>_plots/` beside it, atomically; returns `path`. A write
-    that fails raises harness.store.OutputError (one line) and leaves the earlier report in place."""
+    that fails raises harness.tables.store.OutputError (one line) and leaves the earlier report in place."""
     path = Path(path)
     with writing(path):
         path.parent.mkdir(parents=True, exist_ok=True)

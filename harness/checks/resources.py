@@ -13,10 +13,10 @@ import math
 
 import pandas as pd
 
-from .checks import Check
-from .measure import ideal_state_bytes
-from .policy import Bounds
-from .verdict import FAIL, PASS, Verdict
+from harness.checks.numeric import Check
+from harness.core.policy import Bounds
+from harness.core.verdict import FAIL, PASS, Verdict
+from harness.measure import ideal_state_bytes
 
 STATE_CATEGORIES = ("params", "grads", "optimizer_state")
 ALIGN_BYTES_PER_TENSOR = 64  # flat-buffer alignment a shard may add per parameter tensor

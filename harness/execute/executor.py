@@ -11,15 +11,15 @@ from typing import Callable
 
 import pandas as pd
 
-from .checks import run_checks, verdict_table
-from .environment import environment
-from .policy import Bounds
-from .scenario import Scenario
-from .tables import build_tables
-from .verdict import Verdict
-from .world import WorldError, WorldPool
+from harness.checks.numeric import run_checks, verdict_table
+from harness.core.environment import environment
+from harness.core.policy import Bounds
+from harness.core.scenario import Scenario
+from harness.core.verdict import Verdict
+from harness.execute.world import WorldError, WorldPool
+from harness.tables.build import build_tables
 
-TASK = "harness.train:run_scenario"
+TASK = "harness.train.task:run_scenario"
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The scenario matrix inside a job that torchrun already launched (``torchrun ... -m harness run``).
 
-``run_matrix_under_torchrun`` is ``harness.run.run_matrix`` for processes that torchrun (or SLURM
+``run_matrix_under_torchrun`` is ``harness.execute.executor.run_matrix`` for processes that torchrun (or SLURM
 through torchrun) started: every process of the job calls it with the same scenarios. The
-default group joins through env://; a scenario of world size w runs ``harness.train:run_scenario``
+default group joins through env://; a scenario of world size w runs ``harness.train.task:run_scenario``
 on ranks 0..w-1 in a subgroup made for w (ranks w.. wait), and rank 0 builds the same tables,
 verdicts and RunResult as ``run_matrix`` (``build_tables`` / ``run_checks``, imported, not copied).
 
@@ -51,13 +51,20 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from .checks import run_checks, verdict_table
-from .policy import Bounds
-from .environment import environment
-from .run import RunResult
-from .scenario import Scenario
-from .tables import build_tables
-from .worker import TORCHRUN_VARIABLES, RankContext, device_for, launched_by_torchrun, root_cause, setup_process
+from harness.checks.numeric import run_checks, verdict_table
+from harness.core.environment import environment
+from harness.core.policy import Bounds
+from harness.core.scenario import Scenario
+from harness.execute.executor import RunResult
+from harness.execute.worker import (
+    TORCHRUN_VARIABLES,
+    RankContext,
+    device_for,
+    launched_by_torchrun,
+    root_cause,
+    setup_process,
+)
+from harness.tables.build import build_tables
 
 __all__ = ["run_matrix_under_torchrun", "TorchrunError", "TorchrunUsageError"]
 
@@ -121,8 +128,8 @@ def run_matrix_under_torchrun(scenarios: list[Scenario], *, timeout_s: float = 3
 def _preload(scenarios: list[Scenario]) -> None:
     """Import the training code and every adapter's module now, on every rank, so that no rank's
     first scenario spends the subgroup timeout importing while a peer waits in a collective."""
-    from .adapters import load_adapter
-    from . import train  # noqa: F401
+    from harness.adapters import load_adapter
+    from harness.train import task  # noqa: F401
 
     for impl in dict.fromkeys(s.impl for s in scenarios):
         load_adapter(impl)
@@ -182,7 +189,7 @@ class _Runner:
 
     def run_all(self, scenarios: list[Scenario], snapshot_dir: str, progress) -> dict:
         results: dict[str, dict] = {}
-        order = sorted(scenarios, key=lambda s: (s.backend, s.world_size))  # as harness.run.execute
+        order = sorted(scenarios, key=lambda s: (s.backend, s.world_size))  # as harness.execute.executor.execute
         for i, sc in enumerate(order):
             started = time.perf_counter()
             if self.aborted:
@@ -212,7 +219,7 @@ class _Runner:
         return result
 
     def _train(self, key: str, w: int, payload: dict) -> tuple:
-        from .train import run_scenario
+        from harness.train.task import run_scenario
 
         done = threading.Event()
         main_thread = threading.main_thread().ident

@@ -8,9 +8,9 @@ from typing import Callable
 
 import pandas as pd
 
-from .policy import Bounds, known_deviation
-from .scenario import REFERENCE_IMPL, Scenario
-from .verdict import FAIL, KNOWN, PASS, SKIP, VERDICT_COLUMNS, Verdict
+from harness.core.policy import Bounds, known_deviation
+from harness.core.scenario import REFERENCE_IMPL, Scenario
+from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, VERDICT_COLUMNS, Verdict
 
 
 def _fmt(x: float) -> str:
@@ -49,7 +49,7 @@ def _reference_id(row) -> str:
 
 def _verdict(check, row, passed, measured, bound, message, *, at: Crossing | None = None,
              step: int | None = None, param: str = "", where: str = "") -> Verdict:
-    """PASS, else KNOWN for a documented deviation (harness/policy.py), else FAIL; `at` locates it."""
+    """PASS, else KNOWN for a documented deviation (harness/core/policy.py), else FAIL; `at` locates it."""
     if at is not None:
         step, param, where = at.step, at.param, where or _fmt(at.value)
     if passed:
@@ -305,7 +305,7 @@ NUMERIC_CHECKS = (
 
 
 def all_checks() -> tuple[Check, ...]:
-    from .resource_checks import RESOURCE_CHECKS
+    from harness.checks.resources import RESOURCE_CHECKS
     return NUMERIC_CHECKS + RESOURCE_CHECKS
 
 

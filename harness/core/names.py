@@ -1,6 +1,6 @@
 """Names the command line accepts, kept free of torch so that a usage error answers at once.
 
-`harness.adapters.BUILTINS` and `harness.models.MODELS` are the registries behind these names;
+`harness.adapters.BUILTINS` and `harness.train.models.MODELS` are the registries behind these names;
 `suites/unit/test_inputs.py` holds them equal, so a name added there must be added here.
 """
 

@@ -15,17 +15,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .adapters import load_adapter
-from .data import global_batch, local_slice
-from .measure import CommCounter, PeakMemory, state_bytes
-from .models import get_model_spec
-from .scenario import Scenario
+from harness.adapters import load_adapter
+from harness.core.scenario import Scenario
+from harness.measure import CommCounter, PeakMemory, state_bytes
+from harness.train.data import global_batch, local_slice
+from harness.train.models import get_model_spec
 
 MEASURED_STEP = 1  # memory is measured on the second step: optimizer state exists by then
 
 
 def run_scenario(ctx, payload: dict) -> dict:
-    """Entry point for World.run("harness.train:run_scenario", payload)."""
+    """Entry point for World.run("harness.train.task:run_scenario", payload)."""
     sc = Scenario(**payload["scenario"])
     snap_dir = Path(payload["snapshot_dir"]) / sc.id
     if ctx.rank == 0:

@@ -33,8 +33,8 @@ from typing import Any, Iterator
 
 import torch
 
-from harness import worker
-from harness.worker import RankContext, launched_by_torchrun, run_under_torchrun
+from harness.execute import worker
+from harness.execute.worker import RankContext, launched_by_torchrun, run_under_torchrun
 
 __all__ = ["World", "WorldPool", "RankContext", "WorldError", "RankFailed", "WorldHung",
            "run_under_torchrun", "launched_by_torchrun"]

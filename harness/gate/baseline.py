@@ -12,7 +12,7 @@ step's loss moved). Gate fields and their default tolerances (override with pars
     step_time   seconds per step                               off (timing is noisy on shared CPUs)
 
 Files are kept one per machine kind: `reports/baselines/<name>/<kind>.json` with kind =
-device-capability-torch (`harness.environment.machine_kind`, e.g. cpu-avx512-torch2.13.0_cpu).
+device-capability-torch (`harness.core.environment.machine_kind`, e.g. cpu-avx512-torch2.13.0_cpu).
 `--baseline NAME` reads the file of the kind the run is on; where that kind has none, the file of
 another CPU kind with the same device and torch version gates memory and traffic, and the
 verdicts say plainly that losses were not gated; with only other devices or torch versions on
@@ -52,9 +52,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from harness.environment import machine_kind
-from harness.store import rank_bytes, write_text_atomic
-from harness.verdict import FAIL, PASS, SKIP, Verdict
+from harness.core.environment import machine_kind
+from harness.core.verdict import FAIL, PASS, SKIP, Verdict
+from harness.tables.store import rank_bytes, write_text_atomic
 
 FORMAT, VERSION = "fsdp-equivalence-baseline", 1
 DEFAULT_DIR = Path("reports/baselines")
@@ -258,7 +258,7 @@ def load_baseline(name_or_path: str | Path, directory: Path = DEFAULT_DIR, *, ki
     """Read a baseline by name or by path; BaselineError (one line) if unusable.
 
     A name picks `<directory>/<name>/<kind>.json`, the file of this machine kind (`kind`, from
-    `harness.environment.machine_kind`); without one, another kind's file is taken and
+    `harness.core.environment.machine_kind`); without one, another kind's file is taken and
     `Baseline.wanted_kind` says so. A path (with a '/' or ending in .json) is read as it is."""
     s = str(name_or_path)
     wanted = ""

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from .data import global_batch, local_slice
-from .models import ModelSpec, get_model_spec
-from .verdict import FAIL, PASS, SKIP, Verdict
+from harness.core.verdict import FAIL, PASS, SKIP, Verdict
+from harness.train.data import global_batch, local_slice
+from harness.train.models import ModelSpec, get_model_spec
 
 PER_SAMPLE_RTOL = 1e-5  # max |norm - truth| / truth per sample (fp32 run vs float64 truth)
 CLIPPED_UPDATE_RTOL = 1e-5  # max |update - truth| / max |truth update| (SGD, lr 1)

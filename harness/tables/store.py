@@ -24,7 +24,7 @@ import pandas as pd
 SCHEMA_VERSION = 2  # 2: verdicts carry step, param, rank and sample; the coverage table
 FORMAT = "fsdp-equivalence-run"
 MANIFEST = "run.json"
-# Required columns per known table (the schema in harness/tables.py); extra columns are kept.
+# Required columns per known table (the schema in harness/tables/build.py); extra columns are kept.
 TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
     "steps": ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed", "step", "loss",
               "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1"),
@@ -46,8 +46,8 @@ class StoreError(Exception):
 class OutputError(OSError):
     """An output that cannot be written (full disk, no permission, read-only file system, ...).
 
-    Raised by write_text_atomic, swap_into_place, save_run and harness.report.write_report (so
-    also by harness.baseline.save_baseline); ``str()`` is one line naming the path and the OS
+    Raised by write_text_atomic, swap_into_place, save_run and harness.report.markdown.write_report (so
+    also by harness.gate.baseline.save_baseline); ``str()`` is one line naming the path and the OS
     reason: ``cannot write reports/verification.md: No space left on device``. ``errno`` and
     ``strerror`` are the cause's. When it is raised, the write's temp and backup entries are gone
     and what the path held before is back in place.

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from .adapters import load_adapter
-from .measure.plan import fsdp2_wrap, plan_memory
-from .models import get_model_spec
+from harness.adapters import load_adapter
+from harness.measure.plan import fsdp2_wrap, plan_memory
+from harness.train.models import get_model_spec
 
 
 def _wrapper(impl: str, units):

@@ -3,7 +3,7 @@
 Losses and parameter diffs are bitwise repeatable only on the same numeric kernels: ATen, oneDNN
 and MKL choose vectorised kernels by CPU capability (AVX2, AVX512, ...), and CUDA by GPU model.
 So baselines are kept one file per machine kind (`machine_kind`), as torchtitan keeps its loss
-assets per GPU kind; `harness.baseline` picks the file of the kind a run is on.
+assets per GPU kind; `harness.gate.baseline` picks the file of the kind a run is on.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from harness.models import ModelSpec
-from harness.scenario import DATA_MODES
+from harness.core.scenario import DATA_MODES
+from harness.train.models import ModelSpec
 
 
 def global_batch(spec: ModelSpec, global_batch: int, step: int, seed: int) -> tuple[Tensor, Tensor]:

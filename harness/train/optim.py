@@ -7,7 +7,7 @@ from typing import Iterable
 
 import torch
 
-from harness.scenario import OPTIMIZERS
+from harness.core.scenario import OPTIMIZERS
 
 ADAMW_WEIGHT_DECAY = 0.01
 SGD_MOMENTUM = 0.9

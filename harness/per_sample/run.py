@@ -1,4 +1,4 @@
-"""Per-sample gradient norms for the verification report (issue #5): run ``harness.per_sample``'s
+"""Per-sample gradient norms for the verification report (issue #5): run ``harness.per_sample.tasks``'s
 tasks in worlds (one per world size, every scenario of that size in it) and turn them into the
 "per_sample" and "per_sample_summary" tables plus ``Verdict``s.
 
@@ -19,7 +19,6 @@ Every impl x mode x W row comes from rank 0; the checks look at every rank.
 from __future__ import annotations
 
 import dataclasses
-
 import math
 import re
 import statistics
@@ -27,10 +26,10 @@ import statistics
 import pandas as pd
 import torch
 
-from harness import per_sample as ps
-from harness.models import get_model_spec
-from harness.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
-from harness.world import WorldError, WorldPool
+from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
+from harness.execute.world import WorldError, WorldPool
+from harness.per_sample import tasks as ps
+from harness.train.models import get_model_spec
 
 LR = 1.0
 IMPLS = ("fsdp_impl", "allreduce", "opacus")
@@ -55,7 +54,7 @@ def update_ratio(update: dict[str, list], exact: dict) -> float:
 def _run(pool: WorldPool, world_size: int, fn: str, payload: dict) -> tuple[list | None, str]:
     """(per-rank results, '') or (None, the error's first line); a failed world is rebuilt on next get."""
     try:
-        return pool.get(world_size).run(f"harness.per_sample:{fn}", payload), ""
+        return pool.get(world_size).run(f"harness.per_sample.tasks:{fn}", payload), ""
     except WorldError as exc:
         tracebacks = getattr(exc, "tracebacks", {})
         text = tracebacks[min(tracebacks)] if tracebacks else str(exc)
@@ -196,7 +195,7 @@ def _sorted(df: pd.DataFrame) -> pd.DataFrame:
                           kind="stable").reset_index(drop=True)
 
 
-if __name__ == "__main__":  # python -m harness.per_sample_run: a quick look (W = 1, 2)
+if __name__ == "__main__":  # python -m harness.per_sample.run: a quick look (W = 1, 2)
     tables, found = run_per_sample(world_sizes=(1, 2))
     print(tables["per_sample_summary"].to_string())
     print("\n".join(map(str, found)))

@@ -1,6 +1,6 @@
 """Code that runs inside one rank: process setup, a world worker's task loop, the torchrun entry.
 
-The parent side (starting, timing out, killing) lives in ``harness.world``. Messages on a
+The parent side (starting, timing out, killing) lives in ``harness.execute.world``. Messages on a
 rank's pipe, parent -> worker: ``("run", fn, payload)`` | ``("close",)``; worker -> parent:
 ``("ready", pid)`` | ``("ok", value)`` | ``("error", formatted_traceback)``.
 """
@@ -21,7 +21,6 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-
 
 LIFELINE_THREAD = " in lifeline_watch"  # how the watch thread's frame reads in a faulthandler dump
 

@@ -1,0 +1,1 @@
+"""The markdown report (markdown) and its plots (plots)."""
