@@ -11,6 +11,7 @@ outputs as they were.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 import tempfile
@@ -125,31 +126,46 @@ class Session:
 
     def write_outputs(self) -> list[Path]:
         """Report (+ plots), tables and a saved baseline, swapped into place together."""
-        from harness.gate.baseline import DEFAULT_DIR, baseline_file, baseline_text
+        from harness.gate.baseline import baseline_file, baseline_text
         from harness.report.markdown import stage_report
         from harness.tables.store import stage_run, swap_into_place, writing
         res, o = self.result, self.options
         if res is None or (o.report is None and not o.save_baseline):
             return []
-        anchor = Path(o.report) if o.report is not None else DEFAULT_DIR / "x"
-        with writing(anchor):
-            anchor.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=anchor.parent, prefix=".fsdp-harness-out-"))
+        # each output is staged beside its destination: os.replace cannot move across file systems
+        # (a report on a tmpfs /tmp, the baselines in the checkout)
+        staging: list[Path] = []
+        made: list[Path] = []  # folders this write created, removed again if it fails
+
+        def stage_dir(dst: Path) -> Path:
+            with writing(dst):
+                missing = [p for p in (dst.parent, *dst.parent.parents) if not p.exists()]
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                made.extend(missing)
+                staging.append(Path(tempfile.mkdtemp(dir=dst.parent, prefix=".fsdp-harness-out-")))
+            return staging[-1]
+
+        moves: list[tuple[Path, Path]] = []
         try:
-            moves = []
-            with writing(anchor):  # staging: a full disk here is the same one-line error
-                if o.report is not None:
+            if o.report is not None:
+                tmp = stage_dir(Path(o.report))
+                with writing(o.report):  # staging: a full disk here is the same one-line error
                     moves += stage_report(res.tables, res.env, o.report, tmp)
                     moves.append((stage_run(res.tables, res.env, tmp / "tables"), tables_dir(o.report)))
-                if o.save_baseline:
-                    dst = baseline_file(o.save_baseline, res.env)
-                    dst.parent.mkdir(parents=True, exist_ok=True)
-                    staged = tmp / "baseline.json"
+            if o.save_baseline:
+                dst = baseline_file(o.save_baseline, res.env)
+                staged = stage_dir(dst) / "baseline.json"
+                with writing(dst):
                     staged.write_text(baseline_text(res.tables, res.env, o.save_baseline), encoding="utf-8")
-                    moves.append((staged, dst))
+                moves.append((staged, dst))
             swap_into_place(moves)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            _remove(staging)
+            for folder in sorted(made, key=lambda p: len(p.parts), reverse=True):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()  # only if empty: a failed write leaves no new empty folder behind
+            raise
+        _remove(staging)
         return [dst for _, dst in moves]
 
     def counts(self) -> dict[str, int]:
@@ -177,6 +193,11 @@ class Session:
         for path in self.write_outputs():
             self.say(f"wrote {path}")
         return self.exit_status()
+
+
+def _remove(folders: list[Path]) -> None:
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _stderr(line: str) -> None:

@@ -297,3 +297,49 @@ def test_a_usage_error_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
     assert "divisible" in out.stderr
+
+
+def _session_with_result(report: Path | None, save_baseline: str | None):
+    from harness.execute.executor import RunResult
+    from harness.session import Session, SessionOptions
+    session = Session(SessionOptions(opt.MatrixOptions(), report=report, save_baseline=save_baseline))
+    tables = syn.make_tables(world_sizes=(1,), modes=("replicated",))
+    session.result = RunResult([], tables, [], {"device": "cpu", "torch": "2.13.0+cpu", "cpu_capability": "AVX2"}, 0.0)
+    return session
+
+
+def test_each_output_is_staged_beside_its_destination_so_file_systems_may_differ(tmp_path, monkeypatch):
+    """A report on one file system (a tmpfs /tmp) and the baselines on another: os.replace cannot
+    cross them, so every staged output must sit in the folder it is moved into."""
+    import errno
+    import os
+
+    from harness.tables import store
+    real_replace = os.replace
+
+    def replace_within_one_folder(src, dst):
+        if Path(src).resolve().parent.parent != Path(dst).resolve().parent:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_replace(src, dst)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(store.os, "replace", replace_within_one_folder)
+    report = tmp_path / "elsewhere" / "r.md"
+    written = _session_with_result(report, "xfs").write_outputs()
+    baseline = Path("reports/baselines/xfs/cpu-avx2-torch2.13.0_cpu.json")
+    assert report.is_file() and baseline.is_file()
+    assert report in written and baseline in written
+    assert list(tmp_path.rglob(".fsdp-harness-out-*")) == []
+
+
+def test_a_failed_baseline_write_leaves_no_new_empty_folder(tmp_path, monkeypatch):
+    from harness.tables import store
+    monkeypatch.chdir(tmp_path)
+
+    def refuse(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store.os, "replace", refuse)
+    with pytest.raises(store.OutputError):
+        _session_with_result(None, "full").write_outputs()
+    assert not Path("reports").exists()
