@@ -337,9 +337,10 @@ def run_checks(tables, bounds: Bounds = Bounds(), extra: tuple[Check, ...] = ())
             continue
         try:
             got = check.fn(tables, bounds)
-        except (KeyError, AttributeError) as e:
+        except Exception as e:  # a check that breaks fails what it applies to; the other checks still run
             got = [Verdict(check.name, r.scenario, FAIL, None, None,
-                           message=f"could not be checked: {type(e).__name__} {e}") for r in applicable]
+                           message=f"could not be checked: the check raised {type(e).__name__}: {e}")
+                   for r in applicable]
         verdicts += got
         spoken = {v.scenario for v in got}
         verdicts += [Verdict(check.name, r.scenario, FAIL, None, None, message=(

@@ -314,3 +314,18 @@ def test_a_skip_is_never_a_check_that_could_not_run():
     verdicts = checks.run_checks(t)
     assert not [v for v in verdicts if v.status == "skip" and "could not" in v.message]
     assert [v for v in verdicts if v.status == "fail" and "could not be checked" in v.message]
+
+
+def test_a_check_that_raises_fails_the_scenarios_it_applies_to_and_the_run_goes_on():
+    """Any exception inside a check (not only a missing key) is a FAIL naming it, per scenario;
+    the other checks still give their verdicts."""
+    def broken(tables, bounds):
+        raise ValueError("cannot convert float NaN to integer")
+
+    t = _full_tables()
+    verdicts = checks.run_checks(t, extra=(checks.Check(broken, lambda r: r.status == "ok", {}),))
+    ok = t["scenarios"][t["scenarios"].status == "ok"]
+    mine = [v for v in verdicts if v.check == "broken"]
+    assert {v.scenario for v in mine} == set(ok.scenario)
+    assert all(v.status == "fail" and "ValueError" in v.message and "NaN to integer" in v.message for v in mine)
+    assert any(v.check == "ws1_exact" and v.status == "pass" for v in verdicts)
