@@ -12,7 +12,7 @@ import pytest
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP
 from harness.execute.world import WorldPool
 from harness.per_sample import tasks as ps
-from harness.per_sample.run import negative_control, opacus_update_verdict, run_per_sample
+from harness.per_sample.run import negative_control, opacus_raised, opacus_update_verdict, run_per_sample
 from harness.report import markdown as report
 
 MODEL, WORLD_SIZES, MODES, BATCH, SEED = "mlp", (1, 2), ("replicated", "split"), 8, 0
@@ -109,3 +109,14 @@ def test_negative_control_fails_when_the_bug_goes_unnoticed_and_opacus_surprises
     assert opacus_update_verdict(bad, 3.0, 2, "replicated", {BATCH / 2}, BATCH).status == FAIL  # ratio is not W
     assert opacus_update_verdict(bad, 3.0, 3, "split", {BATCH / 3}, BATCH).status == FAIL  # split must be exact
     assert opacus_update_verdict(bad, 3.0, 3, "replicated", {BATCH / 3}, BATCH).status == KNOWN
+
+
+def test_opacus_raising_is_never_a_skip():
+    """Nothing measured is a FAIL, or KNOWN where the documented cause holds: the mlp's 7-row layer
+    leaves a rank an empty shard at W=8, not at W=4."""
+    err = "RankFailed: RuntimeError: aten.add_.Tensor: in-place operations that require placement changes"
+    at8 = opacus_raised("opacus-mlp-ws8-replicated", "mlp", 8, err)
+    at4 = opacus_raised("opacus-mlp-ws4-replicated", "mlp", 4, err)
+    assert [(v.check, v.status) for v in at8] == [("per_sample_norms", KNOWN), ("clipped_update", KNOWN)]
+    assert all("empty shard" in v.message and "(7,)" in v.message and err in v.message for v in at8)
+    assert [v.status for v in at4] == [FAIL, FAIL] and all(err in v.message for v in at4)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from harness.core.verdict import FAIL, PASS, SKIP, Verdict
+from harness.core.verdict import FAIL, PASS, Verdict
 from harness.train.data import global_batch, local_slice
 from harness.train.models import ModelSpec, get_model_spec
 
