@@ -241,8 +241,13 @@ def params_cover_model(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 def completed(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """Every rank finished; a scenario that raised or hung is a failure with its message."""
     return [Verdict("completed", row.scenario, PASS if row.status == "ok" else FAIL, None, None,
-                    message="every rank finished" if row.status == "ok" else str(row.error))
+                    message="every rank finished" if row.status == "ok" else str(row.error),
+                    rank=_rank_or_none(getattr(row, "failed_rank", None)))
             for row in tables["scenarios"].itertuples()]
+
+
+def _rank_or_none(x) -> int | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) or x == "" else int(x)
 
 
 def _ws1_id(row) -> str:

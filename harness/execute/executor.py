@@ -16,7 +16,8 @@ from harness.core.environment import environment
 from harness.core.policy import Bounds
 from harness.core.scenario import Scenario
 from harness.core.verdict import Verdict
-from harness.execute.world import WorldError, WorldPool
+from harness.execute.worker import root_cause
+from harness.execute.world import RankFailed, WorldError, WorldHung, WorldPool
 from harness.tables.build import build_tables
 
 TASK = "harness.train.task:run_scenario"
@@ -37,6 +38,15 @@ class RunResult:
         return [v for v in self.verdicts if not v.passed]
 
 
+def failed_rank(e: WorldError) -> int | None:
+    """The rank a world failure started on: the one whose own error it was, or the first silent one."""
+    if isinstance(e, RankFailed) and e.tracebacks:
+        return root_cause(e.tracebacks)
+    if isinstance(e, WorldHung) and e.missing:
+        return min(e.missing)
+    return None
+
+
 def execute(scenarios: list[Scenario], *, snapshot_dir: Path, pool: WorldPool,
             timeout_s: float = 300.0, progress: Callable[[int, int, Scenario, float], None] | None = None) -> dict:
     """scenario id -> {"ranks": [record per rank]} or {"error": message}. Worlds in ascending size."""
@@ -49,7 +59,7 @@ def execute(scenarios: list[Scenario], *, snapshot_dir: Path, pool: WorldPool,
             world = pool.get(sc.world_size, sc.backend)
             results[sc.id] = {"ranks": world.run(TASK, payload, timeout_s=timeout_s)}
         except WorldError as e:
-            results[sc.id] = {"error": str(e)}
+            results[sc.id] = {"error": str(e), "failed_rank": failed_rank(e)}
         if progress is not None:
             progress(i + 1, len(order), sc, time.perf_counter() - t0)
     return results

@@ -269,13 +269,13 @@ class _Runner:
             for r in sorted(failed):
                 lines += [f"--- rank {r} failed (it had waited for the silent ranks) ---", failed[r].rstrip()]
             self._missing, self._failed = missing, bool(failed)
-            return {"error": "\n".join(lines)}
+            return {"error": "\n".join(lines), "failed_rank": missing[0]}
         self._missing, self._failed = [], bool(failed)
         if failed:
             first = root_cause(failed)
             lines = [f"rank {first} of {label} failed in {sc.id}:", failed[first].rstrip()]
             lines += [f"rank {r} failed too: {failed[r].strip().splitlines()[-1]}" for r in sorted(failed) if r != first]
-            return {"error": "\n".join(lines)}
+            return {"error": "\n".join(lines), "failed_rank": first}
         return {"ranks": [outcomes[r][1] for r in range(w)]}
 
     def _decision(self, key: str, sc: Scenario) -> str:

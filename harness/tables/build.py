@@ -9,7 +9,7 @@ params     one row per scenario x step x parameter (full, unsharded parameter un
            scenario, step, param, numel, diff_ref, diff_ws1, sum
 scenarios  one row per scenario
            scenario, impl, model, world_size, data_mode, optimizer, seed, steps, lr, status, error,
-           final_loss, param_sum, max_diff_ref, max_diff_ws1, sharded, param_bytes (full parameters),
+           failed_rank (the rank a failure started on), final_loss, param_sum, max_diff_ref, max_diff_ws1, sharded, param_bytes (full parameters),
            trainable_bytes, param_elements, trainable_elements,
            largest_unit_bytes (largest unit's full parameters), row_bytes (one dim-0 row of every
            parameter tensor, summed), param_tensors (count), params_compared (parameters of the plain
@@ -94,7 +94,8 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
         res = results.get(sc.id, {"error": "not run"})
         base = _scenario_fields(sc)
         if "ranks" not in res:
-            scen_rows.append({**base, "steps": sc.steps, "lr": sc.lr, "status": "error", "error": res["error"]})
+            scen_rows.append({**base, "steps": sc.steps, "lr": sc.lr, "status": "error", "error": res["error"],
+                              "failed_rank": res.get("failed_rank")})
             continue
         r0 = res["ranks"][0]
         ref_id = sc.reference().id
@@ -126,7 +127,8 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             comm_rows.append({"scenario": sc.id, **c})
         state = [rr["memory"].get("state_total", math.nan) for rr in res["ranks"]]
         peak = [rr["memory"].get("peak", math.nan) for rr in res["ranks"]]
-        scen_rows.append({**base, "steps": sc.steps, "lr": sc.lr, "status": "ok", "error": "", **final,
+        scen_rows.append({**base, "steps": sc.steps, "lr": sc.lr, "status": "ok", "error": "", "failed_rank": None,
+                          **final,
                           "sharded": r0.get("sharded", True), "param_bytes": r0.get("param_bytes", math.nan),
                           "trainable_bytes": r0.get("trainable_bytes", math.nan),
                           "param_elements": r0.get("param_elements", math.nan),
@@ -142,7 +144,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             "step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1"]),
         "params": pd.DataFrame(param_rows, columns=["scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum"]),
         "scenarios": pd.DataFrame(scen_rows, columns=SCENARIO_COLUMNS + [
-            "steps", "lr", "status", "error", "final_loss", "param_sum", "max_diff_ref", "max_diff_ws1",
+            "steps", "lr", "status", "error", "failed_rank", "final_loss", "param_sum", "max_diff_ref", "max_diff_ws1",
             "sharded", "param_bytes", "trainable_bytes", "param_elements", "trainable_elements", "largest_unit_bytes", "largest_child_bytes", "root_bytes",
             "row_bytes", "param_tensors", "params_compared", "state_bytes", "peak_bytes", "step_time_s"]),
         "memory": pd.DataFrame(mem_rows, columns=["scenario", "rank", "category", "bytes"]),

@@ -177,6 +177,7 @@ def test_a_raising_rank_fails_its_scenario_with_its_rank_and_traceback(fault_run
     rank, phase, harness_code, raiser, step = RAISES[name]
     sid = scenario(name).id
     v = completed_failure(fault_run.result, sid)
+    assert v.rank == rank  # the rank it started on, as a field
     message = v.message
     first = message.splitlines()[0]
     assert re.fullmatch(rf"rank {rank} of World\(2\b.*\) failed in harness\.train\.task:run_scenario:", first), first
@@ -197,6 +198,7 @@ def test_a_rank_that_dies_is_named_with_its_exit_code(fault_run):
 
 def test_the_failure_leads_with_the_rank_that_died_not_its_peer(fault_run):
     v = completed_failure(fault_run.result, scenario("crash_rank1").id)
+    assert v.rank == 1
     assert v.message.splitlines()[0].startswith("rank 1 ")
 
 
