@@ -30,14 +30,12 @@ from harness.core.policy import OPACUS_EMPTY_SHARD
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
 from harness.execute.world import WorldError, WorldPool
 from harness.per_sample import tasks as ps
+from harness.tables.schema import columns
 from harness.train.models import get_model_spec
 
 LR = 1.0
 IMPLS = ("fsdp_impl", "allreduce", "opacus")
 NEGATIVE_CONTROL = "allreduce"
-PER_SAMPLE_COLUMNS = ["model", "impl", "data_mode", "world_size", "sample", "norm", "truth"]
-SUMMARY_COLUMNS = ["model", "impl", "data_mode", "world_size", "mean_norm", "truth_mean", "ratio_of_means",
-                   "max_rel_err", "clipped_update_rel_err", "update_ratio"]
 
 
 def max_norm(model: str, seed: int, batch: int) -> float:
@@ -190,8 +188,8 @@ def run_per_sample(models=("mlp",), world_sizes=(1, 2, 4, 8), modes=("replicated
     finally:
         if own:
             pool.close()
-    return {"per_sample": _sorted(pd.DataFrame(rows, columns=PER_SAMPLE_COLUMNS)),
-            "per_sample_summary": _sorted(pd.DataFrame(summary, columns=SUMMARY_COLUMNS))}, verdicts
+    return {"per_sample": _sorted(pd.DataFrame(rows, columns=columns("per_sample"))),
+            "per_sample_summary": _sorted(pd.DataFrame(summary, columns=columns("per_sample_summary")))}, verdicts
 
 
 def _sorted(df: pd.DataFrame) -> pd.DataFrame:

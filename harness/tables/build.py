@@ -1,32 +1,9 @@
-"""Per-rank records -> tidy pandas tables. Column names here are the schema documented in README.
+"""Per-rank records -> tidy pandas tables, with the columns `schema.py` defines.
 
-Tables (one DataFrame each, keyed by name in a dict):
-
-steps      one row per scenario x step
-           scenario, impl, model, world_size, data_mode, optimizer, seed, step, loss, grad_norm,
-           max_diff_ref, worst_param_ref, max_diff_ws1, worst_param_ws1
-params     one row per scenario x step x parameter (full, unsharded parameter under its module path)
-           scenario, step, param, numel, diff_ref, diff_ws1, sum
-scenarios  one row per scenario
-           scenario, impl, model, world_size, data_mode, optimizer, seed, steps, lr, status, error,
-           failed_rank (the rank a failure started on), final_loss, param_sum, max_diff_ref, max_diff_ws1, sharded, param_bytes (full parameters),
-           trainable_bytes, param_elements, trainable_elements,
-           largest_unit_bytes (largest unit's full parameters), row_bytes (one dim-0 row of every
-           parameter tensor, summed), param_tensors (count), params_compared (parameters of the plain
-           model whose names and shapes were held against full_params), state_bytes (max over ranks of
-           params + grads + optimizer state held), peak_bytes (max over ranks), step_time_s
-memory     one row per scenario x rank x category (bytes on that rank)
-           scenario, rank, category, bytes
-           categories: peak by category during the measured step (params, grads, optimizer_state,
-           activations, other, peak) and state held after it (state_params, state_grads,
-           state_optimizer_state, state_total)
-comm       one row per scenario x collective x element type (per training step, averaged over the
-           steps, rank 0): scenario, collective, dtype, calls, elements, bytes (the full size each
-           collective handles, harness.measure.comm)
-coverage   one row per scenario x step x parameter that `full_params` got wrong against the plain
-           model (left out, not a parameter of the plain model, another shape); empty when all held
-           scenario, step, param, problem
-verdicts   one row per Verdict (harness.core.verdict): check, scenario, status, measured, bound, where, message
+`diff_ref` is against the non-sharded model trained on the full batch; `diff_ws1` against the same
+implementation at world size 1 in the same data mode. `params` holds the full, unsharded
+parameters under their module paths; `memory` the peak by category during the measured step and
+the state held after it; `comm` rank 0's collectives per training step, averaged over the steps.
 """
 
 from __future__ import annotations
@@ -38,8 +15,7 @@ import pandas as pd
 import torch
 
 from harness.core.scenario import REFERENCE_IMPL, Scenario
-
-SCENARIO_COLUMNS = ["scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed"]
+from harness.tables.schema import columns
 
 
 def _scenario_fields(sc: Scenario) -> dict:
@@ -139,22 +115,10 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                           "row_bytes": r0.get("row_bytes", math.nan), "param_tensors": r0.get("param_tensors", math.nan),
                           "params_compared": compared, "state_bytes": max(state), "peak_bytes": max(peak),
                           "step_time_s": max(rr["step_time_s"] for rr in res["ranks"])})
-    return {
-        "steps": pd.DataFrame(steps_rows, columns=SCENARIO_COLUMNS + [
-            "step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1"]),
-        "params": pd.DataFrame(param_rows, columns=["scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum"]),
-        "scenarios": pd.DataFrame(scen_rows, columns=SCENARIO_COLUMNS + [
-            "steps", "lr", "status", "error", "failed_rank", "final_loss", "param_sum", "max_diff_ref", "max_diff_ws1",
-            "sharded", "param_bytes", "trainable_bytes", "param_elements", "trainable_elements", "largest_unit_bytes", "largest_child_bytes", "root_bytes",
-            "row_bytes", "param_tensors", "params_compared", "state_bytes", "peak_bytes", "step_time_s"]),
-        "memory": pd.DataFrame(mem_rows, columns=["scenario", "rank", "category", "bytes"]),
-        "comm": pd.DataFrame(comm_rows, columns=COMM_COLUMNS),
-        "coverage": pd.DataFrame(cover_rows, columns=COVERAGE_COLUMNS),
-    }
+    rows = {"steps": steps_rows, "params": param_rows, "scenarios": scen_rows, "memory": mem_rows,
+            "comm": comm_rows, "coverage": cover_rows}
+    return {name: pd.DataFrame(r, columns=columns(name)) for name, r in rows.items()}
 
-
-COVERAGE_COLUMNS = ["scenario", "step", "param", "problem"]
-COMM_COLUMNS = ["scenario", "collective", "dtype", "calls", "elements", "bytes"]
 
 
 def _coverage(sid: str, step: int, cur: dict, ref: dict) -> list[dict]:

@@ -21,22 +21,13 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.tables.schema import TABLES
+
 SCHEMA_VERSION = 2  # 2: verdicts carry step, param, rank and sample; the coverage table
 FORMAT = "fsdp-equivalence-run"
 MANIFEST = "run.json"
-# Required columns per known table (the schema in harness/tables/build.py); extra columns are kept.
-TABLE_COLUMNS: dict[str, tuple[str, ...]] = {
-    "steps": ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed", "step", "loss",
-              "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1"),
-    "params": ("scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum"),
-    "scenarios": ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed", "steps", "lr",
-                  "status", "error", "final_loss", "param_sum", "max_diff_ref", "max_diff_ws1", "state_bytes",
-                  "peak_bytes", "step_time_s"),
-    "memory": ("scenario", "rank", "category", "bytes"),
-    "comm": ("scenario", "collective", "dtype", "calls", "elements", "bytes"),
-    "coverage": ("scenario", "step", "param", "problem"),
-    "verdicts": ("check", "scenario", "status", "measured", "bound", "where", "message", "step", "param"),
-}
+# Required columns per known table (harness/tables/schema.py); extra columns are kept.
+TABLE_COLUMNS: dict[str, tuple[str, ...]] = {name: t.required_columns for name, t in TABLES.items()}
 
 
 class StoreError(Exception):

@@ -11,7 +11,7 @@ import pandas as pd
 from harness.checks.numeric import verdict_table
 from harness.core.scenario import Scenario
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
-from harness.tables.build import COVERAGE_COLUMNS
+from harness.tables.schema import columns
 
 IMPL, MODEL, OPT = "fsdp_impl", "mlp", "adamw"
 PARAMS = {"layers.0.weight": 4096, "layers.0.bias": 64, "layers.1.weight": 640}
@@ -134,6 +134,17 @@ def _verdicts(world_sizes, modes, fail: bool, steps: int) -> list[dict]:
     return out
 
 
+def frame(name: str, rows: list[dict], extra: tuple[str, ...] = ()) -> pd.DataFrame:
+    """A table of the harness schema (harness/tables/schema.py) from rows that hold some of its
+    columns, in the schema's order; a key the schema does not know (a builder gone stale) raises."""
+    known = columns(name)
+    unknown = {k for r in rows for k in r} - set(known) - set(extra)
+    if unknown:
+        raise KeyError(f"table '{name}' has no columns {sorted(unknown)} in the schema")
+    present = [c for c in known if not rows or any(c in r for r in rows)]
+    return pd.DataFrame(rows, columns=present + [c for c in extra if any(c in r for r in rows)])
+
+
 def make_tables(*, world_sizes=(1, 2, 4), modes=("replicated", "split"), steps: int = 5, fail: bool = True,
                 ideal_memory: bool = False) -> dict[str, pd.DataFrame]:
     """All seven tables for the reference run plus every (world size, data mode) cell."""
@@ -154,9 +165,9 @@ def make_tables(*, world_sizes=(1, 2, 4), modes=("replicated", "split"), steps: 
         for coll, (calls, b) in comm(sc.world_size).items():
             comm_rows.append(dict(scenario=sc.id, collective=coll, dtype="float32", calls=calls, elements=b // 4,
                                   bytes=b))
-    return {"steps": pd.DataFrame(steps_rows), "params": pd.DataFrame(param_rows),
-            "scenarios": pd.DataFrame(scen_rows), "memory": pd.DataFrame(mem_rows),
-            "comm": pd.DataFrame(comm_rows), "coverage": pd.DataFrame(columns=COVERAGE_COLUMNS),
+    return {"steps": frame("steps", steps_rows), "params": frame("params", param_rows),
+            "scenarios": frame("scenarios", scen_rows), "memory": frame("memory", mem_rows, extra=("ideal_bytes",)),
+            "comm": frame("comm", comm_rows), "coverage": frame("coverage", []),
             "verdicts": verdict_table([Verdict(**v) for v in _verdicts(world_sizes, modes, fail, steps)])}
 
 

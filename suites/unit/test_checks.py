@@ -12,7 +12,7 @@ from harness.checks import numeric as checks
 from harness.checks import resources as resource_checks
 from harness.core.policy import Bounds
 from harness.core.scenario import Scenario
-from harness.tables.build import COMM_COLUMNS, SCENARIO_COLUMNS
+from suites.unit.synthetic_tables import frame
 
 P_BYTES = 4000  # full parameter bytes of the pretend model
 
@@ -38,10 +38,8 @@ def make(cells):
                      "largest_unit_bytes": P_BYTES // 2,
                      "largest_child_bytes": P_BYTES // 4, "root_bytes": P_BYTES // 4, "row_bytes": 40,
                      "param_tensors": 4})
-    return {"steps": pd.DataFrame(steps), "scenarios": pd.DataFrame(scen, columns=SCENARIO_COLUMNS + list(scen[0])[7:]),
-            "params": pd.DataFrame(params),
-            "memory": pd.DataFrame(columns=["scenario", "rank", "category", "bytes"]),
-            "comm": pd.DataFrame(columns=["scenario", "collective", "calls", "bytes"])}
+    return {"steps": frame("steps", steps), "scenarios": frame("scenarios", scen), "params": frame("params", params),
+            "memory": frame("memory", []), "comm": frame("comm", [])}
 
 
 LOSSES = [1.0, 0.8, 0.6]
@@ -190,7 +188,7 @@ P_EL = P_BYTES // 4  # float32 parameters
 def _comm(sid, *rows):
     """rows: (collective, dtype, elements); bytes follow from the element type."""
     width = {"float32": 4, "float64": 8, "bfloat16": 2}
-    return pd.DataFrame([(sid, c, d, 1, n, n * width[d]) for c, d, n in rows], columns=COMM_COLUMNS)
+    return pd.DataFrame([(sid, c, d, 1, n, n * width[d]) for c, d, n in rows], columns=frame("comm", []).columns)
 
 
 def test_comm_volume_fails_on_an_extra_all_gather():

@@ -331,3 +331,24 @@ def test_rank_balance_from_state_categories_when_no_state_total(tmp_path, fast_p
     state2 = syn.mem(2, "split")["state_total"]
     assert _row(_section(text, "## Memory"), "rank balance (state max/min)")[1:] == \
         ["1.00", f"{(state2 + 4096) / state2:.2f}"]
+
+
+def test_the_readme_table_of_tables_is_the_schema():
+    """README's table of tables is made from harness/tables/schema.py; a column added in one place
+    and not the other fails here."""
+    from harness.tables import schema
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    assert schema.readme_table() in readme
+
+
+def test_built_and_stored_tables_follow_the_schema(tmp_path):
+    """build_tables gives every schema column in order; store refuses a table missing a required one."""
+    from harness.tables import schema
+    from harness.tables.build import build_tables
+    built = build_tables([], {})
+    assert {name: list(df.columns) for name, df in built.items()} == {
+        name: schema.columns(name) for name in built}
+    tables = syn.make_tables(world_sizes=(1,), modes=("replicated",))
+    tables["steps"] = tables["steps"].drop(columns=["loss"])
+    with pytest.raises(StoreError, match="loss"):
+        save_run(tables, {}, tmp_path / "run")

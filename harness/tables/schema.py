@@ -1,0 +1,72 @@
+"""The table schema: every table a run produces, what one row is, and its columns in order.
+
+The one definition that building (`build.py`), storing (`store.py`), the test builders and the
+README's table all read; a test holds the README to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness.core.verdict import VERDICT_COLUMNS
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    row: str  # what one row is
+    columns: tuple[str, ...]  # every column, in order
+    note: str = ""  # what the README's table adds after the columns
+    # the columns a stored run must have to be read back; the others may be missing from a run
+    # stored before they existed, and the checks that need them fail by name (checks/numeric.py)
+    required: tuple[str, ...] | None = None  # None: all of them
+
+    @property
+    def required_columns(self) -> tuple[str, ...]:
+        return self.columns if self.required is None else self.required
+
+
+SCENARIO_IDS = ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed")
+
+TABLES: dict[str, Table] = {t.name: t for t in (
+    Table("steps", "scenario x step", SCENARIO_IDS + (
+        "step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1")),
+    Table("params", "scenario x step x parameter", (
+        "scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum")),
+    Table("scenarios", "scenario", SCENARIO_IDS + (
+        "steps", "lr", "status", "error", "failed_rank", "final_loss", "param_sum", "max_diff_ref", "max_diff_ws1", "sharded",
+        "param_bytes", "trainable_bytes", "param_elements", "trainable_elements", "largest_unit_bytes",
+        "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "params_compared", "state_bytes",
+        "peak_bytes", "step_time_s"),
+          required=SCENARIO_IDS + ("steps", "lr", "status", "error", "final_loss", "param_sum", "max_diff_ref",
+                                   "max_diff_ws1", "state_bytes", "peak_bytes", "step_time_s")),
+    Table("memory", "scenario x rank x category", ("scenario", "rank", "category", "bytes"),
+          "category: params, grads, optimizer_state, activations, other, peak; state_params, state_grads, "
+          "state_optimizer_state, state_total"),
+    Table("comm", "scenario x collective x element type", (
+        "scenario", "collective", "dtype", "calls", "elements", "bytes"),
+          "per step, the full size each collective handles"),
+    Table("coverage", "scenario x step x parameter `full_params` got wrong", ("scenario", "step", "param", "problem"),
+          "problem: missing, not a parameter of the plain model, another shape; empty when all held"),
+    Table("verdicts", "verdict", tuple(VERDICT_COLUMNS),
+          required=("check", "scenario", "status", "measured", "bound", "where", "message", "step", "param")),
+    Table("per_sample", "model x impl x data mode x world size x sample", (
+        "model", "impl", "data_mode", "world_size", "sample", "norm", "truth"), "with `--per-sample`"),
+    Table("per_sample_summary", "model x impl x data mode x world size", (
+        "model", "impl", "data_mode", "world_size", "mean_norm", "truth_mean", "ratio_of_means", "max_rel_err",
+        "clipped_update_rel_err", "update_ratio"), "with `--per-sample`"),
+)}
+
+
+def columns(name: str) -> list[str]:
+    """The columns of table `name`, in order."""
+    return list(TABLES[name].columns)
+
+
+def readme_table() -> str:
+    """The README's table of tables (markdown), made from the schema."""
+    lines = ["| table | one row per | columns |", "|---|---|---|"]
+    for t in TABLES.values():
+        cols = ", ".join(t.columns) + (f" ({t.note})" if t.note else "")
+        lines.append(f"| `{t.name}` | {t.row} | {cols} |")
+    return "\n".join(lines)
