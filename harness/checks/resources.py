@@ -19,10 +19,6 @@ from harness.core.verdict import FAIL, PASS, Verdict
 from harness.measure import ideal_state_bytes
 
 STATE_CATEGORIES = ("params", "grads", "optimizer_state")
-ALIGN_BYTES_PER_TENSOR = 64  # flat-buffer alignment a shard may add per parameter tensor
-STATE_SLACK = 0.01  # relative slack on top of the padding allowance
-PEAK_SLACK = 0.10
-COMM_SLACK = 0.01
 SCATTER_COLLECTIVES = ("reduce_scatter", "all_to_all")  # each rank receives only its shard
 
 
@@ -39,15 +35,15 @@ def _measured_rows(tables, check: str, out: list[Verdict], *, multi_rank: bool =
     return rows[rows.param_bytes.notna()]
 
 
-def shard_padding(row) -> float:
+def shard_padding(row, bounds: Bounds = Bounds()) -> float:
     """Most padding a rank's shard of one state category may hold: one dim-0 row per tensor
     (per-parameter dim-0 sharding, FSDP2) or alignment gaps (flat sharding), whichever layout."""
-    return float(row.row_bytes) + ALIGN_BYTES_PER_TENSOR * float(row.param_tensors)
+    return float(row.row_bytes) + bounds.align_bytes_per_tensor * float(row.param_tensors)
 
 
-def gather_padding(row) -> float:
+def gather_padding(row, bounds: Bounds = Bounds()) -> float:
     """Most padding one full-size collective over all parameters may carry: W-1 rows per tensor."""
-    return (int(row.world_size) - 1) * float(row.row_bytes) + ALIGN_BYTES_PER_TENSOR * float(row.param_tensors)
+    return (int(row.world_size) - 1) * float(row.row_bytes) + bounds.align_bytes_per_tensor * float(row.param_tensors)
 
 
 def _max_over_ranks(mem: pd.DataFrame, sid: str, category: str) -> float:
@@ -60,7 +56,7 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     out, mem = [], tables["memory"]
     for row in _measured_rows(tables, "memory_sharding", out).itertuples():
         ideal = ideal_state_bytes(int(row.param_bytes), row.optimizer, int(row.world_size), sharded=bool(row.sharded))
-        allowance = shard_padding(row)
+        allowance = shard_padding(row, bounds)
         worst, worst_limit, where, total_measured = 0.0, 1.0, "", 0.0
         for cat in STATE_CATEGORIES:
             measured = _max_over_ranks(mem, row.scenario, f"state_{cat}")
@@ -69,7 +65,7 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                 continue
             total_measured += measured
             copies = ideal[cat] / ideal["params"] if ideal["params"] else 1  # optimizer state: 2 per param (AdamW)
-            limit = ideal[cat] * (1 + STATE_SLACK) + copies * allowance
+            limit = ideal[cat] * (1 + bounds.memory_sharding_slack) + copies * allowance
             ratio = measured / ideal[cat] if ideal[cat] else math.inf
             if ratio > worst:
                 worst, worst_limit = ratio, (limit / ideal[cat] if ideal[cat] else math.inf)
@@ -98,10 +94,10 @@ def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         ideal = ideal_state_bytes(int(row.param_bytes), row.optimizer, int(row.world_size), sharded=bool(row.sharded))
         unsharded = 0 if not row.sharded or row.world_size == 1 else 2 * 2 * float(row.largest_unit_bytes)
         transient = (_max_over_ranks(mem, row.scenario, "activations") + _max_over_ranks(mem, row.scenario, "other"))
-        bound = (sum(ideal.values()) + unsharded + transient) * (1 + PEAK_SLACK) + 4 * shard_padding(row)
+        bound = (sum(ideal.values()) + unsharded + transient) * (1 + bounds.peak_slack) + 4 * shard_padding(row, bounds)
         passed = peak <= bound
         msg = (f"peak {peak:,.0f} B per rank vs bound {bound:,.0f} B (state ideal {sum(ideal.values()):,.0f} + "
-               f"2 units unsharded {unsharded:,.0f} + activations/other {transient:,.0f}, +{PEAK_SLACK:.0%})")
+               f"2 units unsharded {unsharded:,.0f} + activations/other {transient:,.0f}, +{bounds.peak_slack:.0%})")
         where = "" if passed else f"params: peak exceeds the bound by {peak - bound:,.0f} B"
         out.append(Verdict("peak_memory_bound", row.scenario, PASS if passed else FAIL, peak, bound, where, msg))
     return out
@@ -123,7 +119,7 @@ def peak_params_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             continue
         shards = -(-int(row.param_bytes) // int(row.world_size))
         gathered = 2 * float(row.largest_child_bytes) + float(row.root_bytes)
-        bound = shards + gathered + shard_padding(row) + 2 * ALIGN_BYTES_PER_TENSOR * float(row.param_tensors)
+        bound = shards + gathered + shard_padding(row, bounds) + 2 * bounds.align_bytes_per_tensor * float(row.param_tensors)
         passed = held <= bound
         msg = (f"parameters held at the peak {held:,.0f} B per rank vs bound {bound:,.0f} B (shards {shards:,} + "
                f"2 child units {2 * float(row.largest_child_bytes):,.0f} + root {float(row.root_bytes):,.0f} + padding)")
@@ -148,7 +144,7 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         p = float(row.param_elements)
         width = float(row.param_bytes) / p  # bytes per parameter element
         t = float(row.trainable_elements)
-        allowance = gather_padding(row) / width
+        allowance = gather_padding(row, bounds) / width
         gather = elements.get("all_gather", 0.0)
         scatter = sum(elements.get(k, 0.0) for k in SCATTER_COLLECTIVES)
         all_reduce = elements.get("all_reduce", 0.0)
@@ -157,9 +153,9 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         factor = reduce_bytes / (reduce * width) if reduce else math.nan
         types = sorted(set(c[c.collective.isin((*SCATTER_COLLECTIVES, "all_reduce"))].dtype.astype(str)))
         problems = []
-        if gather > 2 * (p * (1 + COMM_SLACK) + allowance):
+        if gather > 2 * (p * (1 + bounds.comm_slack) + allowance):
             problems.append(f"all_gather {gather:,.0f} elements > 2P = {2 * p:,.0f}")
-        if not t <= reduce <= t * (1 + COMM_SLACK) + allowance:
+        if not t <= reduce <= t * (1 + bounds.comm_slack) + allowance:
             what = "trainable" if t != p else "P ="
             problems.append(f"gradient reduction {reduce:,.0f} elements != {what} {t:,.0f}")
         if all_reduce:
@@ -169,7 +165,7 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                f"{reduce:,.0f} elements ({reduce / p:.2f}P) in {', '.join(types) or 'no type'}, "
                f"{reduce_bytes:,.0f} B: traffic factor {factor:.2f}x the parameters' {8 * width:g}-bit elements; "
                f"ZeRO-3 ideal 2P + P with P = {p:,.0f} elements")
-        limit = (2 * p + t) * (1 + COMM_SLACK) + 3 * allowance  # the most both conditions above allow together
+        limit = (2 * p + t) * (1 + bounds.comm_slack) + 3 * allowance  # the most both conditions above allow together
         out.append(Verdict("comm_volume", row.scenario, FAIL if problems else PASS, (gather + reduce) / p, limit / p,
                            "; ".join(problems), msg + f"; allowed up to {limit / p:.3g}P with padding"))
     return out

@@ -22,11 +22,21 @@ class Bounds:
     # step-1 global gradient norm vs the non-sharded model, relative: rounding of the averaged
     # gradient only (measured <= 9e-9 on the default matrix; fp32 epsilon is 1.2e-7)
     grad_norm_rel: float = 1e-6
+    # efficiency (checks/resources.py): relative slack on top of each figure's padding allowance
     memory_sharding_slack: float = 0.01  # per-rank state within 1% of (W=1 state) / W, plus padding
+    peak_slack: float = 0.10  # peak within 10% of ideal state + two units unsharded + activations
+    comm_slack: float = 0.01  # all-gathers <= 2P and the gradient reduction = trainable elements, +1%
+    # flat-buffer alignment a shard may add per parameter tensor (a layout allowance, not a tolerance)
+    align_bytes_per_tensor: int = 64
 
     def split_bound(self, optimizer: str, lr: float, steps: int) -> float:
         per = self.split_per_lr_step_adamw if optimizer == "adamw" else self.split_per_lr_step_sgd
         return per * lr * steps
+
+
+# Per-sample gradient norms (`--per-sample`), fp32 runs against a float64 truth
+PER_SAMPLE_RTOL = 1e-5  # max |norm - truth| / truth per sample
+CLIPPED_UPDATE_RTOL = 1e-5  # max |update - truth| / max |truth update| (SGD, lr 1)
 
 
 @dataclass(frozen=True)

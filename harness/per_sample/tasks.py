@@ -25,12 +25,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from harness.core.policy import CLIPPED_UPDATE_RTOL, PER_SAMPLE_RTOL
 from harness.core.verdict import FAIL, PASS, Verdict
 from harness.train.data import global_batch, local_slice
 from harness.train.models import ModelSpec, get_model_spec
 
-PER_SAMPLE_RTOL = 1e-5  # max |norm - truth| / truth per sample (fp32 run vs float64 truth)
-CLIPPED_UPDATE_RTOL = 1e-5  # max |update - truth| / max |truth update| (SGD, lr 1)
 CLIP_EPS = 1e-6  # Opacus' epsilon in C / (norm + eps); fsdp_impl uses the same
 NORM_VARIANTS = ("fsdp_impl", "allreduce", "allreduce_partial")
 
