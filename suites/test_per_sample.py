@@ -1,4 +1,4 @@
-"""Per-sample gradient norms and DP-SGD clipping under FSDP, in both data modes (issue #5).
+"""Per-sample gradient norms and DP-SGD clipping under FSDP, in both data modes.
 
 Every world size runs all its tasks in ONE world (started once, then closed), and the tests
 assert on the ``Verdict``s of ``harness.per_sample.tasks``'s checks against a float64 ground truth.

@@ -1,4 +1,4 @@
-"""The report's per-sample-norm tables, verdicts and section (harness.per_sample.run, issue #5),
+"""The report's per-sample-norm tables, verdicts and section (harness.per_sample.run),
 for mlp at W = 1, 2. Expectations come from the inputs and from ``harness.per_sample.tasks.truth``."""
 
 from __future__ import annotations

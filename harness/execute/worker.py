@@ -97,35 +97,6 @@ def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in TORCHRUN_VARIABLES)
 
 
-def run_under_torchrun(fn: str, payload: Any = None, backend: str | None = None) -> list | None:
-    """In a torchrun-launched process: join (env://), run ``fn`` here, gather every rank's value.
-
-    Returns the values in rank order on rank 0 and ``None`` on the other ranks. ``backend``
-    defaults to nccl where CUDA is available, else gloo. A group that is already initialized
-    is used as it is and left alone.
-    """
-    if not launched_by_torchrun():
-        raise RuntimeError(f"not launched by torchrun: {' / '.join(TORCHRUN_VARIABLES)} are not all set")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    setup_process()
-    device = device_for(backend, local_rank, local_size)
-    owns_group = not dist.is_initialized()
-    if owns_group:
-        dist.init_process_group(backend, init_method="env://")
-    try:
-        ctx = RankContext(rank, world_size, dist.group.WORLD, device, backend)
-        value = resolve(fn)(ctx, payload)
-        gathered: list | None = [None] * world_size if rank == 0 else None
-        dist.gather_object(value, gathered, dst=0)
-        return gathered
-    finally:
-        if owns_group:
-            dist.destroy_process_group()
-
-
 def _serve(ctx: RankContext, conn: Connection) -> None:
     while True:
         try:

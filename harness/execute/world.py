@@ -34,10 +34,10 @@ from typing import Any, Iterator
 import torch
 
 from harness.execute import worker
-from harness.execute.worker import RankContext, launched_by_torchrun, run_under_torchrun
+from harness.execute.worker import RankContext, launched_by_torchrun
 
 __all__ = ["World", "WorldPool", "RankContext", "WorldError", "RankFailed", "WorldHung",
-           "run_under_torchrun", "launched_by_torchrun"]
+           "launched_by_torchrun"]
 
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # before torch loads in a worker
 # imported once, in the forkserver; torch._inductor.config is what use_deterministic_algorithms

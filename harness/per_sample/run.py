@@ -1,4 +1,4 @@
-"""Per-sample gradient norms for the verification report (issue #5): run ``harness.per_sample.tasks``'s
+"""Per-sample gradient norms for the verification report: run ``harness.per_sample.tasks``'s
 tasks in worlds (one per world size, every scenario of that size in it) and turn them into the
 "per_sample" and "per_sample_summary" tables plus ``Verdict``s.
 
@@ -30,12 +30,12 @@ from harness.core.policy import OPACUS_EMPTY_SHARD
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
 from harness.execute.world import WorldError, WorldPool
 from harness.per_sample import tasks as ps
+from harness.per_sample.section import NEGATIVE_CONTROL
 from harness.tables.schema import columns
 from harness.train.models import get_model_spec
 
 LR = 1.0
 IMPLS = ("fsdp_impl", "allreduce", "opacus")
-NEGATIVE_CONTROL = "allreduce"
 
 
 def max_norm(model: str, seed: int, batch: int) -> float:

@@ -1,4 +1,4 @@
-"""The report's "Per-sample gradient norms" section (issue #5), from the tables that
+"""The report's "Per-sample gradient norms" section, from the tables that
 ``harness.per_sample.run.run_per_sample`` returns: "per_sample_summary" (one row per model x impl x
 data mode x world size) and "per_sample" (one row per sample), plus the run's verdicts."""
 

@@ -1,4 +1,4 @@
-"""Per-sample gradient norms under FSDP, in both data modes (issue #5).
+"""Per-sample gradient norms under FSDP, in both data modes.
 
 DP-SGD clips each sample's gradient before averaging, so a sharded implementation must produce
 the norm of every sample's gradient, in global sample order, whatever the data layout. Three

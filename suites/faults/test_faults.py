@@ -1,4 +1,4 @@
-"""Faults (issue #8): a rank that raises, dies, hangs or produces NaN; Ctrl-C; bad input; torchrun.
+"""Faults: a rank that raises, dies, hangs or produces NaN; Ctrl-C; bad input; torchrun.
 
 One small matrix (mlp, 3 steps, world size 2, replicated data) runs every fault adapter of
 ``fault_adapters`` once through ``harness.execute.executor.run_matrix``, between good scenarios, with a short

@@ -20,7 +20,7 @@ from harness.train.models import MODELS, get_model_spec
 from suites.mutants.catalog import CATALOGUE, Mutant
 from suites.mutants.score import run_catalogue
 
-ISSUE_FAULTS = {  # the faults issue #7 asks for, by catalogue name
+ISSUE_FAULTS = {  # the faults the catalogue must hold at the least, by catalogue name
     "grad_summed", "averaged_twice", "wrong_shard_offset", "padding_not_zeroed", "padding_in_view",
     "nested_duplication", "reshard_skipped", "optimizer_state_unsharded", "meta_init_rng_order",
     "per_sample_norms_allreduced", "grads_not_cleared", "stale_shard", "tied_reduced_twice",

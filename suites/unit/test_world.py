@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from harness.execute.world import RankFailed, World, WorldError, WorldHung, WorldPool
-from suites.unit.world_tasks import as_torchrun_rank
 
 TASKS = "suites.unit.world_tasks"
 ROOT = Path(__file__).resolve().parents[2]
@@ -200,25 +197,3 @@ def test_no_worker_outlives_a_killed_parent(tmp_path):
     finally:
         parent.kill()
         parent.wait()
-
-
-def test_run_under_torchrun_gathers_every_rank_on_rank_0(world2):
-    """Two processes with torchrun's variables (forked from the forkserver world2 warmed up)."""
-    with socket.socket() as s:  # a free port, as torchrun --standalone would pick
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("forkserver")
-    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    procs = [ctx.Process(target=as_torchrun_rank, args=(rank, 2, port, pipes[rank][1]))
-             for rank in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        outputs = [r.recv() if r.poll(60) else "no answer" for r, _ in pipes]
-    finally:
-        for p in procs:
-            p.join(10)
-            p.kill()
-            p.join()
-    expected = [0.5 + 1.5, 2.0]
-    assert outputs == [[expected, expected], None]

@@ -54,13 +54,3 @@ def sleep(ctx: RankContext, seconds: float) -> int:
 
 def unpicklable(ctx: RankContext, payload: object) -> object:
     return lambda: None
-
-
-def as_torchrun_rank(rank: int, world_size: int, port: int, conn) -> None:
-    """Process target: set the variables torchrun sets, then call run_under_torchrun."""
-    from harness.execute.world import run_under_torchrun
-
-    os.environ.update(TORCHELASTIC_RUN_ID="test", RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    conn.send(run_under_torchrun(f"{__name__}:all_reduce_sum", 0.5))
