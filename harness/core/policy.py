@@ -62,6 +62,15 @@ KNOWN_DEVIATIONS = (
         "(measured at 8 ranks: 5.96e-08 on mlp after 7 AdamW steps, 1.19e-07 on tinylm after 10 SGD steps, "
         "the same figures as FSDP2)",
     ),
+    KnownDeviation(
+        "torch_fsdp2", "peak_params_bound", 2,
+        "FSDP2 on gloo now and then holds one more gathered unit at the step's peak than the bound's two "
+        "(measured once in seven full CPU runs: torch_fsdp2-tinylm-ws4-replicated-adamw, 188,064 B against "
+        "142,564 B, one tinylm block's gathered parameters over; every other run passed). The likely cause is "
+        "the race documented for the peak_mem gate: gloo's worker thread drops its reference to a collective's "
+        "output only after wait() returns, so an all-gather buffer FSDP2 has already released may still be "
+        "alive at the peak. Not seen on fsdp_impl, whose reshard frees its own buffer",
+    ),
 )
 
 
