@@ -26,6 +26,17 @@ class Table:
         return self.columns if self.required is None else self.required
 
 
+# What the less obvious columns hold:
+#   params      the full, unsharded parameter under its module path
+#   scenarios   failed_rank: the rank a failure started on; param_bytes: the full parameters;
+#               largest_unit_bytes: the largest unit's full parameters; row_bytes: one dim-0 row of
+#               every parameter tensor, summed; param_tensors: their count; params_compared: the
+#               plain model's parameters whose names and shapes were held against full_params;
+#               state_bytes: max over ranks of params + grads + optimizer state held; peak_bytes: max
+#               over ranks
+#   memory      bytes on that rank: the peak by category during the measured step, and the state
+#               held after it (state_*)
+#   comm        rank 0, per training step averaged over the steps (harness.measure.comm)
 SCENARIO_IDS = ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed")
 
 TABLES: dict[str, Table] = {t.name: t for t in (
