@@ -315,7 +315,8 @@ class WorldPool:
 # too long". Python 3.14 falls back to a short system temp dir in that case; on older Pythons the
 # harness does the same before the first forkserver starts.
 _SOCKET_PATH_MAX = 107
-_SOCKET_SUFFIX = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+_PYMP_DIR = len("/pymp-XXXXXXXX")  # the folder multiprocessing makes under TMPDIR
+_LISTENER = len("/listener-XXXXXXXX")  # the socket in it
 _SHORT_TEMP_DIRS = ("/tmp", "/var/tmp", "/usr/tmp")
 
 
@@ -323,10 +324,8 @@ def _socket_dir_that_fits() -> None:
     """Make multiprocessing's temp dir one whose socket paths fit (see [Note: forkserver socket path])."""
     config = mp.process.current_process()._config  # where multiprocessing.util.get_temp_dir caches it
     current = config.get("tempdir")
-    if current is not None:
-        if len(current) + _SOCKET_SUFFIX - len("/pymp-XXXXXXXX") <= _SOCKET_PATH_MAX:
-            return
-    elif len(tempfile.gettempdir()) + _SOCKET_SUFFIX <= _SOCKET_PATH_MAX:
+    folder_len = len(current) if current is not None else len(tempfile.gettempdir()) + _PYMP_DIR
+    if folder_len + _LISTENER <= _SOCKET_PATH_MAX:
         return
     for base in _SHORT_TEMP_DIRS:
         if os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
