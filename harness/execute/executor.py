@@ -1,4 +1,16 @@
-"""Runs a scenario matrix: groups scenarios by world, reuses each world for its whole group."""
+"""Runs a scenario matrix: one loop over the scenarios, one place where tables and verdicts are made.
+
+Where the ranks live is the pool's business. Two pools keep one contract (`ScenarioPool`):
+
+- `ReusedWorlds` (here): forkserver worlds started by the harness, one per world size, reused for
+  every scenario of that size (`harness.execute.world.WorldPool`);
+- `TorchrunPool` (`harness.execute.torchrun`): the processes of a job that torchrun launched,
+  subgroups of ranks 0..w-1 per world size.
+
+Either way a scenario's outcome is a record: ``{"ranks": [record per rank]}`` when every rank
+finished, else ``{"error": message, "failed_rank": rank or None}``. A failing scenario never raises
+out of the pool; the next scenario runs on a rebuilt world.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import pandas as pd
 
@@ -21,6 +33,7 @@ from harness.execute.world import RankFailed, WorldError, WorldHung, WorldPool
 from harness.tables.build import build_tables
 
 TASK = "harness.train.task:run_scenario"
+Progress = Callable[[int, int, Scenario, float], None]
 
 
 @dataclass
@@ -38,6 +51,33 @@ class RunResult:
         return [v for v in self.verdicts if not v.passed]
 
 
+class ScenarioPool(Protocol):
+    """Runs one scenario's ranks. `run_scenario` returns the scenario's record in the process that
+    collects results and None in any other; it does not raise for a failure of the scenario."""
+
+    worlds_started: int
+
+    def run_scenario(self, sc: Scenario, payload: dict) -> dict | None: ...
+
+
+class ReusedWorlds:
+    """`ScenarioPool` over a `WorldPool`: consecutive scenarios of one (world size, backend) share a world."""
+
+    def __init__(self, pool: WorldPool, timeout_s: float):
+        self.pool, self.timeout_s = pool, timeout_s
+
+    @property
+    def worlds_started(self) -> int:
+        return self.pool.worlds_started
+
+    def run_scenario(self, sc: Scenario, payload: dict) -> dict:
+        try:
+            world = self.pool.get(sc.world_size, sc.backend)
+            return {"ranks": world.run(TASK, payload, timeout_s=self.timeout_s)}
+        except WorldError as e:
+            return {"error": str(e), "failed_rank": failed_rank(e)}
+
+
 def failed_rank(e: WorldError) -> int | None:
     """The rank a world failure started on: the one whose own error it was, or the first silent one."""
     if isinstance(e, RankFailed) and e.tracebacks:
@@ -47,38 +87,42 @@ def failed_rank(e: WorldError) -> int | None:
     return None
 
 
-def execute(scenarios: list[Scenario], *, snapshot_dir: Path, pool: WorldPool,
-            timeout_s: float = 300.0, progress: Callable[[int, int, Scenario, float], None] | None = None) -> dict:
-    """scenario id -> {"ranks": [record per rank]} or {"error": message}. Worlds in ascending size."""
+def execute(scenarios: list[Scenario], *, snapshot_dir: str | Path, pool: ScenarioPool,
+            progress: Progress | None = None) -> dict:
+    """scenario id -> record, for the records this process collects. Worlds in ascending size, so that
+    each world is started once."""
     results: dict[str, dict] = {}
     order = sorted(scenarios, key=lambda s: (s.backend, s.world_size))
     for i, sc in enumerate(order):
         t0 = time.perf_counter()
         payload = {"scenario": dataclasses.asdict(sc), "snapshot_dir": str(snapshot_dir)}
-        try:
-            world = pool.get(sc.world_size, sc.backend)
-            results[sc.id] = {"ranks": world.run(TASK, payload, timeout_s=timeout_s)}
-        except WorldError as e:
-            results[sc.id] = {"error": str(e), "failed_rank": failed_rank(e)}
+        record = pool.run_scenario(sc, payload)
+        if record is not None:
+            results[sc.id] = record
         if progress is not None:
             progress(i + 1, len(order), sc, time.perf_counter() - t0)
     return results
 
 
-def run_matrix(scenarios: list[Scenario], *, pool: WorldPool | None = None, timeout_s: float = 300.0,
-               bounds: Bounds = Bounds(), progress=None) -> RunResult:
+def run_matrix(scenarios: list[Scenario], *, pool: WorldPool | ScenarioPool | None = None, timeout_s: float = 300.0,
+               bounds: Bounds = Bounds(), progress: Progress | None = None,
+               snapshot_dir: str | Path | None = None) -> RunResult:
+    """Run every scenario, build the tables, run the checks. `pool`: a WorldPool to reuse (it stays
+    open), any other ScenarioPool, or None for a WorldPool of this call's own. `snapshot_dir`: where
+    the ranks write full-parameter snapshots (a temp dir of this call's own when None)."""
     t0 = time.perf_counter()
     own_pool = pool is None
-    pool = pool or WorldPool(timeout_s=timeout_s)
+    world_pool = WorldPool(timeout_s=timeout_s) if own_pool else pool
+    scenario_pool = ReusedWorlds(world_pool, timeout_s) if isinstance(world_pool, WorldPool) else world_pool
     with tempfile.TemporaryDirectory(prefix="fsdp-harness-") as tmp:
         try:
-            records = execute(scenarios, snapshot_dir=Path(tmp), pool=pool, timeout_s=timeout_s, progress=progress)
+            records = execute(scenarios, snapshot_dir=snapshot_dir or tmp, pool=scenario_pool, progress=progress)
         finally:
             if own_pool:
-                pool.close()
+                world_pool.close()
         tables = build_tables(scenarios, records)
     verdicts = run_checks(tables, bounds)
     tables["verdicts"] = verdict_table(verdicts)
     backend = scenarios[0].backend if scenarios else "gloo"
     return RunResult(scenarios, tables, verdicts, environment(backend), time.perf_counter() - t0,
-                     getattr(pool, "worlds_started", 0), records)
+                     scenario_pool.worlds_started, records)

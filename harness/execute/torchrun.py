@@ -1,10 +1,11 @@
 """The scenario matrix inside a job that torchrun already launched (``torchrun ... -m harness run``).
 
-``run_matrix_under_torchrun`` is ``harness.execute.executor.run_matrix`` for processes that torchrun (or SLURM
-through torchrun) started: every process of the job calls it with the same scenarios. The
-default group joins through env://; a scenario of world size w runs ``harness.train.task:run_scenario``
-on ranks 0..w-1 in a subgroup made for w (ranks w.. wait), and rank 0 builds the same tables,
-verdicts and RunResult as ``run_matrix`` (``build_tables`` / ``run_checks``, imported, not copied).
+``run_matrix_under_torchrun`` runs ``harness.execute.executor.run_matrix`` with a ``TorchrunPool``:
+the pool that puts a scenario on processes torchrun (or SLURM through torchrun) started, where
+``ReusedWorlds`` puts it on worlds the harness starts. Every process of the job calls it with the
+same scenarios. The default group joins through env://; a scenario of world size w runs
+``harness.train.task:run_scenario`` on ranks 0..w-1 in a subgroup made for w (ranks w.. wait), and
+rank 0 collects the records and builds the tables, verdicts and RunResult in ``run_matrix``.
 
 Control goes through the job's key-value store, not through collectives, so a broken or hung
 scenario never leaves the control path in a bad state:
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import dataclasses
 import gc
 import os
 import pickle
@@ -51,11 +51,9 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from harness.checks.numeric import run_checks, verdict_table
-from harness.core.environment import environment
 from harness.core.policy import Bounds
 from harness.core.scenario import Scenario
-from harness.execute.executor import RunResult
+from harness.execute.executor import RunResult, execute, run_matrix
 from harness.execute.worker import (
     TORCHRUN_VARIABLES,
     RankContext,
@@ -64,9 +62,8 @@ from harness.execute.worker import (
     root_cause,
     setup_process,
 )
-from harness.tables.build import build_tables
 
-__all__ = ["run_matrix_under_torchrun", "TorchrunError", "TorchrunUsageError"]
+__all__ = ["run_matrix_under_torchrun", "TorchrunPool", "TorchrunError", "TorchrunUsageError"]
 
 GRACE_S = 10.0  # at most, after the timeout: time for a rank whose collective timed out to report it
 HARD_EXIT_AFTER_S = 300.0  # a rank stuck past timeout + this exits even if rank 0 never finished
@@ -105,22 +102,20 @@ def run_matrix_under_torchrun(scenarios: list[Scenario], *, timeout_s: float = 3
     if rank == 0:
         atexit.register(store.set, "finished", b"1")  # lets a stuck rank's watchdog end its process
     _preload(scenarios)
-    runner = _Runner(store, rank, backend, device, timeout_s)
+    pool = TorchrunPool(store, rank, backend, device, timeout_s)
     try:
         if rank == 0:
             with tempfile.TemporaryDirectory(prefix="fsdp-harness-") as tmp:
                 store.set("snapshot_dir", tmp.encode())
-                records = runner.run_all(scenarios, tmp, progress)
-                tables = build_tables(scenarios, records)
-            verdicts = run_checks(tables, bounds)
-            tables["verdicts"] = verdict_table(verdicts)
-            return RunResult(scenarios, tables, verdicts, environment(backend), time.perf_counter() - t0,
-                             runner.groups_built, records)
+                result = run_matrix(scenarios, pool=pool, timeout_s=timeout_s, bounds=bounds, progress=progress,
+                                    snapshot_dir=tmp)
+            result.wall_s = time.perf_counter() - t0
+            return result
         store.wait(["snapshot_dir"], timedelta(seconds=timeout_s + GRACE_S + 60))
-        runner.run_all(scenarios, store.get("snapshot_dir").decode(), None)
+        execute(scenarios, snapshot_dir=store.get("snapshot_dir").decode(), pool=pool)
         return None
     finally:
-        runner.destroy_groups()
+        pool.destroy_groups()
         if owns_group:
             dist.destroy_process_group()
 
@@ -148,14 +143,16 @@ def _check_fits(scenarios: list[Scenario], job_size: int) -> str:
     return backends[0]
 
 
-class _Runner:
-    """One rank's side of the scenario loop; rank 0 also collects outcomes and decides."""
+class TorchrunPool:
+    """`ScenarioPool` over the job's processes: this rank's side of each scenario; rank 0 also
+    collects the outcomes, decides, and returns the records (the other ranks return None)."""
 
     def __init__(self, store, rank: int, backend: str, device, timeout_s: float):
         self.store, self.rank, self.backend, self.device = store, rank, backend, device
         self.timeout_s = timeout_s
         self.groups: dict[int, object] = {}
-        self.groups_built = 0
+        self.worlds_started = 0  # subgroups built: a torchrun job's "worlds"
+        self._scenarios_run = 0
         self.aborted = ""
         self._missing: list[int] = []  # rank 0: ranks that did not answer in the last scenario
         self._failed = False  # rank 0: a rank of the last scenario raised
@@ -165,7 +162,7 @@ class _Runner:
         if w not in self.groups:
             self.groups[w] = dist.new_group(ranks=list(range(w)), backend=self.backend,
                                             timeout=timedelta(seconds=self.timeout_s))
-            self.groups_built += 1
+            self.worlds_started += 1
         return self.groups[w]
 
     def drop_group(self, w: int) -> None:
@@ -187,25 +184,14 @@ class _Runner:
         for w in list(self.groups):
             self.drop_group(w)
 
-    def run_all(self, scenarios: list[Scenario], snapshot_dir: str, progress) -> dict:
-        results: dict[str, dict] = {}
-        order = sorted(scenarios, key=lambda s: (s.backend, s.world_size))  # as harness.execute.executor.execute
-        for i, sc in enumerate(order):
-            started = time.perf_counter()
-            if self.aborted:
-                results[sc.id] = {"error": f"not run: {self.aborted}"}
-            else:
-                results[sc.id] = self.run_one(i, sc, snapshot_dir)
-            if progress is not None:
-                progress(i + 1, len(order), sc, time.perf_counter() - started)
-        return results
-
-    def run_one(self, i: int, sc: Scenario, snapshot_dir: str) -> dict | None:
+    def run_scenario(self, sc: Scenario, payload: dict) -> dict | None:
+        i, self._scenarios_run = self._scenarios_run, self._scenarios_run + 1
+        if self.aborted:
+            return {"error": f"not run: {self.aborted}"} if self.rank == 0 else None
         w, key = sc.world_size, f"{i}/"
         started = time.monotonic()
         self.group(w)  # every rank, in the same order; no reference kept here (see drop_group)
         if self.rank < w:
-            payload = {"scenario": dataclasses.asdict(sc), "snapshot_dir": snapshot_dir}
             outcome = self._train(key, w, payload)
             self.store.set(f"{key}out/{self.rank}", pickle.dumps(outcome))
             if outcome[0] == "error":
