@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness.core.scenario import scenario_id
 from harness.core.verdict import FAIL, PASS
 from harness.execute.world import World
 from harness.per_sample import tasks as ps
@@ -97,7 +98,7 @@ def ratio_of_means(norms, model: str) -> float:
 
 def norm_verdict(records, variant: str, model: str, world_size: int, mode: str):
     per_rank = [r["norms"][variant] for r in records(world_size)["norms", model, mode]]
-    sid = ps.scenario_id(variant, model, world_size, mode)
+    sid = scenario_id(variant, model, world_size, mode)
     return ps.check_per_sample_norms(sid, per_rank, ps.truth(model, SEED, BATCH).norms), per_rank
 
 
@@ -141,7 +142,7 @@ def test_fsdp_impl_norms_match_truth_on_every_rank(records, world_size, model, m
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_fsdp_impl_clipped_update_is_the_exact_dp_sgd_step(records, world_size, model, mode):
     recs = records(world_size)["update", model, mode]
-    verdict = ps.check_clipped_update(ps.scenario_id("fsdp_impl", model, world_size, mode), recs[0]["update"],
+    verdict = ps.check_clipped_update(scenario_id("fsdp_impl", model, world_size, mode), recs[0]["update"],
                                       ps.truth(model, SEED, BATCH).update(max_norm(model), LR))
     assert verdict.status == PASS, str(verdict)
     assert all(r["norms"] == recs[0]["norms"] for r in recs)  # the clip factors agree across ranks
@@ -151,7 +152,7 @@ def test_fsdp_impl_clipped_update_is_the_exact_dp_sgd_step(records, world_size, 
 def test_fsdp_impl_tied_weights_sum_both_uses_per_sample(records, mode):
     norms, _ = norm_verdict(records, "fsdp_impl", "tinylm_tied", TIED_WORLD_SIZE, mode)
     assert norms.status == PASS, str(norms)
-    update = ps.check_clipped_update(ps.scenario_id("fsdp_impl", "tinylm_tied", TIED_WORLD_SIZE, mode),
+    update = ps.check_clipped_update(scenario_id("fsdp_impl", "tinylm_tied", TIED_WORLD_SIZE, mode),
                                      records(TIED_WORLD_SIZE)["update", "tinylm_tied", mode][0]["update"],
                                      ps.truth("tinylm_tied", SEED, BATCH).update(max_norm("tinylm_tied"), LR))
     assert update.status == PASS, str(update)
@@ -163,7 +164,7 @@ def test_fsdp_impl_reads_any_layout_from_the_indices(records, layout):
     recs = records(2)
     norms, _ = norm_verdict(records, "fsdp_impl", "mlp", 2, layout)
     assert norms.status == PASS, str(norms)
-    update = ps.check_clipped_update(ps.scenario_id("fsdp_impl", "mlp", 2, layout), recs["update", "mlp", layout][0]["update"],
+    update = ps.check_clipped_update(scenario_id("fsdp_impl", "mlp", 2, layout), recs["update", "mlp", layout][0]["update"],
                                      ps.truth("mlp", SEED, BATCH).update(max_norm("mlp"), LR))
     assert update.status == PASS, str(update)
 
@@ -330,7 +331,7 @@ def test_opacus_ghost_fsdp_norms_are_local_and_right_once_placed_by_index(record
         assert len(r["local_norms"]) == len(r["indices"]) == n_local
         local_truth = [truth[k] for k in r["indices"]]
         assert ps.check_per_sample_norms("opacus-local", [r["local_norms"]], local_truth).status == PASS
-    verdict = ps.check_per_sample_norms(ps.scenario_id("opacus_ghost_fsdp", "mlp", world_size, mode),
+    verdict = ps.check_per_sample_norms(scenario_id("opacus_ghost_fsdp", "mlp", world_size, mode),
                                         [r["gathered"] for r in recs], truth)
     assert verdict.status == PASS, str(verdict)
 
@@ -339,7 +340,7 @@ def test_opacus_ghost_fsdp_norms_are_local_and_right_once_placed_by_index(record
 @pytest.mark.parametrize("world_size", OPACUS_WORLD_SIZES)
 def test_opacus_norms_all_reduced_position_wise_fail_with_split_data(records, world_size):
     recs = records(world_size)["opacus", "mlp", "split"]
-    verdict = ps.check_per_sample_norms(ps.scenario_id("opacus_allreduce", "mlp", world_size, "split"),
+    verdict = ps.check_per_sample_norms(scenario_id("opacus_allreduce", "mlp", world_size, "split"),
                                         [r["allreduce"] for r in recs], ps.truth("mlp", SEED, BATCH).norms)
     low, high = power_mean_bounds("mlp", world_size)
     assert verdict.status == FAIL, str(verdict)
@@ -352,9 +353,9 @@ def test_opacus_make_private_update_is_exact_for_split_and_w_times_too_large_for
     exact = ps.truth("mlp", SEED, BATCH).update(max_norm("mlp"), LR)
     split = records(world_size)["opacus", "mlp", "split"]
     replicated = records(world_size)["opacus", "mlp", "replicated"]
-    ok = ps.check_clipped_update(ps.scenario_id("opacus_ghost_fsdp", "mlp", world_size, "split"), split[0]["update"], exact)
+    ok = ps.check_clipped_update(scenario_id("opacus_ghost_fsdp", "mlp", world_size, "split"), split[0]["update"], exact)
     assert ok.status == PASS, str(ok)
-    bad = ps.check_clipped_update(ps.scenario_id("opacus_ghost_fsdp", "mlp", world_size, "replicated"),
+    bad = ps.check_clipped_update(scenario_id("opacus_ghost_fsdp", "mlp", world_size, "replicated"),
                                   replicated[0]["update"], exact)
     size = lambda upd: math.sqrt(sum(float(torch.as_tensor(t, dtype=torch.float64).pow(2).sum())  # noqa: E731
                                      for t in upd.values()))
@@ -371,7 +372,7 @@ def test_opacus_ghost_tp_all_reduces_norms_over_the_whole_world(records, world_s
     for mode in MODES:
         recs = records(world_size)["opacus_tp", "mlp", mode]
         assert all(r["tp_size"] == 1 and r["reduce_group_sizes"] == [world_size] for r in recs)
-        verdict = ps.check_per_sample_norms(ps.scenario_id("opacus_ghost_tp", "mlp", world_size, mode),
+        verdict = ps.check_per_sample_norms(scenario_id("opacus_ghost_tp", "mlp", world_size, mode),
                                             [r["norms"] for r in recs], truth)
         assert verdict.status == FAIL, str(verdict)
         if mode == "replicated":  # W complete copies summed

@@ -9,6 +9,7 @@ import statistics
 import pandas as pd
 import pytest
 
+from harness.core.scenario import scenario_id
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP
 from harness.execute.world import WorldPool
 from harness.per_sample import tasks as ps
@@ -50,7 +51,7 @@ def test_fsdp_impl_ratio_of_means_is_one_against_an_independent_truth(result):
         s = summary[(summary["impl"] == "fsdp_impl") & (summary["data_mode"] == mode) & (summary["world_size"] == ws)]
         assert s["ratio_of_means"].iloc[0] == pytest.approx(ratio, rel=1e-12)
         assert s["truth_mean"].iloc[0] == pytest.approx(truth_mean, rel=1e-12)
-        sid = ps.scenario_id("fsdp_impl", MODEL, ws, mode)
+        sid = scenario_id("fsdp_impl", MODEL, ws, mode)
         assert verdicts["per_sample_norms", sid].status == PASS and verdicts["clipped_update", sid].status == PASS
 
 
@@ -58,12 +59,12 @@ def test_negative_control_passes_because_the_bug_is_detected(result):
     tables, verdicts = result
     summary = tables["per_sample_summary"]
     for mode in MODES:
-        v = verdicts["per_sample_norms_negative_control", ps.scenario_id("allreduce", MODEL, 2, mode)]
+        v = verdicts["per_sample_norms_negative_control", scenario_id("allreduce", MODEL, 2, mode)]
         ratio = summary[(summary["impl"] == "allreduce") & (summary["data_mode"] == mode)
                         & (summary["world_size"] == 2)]["ratio_of_means"].iloc[0]
         assert v.status == PASS and "DETECTED" in v.message and f"ratio {ratio:.3f}" in v.message, str(v)
         assert ratio > math.sqrt(2) - 1e-6
-        assert verdicts["per_sample_norms_negative_control", ps.scenario_id("allreduce", MODEL, 1, mode)].status == SKIP
+        assert verdicts["per_sample_norms_negative_control", scenario_id("allreduce", MODEL, 1, mode)].status == SKIP
     assert not any(c == "per_sample_norms" and s.startswith("allreduce-") for c, s in verdicts)
 
 
@@ -72,9 +73,9 @@ def test_opacus_replicated_update_is_a_known_w_times_finding(result):
     tables, verdicts = result
     s = tables["per_sample_summary"].set_index(["impl", "data_mode", "world_size"])
     assert s.loc[("opacus", "replicated", 2), "update_ratio"] == pytest.approx(2.0, abs=1e-3)
-    v = verdicts["clipped_update", ps.scenario_id("opacus", MODEL, 2, "replicated")]
+    v = verdicts["clipped_update", scenario_id("opacus", MODEL, 2, "replicated")]
     assert v.status == KNOWN and "expected_batch_size" in v.message, str(v)
-    assert verdicts["clipped_update", ps.scenario_id("opacus", MODEL, 2, "split")].status == PASS
+    assert verdicts["clipped_update", scenario_id("opacus", MODEL, 2, "split")].status == PASS
     assert not [v for v in verdicts.values() if v.status == FAIL]
 
 

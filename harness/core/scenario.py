@@ -28,8 +28,7 @@ class Scenario:
     @property
     def id(self) -> str:
         """Stable readable id, e.g. ``fsdp_impl-mlp-ws4-split-adamw``."""
-        base = f"{_slug(self.impl)}-{self.model}-ws{self.world_size}-{self.data_mode}-{self.optimizer}"
-        return base if self.seed == 0 else f"{base}-seed{self.seed}"
+        return scenario_id(self.impl, self.model, self.world_size, self.data_mode, self.optimizer, self.seed)
 
     @property
     def device_type(self) -> str:
@@ -52,6 +51,14 @@ class Scenario:
 
     def replace(self, **changes) -> "Scenario":
         return dataclasses.replace(self, **changes)
+
+
+def scenario_id(impl: str, model: str, world_size: int, data_mode: str, optimizer: str | None = None,
+                seed: int = 0) -> str:
+    """The one way ids are made: ``impl-model-wsW-mode[-optimizer][-seedN]``. Runs that train no
+    optimizer (the per-sample norms, measured on one backward) leave it out."""
+    parts = [_slug(impl), model, f"ws{world_size}", data_mode] + ([optimizer] if optimizer else [])
+    return "-".join(parts) + (f"-seed{seed}" if seed else "")
 
 
 def _slug(impl: str) -> str:

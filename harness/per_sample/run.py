@@ -27,6 +27,7 @@ import pandas as pd
 import torch
 
 from harness.core.policy import OPACUS_EMPTY_SHARD
+from harness.core.scenario import scenario_id
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
 from harness.execute.world import WorldError, WorldPool
 from harness.per_sample import tasks as ps
@@ -137,7 +138,7 @@ def run_per_sample(models=("mlp",), world_sizes=(1, 2, 4, 8), modes=("replicated
                 for mode in modes:
                     base = dict(model=model, seed=seed, batch=batch, mode=mode)
                     clip = dict(base, max_norm=max_norm(model, seed, batch), lr=LR)
-                    sid = {i: ps.scenario_id(i, model, ws, mode) for i in IMPLS}
+                    sid = {i: scenario_id(i, model, ws, mode) for i in IMPLS}
                     recs, err = _run(pool, ws, "norms_task", dict(base, variants=["fsdp_impl", NEGATIVE_CONTROL]))
                     upd, uerr = _run(pool, ws, "clipped_update_task", clip)
                     if upd is None:
@@ -168,7 +169,7 @@ def run_per_sample(models=("mlp",), world_sizes=(1, 2, 4, 8), modes=("replicated
                     t = ps.truth(model, seed, batch)
                     exact = t.update(max_norm(model, seed, batch), LR)
                     for mode in modes:
-                        sid = ps.scenario_id("opacus", model, ws, mode)
+                        sid = scenario_id("opacus", model, ws, mode)
                         clip = dict(model=model, seed=seed, batch=batch, mode=mode,
                                     max_norm=max_norm(model, seed, batch), lr=LR)
                         recs, err = _run(pool, ws, "opacus_fsdp_task", clip)

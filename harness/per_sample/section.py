@@ -74,7 +74,7 @@ def _findings(verdicts: pd.DataFrame, summary: pd.DataFrame, ids: list[str]) -> 
 
 def per_sample_section(tables: dict) -> list[str]:
     """Markdown lines; empty when the run has no "per_sample_summary" table."""
-    from harness.per_sample.tasks import scenario_id
+    from harness.core.scenario import scenario_id
     from harness.report.markdown import _t, md_table, num
 
     summary = _t(tables, "per_sample_summary")

@@ -196,10 +196,6 @@ def refused_indices_task(ctx, indices_per_rank: list[list[int]]) -> str:
 
 # ------------------------------------------------------------------------------------ checks
 
-def scenario_id(impl: str, model: str, world_size: int, mode: str) -> str:
-    return f"{impl}-{model}-ws{world_size}-{mode}"
-
-
 def check_per_sample_norms(scenario: str, per_rank: list[list[float]], truth_norms, *,
                            bound: float = PER_SAMPLE_RTOL) -> Verdict:
     """Every rank's norms vs the truth, sample by sample: max relative error; ranks must agree."""

@@ -151,6 +151,7 @@ def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), poo
 
 def _run_per_sample(m: Mutant, pool, seed: int) -> tuple[list[Verdict], list[Verdict]]:
     """(verdicts about the mutant's norms, verdicts about the product's norms) per (W, data mode)."""
+    from harness.core.scenario import scenario_id
     from harness.per_sample.tasks import check_per_sample_norms, truth
 
     mutant, control = [], []
@@ -162,7 +163,7 @@ def _run_per_sample(m: Mutant, pool, seed: int) -> tuple[list[Verdict], list[Ver
                            "mode": mode}
                 ranks = pool.get(ws, "gloo").run(m.spec, payload)
                 for variant, out in (("mutant", mutant), ("control", control)):
-                    sid = f"{m.name if variant == 'mutant' else 'fsdp_impl'}-{model}-ws{ws}-{mode}"
+                    sid = scenario_id(m.name if variant == "mutant" else "fsdp_impl", model, ws, mode)
                     out.append(check_per_sample_norms(sid, [r["norms"][variant] for r in ranks], t.norms))
     return mutant, control
 
