@@ -16,7 +16,7 @@ import pandas as pd
 from harness.checks.numeric import Check
 from harness.core.policy import Bounds
 from harness.core.verdict import FAIL, PASS, Verdict
-from harness.measure import ideal_state_bytes
+from harness.measure import ideal_comm_elements, ideal_state_bytes
 
 STATE_CATEGORIES = ("params", "grads", "optimizer_state")
 SCATTER_COLLECTIVES = ("reduce_scatter", "all_to_all")  # each rank receives only its shard
@@ -143,7 +143,8 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         nbytes = c.groupby("collective")["bytes"].sum().to_dict()
         p = float(row.param_elements)
         width = float(row.param_bytes) / p  # bytes per parameter element
-        t = float(row.trainable_elements)
+        ideal = ideal_comm_elements(int(p), int(row.world_size), int(row.trainable_elements))
+        ideal_gather, t = float(ideal["all_gather"]), float(ideal["reduce_scatter"])
         allowance = gather_padding(row, bounds) / width
         gather = elements.get("all_gather", 0.0)
         scatter = sum(elements.get(k, 0.0) for k in SCATTER_COLLECTIVES)
@@ -153,8 +154,8 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         factor = reduce_bytes / (reduce * width) if reduce else math.nan
         types = sorted(set(c[c.collective.isin((*SCATTER_COLLECTIVES, "all_reduce"))].dtype.astype(str)))
         problems = []
-        if gather > 2 * (p * (1 + bounds.comm_slack) + allowance):
-            problems.append(f"all_gather {gather:,.0f} elements > 2P = {2 * p:,.0f}")
+        if gather > ideal_gather * (1 + bounds.comm_slack) + 2 * allowance:
+            problems.append(f"all_gather {gather:,.0f} elements > 2P = {ideal_gather:,.0f}")
         if not t <= reduce <= t * (1 + bounds.comm_slack) + allowance:
             what = "trainable" if t != p else "P ="
             problems.append(f"gradient reduction {reduce:,.0f} elements != {what} {t:,.0f}")
@@ -165,7 +166,7 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                f"{reduce:,.0f} elements ({reduce / p:.2f}P) in {', '.join(types) or 'no type'}, "
                f"{reduce_bytes:,.0f} B: traffic factor {factor:.2f}x the parameters' {8 * width:g}-bit elements; "
                f"ZeRO-3 ideal 2P + P with P = {p:,.0f} elements")
-        limit = (2 * p + t) * (1 + bounds.comm_slack) + 3 * allowance  # the most both conditions above allow together
+        limit = (ideal_gather + t) * (1 + bounds.comm_slack) + 3 * allowance  # the most both conditions above allow together
         out.append(Verdict("comm_volume", row.scenario, FAIL if problems else PASS, (gather + reduce) / p, limit / p,
                            "; ".join(problems), msg + f"; allowed up to {limit / p:.3g}P with padding"))
     return out

@@ -3,8 +3,8 @@
 (`PeakMemory`), the ZeRO-3 ideals they are compared with, and a one-process memory planner
 for large world sizes (`harness.measure.plan.plan_memory`, imported on demand)."""
 
-from harness.measure.comm import CommCounter, ideal_comm_bytes, wire_bytes
+from harness.measure.comm import CommCounter, ideal_comm_elements
 from harness.measure.memory import CATEGORIES, PeakMemory, ideal_state_bytes, state_bytes
 
-__all__ = ["CommCounter", "state_bytes", "PeakMemory", "ideal_state_bytes", "ideal_comm_bytes",
-           "wire_bytes", "CATEGORIES"]
+__all__ = ["CommCounter", "state_bytes", "PeakMemory", "ideal_state_bytes", "ideal_comm_elements",
+           "CATEGORIES"]

@@ -16,9 +16,9 @@ per element type (so a reduction in float64 reads as the same elements at twice 
     gather/scatter  W x this rank's piece             send / recv     the tensor
     barrier         0 (calls only)
 
-So a ZeRO-3 step over parameters of P bytes (padded to a multiple of W, as all-gather needs equal
-shards) shows all_gather 2P (forward + backward re-gather) and reduce_scatter P: the "algorithm
-size". The bytes a ring puts on the wire per rank are (W-1)/W of it (`wire_bytes`).
+So a ZeRO-3 step over P parameter elements (padded to a multiple of W, as all-gather needs equal
+shards) shows all_gather 2P (forward + backward re-gather) and reduce_scatter P
+(`ideal_comm_elements`): the "algorithm size". A ring puts (W-1)/W of it on the wire per rank.
 
 Checked on gloo (torch 2.13): every public ``torch.distributed`` collective and p2p call (sync
 or async, list or tensor form, object collectives, ``_coalescing_manager``, ``batch_isend_irecv``,
@@ -46,7 +46,7 @@ try:
 except ImportError:  # torch built without distributed
     _DTensor = None
 
-__all__ = ["CommCounter", "ideal_comm_bytes", "wire_bytes"]
+__all__ = ["CommCounter", "ideal_comm_elements"]
 
 
 @dataclass(frozen=True)
@@ -258,24 +258,19 @@ class CommCounter(TorchDispatchMode):
         return sum(n for (c, _), n in self.calls.items() if c == collective)
 
 
-def wire_bytes(full_bytes: int, world_size: int, collective: str) -> int:
-    """Bytes one rank sends with a ring algorithm: (W-1)/W of the full size (2x for all-reduce)."""
-    if world_size <= 1:
-        return 0
-    factor = 2 if collective == "all_reduce" else 1
-    return factor * full_bytes * (world_size - 1) // world_size
-
-
-def ideal_comm_bytes(full_param_bytes: int, world_size: int) -> dict[str, int]:
-    """ZeRO-3 ideal per step, in `CommCounter` bytes: all_gather 2P (forward and backward),
-    reduce_scatter P; {} at W == 1, where nothing needs to move.
+def ideal_comm_elements(param_elements: int, world_size: int, trainable_elements: int | None = None) -> dict[str, int]:
+    """ZeRO-3 ideal per step, in elements of the full size each collective handles (as `CommCounter`
+    counts them): all_gather 2P (forward, and the re-gather for backward), gradient reduction T, the
+    trainable elements (P when nothing is frozen: a frozen parameter is gathered, never reduced);
+    {} at W == 1, where nothing needs to move.
 
     Measured runs differ from it by rule, not by accident: parameters are padded to equal shards
     (FSDP2 pads each parameter's dim 0 to a multiple of W; flat-buffer implementations pad the
     buffer), and a unit that is not resharded after forward is gathered once, not twice: FSDP2's
-    root unit and an FSDP1 root-only wrap, so all_gather = 2P - (root unit's bytes) there."""
+    root unit and an FSDP1 root-only wrap, so all_gather = 2P - (root unit's elements) there."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if world_size == 1:
         return {}
-    return {"all_gather": 2 * full_param_bytes, "reduce_scatter": full_param_bytes}
+    reduced = param_elements if trainable_elements is None else trainable_elements
+    return {"all_gather": 2 * param_elements, "reduce_scatter": reduced}

@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from harness.measure import CommCounter, PeakMemory, ideal_comm_bytes, ideal_state_bytes, state_bytes
+from harness.measure import CommCounter, PeakMemory, ideal_comm_elements, ideal_state_bytes, state_bytes
 
 W = 2
 # Raw collectives: (elements, dtype) per call; the expected bytes are derived below.
@@ -191,7 +191,8 @@ def test_fsdp2_step_moves_2x_params_gathered_and_1x_reduce_scattered(world, tag,
     assert set(comm) == {"all_gather", "reduce_scatter"}
     if tag == "even":
         assert padded == full_bytes(widths)
-        assert {k: comm[k][1] for k in comm} == ideal_comm_bytes(full_bytes(widths), W)
+        elements = {r["collective"]: r["elements"] for r in world[0][f"fsdp2_w2_{tag}"]["comm"]}
+        assert elements == ideal_comm_elements(full_bytes(widths, itemsize=1), W)
     else:
         assert padded > full_bytes(widths)
 
@@ -201,9 +202,10 @@ def test_ddp_step_all_reduces_the_gradients_once(world):
     assert nbytes == full_bytes(EVEN)
 
 
-def test_ideal_comm_bytes():
-    assert ideal_comm_bytes(1000, 1) == {}
-    assert ideal_comm_bytes(1000, 8) == {"all_gather": 2000, "reduce_scatter": 1000}
+def test_ideal_comm_elements():
+    assert ideal_comm_elements(1000, 1) == {}
+    assert ideal_comm_elements(1000, 8) == {"all_gather": 2000, "reduce_scatter": 1000}
+    assert ideal_comm_elements(1000, 8, trainable_elements=600) == {"all_gather": 2000, "reduce_scatter": 600}
 
 
 # ------------------------------------------------------------------ state_bytes
