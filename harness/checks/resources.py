@@ -19,7 +19,16 @@ from harness.core.verdict import FAIL, PASS, Verdict
 from harness.measure import ideal_comm_elements, ideal_state_bytes
 
 STATE_CATEGORIES = ("params", "grads", "optimizer_state")
-SCATTER_COLLECTIVES = ("reduce_scatter", "all_to_all")  # each rank receives only its shard
+# Gradient reductions after which each rank holds only its own part, and the share of a call's
+# counted size that is reduced gradient: reduce_scatter and all_to_all count their input, reduce
+# (to the part's owner, as ZeRO-1/2 code does) the part; gather counts the W pieces its root
+# receives, of which the root keeps the sum, one piece.
+SCATTER_COLLECTIVES = ("reduce_scatter", "all_to_all", "reduce", "gather")
+
+
+def _reduced(per_collective: dict, world_size: int) -> float:
+    """Reduced-gradient size of these collectives' counts (elements or bytes)."""
+    return sum(per_collective.get(k, 0.0) / (world_size if k == "gather" else 1) for k in SCATTER_COLLECTIVES)
 
 
 def _measured_rows(tables, check: str, out: list[Verdict], *, multi_rank: bool = False) -> pd.DataFrame:
@@ -132,8 +141,8 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """Sharded, W > 1, per step, counted in elements so that the element type neither hides nor
     fakes volume: parameter all-gathers at most 2P elements, and the gradient reduction exactly the
     trainable elements T (P when nothing is frozen: a frozen parameter is gathered, never reduced)
-    by a reduce-scatter or an all-to-all. An all-reduce hands every rank the whole reduced gradient
-    (DDP or ZeRO-2 style): twice a reduce-scatter's ring traffic, so it fails here whatever its
+    by a reduce-scatter, an all-to-all, or reduces or gathers to each part's owner. An all-reduce
+    hands every rank the whole reduced gradient (DDP style): twice a reduce-scatter's ring traffic, so it fails here whatever its
     bytes. The bytes follow from the element types: a reduction in a wider type than the
     parameters (float64, exact by design) is reported with its traffic factor, not failed."""
     out, comm = [], tables["comm"]
@@ -147,10 +156,10 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         ideal_gather, t = float(ideal["all_gather"]), float(ideal["reduce_scatter"])
         allowance = gather_padding(row, bounds) / width
         gather = elements.get("all_gather", 0.0)
-        scatter = sum(elements.get(k, 0.0) for k in SCATTER_COLLECTIVES)
+        scatter = _reduced(elements, int(row.world_size))
         all_reduce = elements.get("all_reduce", 0.0)
         reduce = scatter + all_reduce
-        reduce_bytes = sum(nbytes.get(k, 0.0) for k in (*SCATTER_COLLECTIVES, "all_reduce"))
+        reduce_bytes = _reduced(nbytes, int(row.world_size)) + nbytes.get("all_reduce", 0.0)
         factor = reduce_bytes / (reduce * width) if reduce else math.nan
         types = sorted(set(c[c.collective.isin((*SCATTER_COLLECTIVES, "all_reduce"))].dtype.astype(str)))
         problems = []

@@ -26,20 +26,26 @@ or async, list or tensor form, object collectives, ``_coalescing_manager``, ``ba
 Python path that does not is calling a backend object directly
 (``pg._get_backend(device).allreduce(...)``): while a counter is active the ``Backend`` methods
 are wrapped to count those calls too (no double count: the dispatcher path calls them from C++).
-The mode is thread-local: collectives issued from threads it was not entered in are not seen
-(autograd's CPU backward runs in the calling thread; checked). Still unseen: kernels that move data without any c10d op (custom extensions, symmetric-memory
+The mode is thread-local (autograd's worker threads inherit it; its CPU backward runs in the
+calling thread), so while a counter is active the ``ProcessGroup`` methods are wrapped too: a
+collective issued from Python in any other thread (an implementation's prefetch or communication
+thread) is counted there, and one issued where the mode is active is counted once, at the
+dispatcher. Still unseen: collectives issued from C++ in a thread of its own that never entered
+the mode (no c10d backend does so on gloo or NCCL), functional collectives issued from another
+thread, and kernels that move data without any c10d op (custom extensions, symmetric-memory
 one-sided ops). An unknown op in a c10d namespace is reported as ``unknown:<ns>.<op>`` with 0
 bytes rather than dropped silently.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
@@ -141,44 +147,63 @@ _BACKEND_METHODS = {
     "allgather_coalesced": "allgather_coalesced_", "gather": "gather_", "scatter": "scatter_",
     "reduce_scatter": "reduce_scatter_", "_reduce_scatter_base": "_reduce_scatter_base_",
     "alltoall": "alltoall_", "alltoall_base": "alltoall_base_", "send": "send", "recv": "recv_",
-    "barrier": "barrier",
+    "recv_anysource": "recv_any_source_", "barrier": "barrier", "monitored_barrier": "monitored_barrier_",
+}
+# Methods of a ``ProcessGroup``: every ``torch.distributed`` call made from Python goes through one
+# of them, in whatever thread. The dispatcher path behind them is seen by the counter only in the
+# threads it was entered in (a dispatch mode is thread-local; autograd's worker threads inherit
+# it), so these wrappers count the calls made from any OTHER thread: a prefetch or communication
+# thread of the implementation's own.
+_PG_METHODS = {
+    **_BACKEND_METHODS,
+    "all_gather_single": "_allgather_base_", "all_gather_single_coalesced": "allgather_into_tensor_coalesced_",
+    "allgather_into_tensor_coalesced": "allgather_into_tensor_coalesced_",
+    "reduce_scatter_single": "_reduce_scatter_base_",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced_",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced_", "all_to_all_single": "alltoall_base_",
 }
 _ACTIVE: list["CommCounter"] = []  # counters entered and not yet exited, outermost first
-_SAVED: dict[str, Any] = {}  # original Backend methods while patched
+_SAVED: list[tuple[Any, str, Any]] = []  # (class, method, original) while patched
+_LOCK = threading.Lock()
 
 
-def _backend_class() -> Any:
+def _c10d_classes() -> list[tuple[Any, dict[str, str], bool]]:
+    """(class, method -> c10d op, count only in threads where no counter is active)."""
     try:
-        from torch._C._distributed_c10d import Backend
+        from torch._C._distributed_c10d import Backend, ProcessGroup
     except ImportError:
-        return None
-    return Backend
+        return []
+    return [(Backend, _BACKEND_METHODS, False), (ProcessGroup, _PG_METHODS, True)]
 
 
-def _patch_backend() -> None:
-    backend = _backend_class()
-    if backend is None:
-        return
-    for meth, op in _BACKEND_METHODS.items():
-        orig = getattr(backend, meth, None)
-        if orig is None:
-            continue
-        _SAVED[meth] = orig
-
-        def wrapper(self: Any, *args: Any, _orig: Any = orig, _op: str = op, **kwargs: Any) -> Any:
-            collective, size = _C10D[_op]
-            padded = (tuple(args[:2]) + (None, None))[:2] + (self,)
-            for counter in _ACTIVE:
-                counter._record(collective, size(padded))
-            return _orig(self, *args, **kwargs)
-
-        setattr(backend, meth, wrapper)
+def _counted_here(counter: "CommCounter") -> bool:
+    """Whether the dispatcher will count an op issued now, in this thread, for `counter`."""
+    return counter in _get_current_dispatch_mode_stack()
 
 
-def _unpatch_backend() -> None:
-    backend = _backend_class()
-    for meth, orig in _SAVED.items():
-        setattr(backend, meth, orig)
+def _patch() -> None:
+    for cls, methods, other_threads_only in _c10d_classes():
+        for meth, op in methods.items():
+            orig = cls.__dict__.get(meth)
+            if orig is None:
+                continue
+            _SAVED.append((cls, meth, orig))
+
+            def wrapper(self: Any, *args: Any, _orig: Any = orig, _op: str = op, _other: bool = other_threads_only,
+                        **kwargs: Any) -> Any:
+                collective, size = _C10D[_op]
+                padded = (tuple(args[:2]) + (None, None))[:2] + (self,)
+                for counter in list(_ACTIVE):
+                    if not (_other and _counted_here(counter)):
+                        counter._record(collective, size(padded))
+                return _orig(self, *args, **kwargs)
+
+            setattr(cls, meth, wrapper)
+
+
+def _unpatch() -> None:
+    for cls, meth, orig in reversed(_SAVED):
+        setattr(cls, meth, orig)
     _SAVED.clear()
 
 
@@ -200,7 +225,8 @@ def _classify(func: Any, args: tuple) -> tuple[str, Size] | None:
 
 class CommCounter(TorchDispatchMode):
     """Counts calls, elements and full-tensor bytes per collective and element type issued in this
-    thread while active.
+    process while active: in this thread (and autograd's) at the dispatcher, in any other thread at
+    the ``ProcessGroup`` methods.
 
     Usage: ``with CommCounter() as cc: step(); cc.summary()``. Re-entering resets the counts.
     """
@@ -213,22 +239,25 @@ class CommCounter(TorchDispatchMode):
     def __enter__(self) -> "CommCounter":
         self.calls.clear()
         self.sizes.clear()
-        if not _ACTIVE:
-            _patch_backend()
-        _ACTIVE.append(self)
+        with _LOCK:
+            if not _ACTIVE:
+                _patch()
+            _ACTIVE.append(self)
         super().__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        _ACTIVE.remove(self)
-        if not _ACTIVE:
-            _unpatch_backend()
+        with _LOCK:
+            _ACTIVE.remove(self)
+            if not _ACTIVE:
+                _unpatch()
 
     def _record(self, collective: str, size: Size) -> None:
         key = (collective, size.dtype)
-        self.calls[key] += 1
-        self.sizes[key] = self.sizes[key] + size
+        with _LOCK:
+            self.calls[key] += 1
+            self.sizes[key] = self.sizes[key] + size
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}

@@ -56,7 +56,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "state_optimizer_state, state_total"),
     Table("comm", "scenario x collective x element type", (
         "scenario", "collective", "dtype", "calls", "elements", "bytes"),
-          "per step, the full size each collective handles"),
+          "per step, the full size each collective handles, from every thread of the rank"),
     Table("coverage", "scenario x step x parameter `full_params` got wrong", ("scenario", "step", "param", "problem"),
           "problem: missing, not a parameter of the plain model, another shape; empty when all held"),
     Table("verdicts", "verdict", tuple(VERDICT_COLUMNS),

@@ -212,6 +212,19 @@ def test_comm_volume_expects_only_trainable_elements_reduced():
     assert v.status == "fail" and "trainable" in v.where
 
 
+@pytest.mark.parametrize("collective, counted", [("reduce", 1), ("gather", 4)])
+def test_a_reduction_to_each_parts_owner_counts_as_the_gradient_reduction(collective, counted):
+    """ZeRO-1/2 style: each part reduced (or gathered and summed) on the rank that owns it. A
+    gather's count is the W pieces its root receives (W = 4 here), of which it keeps one sum."""
+    sc = _sc("fsdp_impl", 4)
+    t = make([(sc, LOSSES, ZERO, ZERO)])
+    t["comm"] = _comm(sc.id, ("all_gather", "float32", 2 * P_EL), (collective, "float32", counted * P_EL))
+    assert resource_checks.comm_volume(t)[0].status == "pass"
+    t["comm"] = _comm(sc.id, ("all_gather", "float32", 2 * P_EL), (collective, "float32", counted * P_EL // 2))
+    v = resource_checks.comm_volume(t)[0]  # half the gradient never reduced
+    assert v.status == "fail" and "gradient reduction" in v.where
+
+
 def test_a_float64_reduction_passes_with_its_traffic_factor():
     """Twice the bytes on purpose (an exact reduction): the same elements, reported as a factor."""
     sc = _sc("torch_fsdp2_fp64reduce", 4)

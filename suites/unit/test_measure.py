@@ -100,6 +100,26 @@ def _raw_collectives() -> list[dict]:
     return cc.summary()
 
 
+def _thread_collectives() -> list[dict]:
+    """Collectives from a thread of the rank's own while the counter is active in the main thread,
+    then one from the main thread: each must be counted, once."""
+    import threading
+
+    import torch.distributed as dist
+
+    def other_thread() -> None:
+        dist.all_gather_into_tensor(torch.empty(W * AG_N, dtype=AG_DT), torch.ones(AG_N, dtype=AG_DT))
+        dist.reduce(torch.ones(RS_N), dst=0)
+        dist.gather(torch.ones(FAG_N), [torch.empty(FAG_N) for _ in range(W)] if dist.get_rank() == 0 else None)
+
+    with CommCounter() as cc:
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        dist.all_reduce(torch.ones(AR_N, dtype=AR_DT))
+    return cc.summary()
+
+
 def _rank_main(rank: int, store_path: str, queue) -> None:
     try:
         import torch.distributed as dist
@@ -108,7 +128,7 @@ def _rank_main(rank: int, store_path: str, queue) -> None:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=W)
         solo, _ = dist.new_subgroups(group_size=1)  # this rank alone: the W=1 runs
-        out: dict[str, Any] = {"raw": _raw_collectives()}
+        out: dict[str, Any] = {"raw": _raw_collectives(), "threads": _thread_collectives()}
         for widths, tag in ((EVEN, "even"), (ODD, "odd")):
             out[f"fsdp2_w2_{tag}"] = _measured(_fsdp2(widths, dist.group.WORLD), widths)
         out["fsdp2_w1"] = _measured(_fsdp2(EVEN, solo), EVEN)
@@ -178,6 +198,15 @@ def test_raw_collectives_counted_per_element_type_in_elements_and_bytes(world):
         ("all_reduce", "int64"): (2, 2 * AR_N, 2 * AR_N * 8),
         ("all_reduce", "float32"): (2, FAR_N + BK_N, (FAR_N + BK_N) * 4),
     }
+
+
+def test_collectives_from_another_thread_are_counted_once(world):
+    for rank in range(W):
+        rows = {(r["collective"], r["dtype"]): (r["calls"], r["elements"]) for r in world[rank]["threads"]}
+        assert rows == {
+            ("all_gather", "float64"): (1, W * AG_N), ("reduce", "float32"): (1, RS_N),
+            ("gather", "float32"): (1, W * FAG_N), ("all_reduce", "int64"): (1, AR_N),
+        }, rank
 
 
 @pytest.mark.parametrize("tag,widths", [("even", EVEN), ("odd", ODD)])
