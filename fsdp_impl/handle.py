@@ -13,6 +13,7 @@ parameter the optimizer owns, gradients accumulate into it by autograd, nothing 
 
 from __future__ import annotations
 
+import weakref
 from enum import Enum, auto
 
 import torch
@@ -94,8 +95,12 @@ class FlatParamHandle:
                 full = torch.empty(self.layout.padded_numel, dtype=self.param_dtype, device=self.device)
                 if want_grad:
                     full.requires_grad_(True)
-                    # looked up at each call: the leaf lives for many steps
-                    full.register_post_accumulate_grad_hook(lambda t: self._post_backward(t))
+                    # Looked up at each call: the leaf lives for many steps. Through a weak reference:
+                    # a tensor's hooks are held from C++, where the garbage collector cannot see
+                    # them, so a hook holding the handle (which holds the leaf) would be a cycle
+                    # never collected, keeping every shard alive after the model is dropped.
+                    handle = weakref.ref(self)
+                    full.register_post_accumulate_grad_hook(lambda t: handle()._post_backward(t))
                 self.full = full
             # else the leaf is reused: a unit called twice in one forward (or forwards before one
             # backward) leaves saved views into it; refilling one storage makes them all valid again

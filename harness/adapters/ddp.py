@@ -17,7 +17,10 @@ class DDPAdapter(Adapter):
 
         device = torch.device(device)
         ids = [device] if device.type == "cuda" else None
-        return DistributedDataParallel(model.to(device), device_ids=ids, process_group=group)
+        # Gradients as views of the communication buckets: otherwise DDP keeps each bucket (a second
+        # full copy of the gradients) alive between steps beside the .grad tensors.
+        return DistributedDataParallel(model.to(device), device_ids=ids, process_group=group,
+                                       gradient_as_bucket_view=True)
 
     def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
         return {name: cpu_fp32(p) for name, p in wrapped.module.named_parameters()}

@@ -55,13 +55,18 @@ def gather_padding(row, bounds: Bounds = Bounds()) -> float:
     return (int(row.world_size) - 1) * float(row.row_bytes) + bounds.align_bytes_per_tensor * float(row.param_tensors)
 
 
-def _max_over_ranks(mem: pd.DataFrame, sid: str, category: str) -> float:
-    rows = mem[(mem.scenario == sid) & (mem.category == category)]
-    return float(rows["bytes"].max()) if len(rows) else math.nan
+def _max_over_ranks(mem: pd.DataFrame, sid: str, *categories: str) -> float:
+    """Max over ranks of the categories' bytes summed per rank; NaN if a category was not recorded."""
+    rows = mem[(mem.scenario == sid) & mem.category.isin(categories)]
+    if set(rows.category) != set(categories):
+        return math.nan
+    return float(rows.groupby("rank")["bytes"].sum().max())
 
 
 def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
-    """Per-rank params, grads and optimizer state each within padding of the ideal (P x factor / W)."""
+    """Per-rank params, grads and optimizer state each within padding of the ideal (P x factor / W),
+    and what the rank holds besides them (buffers, anything else the census finds) within the
+    model's own buffers and a small bookkeeping allowance."""
     out, mem = [], tables["memory"]
     for row in _measured_rows(tables, "memory_sharding", out).itertuples():
         ideal = ideal_state_bytes(int(row.param_bytes), row.optimizer, int(row.world_size), sharded=bool(row.sharded))
@@ -81,9 +86,19 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             if measured > limit and not where:
                 where = (f"{cat}: {measured:,.0f} B per rank > ideal {ideal[cat]:,.0f} B "
                          f"({ratio:.2f}x; allowed {limit:,.0f} B)")
+        elsewhere = _max_over_ranks(mem, row.scenario, "state_other", "state_buffers")
+        elsewhere_limit = (float(row.buffer_bytes) + bounds.memory_sharding_slack * sum(ideal.values())
+                           + bounds.held_elsewhere_bytes)
+        if math.isnan(elsewhere) or math.isnan(elsewhere_limit):
+            where = where or "other: not measured (no census of what the rank holds)"
+        elif elsewhere > elsewhere_limit and not where:
+            where = (f"other: {elsewhere:,.0f} B per rank held outside parameters, gradients and optimizer "
+                     f"state (allowed {elsewhere_limit:,.0f} B: the model's buffers + 1% + "
+                     f"{bounds.held_elsewhere_bytes:,} B)")
         kind = "sharded over" if row.sharded else "replicated on"
         msg = (f"per-rank state {total_measured:,.0f} B vs ideal {sum(ideal.values()):,.0f} B "
-               f"({kind} {row.world_size} ranks; worst category {worst:.3f}x its ideal)")
+               f"({kind} {row.world_size} ranks; worst category {worst:.3f}x its ideal); "
+               f"held elsewhere {elsewhere:,.0f} B")
         # bound: the worst category's allowed ratio (1% slack + this model's padding allowance)
         out.append(Verdict("memory_sharding", row.scenario, FAIL if where else PASS, worst, worst_limit,
                            where, msg if not where else f"{msg}; {where}"))

@@ -28,6 +28,10 @@ class Bounds:
     comm_slack: float = 0.01  # all-gathers <= 2P and the gradient reduction = trainable elements, +1%
     # flat-buffer alignment a shard may add per parameter tensor (a layout allowance, not a tolerance)
     align_bytes_per_tensor: int = 64
+    # what a rank may hold outside parameters, gradients, optimizer state and the model's own buffers
+    # between steps (harness.measure.census "other"): bookkeeping such as FSDP2's W int32 split sizes
+    # (measured 4 B per rank of the group); a kept buffer of one unit's size is far above it
+    held_elsewhere_bytes: int = 1024
 
     def split_bound(self, optimizer: str, lr: float, steps: int) -> float:
         per = self.split_per_lr_step_adamw if optimizer == "adamw" else self.split_per_lr_step_sgd

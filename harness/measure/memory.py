@@ -215,6 +215,7 @@ class PeakMemory:
         else:
             self.tracker = _CollectiveAwareTracker()
             self.tracker.track_external(self.model, self.optimizer, *self.extra)
+        self.extra = []  # tracked now; kept here they could not be freed during the step
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

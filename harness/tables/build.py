@@ -113,6 +113,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                           "largest_child_bytes": r0.get("largest_child_bytes", math.nan),
                           "root_bytes": r0.get("root_bytes", math.nan),
                           "row_bytes": r0.get("row_bytes", math.nan), "param_tensors": r0.get("param_tensors", math.nan),
+                          "buffer_bytes": r0.get("buffer_bytes", math.nan),
                           "params_compared": compared, "state_bytes": max(state), "peak_bytes": max(peak),
                           "step_time_s": max(rr["step_time_s"] for rr in res["ranks"])})
     rows = {"steps": steps_rows, "params": param_rows, "scenarios": scen_rows, "memory": mem_rows,

@@ -32,8 +32,9 @@ class Table:
 #               largest_unit_bytes: the largest unit's full parameters; row_bytes: one dim-0 row of
 #               every parameter tensor, summed; param_tensors: their count; params_compared: the
 #               plain model's parameters whose names and shapes were held against full_params;
-#               state_bytes: max over ranks of params + grads + optimizer state held; peak_bytes: max
-#               over ranks
+#               buffer_bytes: the plain model's buffers; state_bytes: max over ranks of all the rank
+#               holds after the measured step (harness.measure.census: params, grads, optimizer
+#               state, buffers, other); peak_bytes: max over ranks
 #   memory      bytes on that rank: the peak by category during the measured step, and the state
 #               held after it (state_*)
 #   comm        rank 0, per training step averaged over the steps (harness.measure.comm)
@@ -47,13 +48,13 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("scenarios", "scenario", SCENARIO_IDS + (
         "steps", "lr", "status", "error", "failed_rank", "final_loss", "param_sum", "max_diff_ref", "max_diff_ws1", "sharded",
         "param_bytes", "trainable_bytes", "param_elements", "trainable_elements", "largest_unit_bytes",
-        "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "params_compared", "state_bytes",
+        "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "buffer_bytes", "params_compared", "state_bytes",
         "peak_bytes", "step_time_s"),
           required=SCENARIO_IDS + ("steps", "lr", "status", "error", "final_loss", "param_sum", "max_diff_ref",
                                    "max_diff_ws1", "state_bytes", "peak_bytes", "step_time_s")),
     Table("memory", "scenario x rank x category", ("scenario", "rank", "category", "bytes"),
           "category: params, grads, optimizer_state, activations, other, peak; state_params, state_grads, "
-          "state_optimizer_state, state_total"),
+          "state_optimizer_state, state_buffers, state_other, state_total"),
     Table("comm", "scenario x collective x element type", (
         "scenario", "collective", "dtype", "calls", "elements", "bytes"),
           "per step, the full size each collective handles, from every thread of the rank"),

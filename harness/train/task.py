@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from harness.adapters import load_adapter
 from harness.core.scenario import Scenario
-from harness.measure import CommCounter, PeakMemory, state_bytes
+from harness.measure import CommCounter, PeakMemory
+from harness.measure.census import Census
 from harness.train.data import global_batch, local_slice
 from harness.train.models import get_model_spec
 
@@ -34,6 +35,7 @@ def run_scenario(ctx, payload: dict) -> dict:
     adapter = load_adapter(sc.impl)
     device = ctx.device
 
+    census = Census(device)  # what the process holds before the scenario: not the scenario's
     torch.manual_seed(sc.seed)
     model = spec.build().to(device)
     units = spec.units(model)
@@ -45,11 +47,16 @@ def run_scenario(ctx, payload: dict) -> dict:
     steps, comm_totals, memory, times = [], {}, {}, []
     for step in range(1, sc.steps + 1):
         inputs, targets = global_batch(spec, sc.global_batch, step, sc.seed)
-        x, y, _ = local_slice(inputs, targets, ctx.rank, ctx.world_size, sc.data_mode)
+        x, y, idx = local_slice(inputs, targets, ctx.rank, ctx.world_size, sc.data_mode)
         x, y = x.to(device), y.to(device)
+        batch = (inputs, targets, x, y, idx)  # the harness's own tensors, not the implementation's
         measure_mem = step - 1 == MEASURED_STEP
         counter = CommCounter()
-        mem = PeakMemory(wrapped, optimizer, device) if measure_mem else None
+        mem = None
+        if measure_mem:  # the peak tracker also counts what the implementation holds outside model and optimizer
+            held_elsewhere = [t for cat, _, t in census.classify(wrapped, optimizer, batch) if cat == "other"]
+            mem = PeakMemory(wrapped, optimizer, device, extra=held_elsewhere)
+            del held_elsewhere  # the tracker holds them weakly; a strong reference here would keep them alive
         _sync(device)
         t0 = time.perf_counter()
         # The tracker (a dispatch mode plus global module hooks) is left on every path: a step that
@@ -65,7 +72,7 @@ def run_scenario(ctx, payload: dict) -> dict:
             times.append(time.perf_counter() - t0)
         else:
             memory = dict(mem.result())
-            held = state_bytes(wrapped, optimizer)
+            held = census.held(wrapped, optimizer, exclude=(*batch, loss))
             memory.update({f"state_{k}": v for k, v in held.items()})
             memory["state_total"] = sum(held.values())
         optimizer.zero_grad(set_to_none=True)
@@ -99,7 +106,7 @@ def _param_bytes(model, units) -> dict:
     return {"param_bytes": total, "trainable_bytes": nbytes(p for p in params if p.requires_grad),
             "largest_unit_bytes": max(per_unit + [root]),
             "largest_child_bytes": max(per_unit + [0]), "root_bytes": root,
-            "row_bytes": row_bytes, "param_tensors": len(params), **elements}
+            "row_bytes": row_bytes, "param_tensors": len(params), "buffer_bytes": nbytes(model.buffers()), **elements}
 
 
 def _snapshot(adapter, wrapped, path: Path, rank: int) -> None:

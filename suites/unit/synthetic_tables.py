@@ -65,7 +65,8 @@ def param_diff(step: int, ws: int, mode: str, param: str, fail: bool = True) -> 
 def mem(ws: int, mode: str) -> dict[str, int]:
     """Bytes per rank by category (every rank equal)."""
     cats = {"params": PARAM_BYTES // ws, "grads": PARAM_BYTES // ws, "optimizer_state": 2 * PARAM_BYTES // ws,
-            "activations": ACT_BYTES // ws if mode == "split" else ACT_BYTES, "other": OTHER_BYTES}
+            "activations": ACT_BYTES // ws if mode == "split" else ACT_BYTES, "other": OTHER_BYTES,
+            "state_buffers": 0, "state_other": 0}
     cats["state_total"] = cats["params"] + cats["grads"] + cats["optimizer_state"]
     cats["peak"] = cats["state_total"] + cats["activations"] + cats["other"]
     return cats
@@ -102,7 +103,7 @@ def _rows(sc: Scenario, fail: bool, steps: int):
                 sharded=sc.impl != "reference", param_bytes=PARAM_BYTES, trainable_bytes=PARAM_BYTES,
                 param_elements=PARAM_BYTES // 4, trainable_elements=PARAM_BYTES // 4,
                 largest_unit_bytes=PARAM_BYTES // 2, largest_child_bytes=PARAM_BYTES // 4, root_bytes=PARAM_BYTES // 4,
-                row_bytes=64, param_tensors=len(PARAMS), params_compared=len(PARAMS),
+                row_bytes=64, param_tensors=len(PARAMS), buffer_bytes=0, params_compared=len(PARAMS),
                 state_bytes=m["state_total"], peak_bytes=m["peak"], step_time_s=STEP_TIME * ws)
     return step_rows, param_rows, scen
 

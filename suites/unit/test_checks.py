@@ -37,7 +37,7 @@ def make(cells):
                      "param_bytes": P_BYTES, "param_elements": P_BYTES // 4, "trainable_elements": P_BYTES // 4,
                      "largest_unit_bytes": P_BYTES // 2,
                      "largest_child_bytes": P_BYTES // 4, "root_bytes": P_BYTES // 4, "row_bytes": 40,
-                     "param_tensors": 4})
+                     "param_tensors": 4, "buffer_bytes": 0})
     return {"steps": frame("steps", steps), "scenarios": frame("scenarios", scen), "params": frame("params", params),
             "memory": frame("memory", []), "comm": frame("comm", [])}
 
@@ -165,10 +165,11 @@ def test_peak_params_bound_catches_a_whole_extra_copy_of_the_parameters():
     assert [v.status for v in resource_checks.peak_params_bound(t)] == ["fail"]
 
 
-def _with_memory(t, sid, ws, opt_factor, optimizer_state=None):
+def _with_memory(t, sid, ws, opt_factor, optimizer_state=None, other=0):
     per = P_BYTES // ws
     rows = [(sid, 0, "state_params", per), (sid, 0, "state_grads", per),
-            (sid, 0, "state_optimizer_state", optimizer_state if optimizer_state is not None else opt_factor * per)]
+            (sid, 0, "state_optimizer_state", optimizer_state if optimizer_state is not None else opt_factor * per),
+            (sid, 0, "state_buffers", 0), (sid, 0, "state_other", other)]
     t["memory"] = pd.DataFrame(rows, columns=["scenario", "rank", "category", "bytes"])
     return t
 
@@ -180,6 +181,20 @@ def test_memory_sharding_names_the_unsharded_category():
     bad = _with_memory(make([(sc, LOSSES, ZERO, ZERO)]), sc.id, 4, 2, optimizer_state=2 * P_BYTES)
     v = resource_checks.memory_sharding(bad)[0]
     assert v.status == "fail" and v.where.startswith("optimizer_state")
+
+
+def test_memory_sharding_counts_what_the_rank_holds_outside_params_grads_and_optimizer_state():
+    """A full-size buffer kept between steps is filed under "other" by the census: it fails."""
+    sc = _sc("fsdp_impl", 4)
+    bookkeeping = _with_memory(make([(sc, LOSSES, ZERO, ZERO)]), sc.id, 4, 2, other=64)
+    assert resource_checks.memory_sharding(bookkeeping)[0].status == "pass"
+    kept = _with_memory(make([(sc, LOSSES, ZERO, ZERO)]), sc.id, 4, 2, other=P_BYTES)
+    v = resource_checks.memory_sharding(kept)[0]
+    assert v.status == "fail" and v.where.startswith("other:")
+    unmeasured = _with_memory(make([(sc, LOSSES, ZERO, ZERO)]), sc.id, 4, 2)
+    unmeasured["memory"] = unmeasured["memory"][unmeasured["memory"].category != "state_other"]
+    v = resource_checks.memory_sharding(unmeasured)[0]
+    assert v.status == "fail" and "not measured" in v.where
 
 
 P_EL = P_BYTES // 4  # float32 parameters

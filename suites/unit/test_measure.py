@@ -18,7 +18,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from harness.measure import CommCounter, PeakMemory, ideal_comm_elements, ideal_state_bytes, state_bytes
+from harness.measure import CommCounter, PeakMemory, ideal_comm_elements, ideal_state_bytes
+from harness.measure.census import Census
 
 W = 2
 # Raw collectives: (elements, dtype) per call; the expected bytes are derived below.
@@ -72,15 +73,17 @@ def _fsdp2(widths, group) -> nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-def _measured(model: nn.Module, widths) -> dict[str, Any]:
-    """One warm-up step, then one step under CommCounter + PeakMemory; grads kept."""
+def _measured(build, widths) -> dict[str, Any]:
+    """Build under a Census; one warm-up step, then one step under CommCounter + PeakMemory; grads kept."""
+    census = Census()
+    model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x = torch.randn(4, widths[0], generator=torch.Generator().manual_seed(1))
     _step(model, opt, x)
     opt.zero_grad()
     with PeakMemory(model, opt, "cpu", extra=[x]) as pm, CommCounter() as cc:
         _step(model, opt, x)
-    return {"comm": cc.summary(), "state": state_bytes(model, opt), "peak": pm.result()}
+    return {"comm": cc.summary(), "state": census.held(model, opt, exclude=[x]), "peak": pm.result()}
 
 
 def _raw_collectives() -> list[dict]:
@@ -130,10 +133,10 @@ def _rank_main(rank: int, store_path: str, queue) -> None:
         solo, _ = dist.new_subgroups(group_size=1)  # this rank alone: the W=1 runs
         out: dict[str, Any] = {"raw": _raw_collectives(), "threads": _thread_collectives()}
         for widths, tag in ((EVEN, "even"), (ODD, "odd")):
-            out[f"fsdp2_w2_{tag}"] = _measured(_fsdp2(widths, dist.group.WORLD), widths)
-        out["fsdp2_w1"] = _measured(_fsdp2(EVEN, solo), EVEN)
-        out["ddp_w2"] = _measured(DDP(mlp(EVEN)), EVEN)
-        out["plain"] = _measured(mlp(EVEN), EVEN)
+            out[f"fsdp2_w2_{tag}"] = _measured(lambda: _fsdp2(widths, dist.group.WORLD), widths)
+        out["fsdp2_w1"] = _measured(lambda: _fsdp2(EVEN, solo), EVEN)
+        out["ddp_w2"] = _measured(lambda: DDP(mlp(EVEN), gradient_as_bucket_view=True), EVEN)
+        out["plain"] = _measured(lambda: mlp(EVEN), EVEN)
         queue.put((rank, out))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report to the parent, which fails the test
@@ -237,10 +240,10 @@ def test_ideal_comm_elements():
     assert ideal_comm_elements(1000, 8, trainable_elements=600) == {"all_gather": 2000, "reduce_scatter": 600}
 
 
-# ------------------------------------------------------------------ state_bytes
+# ------------------------------------------------------------------ Census (state held)
 
 
-def test_state_bytes_fsdp2_halves_and_matches_shard_sizes(world):
+def test_census_fsdp2_halves_and_matches_shard_sizes(world):
     full = full_bytes(EVEN)
     w1, w2 = world[0]["fsdp2_w1"]["state"], world[0]["fsdp2_w2_even"]["state"]
     n_tensors = len(linear_shapes(EVEN))
@@ -254,30 +257,81 @@ def test_state_bytes_fsdp2_halves_and_matches_shard_sizes(world):
     assert total(w2) / total(w1) == pytest.approx(0.5, rel=0.02)
 
 
-def test_state_bytes_ddp_equals_unsharded(world):
+def test_census_ddp_equals_unsharded(world):
     ddp, plain = world[0]["ddp_w2"]["state"], world[0]["plain"]["state"]
     assert ddp == plain
     assert ddp["params"] == ddp["grads"] == full_bytes(EVEN)
 
 
-def test_state_bytes_counts_tied_storage_once():
+def _held(census, model, opt=None, exclude=()):
+    return census.held(model, opt, exclude=exclude)
+
+
+NOTHING_ELSE = {"buffers": 0, "other": 0}
+
+
+def test_census_counts_tied_storage_once():
+    census = Census()
     emb = nn.Embedding(10, 4)
     head = nn.Linear(4, 10, bias=False)
     head.weight = emb.weight
     model = nn.Sequential(emb, head)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.arange(3)).sum().backward()
+    x = torch.arange(3)
+    model(x).sum().backward()
     opt.step()
-    assert state_bytes(model, opt) == {"params": 160, "grads": 160, "optimizer_state": 160}
+    assert _held(census, model, opt, [x]) == {"params": 160, "grads": 160, "optimizer_state": 160, **NOTHING_ELSE}
 
 
-def test_state_bytes_counts_views_of_one_flat_buffer_once():
+def test_census_counts_views_of_one_flat_buffer_once():
     """Parameters that are views into one flat storage (FSDP1, fsdp_impl) count that storage."""
+    census = Census()
     flat = torch.zeros(24)  # 96 bytes: 2 x 10 elements used, 4 of padding
     model = nn.Module()
     model.a = nn.Parameter(flat[:10])
     model.b = nn.Parameter(flat[10:20])
-    assert state_bytes(model, None) == {"params": 96, "grads": 0, "optimizer_state": 0}
+    del flat
+    assert _held(census, model) == {"params": 96, "grads": 0, "optimizer_state": 0, **NOTHING_ELSE}
+
+
+def test_census_leaves_out_what_the_process_held_before_and_what_the_harness_names():
+    earlier = torch.zeros(1000)  # alive before the census: the process's, not the scenario's
+    census = Census()
+    model = nn.Linear(4, 4, bias=False)  # 64 B
+    batch = torch.zeros(100)
+    assert _held(census, model, exclude=[batch]) == {"params": 64, "grads": 0, "optimizer_state": 0, **NOTHING_ELSE}
+    assert _held(census, model)["other"] == 400
+    del earlier
+
+
+def test_census_finds_a_buffer_kept_where_model_and_optimizer_do_not_show_it():
+    """A full-size copy kept in a closure and an optimizer wrapper's own state: both "other"."""
+    census = Census()
+    model = nn.Linear(8, 8, bias=False)  # 256 B
+    kept = model.weight.detach().clone()
+    hook = model.register_forward_pre_hook(lambda m, args, kept=kept: kept.sum())  # the hook holds it
+
+    class Wrapper(torch.optim.SGD):  # state outside optimizer.state
+        def __init__(self, params):
+            super().__init__(params, lr=0.1)
+            self.shadow = [p.detach().clone() for p in self.param_groups[0]["params"]]
+
+    opt = Wrapper(model.parameters())
+    del kept
+    held = _held(census, model, opt)
+    assert held["params"] == 256 and held["optimizer_state"] == 0
+    assert held["other"] == 2 * 256
+    hook.remove()
+
+
+def test_census_files_buffers_apart_and_a_freed_storage_as_zero():
+    census = Census()
+    model = nn.BatchNorm1d(4)  # weight, bias: params; running mean, var, count: buffers
+    gone = torch.zeros(50)
+    gone.untyped_storage().resize_(0)
+    held = _held(census, model)
+    assert held["params"] == 2 * 16 and held["buffers"] == 2 * 16 + 8 and held["other"] == 0
+    del gone
 
 
 def test_ideal_state_bytes():

@@ -1,0 +1,115 @@
+"""What a rank holds, found from the rank process rather than from the objects an adapter hands over.
+
+`Census` notes every tensor storage alive in the process before the scenario builds its model;
+`Census.held(...)` later finds every storage alive that was not, whoever holds it, and files
+each under one category:
+
+    params           storages of the model's parameters and of any the optimizer holds
+    grads            their ``.grad``
+    optimizer_state  tensors in ``optimizer.state``
+    buffers          the model's buffers (``module.buffers()``)
+    other            anything else: a buffer an implementation keeps per unit between steps, an
+                     optimizer wrapper's own state, a cache in a closure or a module global
+
+Each storage counts once, at its size (a DTensor by its local shard; a storage freed with
+``resize_(0)`` counts 0). The harness's own tensors (the batch) are named and left out.
+
+How "alive" is found: on CPU, every tensor the Python garbage collector tracks (after a
+collection), which is every tensor reachable from Python; storages that only C++ holds (a
+communication library's internal buffers, DDP's gradient buckets, autograd's saved tensors between
+forward and backward) are not seen there. On CUDA the allocator sees everything: `held` adds
+``torch.cuda.memory_allocated`` beyond what was allocated at the start, so whatever no category
+claims lands in "other".
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from harness.measure.memory import local_tensor
+
+__all__ = ["Census", "HELD_CATEGORIES", "live_tensors"]
+
+HELD_CATEGORIES = ("params", "grads", "optimizer_state", "buffers", "other")
+
+
+def _key(t: torch.Tensor) -> tuple[int, int] | None:
+    """(storage id, bytes) of the storage a tensor lives in; None for meta or storage-less tensors."""
+    try:
+        local = local_tensor(t)
+        if local.device.type == "meta":
+            return None
+        st = local.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse, nested, functional wrappers...
+        return None
+    return st._cdata, st.nbytes()
+
+
+def live_tensors() -> dict[int, tuple[int, torch.Tensor]]:
+    """storage id -> (bytes, one tensor that uses it), for every tensor the collector tracks now."""
+    gc.collect()
+    out: dict[int, tuple[int, torch.Tensor]] = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor):  # not isinstance: it reads __class__, which some objects warn on
+            k = _key(obj)
+            if k is not None and k[0] not in out:
+                out[k[0]] = (k[1], obj)
+    return out
+
+
+def _keys(tensors: Iterable[Any]) -> set[int]:
+    return {k[0] for t in tensors if isinstance(t, torch.Tensor) and (k := _key(t)) is not None}
+
+
+class Census:
+    """Storages alive at construction are the process's own; `held` reports the rest by category."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        live = live_tensors()
+        self.before = set(live)
+        # held so that no storage id of these is reused by a new storage while the census lasts
+        self._before_refs = [t for _, t in live.values()]
+        self._cuda_before = self._cuda_allocated()
+
+    def _cuda_allocated(self) -> int | None:
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize(self.device)
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def new_tensors(self, exclude: Iterable[torch.Tensor] = ()) -> dict[int, tuple[int, torch.Tensor]]:
+        """The storages on this census's device alive now that were not at construction, less
+        those of `exclude`."""
+        skip = self.before | _keys(exclude)
+        return {k: v for k, v in live_tensors().items()
+                if k not in skip and local_tensor(v[1]).device.type == self.device.type}
+
+    def classify(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 exclude: Iterable[torch.Tensor] = ()) -> list[tuple[str, int, torch.Tensor]]:
+        """(category, bytes, a tensor using it) per storage alive now that was not at construction."""
+        params = list(model.parameters())
+        if optimizer is not None:
+            params += [p for g in optimizer.param_groups for p in g["params"]]
+        state = [v for s in optimizer.state.values() for v in s.values()] if optimizer is not None else []
+        owner: dict[int, str] = {}
+        for cat, tensors in (("params", params), ("grads", [p.grad for p in params]),
+                             ("optimizer_state", state), ("buffers", list(model.buffers()))):
+            for k in _keys(tensors):
+                owner.setdefault(k, cat)
+        return [(owner.get(k, "other"), nbytes, t) for k, (nbytes, t) in self.new_tensors(exclude).items()]
+
+    def held(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+             exclude: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+        """Bytes held now, by category (HELD_CATEGORIES), each storage once."""
+        out = dict.fromkeys(HELD_CATEGORIES, 0)
+        for cat, nbytes, _ in self.classify(model, optimizer, exclude):
+            out[cat] += nbytes
+        now = self._cuda_allocated()
+        if now is not None and self._cuda_before is not None:
+            out["other"] += max(0, now - self._cuda_before - sum(out.values()))
+        return out
