@@ -77,9 +77,10 @@ def cmd_plan(ns) -> int:
 
 
 def cmd_compare(ns) -> int:
-    """The gate's own comparison (harness.gate.baseline.comparison), shown as a table."""
+    """The gate's own comparison (harness.gate.compare.comparison), shown as a table."""
     from harness.core.environment import machine_kind
-    from harness.gate.baseline import baseline_of_run, compare_table, load_baseline
+    from harness.gate.baseline import baseline_of_run, load_baseline
+    from harness.gate.compare import compare_table
     from harness.tables.store import load_run
     tables, env = load_run(ns.tables_dir)
     other = Path(ns.other)

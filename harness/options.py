@@ -190,7 +190,7 @@ def new_baseline_name(text: str) -> str:
 
 
 def gate_spec(text: str) -> dict:
-    from harness.gate.baseline import parse_gate
+    from harness.gate.tolerance import parse_gate
     return parse_gate(text)
 
 
@@ -209,7 +209,7 @@ def add_gate_arguments(add) -> None:
     add("--save-baseline", type=new_baseline_name, default=None,
         help="store this run's summary as reports/baselines/NAME/<machine kind>.json (a name, not a path)")
     add("--gate", type=gate_spec, default=None,
-        help="per-field tolerances, e.g. loss:1e-7,peak_mem:5%%,comm_bytes:0 (defaults in harness/gate/baseline.py)")
+        help="per-field tolerances, e.g. loss:1e-7,peak_mem:5%%,comm_bytes:0 (defaults in harness/gate/tolerance.py)")
 
 
 def load_baseline_option(name, gate=None, backend: str = "gloo"):

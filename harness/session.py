@@ -35,7 +35,7 @@ class SessionOptions:
     report: Path | None = opt.DEFAULT_REPORT  # None: write no outputs (report, tables) at all
     per_sample: bool = False
     baseline: str | None = None  # a name under reports/baselines/ or a path
-    gate: dict | None = None  # per-field tolerances (harness.gate.baseline.parse_gate)
+    gate: dict | None = None  # per-field tolerances (harness.gate.tolerance.parse_gate)
     save_baseline: str | None = None
 
     @classmethod
@@ -118,7 +118,7 @@ class Session:
 
     def _gate(self, res: RunResult) -> None:
         from harness.checks.numeric import verdict_table
-        from harness.gate.baseline import compare
+        from harness.gate.compare import compare
         res.verdicts.extend(compare(res.tables, self.baseline, self.options.gate, env=res.env))
         res.tables["verdicts"] = verdict_table(res.verdicts)
 

@@ -12,7 +12,8 @@ import pytest
 
 from harness.core.scenario import build_matrix
 from harness.execute.executor import run_matrix
-from harness.gate.baseline import compare, compare_table, load_baseline, save_baseline
+from harness.gate.baseline import load_baseline, save_baseline
+from harness.gate.compare import compare, compare_table
 
 
 def _slice(lr):

@@ -1,4 +1,4 @@
-"""The regression gate (harness.gate.baseline): diffable baseline files, tolerances, compare verdicts."""
+"""The regression gate (harness.gate): diffable baseline files, tolerances, compare verdicts."""
 
 from __future__ import annotations
 
@@ -10,17 +10,9 @@ import pandas as pd
 import pytest
 
 from harness.core.environment import machine_kind
-from harness.gate.baseline import (
-    DEFAULT_TOLERANCES,
-    FIELDS,
-    BaselineError,
-    Tolerance,
-    compare,
-    compare_table,
-    load_baseline,
-    parse_gate,
-    save_baseline,
-)
+from harness.gate.baseline import BaselineError, load_baseline, save_baseline
+from harness.gate.compare import compare, compare_table
+from harness.gate.tolerance import DEFAULT_TOLERANCES, FIELDS, Tolerance, parse_gate
 
 from . import synthetic_tables as syn
 

@@ -1,0 +1,149 @@
+"""The one comparison of a run with a baseline, and its two views.
+
+`comparison()` is the one comparison; the gate's verdicts (`compare`) and the `compare` command's
+table (`compare_table`) are two views of its rows: "gate:<field>" per scenario x field (a field
+whose gate is off gets one run-wide SKIP instead), "gate:scenario" SKIP for a scenario on one side
+only (a run of part of the matrix is gated on what it ran), FAIL for a scenario that ran in the
+baseline and errored now, and "gate:env" SKIP notes, one per differing environment key (keys in
+VOLATILE_ENV such as date and git_commit are ignored), so the differences are always visible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from harness.core.verdict import FAIL, PASS, SKIP, Verdict
+from harness.gate.baseline import Baseline, load_baseline, summarize
+from harness.gate.machine import KERNEL_DEPENDENT, env_warnings, kernel_mismatch
+from harness.gate.tolerance import DEFAULT_TOLERANCES, FIELDS, Tolerance
+
+
+def _elements(field: str, e: dict) -> list[tuple[int | None, str, float | None]]:
+    """(step, label, value) of one field of one scenario entry: a value per step for the loss."""
+    if field == "loss":
+        first = int(e.get("first_step") or 1)
+        return [(first + i, f"step {first + i}", v) for i, v in enumerate(e["loss"])]
+    if field == "max_diff":
+        return [(None, "vs reference", e["max_diff_ref"]), (None, "vs 1 rank", e["max_diff_ws1"])]
+    return [(None, "", e[field])]
+
+
+@dataclass(frozen=True)
+class GateRow:
+    """One scenario x field of the comparison (or a run-wide note): the gate's verdicts and the
+    `compare` command's table are two views of the same rows."""
+
+    check: str  # "gate:<field>", "gate:scenario" or "gate:env"
+    scenario: str
+    status: str
+    message: str
+    baseline: float | None = None
+    current: float | None = None
+    delta: float | None = None  # the change held against the tolerance (one-sided fields: increase only)
+    allowed: float | None = None
+    tolerance: str = ""
+    step: int | None = None
+    label: str = ""  # display: "vs reference", the environment key, ...
+
+    def verdict(self) -> Verdict:
+        return Verdict(self.check, self.scenario, self.status, self.delta, self.allowed,
+                       where=self.label if self.step is None else "", message=self.message, step=self.step)
+
+
+def _field(field: str, sid: str, base: dict, cur: dict, tol: Tolerance) -> GateRow:
+    """The comparison of one field of one scenario: the first element over tolerance, else the closest."""
+    two_sided = FIELDS[field][1]
+    b_el, c_el = _elements(field, base), _elements(field, cur)
+    head, check, tol_s = f"{field} of {sid}", f"gate:{field}", str(tol)
+    if len(b_el) != len(c_el):
+        return GateRow(check, sid, FAIL, f"{head}: {len(b_el)} values in baseline, {len(c_el)} now",
+                       len(b_el), len(c_el), tolerance=tol_s)
+    worst = None
+    for (step, label, b), (*_, c) in zip(b_el, c_el):
+        if b is None or c is None:
+            if b is not None:
+                return GateRow(check, sid, FAIL, f"{head}: baseline has {b}, this run did not measure it", b,
+                               tolerance=tol_s, step=step, label=label)
+            continue
+        delta = c - b if not two_sided else abs(c - b)
+        item = (step, label, b, c, delta, tol.allowed(b))
+        if tol.fails(c, b, two_sided):
+            worst = item
+            break
+        worst = max(worst or item, item, key=lambda t: t[4] - t[5])
+    if worst is None:
+        return GateRow(check, sid, SKIP, f"{head}: not measured in the baseline (re-save it to gate this field)",
+                       tolerance=tol_s)
+    step, label, b, c, delta, allowed = worst
+    loc = f" at {label}" if step is not None else f" ({label})" if label else ""
+    tol_s = f"{tol} (= {allowed:g})" if tol.relative else tol_s
+    failed = tol.fails(c, b, two_sided)
+    msg = (f"{head} regressed{loc}: baseline {b:.10g}, current {c:.10g}, change {c - b:+.3g} exceeds tolerance "
+           f"{tol_s}" if failed else f"{head} within tolerance {tol_s}{loc}: baseline {b:.10g}, current {c:.10g}")
+    return GateRow(check, sid, FAIL if failed else PASS, msg, b, c, delta, allowed, str(tol),
+                   step if failed or delta else None, label if failed or delta else "")
+
+
+def _resolve(tolerances: dict | None) -> dict[str, Tolerance]:
+    unknown = set(tolerances or {}) - set(FIELDS)
+    if unknown:
+        raise ValueError(f"unknown gate fields {sorted(unknown)} (known: {', '.join(FIELDS)})")
+    return {**DEFAULT_TOLERANCES, **(tolerances or {})}
+
+
+def comparison(current: dict[str, dict], env: dict | None, base: Baseline,
+               tolerances: dict | None = None) -> list[GateRow]:
+    """The one comparison of a run's per-scenario figures (`summarize`) with a baseline.
+
+    Rules, the same for the gate and for `compare`: an environment key that differs is a SKIP note
+    (gate:env); a field whose gate is off is one run-wide SKIP; losses and diffs are compared only
+    on the same numeric kernels (`kernel_mismatch`); a scenario present on one side only is a SKIP
+    that names it (a run of part of the matrix is gated on the part it ran); a scenario that ran in
+    the baseline and errored now is a FAIL."""
+    tols = _resolve(tolerances)
+    if not base.comparable:
+        why = (f"baseline '{base.name}' has no file for this machine kind ({base.wanted_kind}) nor for another "
+               f"CPU kind with this device and torch version: nothing was gated (torch's own implementations "
+               f"move memory and traffic between versions; save one with --save-baseline {base.name})")
+        return [GateRow(f"gate:{f}", "", SKIP, why) for f, t in tols.items() if not t.off]
+    rows = [GateRow("gate:env", "", SKIP, msg, label=k) for k, msg in env_warnings(env, base)]
+    rows += [GateRow(f"gate:{f}", "", SKIP, f"gate off for {f} (enable with e.g. {f}:50%)") for f, t in tols.items()
+             if t.off]
+    mismatch = kernel_mismatch(env, base)
+    if mismatch:
+        rows += [GateRow(f"gate:{f}", "", SKIP, mismatch) for f in KERNEL_DEPENDENT if not tols[f].off]
+        tols = {f: t for f, t in tols.items() if f not in KERNEL_DEPENDENT}
+    for sid in list(base.scenarios) + [s for s in current if s not in base.scenarios]:
+        if sid not in current:
+            rows.append(GateRow("gate:scenario", sid, SKIP, f"scenario {sid} is in baseline '{base.name}' but not "
+                                "in this run: not compared"))
+        elif sid not in base.scenarios:
+            rows.append(GateRow("gate:scenario", sid, SKIP, f"new scenario {sid} is not in baseline '{base.name}': "
+                                "not gated (re-save the baseline to cover it)"))
+        elif current[sid]["status"] != "ok" and base.scenarios[sid]["status"] == "ok":
+            rows.append(GateRow("gate:scenario", sid, FAIL, f"scenario {sid} errored in this run"))
+        else:
+            rows += [_field(f, sid, base.scenarios[sid], current[sid], t) for f, t in tols.items() if not t.off]
+    return rows
+
+
+def compare(tables: dict, baseline: Baseline | str | Path, tolerances: dict | None = None, *,
+            env: dict | None = None) -> list[Verdict]:
+    """Gate verdicts for this run's tables against `baseline` (see `comparison`)."""
+    base = baseline if isinstance(baseline, Baseline) else load_baseline(baseline)
+    return [r.verdict() for r in comparison(summarize(tables), env, base, tolerances)]
+
+
+COMPARE_COLUMNS = ["check", "scenario", "status", "baseline", "current", "delta", "allowed", "tolerance", "step",
+                   "label", "message"]
+
+
+def compare_table(tables: dict, baseline: Baseline | str | Path, tolerances: dict | None = None, *,
+                  env: dict | None = None) -> pd.DataFrame:
+    """The same comparison as `compare`, side by side: one row per scenario x field (a = this run)."""
+    base = baseline if isinstance(baseline, Baseline) else load_baseline(baseline)
+    rows = comparison(summarize(tables), env, base, tolerances)
+    return pd.DataFrame([{c: getattr(r, c) for c in COMPARE_COLUMNS} for r in rows], columns=COMPARE_COLUMNS)
