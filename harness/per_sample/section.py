@@ -75,7 +75,8 @@ def _findings(verdicts: pd.DataFrame, summary: pd.DataFrame, ids: list[str]) -> 
 def per_sample_section(tables: dict) -> list[str]:
     """Markdown lines; empty when the run has no "per_sample_summary" table."""
     from harness.core.scenario import scenario_id
-    from harness.report.markdown import _t, md_table, num
+    from harness.report.formatting import md_table, num
+    from harness.report.groups import _t
 
     summary = _t(tables, "per_sample_summary")
     if not len(summary):

@@ -1,1 +1,3 @@
-"""The markdown report (markdown) and its plots (plots)."""
+"""The markdown report: render, write and stage it (markdown), its sections (verdicts, results,
+resources), how it reads the run's tables (groups) and writes figures and tables (formatting), and
+its plots (plots)."""

@@ -16,6 +16,7 @@ import torch
 from harness import options as opt
 from harness.gate.baseline import save_baseline
 from harness.report import markdown as report
+from harness.report import plots
 from harness.tables.store import OutputError, load_run, save_run, write_text_atomic
 
 from . import synthetic_tables as syn
@@ -131,7 +132,7 @@ def test_the_cli_and_plugin_use_the_name_parser_for_save_baseline():
 def fast_plots(monkeypatch):
     """Stand-in plot functions (PNG rendering costs ~0.3 s each)."""
     for name in ("plot_loss", "plot_diff", "plot_memory"):
-        monkeypatch.setattr(report.plots, name, lambda *args, **_kw: Path(args[-1]).write_bytes(b"stub"))
+        monkeypatch.setattr(plots, name, lambda *args, **_kw: Path(args[-1]).write_bytes(b"stub"))
 
 
 def _os_error(code: int, when=lambda *args: True, real=None):

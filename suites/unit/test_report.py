@@ -1,4 +1,4 @@
-"""The markdown report, its plots, atomic writes, and the CSV run store (harness.report.markdown / plots / store)."""
+"""The markdown report, its plots, atomic writes, and the CSV run store (harness.report / store)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 from harness.report import markdown as report
 from harness.report import plots
+from harness.report.results import MAX_STEP_ROWS
 from harness.tables import store
 from harness.tables.store import StoreError, load_run, save_run
 
@@ -31,7 +32,7 @@ def tables() -> dict[str, pd.DataFrame]:
 def fast_plots(monkeypatch):
     """Stand-in plot functions (PNG rendering costs ~0.3 s each); real plots are tested once below."""
     for name in ("plot_loss", "plot_diff", "plot_memory"):
-        monkeypatch.setattr(report.plots, name, lambda *args, **_kw: Path(args[-1]).write_bytes(b"stub"))
+        monkeypatch.setattr(plots, name, lambda *args, **_kw: Path(args[-1]).write_bytes(b"stub"))
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +142,7 @@ def test_long_runs_sample_steps_and_pipes_are_escaped(tmp_path, fast_plots):
     text = report.write_report(tables, {}, tmp_path / "long.md").read_text()
     loss = text[text.index("#### Loss per iteration"):text.index("#### Max |param diff|")]
     rows = [ln for ln in loss.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
-    assert len(rows) <= report.MAX_STEP_ROWS and rows[0].startswith("| 1 ") and rows[-1].startswith("| 40 ")
+    assert len(rows) <= MAX_STEP_ROWS and rows[0].startswith("| 1 ") and rows[-1].startswith("| 40 ")
     assert len(_row(text, "odd\\|name")) == 6
 
 
@@ -188,7 +189,7 @@ def test_interrupted_plotting_keeps_earlier_report(tmp_path, fast_plots, monkeyp
     def interrupted(*_a, **_k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(report.plots, "plot_memory", interrupted)
+    monkeypatch.setattr(plots, "plot_memory", interrupted)
     with pytest.raises(KeyboardInterrupt):
         report.write_report(syn.make_tables(), syn.ENV, path, title="second run")
     assert _snapshot(path) == before
@@ -265,7 +266,7 @@ def test_a_broken_plot_becomes_a_note(tmp_path, fast_plots, monkeypatch):
     def broken(*_a, **_k):
         raise ValueError("no finite data")
 
-    monkeypatch.setattr(report.plots, "plot_diff", broken)
+    monkeypatch.setattr(plots, "plot_diff", broken)
     text = report.write_report(syn.make_tables(modes=("split",)), {}, tmp_path / "r.md").read_text()
     assert "failed (ValueError: no finite data)" in text and "#### Loss per iteration" in text
 
@@ -306,9 +307,9 @@ def test_many_passes_collapse_per_check_but_failures_stay_listed(tmp_path, fast_
 
 def test_diff_plot_bounds_come_from_equivalence_checks_only(tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(report.plots, "plot_diff", lambda *a, bounds=None, **k: seen.append(bounds))
-    monkeypatch.setattr(report.plots, "plot_loss", lambda *a, **k: None)
-    monkeypatch.setattr(report.plots, "plot_memory", lambda *a, **k: None)
+    monkeypatch.setattr(plots, "plot_diff", lambda *a, bounds=None, **k: seen.append(bounds))
+    monkeypatch.setattr(plots, "plot_loss", lambda *a, **k: None)
+    monkeypatch.setattr(plots, "plot_memory", lambda *a, **k: None)
     tables = syn.make_tables(world_sizes=(1, 4), modes=("split",))
     others = [dict(check=c, scenario=syn.sid(4, "split"), status="pass", measured=0.0, bound=b, where="", message="")
               for c, b in (("gate:peak_mem", 5e4), ("grad_norm_matches", 1e-6), ("peak_memory_bound", 3e5),

@@ -1,0 +1,67 @@
+"""The run's tables as the report reads them: a table by name (empty when missing), one row per
+scenario, and the non-reference scenarios grouped by (impl, model, data mode, optimizer, seed)
+across world sizes, with each group's reference scenario and its per-rank bytes per world size."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+
+from harness.core.scenario import REFERENCE_IMPL
+from harness.core.verdict import Verdict
+from harness.tables.store import rank_bytes
+
+GROUP = ["impl", "model", "data_mode", "optimizer", "seed"]
+
+
+def _t(tables: dict, name: str) -> pd.DataFrame:
+    df = tables.get(name) if tables else None
+    if name == "verdicts" and isinstance(df, (list, tuple)):  # a list of Verdict is accepted too
+        df = pd.DataFrame([v.as_dict() for v in df], columns=list(Verdict.__dataclass_fields__))
+    return df if isinstance(df, pd.DataFrame) else pd.DataFrame()
+
+
+def _label(key: tuple) -> str:
+    impl, model, mode, opt, seed = key
+    return f"{impl} · {model} · {mode} · {opt}" + (f" · seed {seed}" if seed else "")
+
+
+def _slug(key: tuple) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join(str(k) for k in key[:-1] + ((key[-1],) if key[-1] else ())))
+
+
+def _cells(tables: dict) -> pd.DataFrame:
+    """One row per scenario (the scenarios table, else scenario columns of the steps table)."""
+    scen, steps = _t(tables, "scenarios"), _t(tables, "steps")
+    if len(scen):
+        return scen
+    cols = ["scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed"]
+    return steps.drop_duplicates("scenario")[cols] if len(steps) else pd.DataFrame(columns=cols)
+
+
+def _groups(cells: pd.DataFrame):
+    """(key, rows sorted by world size) for every non-reference (impl, model, mode, optimizer, seed)."""
+    if not len(cells):
+        return []
+    real = cells[cells["impl"] != REFERENCE_IMPL]
+    return [(k, g.sort_values("world_size")) for k, g in real.groupby(GROUP, sort=False, dropna=False)]
+
+
+def _reference_id(cells: pd.DataFrame, key: tuple) -> str | None:
+    ref = cells[(cells["impl"] == REFERENCE_IMPL) & (cells["model"] == key[1]) & (cells["optimizer"] == key[3])
+                & (cells["seed"] == key[4])]
+    return ref["scenario"].iloc[0] if len(ref) else None
+
+
+def _per_ws(rows: pd.DataFrame, mem: pd.DataFrame) -> pd.DataFrame:
+    """world size -> state/peak bytes per rank (scenarios table, else the memory table's max over ranks)."""
+    d = rows[["scenario", "world_size"]].copy()
+    for col, cat in (("state_bytes", "state_total"), ("peak_bytes", "peak")):
+        vals = rows[col] if col in rows else pd.Series(np.nan, index=rows.index)
+        if len(mem) and vals.isna().any():
+            m = rank_bytes(mem, cat)
+            vals = vals.fillna(rows["scenario"].map(m.groupby(level="scenario").max() if len(m) else {}))
+        d[col] = vals.astype(float)
+    return d

@@ -1,0 +1,79 @@
+"""The report's memory and communication sections: bytes per rank by category and world size (with
+the ideal where the tables hold it), and the collectives of one training step on rank 0."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from harness.report import plots
+from harness.report.formatting import _plot, human_bytes, md_table, num
+from harness.report.groups import _cells, _groups, _label, _per_ws, _slug, _t
+from harness.tables.store import rank_bytes
+
+MEM_ORDER = ["params", "grads", "optimizer_state", "state_params", "state_grads", "state_optimizer_state",
+             "state_total", "activations", "other", "peak"]
+
+
+def _memory_section(tables: dict, plots_dir: Path, rel: str) -> list[str]:
+    cells, mem = _cells(tables), _t(tables, "memory")
+    out = ["## Memory", "", "Bytes per rank (max over ranks) by category and world size."
+           + (" Cells read `measured (ideal)`." if "ideal_bytes" in mem else ""), ""]
+    groups = _groups(cells)
+    if not groups or (not len(mem) and "state_bytes" not in cells):
+        return out + ["_Memory: not measured._", ""]
+    for key, rows in groups:
+        out += [f"### {_label(key)}", ""]
+        m = mem[mem["scenario"].isin(rows["scenario"])] if len(mem) else mem
+        if len(m):
+            m = m.merge(rows[["scenario", "world_size"]], on="scenario")
+            agg = {"bytes": "max", **({"ideal_bytes": "max"} if "ideal_bytes" in m else {})}
+            cat = m.groupby(["category", "world_size"]).agg(agg)
+            cell = cat.apply(lambda r: human_bytes(r["bytes"]) + (f" ({human_bytes(r['ideal_bytes'])})"
+                                                                   if "ideal_bytes" in r else ""), axis=1)
+            table = cell.unstack("world_size")
+            order = [c for c in MEM_ORDER if c in table.index] + sorted(set(table.index) - set(MEM_ORDER))
+            table = table.loc[order]
+            st = rank_bytes(m, "state_total").rename("bytes").reset_index().merge(rows[["scenario", "world_size"]])
+            if len(st):
+                by = st.groupby("world_size")["bytes"]
+                table.loc["rank balance (state max/min)"] = (by.max() / by.min()).map(lambda x: f"{x:.2f}")
+            table.columns = [f"W={c}" for c in table.columns]
+            out += [md_table(table.rename_axis("category").reset_index()), ""]
+        else:
+            out += ["_Per-category breakdown: not measured._", ""]
+        per_ws = _per_ws(rows, mem)
+        if per_ws[["state_bytes", "peak_bytes"]].notna().any().any():
+            out += [_plot(plots.plot_memory, plots_dir / f"memory-{_slug(key)}.png", rel, f"memory {_label(key)}",
+                          per_ws, f"memory per rank: {_label(key)}"), ""]
+    return out
+
+
+def _comm_section(tables: dict) -> list[str]:
+    comm, cells = _t(tables, "comm"), _cells(tables)
+    out = ["## Communication", "", "Per training step on rank 0, per collective and element type, in elements "
+           "and bytes of the full size each collective handles. ZeRO-3 ideal: 2 all-gathers and 1 reduce-scatter "
+           "of the parameters per step, (W-1)/W of their bytes each on the wire.", ""]
+    if not len(comm) or not len(cells):
+        return out + ["_Communication: not measured._", ""]
+    for key, rows in _groups(cells):
+        c = comm.merge(rows[["scenario", "world_size"]], on="scenario").sort_values(["world_size", "collective"])
+        out += [f"### {_label(key)}", ""]
+        if not len(c):
+            out += ["_No collectives recorded._", ""]
+            continue
+        col = lambda name: c[name] if name in c else pd.Series(np.nan, index=c.index)  # noqa: E731
+        t = pd.DataFrame({"world size": c["world_size"], "collective": c["collective"],
+                          "dtype": col("dtype").fillna("").astype(str),
+                          "calls per step": [num(x, "g") for x in c["calls"]],
+                          "elements per step": [num(x, ",.0f" if float(x).is_integer() else ",.6g")
+                                                for x in col("elements")],
+                          "bytes per step": [human_bytes(x) for x in c["bytes"]],
+                          "bytes (exact)": [num(x, ".0f" if float(x).is_integer() else ".6g") for x in c["bytes"]]})
+        if "ideal_bytes" in c:
+            t["ideal bytes"] = [human_bytes(x) for x in c["ideal_bytes"]]
+        missing = sorted(set(rows["world_size"]) - set(c["world_size"]))
+        out += [md_table(t), ""] + ([f"No collectives at W={', '.join(map(str, missing))}.", ""] if missing else [])
+    return out
