@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from harness import options as opt
-from harness.session import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Session, SessionOptions
+from harness.session import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Session, SessionOptions, load_report_sections
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,6 +63,7 @@ def cmd_report(ns) -> int:
     from harness.report.markdown import write_report
     from harness.tables.store import load_run
     tables, env = load_run(ns.tables_dir)
+    load_report_sections()
     out = ns.report or ns.tables_dir.with_name(ns.tables_dir.name.removesuffix("_tables") + ".md")
     print(write_report(tables, env, out))
     return EXIT_OK

@@ -12,6 +12,7 @@ outputs as they were.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import shutil
 import sys
 import tempfile
@@ -27,6 +28,8 @@ if TYPE_CHECKING:  # torch and pandas load only once a run starts: a usage error
     from harness.execute.executor import RunResult
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# Packages that add a section to the report: each registers it when imported (harness.report.sections).
+REPORT_SECTION_PACKAGES = ("harness.per_sample",)
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,13 @@ class SessionOptions:
         report = None if getattr(ns, "no_report", False) else getattr(ns, "report", None) or opt.DEFAULT_REPORT
         return cls(opt.matrix_from(ns), report, bool(getattr(ns, "per_sample", False)),
                    getattr(ns, "baseline", None), getattr(ns, "gate", None), getattr(ns, "save_baseline", None))
+
+
+def load_report_sections() -> None:
+    """Import the packages that add report sections, so a report rendered here, from a run or from
+    stored tables, shows their data whenever the tables hold it."""
+    for name in REPORT_SECTION_PACKAGES:
+        importlib.import_module(name)
 
 
 def tables_dir(report: Path) -> Path:
@@ -132,6 +142,7 @@ class Session:
         res, o = self.result, self.options
         if res is None or (o.report is None and not o.save_baseline):
             return []
+        load_report_sections()
         # each output is staged beside its destination: os.replace cannot move across file systems
         # (a report on a tmpfs /tmp, the baselines in the checkout)
         staging: list[Path] = []

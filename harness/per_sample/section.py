@@ -1,12 +1,15 @@
 """The report's "Per-sample gradient norms" section, from the tables that
 ``harness.per_sample.run.run_per_sample`` returns: "per_sample_summary" (one row per model x impl x
-data mode x world size) and "per_sample" (one row per sample), plus the run's verdicts."""
+data mode x world size) and "per_sample" (one row per sample), plus the run's verdicts. The package
+registers it with the report when imported (harness/per_sample/__init__.py)."""
 
 from __future__ import annotations
 
 import pandas as pd
 
 from harness.core.verdict import PASS, SKIP
+from harness.report.formatting import md_table, num
+from harness.report.groups import _t
 
 MAX_SAMPLES = 8
 NEGATIVE_CONTROL = "allreduce"
@@ -38,7 +41,7 @@ def _verdict_cells(verdicts: pd.DataFrame, ids: list[str]) -> list[str]:
     return out
 
 
-def _sample_table(ps: pd.DataFrame, model: str, num) -> pd.DataFrame:
+def _sample_table(ps: pd.DataFrame, model: str) -> pd.DataFrame:
     """sample | truth | one column per impl/mode/W, first MAX_SAMPLES samples of one model."""
     d = ps[(ps["model"] == model) & (ps["sample"] < MAX_SAMPLES)]
     d = d.sort_values(["impl", "data_mode", "world_size", "sample"], key=_impl_key, kind="stable")
@@ -75,8 +78,6 @@ def _findings(verdicts: pd.DataFrame, summary: pd.DataFrame, ids: list[str]) -> 
 def per_sample_section(tables: dict) -> list[str]:
     """Markdown lines; empty when the run has no "per_sample_summary" table."""
     from harness.core.scenario import scenario_id
-    from harness.report.formatting import md_table, num
-    from harness.report.groups import _t
 
     summary = _t(tables, "per_sample_summary")
     if not len(summary):
@@ -105,5 +106,5 @@ def per_sample_section(tables: dict) -> list[str]:
         n = int(samples.loc[samples["model"] == model, "sample"].nunique())
         shown = f"first {MAX_SAMPLES} of {n} samples" if n > MAX_SAMPLES else f"all {n} samples"
         out += [f"### Per-sample norms: {model} ({shown}; columns impl/mode/W)", "",
-                md_table(_sample_table(samples, model, num)), ""]
+                md_table(_sample_table(samples, model)), ""]
     return out

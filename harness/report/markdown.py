@@ -2,8 +2,9 @@
 
 Section order: title + overall line, verdict summary, failures (with divergence location), known
 deviations, skipped checks (verdicts.py), results per world size (with loss / diff-vs-step tables and
-plots; results.py), memory, communication (resources.py), per-sample gradient norms (only when the run
-has them; harness/per_sample/section.py), environment. Missing or empty tables render as "not measured".
+plots; results.py), memory, communication (resources.py), the sections other packages register
+(sections.py; the per-sample gradient norms, only when the run has them), environment. Missing or
+empty tables render as "not measured".
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.per_sample.section import per_sample_section
 from harness.report.formatting import md_table
 from harness.report.groups import _cells, _t
 from harness.report.resources import _comm_section, _memory_section
 from harness.report.results import _group_sections
+from harness.report.sections import section_lines
 from harness.report.verdicts import _overall, _verdict_sections
 from harness.tables.store import swap_into_place, writing
 
@@ -37,7 +38,7 @@ def render(tables: dict, env: dict, title: str, plots_dir: Path, rel: str) -> st
     """The markdown text; plots are written into `plots_dir` and linked as `rel/<file>`."""
     out = [f"# {title}", "", _overall(_t(tables, "verdicts"), _cells(tables)), ""]
     out += _verdict_sections(tables) + _group_sections(tables, plots_dir, rel)
-    out += _memory_section(tables, plots_dir, rel) + _comm_section(tables) + per_sample_section(tables)
+    out += _memory_section(tables, plots_dir, rel) + _comm_section(tables) + section_lines(tables)
     out += _env_section(env or {})
     return "\n".join(out).rstrip() + "\n"
 

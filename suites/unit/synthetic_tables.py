@@ -174,3 +174,16 @@ def make_tables(*, world_sizes=(1, 2, 4), modes=("replicated", "split"), steps: 
 
 ENV = {"torch": "2.13.0", "backend": "gloo", "device": "cpu", "seed": 0, "git_commit": "abc1234",
        "date": "2025-01-01T00:00:00", "command": "fsdp-harness run --world-sizes 1,2,4"}
+
+
+def make_per_sample_tables(*, world_sizes=(1, 2), samples: int = 4) -> dict[str, pd.DataFrame]:
+    """The two per-sample tables (`--per-sample`) for fsdp_impl on the mlp, split data: norm of
+    sample i = truth = 1 + i/10, so every ratio of means is 1."""
+    truth = [1 + i / 10 for i in range(samples)]
+    rows = [dict(model=MODEL, impl=IMPL, data_mode="split", world_size=ws, sample=i, norm=t, truth=t)
+            for ws in world_sizes for i, t in enumerate(truth)]
+    mean = sum(truth) / samples
+    summary = [dict(model=MODEL, impl=IMPL, data_mode="split", world_size=ws, mean_norm=mean, truth_mean=mean,
+                    ratio_of_means=1.0, max_rel_err=0.0, clipped_update_rel_err=0.0, update_ratio=1.0)
+               for ws in world_sizes]
+    return {"per_sample": frame("per_sample", rows), "per_sample_summary": frame("per_sample_summary", summary)}
