@@ -1,0 +1,86 @@
+"""How a mutant injects its fault: into the objects of the one model it wraps, and nowhere else.
+
+Worker processes are reused for many scenarios, so a mutant never patches a class or a module.
+Faults are injected in three ways:
+
+- ``_rebind(handle, "_post_backward", reduce_scatter_mean=f)``: the product's own method, bound
+  to this handle only, with one module-level name it calls replaced (a copy of the function with
+  its globals changed; the product code runs unchanged around the fault);
+- instance attributes on a ``FlatParamHandle`` / ``UnitState`` (``h.zero_padding_``,
+  ``state.reshard_after_forward``, ``h.layout``), which shadow the class's for that object only;
+- a different ``wrap`` / ``make_optimizer`` / ``after_backward`` in the adapter.
+
+``MutantAdapter`` is the base of the mutants: ``fsdp_impl`` whose ``mutate`` injects the fault
+into the wrapped model.
+"""
+
+from __future__ import annotations
+
+import types
+
+from torch import nn
+
+from harness.adapters.base import AdapterError
+from harness.adapters.fsdp_impl import FsdpImplAdapter
+
+
+def _units(wrapped: nn.Module):
+    """(prefix, UnitState) of every fully_shard unit under `wrapped`."""
+    from fsdp_impl.api import units
+
+    return list(units(wrapped))
+
+
+def _handles(wrapped: nn.Module):
+    """(unit prefix, FlatParamHandle) for every handle of every unit."""
+    return [(prefix, h) for prefix, state in _units(wrapped) for h in state.handles]
+
+
+def _names_used(code: types.CodeType) -> set[str]:
+    """Global names a function's code (and the code of functions nested in it) refers to."""
+    out = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            out |= _names_used(const)
+    return out
+
+
+def _with_globals(fn: types.FunctionType, **names) -> types.FunctionType:
+    """A copy of `fn` that sees `names` instead of the module-level objects of the same name."""
+    missing = [n for n in names if n not in fn.__globals__ or n not in _names_used(fn.__code__)]
+    if missing:  # the product was refactored: say which hook this mutant can no longer reach
+        raise AdapterError(f"mutant: {fn.__module__}.{fn.__qualname__} no longer refers to {missing}; "
+                           f"update suites/mutants/catalog.py")
+    g = dict(fn.__globals__)
+    g.update(names)
+    out = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    return out
+
+
+def _rebind(obj: object, method: str, **names) -> None:
+    """Set ``obj.<method>`` (this object only) to the class's method with `names` replaced."""
+    fn = getattr(type(obj), method, None)
+    if not isinstance(fn, types.FunctionType):
+        raise AdapterError(f"mutant: {type(obj).__name__}.{method} is gone; update suites/mutants/catalog.py")
+    setattr(obj, method, types.MethodType(_with_globals(fn, **names), obj))
+
+
+def _collectives():
+    from fsdp_impl import collectives
+
+    return collectives
+
+
+class MutantAdapter(FsdpImplAdapter):
+    """fsdp_impl with a fault injected by ``mutate`` into the wrapped model's own objects."""
+
+    name = "mutant"
+
+    def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
+        wrapped = super().wrap(model, units, group=group, device=device)
+        self.mutate(wrapped)
+        return wrapped
+
+    def mutate(self, wrapped: nn.Module) -> None:
+        """Inject the fault into `wrapped`'s own objects (mutants that fault elsewhere leave it)."""
