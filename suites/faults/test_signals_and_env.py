@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from suites.faults.test_faults import ENV, FA, ROOT, kill_session, wait_session_empty
+from suites.faults.test_failing_ranks import ENV, FA, ROOT, kill_session, wait_session_empty
 
 
 def start(cmd: list[str], env: dict) -> subprocess.Popen:
