@@ -1,38 +1,28 @@
-"""Faults: a rank that raises, dies, hangs or produces NaN; Ctrl-C; bad input; torchrun.
+"""Faults: a rank that raises, dies, hangs or produces NaN, and what the run says about it.
 
 One small matrix (mlp, 3 steps, world size 2, replicated data) runs every fault adapter of
 ``fault_adapters`` once through ``harness.execute.executor.run_matrix``, between good scenarios, with a short
-scenario timeout; the tests below read that one run. The subprocess tests (Ctrl-C, bad input,
-torchrun) start the CLI / pytest / torchrun in a session of their own and look for survivors by
-session id in /proc.
+scenario timeout; the tests below read that one run (the module-scoped ``fault_run``: its worlds
+start once for all of them).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from harness.core.scenario import Scenario
 from harness.execute.executor import run_matrix
 from harness.execute.world import World, WorldPool
-from suites.faults import bad_inputs
 from suites.faults.fault_adapters import FAULT_STEP, NAN_PARAM_STEP
+from suites.faults.processes import ENV, ROOT, _stat, wait_all_dead
+from suites.faults.scenarios import FA, STEPS, scenario
 
-ROOT = Path(__file__).resolve().parents[2]
-FA = "suites.faults.fault_adapters"
-STEPS = 3
 HANG_TIMEOUT_S = 10.0  # the run's --scenario-timeout; a good scenario here takes ~1 s
-ENV = {**os.environ, "OMP_NUM_THREADS": "1",
-       "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 # name -> (faulty rank, phase as the exception names it, harness code of the phase, raising function, step)
 RAISES = {
     "init_rank1": (1, "init (wrap)", "adapter.wrap(", "raise_in_init", 0),
@@ -45,73 +35,8 @@ BREAKING = [*RAISES, "crash_rank1", "hang_rank1"]  # each leaves its world unusa
 NAN = ["nan_loss", "nan_param"]
 DIFF_CHECKS = ("ws1_exact", "cross_ws_replicated", "split_matches_full_batch")
 
-
-def scenario(impl: str, world_size: int = 2, optimizer: str = "adamw") -> Scenario:
-    impl = impl if impl in ("reference", "fsdp_impl") else f"{FA}:{impl}"
-    return Scenario(impl, "mlp", world_size, "replicated", optimizer, steps=STEPS)
-
-
 GOOD_FIRST = scenario("fsdp_impl", 2, "adamw")  # runs before the faults, in the first world of 2
 GOOD_LAST = scenario("fsdp_impl", 2, "sgd")  # runs after all of them
-
-
-# -- processes ------------------------------------------------------------------------------------
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-
-
-def alive(pid: int) -> bool:
-    """Running: a zombie counts as dead (its parent may just not have reaped it yet)."""
-    st = _stat(pid)
-    return st is not None and st[0] != "Z"
-
-
-def wait_all_dead(pids, within_s: float) -> list[int]:
-    deadline = time.monotonic() + within_s
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return [p for p in pids if alive(p)]
-
-
-def in_session(sid: int) -> list[int]:
-    """Live processes of session ``sid`` (a subprocess started with start_new_session=True and
-    everything it started that did not leave the session: forkservers, workers, torchrun ranks)."""
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            st = _stat(int(name))
-            if st is not None and st[0] != "Z" and int(st[3]) == sid:
-                out.append(int(name))
-    return out
-
-
-def wait_session_empty(sid: int, within_s: float) -> list[int]:
-    deadline = time.monotonic() + within_s
-    while in_session(sid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return in_session(sid)
-
-
-def start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-
-
-def kill_session(proc: subprocess.Popen) -> None:
-    """Last resort in a finally: whatever the test left of the session it started."""
-    if in_session(proc.pid):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
 
 
 # -- the fault run --------------------------------------------------------------------------------
@@ -289,178 +214,3 @@ def test_a_failed_scenario_does_not_poison_the_next_one_in_the_same_process(tmp_
         [out] = world.run(f"{FA}:scenario_after_fault", str(tmp_path))
     assert out["faulty"] == "FaultInjected: injected fault in forward on rank 0 at step 2"
     assert out["next"] == "ok"
-
-
-# -- Ctrl-C ---------------------------------------------------------------------------------------
-
-def _interrupt_when(proc: subprocess.Popen, ready, within_s: float = 120) -> int:
-    """Wait until ``ready(forkserver processes)``, then Ctrl-C the session as a terminal would
-    (SIGINT to the whole foreground process group); returns the count just before."""
-    deadline = time.monotonic() + within_s
-    count = 0
-    while time.monotonic() < deadline and proc.poll() is None:
-        count = _forkserver_processes(in_session(proc.pid))
-        if ready(count):
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, f"exited early ({proc.returncode}): {proc.communicate()}"
-    os.killpg(proc.pid, signal.SIGINT)
-    return count
-
-
-def test_ctrl_c_of_the_cli_exits_non_zero_with_one_line_and_no_orphans(tmp_path):
-    # rank 1 hangs with a timeout far away: the world of 2 is certainly mid-run at the Ctrl-C
-    proc = start([sys.executable, "-m", "harness", "run", "--world-sizes", "1,2", "--models", "mlp",
-                  "--impl", f"{FA}:hang_rank1", "--data-modes", "replicated", "--optimizers", "adamw",
-                  "--steps", "3", "--scenario-timeout", "600", "--report", str(tmp_path / "r.md")])
-    try:
-        # the forkserver and the 2 workers of the world of 2 (the world of 1 had 1)
-        assert _interrupt_when(proc, lambda n: n >= 3) >= 3
-        out, err = proc.communicate(timeout=60)
-        assert proc.returncode not in (0, None)
-        assert "Traceback" not in err + out
-        tail = [line for line in err.splitlines() if not line.startswith(("running ", "["))]
-        assert tail == ["interrupted"], err
-        assert wait_session_empty(proc.pid, 10) == []
-        assert not (tmp_path / "r.md").exists()  # no half-written report
-    finally:
-        kill_session(proc)
-
-
-def _forkserver_processes(pids: list[int]) -> int:
-    """How many of ``pids`` run multiprocessing's forkserver code: each forkserver and every world
-    worker forked from it (they keep its command line)."""
-    return sum(1 for p in pids if b"multiprocessing.forkserver" in _cmdline(p))
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
-def test_ctrl_c_of_a_pytest_xdist_run_leaves_no_orphans(tmp_path):
-    proc = start([sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider",
-                  "suites/test_equivalence.py", "--world-sizes", "1,2", "--models", "mlp",
-                  "--impl", f"{FA}:hang_rank1", "--data-modes", "replicated", "--optimizers", "adamw",
-                  "--steps", "3", "--scenario-timeout", "600", "--report", str(tmp_path / "r.md")])
-    try:
-        # the matrix runs once, in one xdist worker: its forkserver and the hanging world of 2
-        assert _interrupt_when(proc, lambda n: n >= 3, within_s=180) >= 3
-        proc.communicate(timeout=90)
-        assert proc.returncode not in (0, None)
-        assert wait_session_empty(proc.pid, 15) == []
-    finally:
-        kill_session(proc)
-
-
-# -- bad input ------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def bad_input_outcomes():
-    return {(o.case, o.mode): o for o in bad_inputs.probe_all()}
-
-
-def _bad_input_params():
-    for case in bad_inputs.CASES:
-        for mode in ("cli", "pytest") if case.pytest else ("cli",):
-            yield pytest.param(case, mode, id=f"{mode}-" + re.sub(r"\W+", "_", case.what).strip("_"))
-
-
-@pytest.mark.parametrize("case, mode", list(_bad_input_params()))
-def test_bad_input_gets_one_clear_line_and_a_usage_exit(bad_input_outcomes, case, mode):
-    o = bad_input_outcomes[(case, mode)]
-    expected_rc = bad_inputs.CLI_USAGE_EXIT if mode == "cli" else bad_inputs.PYTEST_USAGE_EXIT
-    assert not o.traceback, o.output
-    assert o.rc == expected_rc, o.output
-    assert len(o.lines) == 1, o.output
-    assert case.expect in o.lines[0]
-    if mode == "pytest" and ": error: " in o.lines[0]:  # argparse names the command the user typed
-        assert o.lines[0].startswith("python -m pytest: error: "), o.lines[0]
-
-
-def test_the_bad_input_table_lists_every_case():
-    text = bad_inputs.TABLE.read_text()
-    for case in bad_inputs.CASES:
-        assert f"| {case.what}" in text, f"{case.what}: rerun python -m suites.faults.bad_inputs"
-
-
-# -- torchrun -------------------------------------------------------------------------------------
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-
-
-def test_under_torchrun_the_matrix_runs_fails_faults_and_goes_on(tmp_path):
-    """run_matrix_under_torchrun in a real 2-rank torchrun job (--standalone: no fixed port)."""
-    out = tmp_path / "out.json"
-    specs = ["reference@1", "fsdp_impl@1", "fsdp_impl@2", "forward_rank1_step3@2",
-             "suites.unit.example_adapter:adapter@1", "suites.unit.example_adapter:adapter@2", "hang_rank1@2"]
-    proc = start([*TORCHRUN, "-m", FA, str(out), "4", *specs])
-    try:
-        stdout, stderr = proc.communicate(timeout=300)
-        pids = [int(p.read_text()) for p in tmp_path.glob("pid-rank*")]
-        assert len(pids) == 2
-        assert out.exists(), stdout + stderr
-        got = json.loads(out.read_text())
-        status, error = got["status"], got["error"]
-        fwd, hang = scenario("forward_rank1_step3").id, scenario("hang_rank1").id
-        example = "suites.unit.example_adapter.adapter-mlp-ws2-replicated-adamw"
-        assert [status[s] for s in ("reference-mlp-ws1-replicated-adamw", "fsdp_impl-mlp-ws2-replicated-adamw",
-                                    fwd, example, hang)] == ["ok", "ok", "error", "ok", "error"]
-        # a raising rank: named, with its traceback; rank 0 only waited for it
-        assert error[fwd].startswith(f"rank 1 of torchrun ranks 0..1 (job of 2) failed in {fwd}:")
-        assert "raise_in_forward" in error[fwd]
-        assert "FaultInjected: injected fault in forward on rank 1 at step 3" in error[fwd]
-        # the scenario after it ran on a rebuilt subgroup and passed every check
-        assert not [v for v in got["verdicts"] if v["scenario"] == example and v["status"] == "fail"]
-        assert got["groups_built"] == 3  # ranks {0}, ranks {0, 1}, ranks {0, 1} again after the failure
-        # a hang: which rank did not answer, and where it was waiting
-        assert "hung in" in error[hang] and "ranks [1] did not" in error[hang]
-        waiting = error[hang].split("--- rank 1 was waiting here ---")[1]
-        assert "hang_in_skipped_collective" in waiting and "all_reduce" in waiting
-        # bitwise the same numbers as the same scenarios in process worlds
-        same = [scenario("reference", 1), scenario("fsdp_impl", 1), scenario("fsdp_impl", 2)]
-        local = run_matrix(same, timeout_s=120).tables["steps"]
-        cols = ["scenario", "step", "loss", "grad_norm", "max_diff_ref", "max_diff_ws1"]
-        ids = {sc.id for sc in same}
-        assert _no_nan([r for r in got["steps"] if r["scenario"] in ids]) == _no_nan(local[cols].to_dict("records"))
-        # the stuck rank ends once rank 0 is done (its collective fails when rank 0 exits, or its
-        # watchdog ends it): nothing is left
-        assert wait_all_dead(pids, 10) == [] and wait_session_empty(proc.pid, 10) == []
-    finally:
-        kill_session(proc)
-
-
-def _no_nan(rows: list[dict]) -> list[dict]:
-    """NaN (no comparison made, e.g. the reference against world size 1) as None, so == works."""
-    return [{k: None if isinstance(v, float) and v != v else v for k, v in r.items()} for r in rows]
-
-
-def test_under_torchrun_a_scenario_larger_than_the_job_is_one_clear_error(monkeypatch):
-    from harness.execute.torchrun import TorchrunUsageError, run_matrix_under_torchrun
-
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    with pytest.raises(TorchrunUsageError) as info:  # raised before any rendezvous
-        run_matrix_under_torchrun([scenario("fsdp_impl", 1), scenario("fsdp_impl", 4)], timeout_s=5)
-    assert str(info.value) == ("--world-sizes: 4 need more ranks than torchrun started (2); "
-                               "launch at least 4 (e.g. --nproc_per_node=4) or drop them")
-
-
-def test_torchrun_cli_smoke_writes_one_report_from_rank_0(tmp_path):
-    report = tmp_path / "r.md"
-    proc = start([*TORCHRUN, "-m", "harness", "run", "--world-sizes", "1,2", "--impl", "fsdp_impl",
-                  "--models", "mlp", "--optimizers", "adamw", "--steps", "3", "--report", str(report)])
-    try:
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, stdout + stderr
-        assert report.exists() and "fsdp_impl-mlp-ws2-replicated-adamw" in report.read_text()
-        # one job, one run: the summary comes from rank 0 only
-        assert len(re.findall(r"^\d+ passed, \d+ failed", stderr, flags=re.M)) == 1, stderr
-        assert wait_session_empty(proc.pid, 10) == []
-    finally:
-        kill_session(proc)

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from suites.faults.test_failing_ranks import ENV, FA, ROOT, kill_session, wait_session_empty
+from suites.faults.processes import ENV, ROOT, kill_session, wait_session_empty
+from suites.faults.scenarios import FA
 
 
 def start(cmd: list[str], env: dict) -> subprocess.Popen:

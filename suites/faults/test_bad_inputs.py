@@ -1,0 +1,42 @@
+"""Bad input to `python -m harness run` and to the pytest plugin: one clear line and a usage exit.
+
+The cases and the probe that runs them are in ``bad_inputs.py``; the module-scoped
+``bad_input_outcomes`` runs them all once for every test here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from suites.faults import bad_inputs
+
+
+@pytest.fixture(scope="module")
+def bad_input_outcomes():
+    return {(o.case, o.mode): o for o in bad_inputs.probe_all()}
+
+
+def _bad_input_params():
+    for case in bad_inputs.CASES:
+        for mode in ("cli", "pytest") if case.pytest else ("cli",):
+            yield pytest.param(case, mode, id=f"{mode}-" + re.sub(r"\W+", "_", case.what).strip("_"))
+
+
+@pytest.mark.parametrize("case, mode", list(_bad_input_params()))
+def test_bad_input_gets_one_clear_line_and_a_usage_exit(bad_input_outcomes, case, mode):
+    o = bad_input_outcomes[(case, mode)]
+    expected_rc = bad_inputs.CLI_USAGE_EXIT if mode == "cli" else bad_inputs.PYTEST_USAGE_EXIT
+    assert not o.traceback, o.output
+    assert o.rc == expected_rc, o.output
+    assert len(o.lines) == 1, o.output
+    assert case.expect in o.lines[0]
+    if mode == "pytest" and ": error: " in o.lines[0]:  # argparse names the command the user typed
+        assert o.lines[0].startswith("python -m pytest: error: "), o.lines[0]
+
+
+def test_the_bad_input_table_lists_every_case():
+    text = bad_inputs.TABLE.read_text()
+    for case in bad_inputs.CASES:
+        assert f"| {case.what}" in text, f"{case.what}: rerun python -m suites.faults.bad_inputs"
