@@ -18,7 +18,7 @@ import pytest
 from fsdp_impl.sharding import ALIGN_ELEMENTS
 from harness.execute.world import World
 
-TASKS = "suites.unit.fsdp_worlds"
+TASKS = "suites.unit.fsdp_worlds"  # a package: tasks are named "<module>:<function>" in it
 REPLICATED_BOUND = 3e-8  # max |param diff| across world sizes with replicated data (DESIGN.md)
 SPLIT_BOUND = 1e-6  # split data vs full batch, 5 SGD steps at lr 0.05: fp32 rounding of sums only
 
@@ -49,14 +49,14 @@ def plain(world):
     def run(payload: dict) -> dict:
         key = json.dumps(payload, sort_keys=True)
         if key not in cache:
-            cache[key] = world(1).run(f"{TASKS}:train", {**payload, "wrap": False})[0]
+            cache[key] = world(1).run(f"{TASKS}.training:train", {**payload, "wrap": False})[0]
         return cache[key]
 
     return run
 
 
 def run(world, n: int, task: str, payload=None) -> list:
-    return world(n).run(f"{TASKS}:{task}", payload)
+    return world(n).run(f"{TASKS}.{task}", payload)
 
 
 def max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
@@ -88,7 +88,7 @@ MLP = {"model": "mlp", "batch": 8, "lr": 0.05}
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_each_rank_holds_exactly_its_slice_with_zero_padding(world, n):
-    results = run(world, n, "layout", {"model": "mlp"})
+    results = run(world, n, "wrapping:layout", {"model": "mlp"})
     eager = results[0]["eager"]
     for u, unit in enumerate(results[0]["units"]):
         names = [fqn for fqn, *_ in unit["slots"]]
@@ -110,7 +110,7 @@ def test_each_rank_holds_exactly_its_slice_with_zero_padding(world, n):
 
 def test_root_after_children_holds_no_duplicate(world):
     n = 2
-    results = run(world, n, "layout", {"model": "tinylm"})
+    results = run(world, n, "wrapping:layout", {"model": "tinylm"})
     eager = results[0]["eager"]
     seen: list[str] = []
     expected_local = 0
@@ -133,7 +133,7 @@ def test_root_after_children_holds_no_duplicate(world):
 
 
 def test_tied_weight_is_stored_once(world):
-    results = run(world, 2, "layout", {"model": "tinylm_tied"})
+    results = run(world, 2, "wrapping:layout", {"model": "tinylm_tied"})
     slots = [(u["prefix"], f) for u in results[0]["units"] for f, *_ in u["slots"]]
     assert ("", "embed.weight") in slots
     assert not any(f == "head.weight" for _, f in slots)
@@ -146,7 +146,7 @@ def test_tied_weight_is_stored_once(world):
 def test_world_size_one_is_bitwise_equal_to_plain(world, plain, optimizer):
     payload = {**MLP, "optimizer": optimizer, "steps": 10}
     ref = plain(payload)
-    got = run(world, 1, "train", payload)[0]
+    got = run(world, 1, "training:train", payload)[0]
     assert got["losses"] == ref["losses"]
     assert_bitwise(got["params"], ref["params"])
     assert got["padding_max"] == 0.0
@@ -158,8 +158,8 @@ def test_world_size_one_is_bitwise_equal_to_plain(world, plain, optimizer):
 def test_replicated_data_matches_world_size_one(world, plain, n, optimizer):
     payload = {**MLP, "optimizer": optimizer, "steps": 10}
     ref = plain(payload)
-    one = run(world, 1, "train", payload)[0]
-    results = run(world, n, "train", payload)
+    one = run(world, 1, "training:train", payload)[0]
+    results = run(world, n, "training:train", payload)
     for r, got in enumerate(results):
         assert max_diff(got["params"], one["params"]) < REPLICATED_BOUND, f"rank {r} vs W=1"
         assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND, f"rank {r} vs plain"
@@ -170,7 +170,7 @@ def test_replicated_data_matches_world_size_one(world, plain, n, optimizer):
 def test_replicated_data_at_world_size_eight(world, plain):
     payload = {**MLP, "optimizer": "adamw", "steps": 5}
     ref = plain(payload)
-    results = run(world, 8, "train", payload)
+    results = run(world, 8, "training:train", payload)
     assert max(max_diff(got["params"], ref["params"]) for got in results) < REPLICATED_BOUND
     assert all(got["padding_max"] == 0.0 for got in results)
 
@@ -179,7 +179,7 @@ def test_replicated_data_at_world_size_eight(world, plain):
 def test_split_data_matches_the_full_batch(world, plain, n):
     payload = {**MLP, "optimizer": "sgd", "steps": 5}
     ref = plain(payload)
-    results = run(world, n, "train", {**payload, "data_mode": "split"})
+    results = run(world, n, "training:train", {**payload, "data_mode": "split"})
     for got in results:
         assert max_diff(got["params"], ref["params"]) < SPLIT_BOUND
     # the mean of the ranks' local losses is the full-batch loss of the same step
@@ -193,8 +193,8 @@ def test_summing_instead_of_averaging_is_caught(world, plain):
     W x the gradient, which replicated data at W=2 shows at once against W=1."""
     payload = {**MLP, "optimizer": "sgd", "steps": 3}
     ref = plain(payload)
-    good = run(world, 2, "train", payload)
-    buggy = run(world, 2, "train", {**payload, "sum_bug": True})
+    good = run(world, 2, "training:train", payload)
+    buggy = run(world, 2, "training:train", {**payload, "sum_bug": True})
     assert max_diff(good[0]["params"], ref["params"]) < REPLICATED_BOUND
     assert max_diff(buggy[0]["params"], ref["params"]) > 1e3 * REPLICATED_BOUND
 
@@ -204,7 +204,7 @@ def test_tied_embedding_and_head_train_like_plain(world, plain, n):
     payload = {"model": "tinylm_tied", "batch": 4, "optimizer": "adamw", "lr": 0.01, "steps": 3}
     ref = plain(payload)
     assert "embed.weight" in ref["params"] and "head.weight" not in ref["params"]  # tied: listed once
-    for got in run(world, n, "train", payload):
+    for got in run(world, n, "training:train", payload):
         if n == 1:
             assert_bitwise(got["params"], ref["params"])
         assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
@@ -214,13 +214,13 @@ def test_tied_embedding_and_head_train_like_plain(world, plain, n):
 def test_untied_transformer_trains_like_plain(world, plain):
     payload = {"model": "tinylm", "batch": 4, "optimizer": "adamw", "lr": 0.01, "steps": 3}
     ref = plain(payload)
-    for got in run(world, 2, "train", payload):
+    for got in run(world, 2, "training:train", payload):
         assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
 
 
 @pytest.mark.parametrize("case", ["siblings", "child_then_root"])
 def test_sharing_a_parameter_across_units_raises_a_clear_error(world, case):
-    messages = run(world, 2, "shared_across_units", case)
+    messages = run(world, 2, "wrapping:shared_across_units", case)
     for msg in messages:
         assert "shared with a module already passed to fully_shard" in msg
         assert "tied parameters must live in one unit" in msg
@@ -230,7 +230,7 @@ def test_sharing_a_parameter_across_units_raises_a_clear_error(world, case):
 def test_frozen_parameters_stay_unchanged_and_get_no_grad(world, plain):
     payload = {**MLP, "optimizer": "sgd", "steps": 3, "frozen": ["layers.1.weight"]}
     ref = plain(payload)
-    for got in run(world, 2, "train", payload):
+    for got in run(world, 2, "training:train", payload):
         assert np.array_equal(got["params"]["layers.1.weight"], got["initial"]["layers.1.weight"])
         for name in ("layers.0.weight", "layers.1.bias", "layers.2.weight"):
             assert not np.array_equal(got["params"][name], got["initial"][name]), name
@@ -241,7 +241,7 @@ def test_frozen_parameters_stay_unchanged_and_get_no_grad(world, plain):
 
 
 def test_buffers_are_broadcast_from_rank_zero(world):
-    results = run(world, 3, "buffers")
+    results = run(world, 3, "wrapping:buffers")
     for r, bufs in enumerate(results):
         # rank 0 built stat = 0.5 everywhere and inner = [0, 1, 2, 3] x (0 + 1)
         assert np.array_equal(bufs["stat"], np.full(5, 0.5, dtype=np.float32)), f"rank {r}"
@@ -252,7 +252,7 @@ def test_buffers_are_broadcast_from_rank_zero(world):
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_full_state_dict_round_trip(world, n):
-    results = run(world, n, "state_dict_round_trip", {"model": "tinylm_tied", "batch": 4})
+    results = run(world, n, "state_dicts_and_meta_init:state_dict_round_trip", {"model": "tinylm_tied", "batch": 4})
     for r, got in enumerate(results):
         assert sorted(got["saved"]) == sorted(got["plain_names"])  # unwrapped names, tie once
         assert got["unexpected"] == [] and set(got["missing"]) <= {"head.weight"}
@@ -267,7 +267,7 @@ def test_full_state_dict_round_trip(world, n):
 @pytest.mark.parametrize("n", [1, 2, 3])
 @pytest.mark.parametrize("model", ["mlp", "tinylm_tied", "tinylm"])
 def test_meta_init_is_bitwise_identical_to_eager(world, n, model):
-    for r, got in enumerate(run(world, n, "meta_init", {"model": model, "seed": 7})):
+    for r, got in enumerate(run(world, n, "state_dicts_and_meta_init:meta_init", {"model": model, "seed": 7})):
         assert_bitwise(got["meta"], got["eager"])
         assert np.array_equal(got["meta_out"], got["eager_out"]), f"rank {r}"
         assert got["devices"] == ["cpu"] and got["padding_max"] == 0.0
@@ -278,7 +278,7 @@ def test_meta_init_is_bitwise_identical_to_eager(world, n, model):
 def test_bf16_params_train_with_fp32_master_shards(world, plain):
     payload = {**MLP, "optimizer": "adamw", "lr": 0.02, "steps": 5}
     fp32_ref = plain(payload)
-    for got in run(world, 2, "mixed_precision", {**payload, "mp": {"param_dtype": "bfloat16"}}):
+    for got in run(world, 2, "training:mixed_precision", {**payload, "mp": {"param_dtype": "bfloat16"}}):
         assert got["out_dtypes"] == ["torch.bfloat16"]  # the compute really ran in bf16
         assert got["shard_dtypes"] == ["torch.float32"]  # master shards
         assert got["grad_dtypes"] == ["torch.float32"] and got["opt_state_dtypes"] == ["torch.float32"]
@@ -296,7 +296,7 @@ def test_bf16_params_train_with_fp32_master_shards(world, plain):
     ({"param_dtype": "bfloat16", "reduce_dtype": "float64"}, ("torch.bfloat16", "torch.float64")),
 ])
 def test_reduce_dtype_is_honoured(world, mp, expected):
-    for got in run(world, 2, "mixed_precision", {**MLP, "steps": 1, "mp": mp}):
+    for got in run(world, 2, "training:mixed_precision", {**MLP, "steps": 1, "mp": mp}):
         assert got["reduce_calls"] == [expected]
         assert got["grad_dtypes"] == ["torch.float32"]
 
@@ -304,7 +304,7 @@ def test_reduce_dtype_is_honoured(world, mp, expected):
 def test_fp32_reduce_still_matches_plain_with_replicated_data(world, plain):
     payload = {**MLP, "optimizer": "adamw", "lr": 0.02, "steps": 5}
     ref = plain(payload)
-    for got in run(world, 2, "mixed_precision", {**payload, "mp": {"reduce_dtype": "float32"}}):
+    for got in run(world, 2, "training:mixed_precision", {**payload, "mp": {"reduce_dtype": "float32"}}):
         assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
 
 
@@ -312,8 +312,8 @@ def test_fp32_reduce_still_matches_plain_with_replicated_data(world, plain):
 
 def test_reshard_after_forward_controls_what_stays_gathered(world):
     p = {"model": "tinylm", "batch": 4}
-    on = run(world, 2, "handle_states_after_forward", {**p, "reshard": True})[0]
-    off = run(world, 2, "handle_states_after_forward", {**p, "reshard": False})[0]
+    on = run(world, 2, "training:handle_states_after_forward", {**p, "reshard": True})[0]
+    off = run(world, 2, "training:handle_states_after_forward", {**p, "reshard": False})[0]
     assert set(on["after_forward"]) == {"<root>", "embed", "blocks.0", "blocks.1"}
     for unit, handles in on["after_forward"].items():
         assert handles == [("SHARDED", 0)] * len(handles), unit
@@ -327,19 +327,19 @@ def test_reshard_after_forward_controls_what_stays_gathered(world):
 def test_reshard_after_forward_false_trains_like_plain(world, plain):
     payload = {"model": "tinylm", "batch": 4, "optimizer": "adamw", "lr": 0.01, "steps": 3}
     ref = plain(payload)
-    for got in run(world, 2, "train", {**payload, "reshard": False}):
+    for got in run(world, 2, "training:train", {**payload, "reshard": False}):
         assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
 
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_a_unit_called_twice_in_one_forward(world, reshard):
-    ref = run(world, 1, "unit_called_twice", {"wrap": False, "reshard": reshard})[0]
-    for got in run(world, 2, "unit_called_twice", {"wrap": True, "reshard": reshard}):
+    ref = run(world, 1, "training:unit_called_twice", {"wrap": False, "reshard": reshard})[0]
+    for got in run(world, 2, "training:unit_called_twice", {"wrap": True, "reshard": reshard}):
         assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
 
 
 def test_gradient_accumulation_over_two_backwards(world):
-    got = run(world, 2, "grad_accumulation", {"model": "mlp", "batch": 8})[0]
+    got = run(world, 2, "training:grad_accumulation", {"model": "mlp", "batch": 8})[0]
     whole = got["plain_whole"]
     scale = max(float(np.max(np.abs(g))) for g in whole.values())
     # two half-batch backwards = one full-batch backward, up to fp32 rounding of the sums
@@ -351,8 +351,8 @@ def test_gradient_accumulation_over_two_backwards(world):
 
 
 def test_eval_under_no_grad_between_steps(world):
-    ref = run(world, 1, "eval_no_grad", {"model": "mlp", "wrap": False})[0]
-    for got in run(world, 2, "eval_no_grad", {"model": "mlp"}):
+    ref = run(world, 1, "training:eval_no_grad", {"model": "mlp", "wrap": False})[0]
+    for got in run(world, 2, "training:eval_no_grad", {"model": "mlp"}):
         assert len(got["evals"]) == len(ref["evals"]) == 3
         for a, b in zip(got["evals"], ref["evals"]):
             assert np.max(np.abs(a - b)) < REPLICATED_BOUND
@@ -363,7 +363,7 @@ def test_eval_under_no_grad_between_steps(world):
 @pytest.mark.parametrize("n", [2, 3])
 def test_padding_is_rezeroed_before_every_gather(world, plain, n):
     ref = plain({**MLP, "optimizer": "sgd", "steps": 3})
-    results = run(world, n, "padding_rezeroed", {**MLP})
+    results = run(world, n, "training:padding_rezeroed", {**MLP})
     assert sum(got["corrupted"] for got in results) > 0  # there was padding to corrupt
     for got in results:
         assert got["after_forward"] == 0.0 and got["after_step"] == 0.0

@@ -1,0 +1,65 @@
+"""fsdp_worlds tasks on what fully_shard does to a model: each rank's shard layout, a
+parameter shared across units (refused), buffers broadcast from rank 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_impl import fully_shard
+from fsdp_impl.api import units
+from harness.train.models import get_model_spec
+from suites.unit.fsdp_worlds.common import build, to_numpy
+
+
+def layout(ctx, p: dict) -> dict:
+    """After sharding: every unit's slot names/offsets, shard length, this rank's shard values;
+    the model's parameter list; and the eager full parameters of the same seed (plain model)."""
+    spec = get_model_spec(p["model"])
+    torch.manual_seed(p.get("seed", 0))
+    eager = {k: to_numpy(v) for k, v in spec.build().named_parameters()}
+    model, _ = build(p, ctx)
+    out_units = []
+    for prefix, state in units(model):
+        for h in state.handles:
+            out_units.append({"prefix": prefix, "requires_grad": h.requires_grad,
+                              "slots": [(s.fqn, s.offset, s.numel, s.shape) for s in h.layout.slots],
+                              "shard_numel": h.layout.shard_numel, "shard": to_numpy(h.shard)})
+    return {"units": out_units, "eager": eager,
+            "params": [(n, tuple(q.shape), q.dim()) for n, q in model.named_parameters()],
+            "numel_local": sum(q.numel() for q in model.parameters())}
+
+
+def shared_across_units(ctx, case: str) -> str:
+    """fully_shard two units that share one Parameter; return the error text ('' if none)."""
+    torch.manual_seed(0)
+    root = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    root[1].weight = root[0].weight
+    try:
+        if case == "siblings":
+            fully_shard(root[0], process_group=ctx.group)
+            fully_shard(root[1], process_group=ctx.group)
+        else:  # a child, then the root that still holds the other tie
+            fully_shard(root[0], process_group=ctx.group)
+            fully_shard(root, process_group=ctx.group)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+class WithBuffer(nn.Module):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 5)
+        self.register_buffer("stat", torch.full((5,), float(rank) + 0.5))
+        self.lin.register_buffer("inner", torch.arange(4.0) * (rank + 1))
+
+
+def buffers(ctx, _: Any) -> dict:
+    model = WithBuffer(ctx.rank)
+    fully_shard(model.lin, process_group=ctx.group)
+    fully_shard(model, process_group=ctx.group)
+    return {n: to_numpy(b) for n, b in model.named_buffers()}
