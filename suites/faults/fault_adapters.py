@@ -154,7 +154,7 @@ adapter_rank1 = FaultAdapter("adapter", rank=1)
 crash_rank1 = FaultAdapter("crash", rank=1)
 hang_rank1 = FaultAdapter("hang", rank=1)
 forward_rank0 = FaultAdapter("forward", rank=0)  # at world size 1 (see scenario_after_fault)
-forward_rank1_step3 = FaultAdapter("forward", rank=1, step=3)  # after the measured step (see test_faults)
+forward_rank1_step3 = FaultAdapter("forward", rank=1, step=3)  # after the measured step (see test_torchrun)
 nan_loss = FaultAdapter("nan", rank=None, step=FAULT_STEP)
 nan_param = FaultAdapter("nan", rank=None, step=NAN_PARAM_STEP)
 

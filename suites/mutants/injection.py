@@ -50,7 +50,7 @@ def _with_globals(fn: types.FunctionType, **names) -> types.FunctionType:
     missing = [n for n in names if n not in fn.__globals__ or n not in _names_used(fn.__code__)]
     if missing:  # the product was refactored: say which hook this mutant can no longer reach
         raise AdapterError(f"mutant: {fn.__module__}.{fn.__qualname__} no longer refers to {missing}; "
-                           f"update suites/mutants/catalog.py")
+                           f"update the mutant in suites/mutants/")
     g = dict(fn.__globals__)
     g.update(names)
     out = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
@@ -62,7 +62,7 @@ def _rebind(obj: object, method: str, **names) -> None:
     """Set ``obj.<method>`` (this object only) to the class's method with `names` replaced."""
     fn = getattr(type(obj), method, None)
     if not isinstance(fn, types.FunctionType):
-        raise AdapterError(f"mutant: {type(obj).__name__}.{method} is gone; update suites/mutants/catalog.py")
+        raise AdapterError(f"mutant: {type(obj).__name__}.{method} is gone; update the mutant in suites/mutants/")
     setattr(obj, method, types.MethodType(_with_globals(fn, **names), obj))
 
 

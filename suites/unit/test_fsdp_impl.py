@@ -1,6 +1,6 @@
 """fsdp_impl in real process worlds (gloo, CPU): sharding, wrapping, numerics, state dicts, meta init.
 
-Every rank-side step lives in ``suites/unit/fsdp_worlds.py``. One ``World`` per world size is
+Every rank-side step lives in ``suites/unit/fsdp_worlds/``. One ``World`` per world size is
 started once for this module and reused. References are the PLAIN model (no fsdp_impl code at
 all) trained in the same kind of worker, or values computed here by hand; the code under test is
 never compared with a second output of itself standing in for the truth. The classic-bug test
