@@ -14,13 +14,19 @@ from harness.report.groups import _cells, _groups, _label, _per_ws, _slug, _t
 from harness.tables.store import rank_bytes
 
 MEM_ORDER = ["params", "grads", "optimizer_state", "state_params", "state_grads", "state_optimizer_state",
+             "state_buffers", "state_other",
              "state_total", "activations", "other", "peak"]
 
 
 def _memory_section(tables: dict, plots_dir: Path, rel: str) -> list[str]:
     cells, mem = _cells(tables), _t(tables, "memory")
     out = ["## Memory", "", "Bytes per rank (max over ranks) by category and world size."
-           + (" Cells read `measured (ideal)`." if "ideal_bytes" in mem else ""), ""]
+           + (" Cells read `measured (ideal)`." if "ideal_bytes" in mem else "")
+           + " `state_*` is what the rank holds after the measured step, found from the rank process (every tensor"
+           " storage reachable from Python that was not alive before the model was built; on CUDA also what the"
+           " allocator holds beyond that): `state_total` is parameters + gradients + optimizer state, and"
+           " `state_other` what is held outside them and the buffers. The other rows are the breakdown at the"
+           " step's peak.", ""]
     groups = _groups(cells)
     if not groups or (not len(mem) and "state_bytes" not in cells):
         return out + ["_Memory: not measured._", ""]

@@ -32,9 +32,9 @@ class Table:
 #               largest_unit_bytes: the largest unit's full parameters; row_bytes: one dim-0 row of
 #               every parameter tensor, summed; param_tensors: their count; params_compared: the
 #               plain model's parameters whose names and shapes were held against full_params;
-#               buffer_bytes: the plain model's buffers; state_bytes: max over ranks of all the rank
-#               holds after the measured step (harness.measure.census: params, grads, optimizer
-#               state, buffers, other); peak_bytes: max over ranks
+#               buffer_bytes: the plain model's buffers; state_bytes: max over ranks of params +
+#               grads + optimizer state held after the measured step (harness.measure.census, which
+#               also records buffers and other apart); peak_bytes: max over ranks
 #   memory      bytes on that rank: the peak by category during the measured step, and the state
 #               held after it (state_*)
 #   comm        rank 0, per training step averaged over the steps (harness.measure.comm)
