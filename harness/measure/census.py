@@ -10,6 +10,8 @@ each under one category:
     buffers          the model's buffers (``module.buffers()``)
     other            anything else: a buffer an implementation keeps per unit between steps, an
                      optimizer wrapper's own state, a cache in a closure or a module global
+    unattributed     CUDA only: what the allocator holds for the scenario beyond the storages
+                     above (block rounding, library workspaces, storages only C++ holds)
 
 Each storage counts once, at its size (a DTensor by its local shard; a storage freed with
 ``resize_(0)`` counts 0). The harness's own tensors (the batch) are named and left out.
@@ -17,14 +19,15 @@ Each storage counts once, at its size (a DTensor by its local shard; a storage f
 How "alive" is found: on CPU, every tensor the Python garbage collector tracks (after a
 collection), which is every tensor reachable from Python; storages that only C++ holds (a
 communication library's internal buffers, DDP's gradient buckets, autograd's saved tensors between
-forward and backward) are not seen there. On CUDA the allocator sees everything: `held` adds
-``torch.cuda.memory_allocated`` beyond what was allocated at the start, so whatever no category
-claims lands in "other".
+forward and backward) are not seen there. On CUDA the allocator sees everything: `held` reports
+``torch.cuda.memory_allocated`` beyond what was allocated at the start and beyond the categories
+as "unattributed", so the categories sum to what the device really holds for the scenario.
 """
 
 from __future__ import annotations
 
 import gc
+import time
 from typing import Any, Iterable
 
 import torch
@@ -34,7 +37,8 @@ from harness.measure.memory import local_tensor
 
 __all__ = ["Census", "HELD_CATEGORIES", "live_tensors"]
 
-HELD_CATEGORIES = ("params", "grads", "optimizer_state", "buffers", "other")
+HELD_CATEGORIES = ("params", "grads", "optimizer_state", "buffers", "other", "unattributed")
+SETTLE_S = 0.05  # between the two looks of `Census.held`
 
 
 def _key(t: torch.Tensor) -> tuple[int, int] | None:
@@ -105,11 +109,24 @@ class Census:
 
     def held(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
              exclude: Iterable[torch.Tensor] = ()) -> dict[str, int]:
-        """Bytes held now, by category (HELD_CATEGORIES), each storage once."""
+        """Bytes held now, by category (HELD_CATEGORIES), each storage once.
+
+        A communication thread may let go of a collective's buffers a moment after the collective
+        returned (gloo's worker thread does), and such a buffer would read as held: when the first
+        look finds anything under "other", a second look follows after `SETTLE_S` and each
+        category keeps the smaller figure. What is really held is there both times."""
+        out = self._held_once(model, optimizer, exclude)
+        if out["other"]:
+            time.sleep(SETTLE_S)
+            again = self._held_once(model, optimizer, exclude)
+            out = {cat: min(out[cat], again[cat]) for cat in out}
+        return out
+
+    def _held_once(self, model, optimizer, exclude) -> dict[str, int]:
         out = dict.fromkeys(HELD_CATEGORIES, 0)
         for cat, nbytes, _ in self.classify(model, optimizer, exclude):
             out[cat] += nbytes
         now = self._cuda_allocated()
         if now is not None and self._cuda_before is not None:
-            out["other"] += max(0, now - self._cuda_before - sum(out.values()))
+            out["unattributed"] = max(0, now - self._cuda_before - sum(out.values()))
         return out

@@ -14,7 +14,7 @@ from harness.report.groups import _cells, _groups, _label, _per_ws, _slug, _t
 from harness.tables.store import rank_bytes
 
 MEM_ORDER = ["params", "grads", "optimizer_state", "state_params", "state_grads", "state_optimizer_state",
-             "state_buffers", "state_other",
+             "state_buffers", "state_other", "state_unattributed",
              "state_total", "activations", "other", "peak"]
 
 

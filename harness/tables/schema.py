@@ -54,7 +54,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
                                    "max_diff_ws1", "state_bytes", "peak_bytes", "step_time_s")),
     Table("memory", "scenario x rank x category", ("scenario", "rank", "category", "bytes"),
           "category: params, grads, optimizer_state, activations, other, peak; state_params, state_grads, "
-          "state_optimizer_state, state_buffers, state_other, state_total"),
+          "state_optimizer_state, state_buffers, state_other, state_unattributed (CUDA), state_total"),
     Table("comm", "scenario x collective x element type", (
         "scenario", "collective", "dtype", "calls", "elements", "bytes"),
           "per step, the full size each collective handles, from every thread of the rank"),

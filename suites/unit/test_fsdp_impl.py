@@ -49,14 +49,14 @@ def plain(world):
     def run(payload: dict) -> dict:
         key = json.dumps(payload, sort_keys=True)
         if key not in cache:
-            cache[key] = world(1).run(f"{TASKS}.training:train", {**payload, "wrap": False})[0]
+            cache[key] = world(1).call(f"{TASKS}.training:train", {**payload, "wrap": False})[0]
         return cache[key]
 
     return run
 
 
 def run(world, n: int, task: str, payload=None) -> list:
-    return world(n).run(f"{TASKS}.{task}", payload)
+    return world(n).call(f"{TASKS}.{task}", payload)
 
 
 def max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
@@ -246,6 +246,12 @@ def test_buffers_are_broadcast_from_rank_zero(world):
         # rank 0 built stat = 0.5 everywhere and inner = [0, 1, 2, 3] x (0 + 1)
         assert np.array_equal(bufs["stat"], np.full(5, 0.5, dtype=np.float32)), f"rank {r}"
         assert np.array_equal(bufs["lin.inner"], np.arange(4, dtype=np.float32)), f"rank {r}"
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_dropped_model_leaves_nothing_alive(world, n):
+    for r, left in enumerate(run(world, n, "wrapping:released", {"model": "tinylm"})):
+        assert left == [], f"rank {r} still holds {left}"
 
 
 # ------------------------------------------------------------------ state dicts and meta init

@@ -63,3 +63,20 @@ def buffers(ctx, _: Any) -> dict:
     fully_shard(model.lin, process_group=ctx.group)
     fully_shard(model, process_group=ctx.group)
     return {n: to_numpy(b) for n, b in model.named_buffers()}
+
+
+def released(ctx, p: dict) -> list[tuple[tuple, str]]:
+    """Shard, train two steps, drop model and optimizer: the storages still alive that were not
+    before (shape, dtype each). A hook that holds its unit keeps every shard alive in a cycle the
+    collector cannot see (tensor hooks are held from C++)."""
+    from harness.measure.census import Census
+
+    census = Census()
+    model, spec = build(p, ctx)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(1, 3):
+        x, y = spec.make_batch(4, step, 0)
+        spec.loss(model(x), y).backward()
+        opt.step()
+    del model, opt, x, y
+    return [(tuple(t.shape), str(t.dtype)) for _, t in census.new_tensors().values()]
