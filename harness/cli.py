@@ -61,8 +61,8 @@ def cmd_run(ns) -> int:
 
 def cmd_report(ns) -> int:
     from harness.report.markdown import write_report
-    from harness.tables.store import load_run
-    tables, env = load_run(ns.tables_dir)
+    from harness.tables.store import load_tables
+    tables, env = load_tables(ns.tables_dir)
     load_report_sections()
     out = ns.report or ns.tables_dir.with_name(ns.tables_dir.name.removesuffix("_tables") + ".md")
     print(write_report(tables, env, out))
@@ -82,11 +82,11 @@ def cmd_compare(ns) -> int:
     from harness.core.environment import machine_kind
     from harness.gate.baseline import baseline_of_run, load_baseline
     from harness.gate.compare import compare_table
-    from harness.tables.store import load_run
-    tables, env = load_run(ns.tables_dir)
+    from harness.tables.store import load_tables
+    tables, env = load_tables(ns.tables_dir)
     other = Path(ns.other)
     if other.is_dir():
-        base_tables, base_env = load_run(other)
+        base_tables, base_env = load_tables(other)
         base = baseline_of_run(base_tables, base_env, other.name, other)
     else:  # by name: the file of the stored run's machine kind, as the gate picks it
         base = load_baseline(ns.other, kind=machine_kind(env))

@@ -44,7 +44,7 @@ def test_fsdp_impl_at_one_rank_is_bitwise_the_plain_model_on_cuda(cuda_run):
 @pytest.fixture(scope="module")
 def bf16():
     with World(1, "nccl", timeout_s=600) as world:
-        return {impl: world.run("suites.cuda_tasks:bf16_training", {"impl": impl, "model": "tinylm", "steps": 5})[0]
+        return {impl: world.call("suites.cuda_tasks:bf16_training", {"impl": impl, "model": "tinylm", "steps": 5})[0]
                 for impl in ("fsdp_impl", "torch_fsdp2")}
 
 

@@ -54,28 +54,28 @@ def run_world(world_size: int) -> dict:
         for model in MODELS:
             for mode in MODES:
                 base = {"model": model, "seed": SEED, "batch": BATCH, "mode": mode}
-                records["norms", model, mode] = world.run("harness.per_sample.tasks:norms_task", base)
-                records["update", model, mode] = world.run(
+                records["norms", model, mode] = world.call("harness.per_sample.tasks:norms_task", base)
+                records["update", model, mode] = world.call(
                     "harness.per_sample.tasks:clipped_update_task", {**base, "max_norm": max_norm(model), "lr": LR})
                 if world_size == TIED_WORLD_SIZE and model == "tinylm":
                     tied = {**base, "model": "tinylm_tied"}
-                    records["norms", "tinylm_tied", mode] = world.run(
+                    records["norms", "tinylm_tied", mode] = world.call(
                         "harness.per_sample.tasks:norms_task", {**tied, "variants": ["fsdp_impl"]})
-                    records["update", "tinylm_tied", mode] = world.run(
+                    records["update", "tinylm_tied", mode] = world.call(
                         "harness.per_sample.tasks:clipped_update_task",
                         {**tied, "max_norm": max_norm("tinylm_tied"), "lr": LR})
                 if OPACUS_MISSING is None and world_size in OPACUS_WORLD_SIZES and model == "mlp":
-                    records["opacus", model, mode] = world.run(
+                    records["opacus", model, mode] = world.call(
                         "harness.per_sample.tasks:opacus_fsdp_task", {**base, "max_norm": max_norm(model), "lr": LR})
-                    records["opacus_tp", model, mode] = world.run("harness.per_sample.tasks:opacus_tp_task", base)
+                    records["opacus_tp", model, mode] = world.call("harness.per_sample.tasks:opacus_tp_task", base)
         if world_size == 2:
             for name, indices in ODD_LAYOUTS.items():
                 odd = {"model": "mlp", "seed": SEED, "batch": BATCH, "mode": name, "indices": indices}
-                records["norms", "mlp", name] = world.run("harness.per_sample.tasks:norms_task",
+                records["norms", "mlp", name] = world.call("harness.per_sample.tasks:norms_task",
                                                           {**odd, "variants": ["fsdp_impl"]})
-                records["update", "mlp", name] = world.run("harness.per_sample.tasks:clipped_update_task",
+                records["update", "mlp", name] = world.call("harness.per_sample.tasks:clipped_update_task",
                                                            {**odd, "max_norm": max_norm("mlp"), "lr": LR})
-            records["repeated"] = world.run("harness.per_sample.tasks:refused_indices_task", [[0, 1, 2, 3], [4, 5, 5, 6]])
+            records["repeated"] = world.call("harness.per_sample.tasks:refused_indices_task", [[0, 1, 2, 3], [4, 5, 5, 6]])
     return records
 
 

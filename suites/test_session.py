@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.tables.store import load_run
+from harness.tables.store import load_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 SLICE = ["--world-sizes", "2", "--impl", "fsdp_impl", "--models", "mlp", "--optimizers", "sgd", "--steps", "2",
@@ -35,7 +35,7 @@ def _pytest(cwd: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def _verdicts(folder: Path) -> set[tuple]:
-    tables, _ = load_run(folder / "reports" / "latest" / "verification_tables")
+    tables, _ = load_tables(folder / "reports" / "latest" / "verification_tables")
     v = tables["verdicts"]
     return set(zip(v["check"], v["scenario"], v["status"]))
 
@@ -50,7 +50,7 @@ def cli_dir(tmp_path_factory) -> Path:
 
 def test_a_world_size_list_without_1_passes_on_correct_code(cli_dir):
     """--world-sizes 2 alone: the W=1 run the cross-world-size check needs is added, not skipped."""
-    tables, _ = load_run(cli_dir / "reports" / "latest" / "verification_tables")
+    tables, _ = load_tables(cli_dir / "reports" / "latest" / "verification_tables")
     assert "fsdp_impl-mlp-ws1-replicated-sgd" in set(tables["scenarios"]["scenario"])
     cross = tables["verdicts"].query("check == 'cross_ws_replicated'")
     assert list(cross["status"]) == ["pass"] and list(cross["scenario"]) == ["fsdp_impl-mlp-ws2-replicated-sgd"]
@@ -68,8 +68,8 @@ def test_pytest_and_the_cli_write_the_same_tables_and_verdicts(cli_dir, tmp_path
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / REPORT).is_file()
     assert _verdicts(tmp_path) == _verdicts(cli_dir)
-    mine, _ = load_run(tmp_path / "reports" / "latest" / "verification_tables")
-    theirs, _ = load_run(cli_dir / "reports" / "latest" / "verification_tables")
+    mine, _ = load_tables(tmp_path / "reports" / "latest" / "verification_tables")
+    theirs, _ = load_tables(cli_dir / "reports" / "latest" / "verification_tables")
     assert set(mine) == set(theirs)
     cols = ["scenario", "step", "loss", "max_diff_ref", "max_diff_ws1"]
     pd.testing.assert_frame_equal(mine["steps"][cols], theirs["steps"][cols])

@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     for w in args.world_sizes:
         t0 = time.perf_counter()
         with World(w, args.backend, timeout_s=args.timeout) as world:
-            results[w] = summarize(world.run(TASK, payload))
+            results[w] = summarize(world.call(TASK, payload))
         losses = ", ".join(f"{k} {v['final_loss']:.4f}" for k, v in results[w].items())
         print(f"# W={w}: {time.perf_counter() - t0:.1f} s; final loss {losses}", flush=True)
     print()

@@ -32,7 +32,7 @@ from harness.execute.worker import root_cause
 from harness.execute.world import RankFailed, WorldError, WorldHung, WorldPool
 from harness.tables.build import build_tables
 
-TASK = "harness.train.task:run_scenario"
+TASK = "harness.train.task:train_scenario"
 Progress = Callable[[int, int, Scenario, float], None]
 
 
@@ -73,7 +73,7 @@ class ReusedWorlds:
     def run_scenario(self, sc: Scenario, payload: dict) -> dict:
         try:
             world = self.pool.get(sc.world_size, sc.backend)
-            return {"ranks": world.run(TASK, payload, timeout_s=self.timeout_s)}
+            return {"ranks": world.call(TASK, payload, timeout_s=self.timeout_s)}
         except WorldError as e:
             return {"error": str(e), "failed_rank": failed_rank(e)}
 

@@ -4,7 +4,7 @@
 the pool that puts a scenario on processes torchrun (or SLURM through torchrun) started, where
 ``ReusedWorlds`` puts it on worlds the harness starts. Every process of the job calls it with the
 same scenarios. The default group joins through env://; a scenario of world size w runs
-``harness.train.task:run_scenario`` on ranks 0..w-1 in a subgroup made for w (ranks w.. wait), and
+``harness.train.task:train_scenario`` on ranks 0..w-1 in a subgroup made for w (ranks w.. wait), and
 rank 0 collects the records and builds the tables, verdicts and RunResult in ``run_matrix``.
 
 Control goes through the job's key-value store, not through collectives, so a broken or hung
@@ -23,7 +23,7 @@ scenario never leaves the control path in a bad state:
   again, as a World would be rebuilt), or abort (a rank never answered: it may be stuck for good; the remaining scenarios are
   reported "not run"). The other ranks wait for that decision.
 
-Snapshots: ``run_scenario`` gathers the full parameters collectively (``adapter.full_params``) and
+Snapshots: ``train_scenario`` gathers the full parameters collectively (``adapter.full_params``) and
 only rank 0 writes them, into a temp dir on rank 0's node; rank 0 is also where the tables are
 built. So multi-node runs need no shared filesystem.
 
@@ -205,7 +205,7 @@ class TorchrunPool:
         return result
 
     def _train(self, key: str, w: int, payload: dict) -> tuple:
-        from harness.train.task import run_scenario
+        from harness.train.task import train_scenario
 
         done = threading.Event()
         main_thread = threading.main_thread().ident
@@ -214,7 +214,7 @@ class TorchrunPool:
         watchdog.start()
         try:
             ctx = RankContext(self.rank, w, self.group(w), self.device, self.backend)
-            return ("ok", run_scenario(ctx, payload))
+            return ("ok", train_scenario(ctx, payload))
         except Exception:
             return ("error", traceback.format_exc())
         finally:

@@ -125,7 +125,7 @@ class World:
     def closed(self) -> bool:
         return self._closed
 
-    def run(self, fn: str, payload: Any = None, timeout_s: float | None = None) -> list:
+    def call(self, fn: str, payload: Any = None, timeout_s: float | None = None) -> list:
         """Call ``fn(ctx, payload)`` on every rank; return the values in rank order."""
         if self._closed:
             raise WorldError(f"{self!r} is {'broken' if self._broken else 'closed'}; build a new one")

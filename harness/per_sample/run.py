@@ -54,7 +54,7 @@ def update_ratio(update: dict[str, list], exact: dict) -> float:
 def _run(pool: WorldPool, world_size: int, fn: str, payload: dict) -> tuple[list | None, str]:
     """(per-rank results, '') or (None, the error's first line); a failed world is rebuilt on next get."""
     try:
-        return pool.get(world_size).run(f"harness.per_sample.tasks:{fn}", payload), ""
+        return pool.get(world_size).call(f"harness.per_sample.tasks:{fn}", payload), ""
     except WorldError as exc:
         tracebacks = getattr(exc, "tracebacks", {})
         text = tracebacks[min(tracebacks)] if tracebacks else str(exc)

@@ -37,7 +37,7 @@ class StoreError(Exception):
 class OutputError(OSError):
     """An output that cannot be written (full disk, no permission, read-only file system, ...).
 
-    Raised by write_text_atomic, swap_into_place, save_run and harness.report.markdown.write_report (so
+    Raised by write_text_atomic, swap_into_place, save_tables and harness.report.markdown.write_report (so
     also by harness.gate.baseline.save_baseline); ``str()`` is one line naming the path and the OS
     reason: ``cannot write reports/verification.md: No space left on device``. ``errno`` and
     ``strerror`` are the cause's. When it is raised, the write's temp and backup entries are gone
@@ -165,7 +165,7 @@ def _put_back(dst: Path, backup: Path | None) -> None:
         dst.unlink()
 
 
-def save_run(tables: dict[str, pd.DataFrame], env: dict, directory: Path) -> None:
+def save_tables(tables: dict[str, pd.DataFrame], env: dict, directory: Path) -> None:
     """Write every table as CSV plus run.json into `directory`, atomically replacing an earlier run."""
     directory = Path(directory)
     for name, df in tables.items():
@@ -230,8 +230,8 @@ def _read_table(directory: Path, name: str, meta: dict) -> pd.DataFrame:
     return df
 
 
-def load_run(directory: Path) -> tuple[dict[str, pd.DataFrame], dict]:
-    """Read back (tables, env) written by save_run; StoreError on anything missing, corrupt or mismatched."""
+def load_tables(directory: Path) -> tuple[dict[str, pd.DataFrame], dict]:
+    """Read back (tables, env) written by save_tables; StoreError on anything missing, corrupt or mismatched."""
     directory = Path(directory)
     path = directory / MANIFEST
     if not directory.is_dir():

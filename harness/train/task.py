@@ -25,8 +25,8 @@ from harness.train.models import get_model_spec
 MEASURED_STEP = 1  # memory is measured on the second step: optimizer state exists by then
 
 
-def run_scenario(ctx, payload: dict) -> dict:
-    """Entry point for World.run("harness.train.task:run_scenario", payload)."""
+def train_scenario(ctx, payload: dict) -> dict:
+    """Entry point for World.call("harness.train.task:train_scenario", payload)."""
     sc = Scenario(**payload["scenario"])
     snap_dir = Path(payload["snapshot_dir"]) / sc.id
     if ctx.rank == 0:

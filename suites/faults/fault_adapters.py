@@ -165,13 +165,13 @@ def scenario_after_fault(ctx, payload: dict) -> dict:
     import dataclasses
 
     from harness.core.scenario import Scenario
-    from harness.train.task import run_scenario
+    from harness.train.task import train_scenario
 
     out = {}
     for label, impl in (("faulty", f"{__name__}:forward_rank0"), ("next", "fsdp_impl")):
         sc = Scenario(impl, "mlp", ctx.world_size, "replicated", "adamw", steps=3)
         try:
-            run_scenario(ctx, {"scenario": dataclasses.asdict(sc), "snapshot_dir": payload})
+            train_scenario(ctx, {"scenario": dataclasses.asdict(sc), "snapshot_dir": payload})
             out[label] = "ok"
         except Exception as exc:
             out[label] = f"{type(exc).__name__}: {exc}"

@@ -59,7 +59,7 @@ class RecordingPool(WorldPool):
 def fault_run(tmp_path_factory):
     # start the forkserver (it imports torch: seconds) outside the short timeout of the run
     with World(1, timeout_s=300) as warm:
-        warm.run(f"{FA}:warm_up")
+        warm.call(f"{FA}:warm_up")
     scenarios = [scenario("reference", 1), scenario("fsdp_impl", 1),
                  scenario("reference", 1, "sgd"), scenario("fsdp_impl", 1, "sgd"),
                  GOOD_FIRST, *[scenario(name) for name in BREAKING + NAN], GOOD_LAST]
@@ -105,7 +105,7 @@ def test_a_raising_rank_fails_its_scenario_with_its_rank_and_traceback(fault_run
     assert v.rank == rank  # the rank it started on, as a field
     message = v.message
     first = message.splitlines()[0]
-    assert re.fullmatch(rf"rank {rank} of World\(2\b.*\) failed in harness\.train\.task:run_scenario:", first), first
+    assert re.fullmatch(rf"rank {rank} of World\(2\b.*\) failed in harness\.train\.task:train_scenario:", first), first
     assert f"rank {1 - rank} of World" not in message  # the peer that only waited is not blamed
     assert "Traceback (most recent call last)" in message
     assert "harness/train/task.py" in message and harness_code in message  # where in the training step
@@ -131,7 +131,7 @@ def test_a_hang_times_out_and_says_which_ranks_waited_where(fault_run):
     sid = scenario("hang_rank1").id
     v = completed_failure(fault_run.result, sid)
     message = v.message
-    assert "hung in harness.train.task:run_scenario: ranks [] answered, ranks [0, 1] did not" in message
+    assert "hung in harness.train.task:train_scenario: ranks [] answered, ranks [0, 1] did not" in message
     stacks = sections(message)
     assert set(stacks) == {0, 1}, message
     # rank 1 waits in the all_reduce that rank 0 skipped ...
@@ -211,6 +211,6 @@ def test_a_nan_run_through_the_cli_fails_finite_and_still_writes_the_report(tmp_
 
 def test_a_failed_scenario_does_not_poison_the_next_one_in_the_same_process(tmp_path):
     with World(1, timeout_s=120) as world:
-        [out] = world.run(f"{FA}:scenario_after_fault", str(tmp_path))
+        [out] = world.call(f"{FA}:scenario_after_fault", str(tmp_path))
     assert out["faulty"] == "FaultInjected: injected fault in forward on rank 0 at step 2"
     assert out["next"] == "ok"

@@ -161,7 +161,7 @@ def _run_per_sample(m: Mutant, pool, seed: int) -> tuple[list[Verdict], list[Ver
             for mode in m.data_modes:
                 payload = {"model": model, "seed": seed, "batch": PER_SAMPLE_BATCH, "step": PER_SAMPLE_STEP,
                            "mode": mode}
-                ranks = pool.get(ws, "gloo").run(m.spec, payload)
+                ranks = pool.get(ws, "gloo").call(m.spec, payload)
                 for variant, out in (("mutant", mutant), ("control", control)):
                     sid = scenario_id(m.name if variant == "mutant" else "fsdp_impl", model, ws, mode)
                     out.append(check_per_sample_norms(sid, [r["norms"][variant] for r in ranks], t.norms))

@@ -113,8 +113,8 @@ def test_frozen_mutant_is_a_real_fault(pool, optimizer):
     parameters bitwise unchanged and the frozen_updated mutant moves them."""
     payload = {"seed": 0, "optimizer": optimizer, "lr": 1e-2, "steps": 2, "batch": 16}
     world = pool.get(2, "gloo")
-    control = world.run("suites.mutants.gradient_mutants:frozen_probe_task", {**payload, "impl": "fsdp_impl"})[0]
-    mutant = world.run("suites.mutants.gradient_mutants:frozen_probe_task",
+    control = world.call("suites.mutants.gradient_mutants:frozen_probe_task", {**payload, "impl": "fsdp_impl"})[0]
+    mutant = world.call("suites.mutants.gradient_mutants:frozen_probe_task",
                        {**payload, "impl": "suites.mutants.catalog:frozen_updated"})[0]
     assert control == {"layers.0.weight": 0.0, "layers.0.bias": 0.0}
     assert min(mutant.values()) > 0, mutant

@@ -17,7 +17,7 @@ from harness import options as opt
 from harness.gate.baseline import save_baseline
 from harness.report import markdown as report
 from harness.report import plots
-from harness.tables.store import OutputError, load_run, save_run, write_text_atomic
+from harness.tables.store import OutputError, load_tables, save_tables, write_text_atomic
 
 from . import synthetic_tables as syn
 
@@ -73,11 +73,11 @@ def test_the_seed_range_is_what_torch_and_the_stored_tables_take(tmp_path):
         with pytest.raises((ValueError, RuntimeError)):  # one below: torch refuses it
             torch.manual_seed(low - 1)
     tables = {"seeds": pd.DataFrame({"seed": [low, high]})}
-    save_run(tables, {}, tmp_path / "run")
-    assert load_run(tmp_path / "run")[0]["seeds"]["seed"].tolist() == [low, high]
+    save_tables(tables, {}, tmp_path / "run")
+    assert load_tables(tmp_path / "run")[0]["seeds"]["seed"].tolist() == [low, high]
     # one above: torch takes it, but the stored tables do not give it back (int64 columns)
-    save_run({"seeds": pd.DataFrame({"seed": [high + 1]})}, {}, tmp_path / "run")
-    assert load_run(tmp_path / "run")[0]["seeds"]["seed"].tolist() != [high + 1]
+    save_tables({"seeds": pd.DataFrame({"seed": [high + 1]})}, {}, tmp_path / "run")
+    assert load_tables(tmp_path / "run")[0]["seeds"]["seed"].tolist() != [high + 1]
 
 
 # -- steps -----------------------------------------------------------------------------------------
@@ -201,11 +201,11 @@ def test_a_report_whose_old_copy_cannot_be_moved_aside_leaves_no_backup_dir(old_
 
 def test_a_full_disk_while_saving_the_tables_keeps_the_old_run(tmp_path, monkeypatch):
     directory = tmp_path / "r_tables"
-    save_run(syn.make_tables(**SMALL_TABLES), {}, directory)
+    save_tables(syn.make_tables(**SMALL_TABLES), {}, directory)
     before = _state(tmp_path)
     monkeypatch.setattr(pd.DataFrame, "to_csv", _os_error(errno.ENOSPC))
     with pytest.raises(OutputError) as err:
-        save_run(syn.make_tables(**SMALL_TABLES), {}, directory)
+        save_tables(syn.make_tables(**SMALL_TABLES), {}, directory)
     monkeypatch.undo()
     _one_line(err, directory, "No space left on device")
     assert _state(tmp_path) == before
@@ -213,11 +213,11 @@ def test_a_full_disk_while_saving_the_tables_keeps_the_old_run(tmp_path, monkeyp
 
 def test_a_run_dir_that_cannot_be_moved_aside_leaves_no_backup_dir(tmp_path, monkeypatch):
     directory = tmp_path / "r_tables"
-    save_run(syn.make_tables(**SMALL_TABLES), {}, directory)
+    save_tables(syn.make_tables(**SMALL_TABLES), {}, directory)
     before = _state(tmp_path)
     monkeypatch.setattr(os, "replace", _os_error(errno.EACCES, lambda src, dst: src == directory, real=os.replace))
     with pytest.raises(OutputError) as err:
-        save_run(syn.make_tables(**SMALL_TABLES), {}, directory)
+        save_tables(syn.make_tables(**SMALL_TABLES), {}, directory)
     monkeypatch.undo()
     _one_line(err, directory, "Permission denied")
     assert _state(tmp_path) == before

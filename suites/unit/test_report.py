@@ -14,7 +14,7 @@ from harness.report import markdown as report
 from harness.report import plots
 from harness.report.results import MAX_STEP_ROWS
 from harness.tables import store
-from harness.tables.store import StoreError, load_run, save_run
+from harness.tables.store import StoreError, load_tables, save_tables
 
 from . import synthetic_tables as syn
 
@@ -216,16 +216,16 @@ def test_failed_publish_restores_earlier_report(tmp_path, fast_plots, monkeypatc
 
 
 def test_store_round_trip_is_exact_and_rerenders(tables, tmp_path, fast_plots):
-    save_run(tables, syn.ENV, tmp_path / "run")
-    loaded, env = load_run(tmp_path / "run")
+    save_tables(tables, syn.ENV, tmp_path / "run")
+    loaded, env = load_tables(tmp_path / "run")
     assert env == syn.ENV and set(loaded) == set(tables)
     for name, df in tables.items():
         pd.testing.assert_frame_equal(loaded[name].reset_index(drop=True), df.reset_index(drop=True), check_dtype=False)
         assert [store._kind(t) for t in loaded[name].dtypes] == [store._kind(t) for t in df.dtypes]
     first = report.write_report(tables, syn.ENV, tmp_path / "verify.md").read_text()
     assert report.write_report(loaded, env, tmp_path / "verify.md").read_text() == first
-    save_run({"steps": tables["steps"].head(3), "memory": pd.DataFrame()}, {}, tmp_path / "run")
-    loaded, _ = load_run(tmp_path / "run")
+    save_tables({"steps": tables["steps"].head(3), "memory": pd.DataFrame()}, {}, tmp_path / "run")
+    loaded, _ = load_tables(tmp_path / "run")
     assert len(loaded["steps"]) == 3 and loaded["memory"].empty and "params" not in loaded
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "verify.md", "verify_plots"]
 
@@ -249,16 +249,16 @@ def _manifest_edit(directory: Path, **changes) -> None:
 def test_store_errors_are_clear(tmp_path, damage, message):
     directory = tmp_path / "run"
     if message != "no saved run":
-        save_run(syn.make_tables(world_sizes=(2,), modes=("split",)), {}, directory)
+        save_tables(syn.make_tables(world_sizes=(2,), modes=("split",)), {}, directory)
     damage(directory)
     with pytest.raises(StoreError, match=message) as err:
-        load_run(directory)
+        load_tables(directory)
     assert "\n" not in str(err.value)
 
 
 def test_store_rejects_tables_missing_schema_columns(tmp_path):
     with pytest.raises(StoreError, match="lacks schema columns"):
-        save_run({"steps": pd.DataFrame({"scenario": ["a"], "step": [1]})}, {}, tmp_path / "run")
+        save_tables({"steps": pd.DataFrame({"scenario": ["a"], "step": [1]})}, {}, tmp_path / "run")
     assert not any(tmp_path.iterdir())
 
 
@@ -352,4 +352,4 @@ def test_built_and_stored_tables_follow_the_schema(tmp_path):
     tables = syn.make_tables(world_sizes=(1,), modes=("replicated",))
     tables["steps"] = tables["steps"].drop(columns=["loss"])
     with pytest.raises(StoreError, match="loss"):
-        save_run(tables, {}, tmp_path / "run")
+        save_tables(tables, {}, tmp_path / "run")

@@ -15,7 +15,7 @@ import harness.per_sample  # noqa: F401  (registers its section, as the entry po
 from harness.per_sample.section import per_sample_section
 from harness.report import markdown as report
 from harness.report import plots, sections
-from harness.tables.store import save_run
+from harness.tables.store import save_tables
 
 from . import synthetic_tables as syn
 
@@ -94,14 +94,14 @@ def test_every_entry_point_renders_the_per_sample_section(tmp_path):
     """`python -m harness report` and a Session's outputs, each in a new interpreter: whoever renders
     imports the per-sample package, so the section is there whenever the tables hold it."""
     stored = tmp_path / "run_tables"
-    save_run(_tables(), syn.ENV, stored)
+    save_tables(_tables(), syn.ENV, stored)
     out = _fresh(f"from harness.cli import main\nmain(['report', {str(stored)!r}, '--report', "
                  f"{str(tmp_path / 'cli.md')!r}])")
     assert out.returncode == 0, out.stdout + out.stderr
     session = _fresh(
         "from pathlib import Path\nfrom harness.options import MatrixOptions\n"
         "from harness.execute.executor import RunResult\nfrom harness.session import Session, SessionOptions\n"
-        f"from harness.tables.store import load_run\ntables, env = load_run(Path({str(stored)!r}))\n"
+        f"from harness.tables.store import load_tables\ntables, env = load_tables(Path({str(stored)!r}))\n"
         f"s = Session(SessionOptions(MatrixOptions(), report=Path({str(tmp_path / 'session.md')!r})))\n"
         "s.result = RunResult([], tables, [], env, 0.0)\ns.write_outputs()")
     assert session.returncode == 0, session.stdout + session.stderr

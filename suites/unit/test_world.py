@@ -51,7 +51,7 @@ def world2():
 def test_results_come_back_in_rank_order_with_the_context(world2):
     omp_before = os.environ.get("OMP_NUM_THREADS")
     payload = {"x": [1, 2, 3], "s": "hello"}
-    results = world2.run(f"{TASKS}:whoami", payload)
+    results = world2.call(f"{TASKS}:whoami", payload)
     assert [r["rank"] for r in results] == [0, 1]
     for r in results:
         assert (r["world_size"], r["device"], r["backend"]) == (2, "cpu", "gloo")
@@ -61,13 +61,13 @@ def test_results_come_back_in_rank_order_with_the_context(world2):
 
 
 def test_all_reduce_inside_a_task(world2):
-    results = world2.run(f"{TASKS}:all_reduce_sum", 0.5)
+    results = world2.call(f"{TASKS}:all_reduce_sum", 0.5)
     expected = [0.5 + 1.5, 2.0]  # ranks contribute [rank + 0.5, 1]
     assert results == [expected, expected]
 
 
 def test_a_world_is_reused_across_runs(world2):
-    pids = [[r["pid"] for r in world2.run(f"{TASKS}:whoami", i)] for i in range(3)]
+    pids = [[r["pid"] for r in world2.call(f"{TASKS}:whoami", i)] for i in range(3)]
     assert pids[0] == pids[1] == pids[2] == world2.pids
     assert os.getpid() not in pids[0] and len(set(pids[0])) == 2
 
@@ -75,7 +75,7 @@ def test_a_world_is_reused_across_runs(world2):
 def test_a_raising_rank_gives_rank_failed_and_kills_the_world():
     world = World(2, timeout_s=60)
     with pytest.raises(RankFailed) as info:
-        world.run(f"{TASKS}:raise_on_rank", 1)
+        world.call(f"{TASKS}:raise_on_rank", 1)
     message = str(info.value)
     assert "rank 1 " in message and "rank 0 " not in message
     assert "Traceback (most recent call last)" in message
@@ -84,13 +84,13 @@ def test_a_raising_rank_gives_rank_failed_and_kills_the_world():
     assert set(info.value.tracebacks) == {1}
     assert world.broken and wait_all_dead(world.pids, 5) == []
     with pytest.raises(WorldError, match="broken"):
-        world.run(f"{TASKS}:whoami", None)
+        world.call(f"{TASKS}:whoami", None)
 
 
 def test_a_rank_that_dies_gives_rank_failed_with_its_exit_code():
     world = World(2, timeout_s=60)
     with pytest.raises(RankFailed, match=r"rank 0 died \(exit code 7\)"):
-        world.run(f"{TASKS}:exit_on_rank", 0)
+        world.call(f"{TASKS}:exit_on_rank", 0)
     assert world.broken and wait_all_dead(world.pids, 5) == []
 
 
@@ -105,12 +105,12 @@ def test_nccl_without_enough_gpus_fails_early_in_one_line():
 
 def test_an_unpicklable_result_is_a_rank_failure():
     with World(1, timeout_s=60) as world, pytest.raises(RankFailed, match="(?i)pickle"):
-        world.run(f"{TASKS}:unpicklable", None)
+        world.call(f"{TASKS}:unpicklable", None)
 
 
 def test_a_bad_function_name_is_refused_before_running(world2):
     with pytest.raises(ValueError, match="package.module:function"):
-        world2.run("no_colon_here", None)
+        world2.call("no_colon_here", None)
     assert not world2.broken
 
 
@@ -118,7 +118,7 @@ def test_a_hang_names_the_stuck_rank_and_where_it_waits():
     world = World(2, timeout_s=60)
     start = time.monotonic()
     with pytest.raises(WorldHung) as info:
-        world.run(f"{TASKS}:hang_on_rank", 1, timeout_s=2.0)
+        world.call(f"{TASKS}:hang_on_rank", 1, timeout_s=2.0)
     elapsed = time.monotonic() - start
     assert 2.0 <= elapsed < 2.0 + 8.0  # the timeout, plus at most the stack dump and the kill
     hung = info.value
@@ -137,10 +137,10 @@ def test_pool_reuses_same_world_and_rebuilds_after_a_break():
         assert second is not first and first.closed and not first.broken
         assert wait_all_dead(first.pids, 5) == [] and pool.worlds_started == 2
         with pytest.raises(RankFailed):
-            second.run(f"{TASKS}:raise_on_rank", 0)
+            second.call(f"{TASKS}:raise_on_rank", 0)
         third = pool.get(1)  # same key, but the broken world is rebuilt
         assert third is not second and pool.worlds_started == 3
-        assert [r["rank"] for r in third.run(f"{TASKS}:whoami", None)] == [0]
+        assert [r["rank"] for r in third.call(f"{TASKS}:whoami", None)] == [0]
     assert third.closed and wait_all_dead(third.pids, 5) == []
 
 
@@ -148,7 +148,7 @@ def test_two_worlds_run_collectives_at_the_same_time_without_colliding():
     with World(2, timeout_s=60) as a, World(2, timeout_s=60) as b:
         results: dict[str, list] = {}
         threads = [threading.Thread(target=lambda n=n, w=w, off=off: results.__setitem__(
-            n, w.run(f"{TASKS}:all_reduce_sum", off))) for n, w, off in (("a", a, 10.0), ("b", b, 100.0))]
+            n, w.call(f"{TASKS}:all_reduce_sum", off))) for n, w, off in (("a", a, 10.0), ("b", b, 100.0))]
         for t in threads:
             t.start()
         for t in threads:
@@ -165,7 +165,7 @@ def test_ctrl_c_in_the_parent_kills_the_world():
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            world.run(f"{TASKS}:hang_on_rank", 1)  # rank 1 blocks in all_reduce; rank 0 idles
+            world.call(f"{TASKS}:hang_on_rank", 1)  # rank 1 blocks in all_reduce; rank 0 idles
     finally:
         timer.cancel()
     assert world.broken and wait_all_dead(world.pids, 5) == []
@@ -176,7 +176,7 @@ ORPHAN_SCRIPT = textwrap.dedent(f"""
     if __name__ == "__main__":
         world = World(2, timeout_s=600)
         print(*world.pids, flush=True)
-        world.run("{TASKS}:sleep", 600)  # no rank can be woken by a peer's death
+        world.call("{TASKS}:sleep", 600)  # no rank can be woken by a peer's death
 """)
 
 

@@ -1,6 +1,6 @@
 """Small multi-rank checks of fsdp_impl, run inside ``harness.execute.world.World`` workers.
 
-Tests call ``world.run("suites.unit.fsdp_worlds.<module>:<task>", payload)``; each task builds a
+Tests call ``world.call("suites.unit.fsdp_worlds.<module>:<task>", payload)``; each task builds a
 seeded model on every rank, does its thing, and returns plain data (numpy arrays, floats, strings)
 so that nothing but pickles crosses the pipe. The plain (non-sharded) reference runs through the
 same tasks with ``wrap=False``, in the same kind of worker (one thread, deterministic algorithms),
