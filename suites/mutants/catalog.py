@@ -9,7 +9,10 @@ else (``injection.py`` says how). The mutants live beside this module, grouped b
 - ``sharding_mutants``: shard offsets, padding, views, the unit and rank a shard belongs to;
 - ``memory_mutants``: faults that change memory only, not the numbers;
 - ``meta_init_mutants``: meta-device init (and the control it is judged against);
-- ``per_sample_mutants``: per-sample gradient norms (a world task, not an adapter).
+- ``per_sample_mutants``: per-sample gradient norms (a world task, not an adapter);
+- ``hidden_mutants``: faults hidden from what an adapter reports (a parameter left out of
+  ``full_params``, buffers and state outside the reported objects, traffic from another thread),
+  and the controls that reduce gradients ZeRO-1/2 style.
 
 ``CATALOGUE`` lists each mutant with the check expected to catch it and the matrix that exposes
 it; ``CONTROLS`` are unmutated adapters run beside them (a mutant's failure must come from its
@@ -33,6 +36,14 @@ from suites.mutants.gradient_mutants import (
     GradSummed,
     LowPrecisionReduce,
     TiedReducedTwice,
+)
+from suites.mutants.hidden_mutants import (
+    GatherToOwners,
+    OptimizerShadowState,
+    ParamLeftOut,
+    PrefetchThreadGather,
+    ReduceToOwners,
+    UnitBufferKept,
 )
 from suites.mutants.memory_mutants import OptimizerStateUnsharded, ReshardSkipped
 from suites.mutants.meta_init_mutants import MetaInit, MetaInitRngOrder
@@ -62,7 +73,7 @@ class Mutant:
     # first step at which a numeric check must see it, as (earliest, latest): the fault cannot act
     # before `earliest`; `latest` is the step by which the fault has changed an update directly
     at_steps: tuple[int, int] | None = (1, 1)
-    kind: str = "numeric"  # "numeric" | "memory" | "per_sample"
+    kind: str = "numeric"  # "numeric" | "memory" | "traffic" | "per_sample"
     slow: bool = False  # behind @pytest.mark.slow (none is: the whole catalogue runs in ~1 minute)
 
 
@@ -76,6 +87,8 @@ tied_reduced_twice, grads_not_cleared, frozen_updated = TiedReducedTwice, GradsN
 wrong_shard_offset, padding_not_zeroed, padding_in_view = WrongShardOffset, PaddingNotZeroed, PaddingInView
 nested_duplication, stale_shard, reshard_skipped = NestedDuplication, StaleShard, ReshardSkipped
 optimizer_state_unsharded, meta_init, meta_init_rng_order = OptimizerStateUnsharded, MetaInit, MetaInitRngOrder
+param_left_out, unit_buffer_kept, optimizer_shadow_state = ParamLeftOut, UnitBufferKept, OptimizerShadowState
+prefetch_thread_gather, reduce_to_owners, gather_to_owners = PrefetchThreadGather, ReduceToOwners, GatherToOwners
 
 
 
@@ -125,12 +138,25 @@ CATALOGUE: tuple[Mutant, ...] = (
            models=("mlp_frozen",)),
     Mutant("bf16_reduce", _spec("bf16_reduce"), "cross_ws_replicated",
            "gradients reduced in bf16 against the policy (fp32 params, fp64 reduce)", at_steps=(1, 2)),
+    Mutant("param_left_out", _spec("param_left_out"), "params_cover_model",
+           "full_params leaves out a parameter, so nothing about it is ever compared"),
+    Mutant("unit_buffer_kept", _spec("unit_buffer_kept"), "memory_sharding",
+           "each unit keeps a copy of its gathered parameters between steps (memory only)",
+           data_modes=("replicated",), world_sizes=(2, 4), at_steps=None, kind="memory"),
+    Mutant("optimizer_shadow_state", _spec("optimizer_shadow_state"), "memory_sharding",
+           "the optimizer keeps full-size state outside optimizer.state (memory only)",
+           data_modes=("replicated",), at_steps=None, kind="memory"),
+    Mutant("prefetch_thread_gather", _spec("prefetch_thread_gather"), "comm_volume",
+           "a prefetch thread all-gathers a unit it never uses (traffic only)",
+           data_modes=("replicated",), world_sizes=(2, 4), at_steps=None, kind="traffic"),
 )
 
 # Unmutated adapters run in the same matrix: the reference and these must pass every check.
 CONTROLS: tuple[tuple[str, str], ...] = (
     ("fsdp_impl", "the product itself"),
     (_spec("meta_init"), "meta-device init by fsdp_impl.materialize_meta (control for meta_init_rng_order)"),
+    (_spec("reduce_to_owners"), "gradients reduced by a reduce to each part's owner, ZeRO-1/2 style"),
+    (_spec("gather_to_owners"), "gradients gathered on each part's owner and summed there"),
 )
 
 

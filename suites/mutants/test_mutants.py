@@ -24,7 +24,8 @@ ISSUE_FAULTS = {  # the faults the catalogue must hold at the least, by catalogu
     "grad_summed", "averaged_twice", "wrong_shard_offset", "padding_not_zeroed", "padding_in_view",
     "nested_duplication", "reshard_skipped", "optimizer_state_unsharded", "meta_init_rng_order",
     "per_sample_norms_allreduced", "grads_not_cleared", "stale_shard", "tied_reduced_twice",
-    "frozen_updated", "bf16_reduce",
+    "frozen_updated", "bf16_reduce", "param_left_out", "unit_buffer_kept", "optimizer_shadow_state",
+    "prefetch_thread_gather",
 }
 HARNESS_CHECKS = {c.name for c in NUMERIC_CHECKS + RESOURCE_CHECKS}
 NUMERIC_NAMES = {"finite", "ws1_exact", "cross_ws_replicated", "split_matches_full_batch", "converges"}
@@ -73,9 +74,9 @@ def test_mutant_is_caught(catalogue_run, mutant: Mutant):
     elif mutant.kind == "per_sample":
         assert all(v.sample is not None and v.rank is not None for v in hits), [str(v) for v in hits]
     else:
-        assert all(v.where for v in hits), f"{mutant.name}: a memory verdict without a where"
+        assert all(v.where for v in hits), f"{mutant.name}: a {mutant.kind} verdict without a where"
         numeric = [str(v) for v in r.failed if v.check in NUMERIC_NAMES]
-        assert not numeric, "a memory-only fault changed the numbers (not what it models):\n" + "\n".join(numeric)
+        assert not numeric, f"a {mutant.kind}-only fault changed the numbers (not what it models):\n" + "\n".join(numeric)
 
 
 def test_controls_pass(catalogue_run):
@@ -92,7 +93,7 @@ def test_catalogue_is_complete_and_well_formed():
     assert ISSUE_FAULTS <= set(names), sorted(ISSUE_FAULTS - set(names))
     for m in CATALOGUE:
         assert m.expected in HARNESS_CHECKS | {"per_sample_norms"}, m.expected
-        assert m.kind in ("numeric", "memory", "per_sample") and m.what
+        assert m.kind in ("numeric", "memory", "traffic", "per_sample") and m.what
         assert m.models and set(m.models) <= set(MODELS), f"{m.name}: {m.models} not all in the zoo"
         assert (m.at_steps is not None) == (m.kind == "numeric"), m.name
         if m.kind != "per_sample":

@@ -1,0 +1,128 @@
+"""Faults an implementation can hide from what it reports, and correct implementations that do
+things the harness once mistook for faults.
+
+The harness measures the rank process, not the adapter's word: the parameters the plain model has
+(not only those `full_params` lists), every storage the rank holds (not only parameters, gradients
+and `optimizer.state`), the collectives of every thread. Each mutant here hides its fault where an
+adapter-reported figure would not look; each control reduces gradients in a way ZeRO-1/2 code does
+(a reduce or a gather to each part's owner) and must pass every check.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from suites.mutants.injection import MutantAdapter, _collectives, _handles, _rebind
+
+
+class ParamLeftOut(MutantAdapter):
+    """`full_params` leaves out one parameter: whatever happens to it is never compared."""
+
+    name = "mutant:param_left_out"
+
+    def full_params(self, wrapped):
+        full = super().full_params(wrapped)
+        full.pop(sorted(full)[-1])
+        return full
+
+
+class UnitBufferKept(MutantAdapter):
+    """Each unit keeps a copy of its gathered parameters when it reshards (a cache that is never
+    read): a full-size buffer per unit between steps, held in the handle, not in any parameter,
+    gradient or optimizer state (memory only)."""
+
+    name = "mutant:unit_buffer_kept"
+
+    def mutate(self, wrapped):
+        for _, h in _handles(wrapped):
+            reshard = h.reshard
+
+            def keep_then_reshard(h=h, reshard=reshard):
+                if h.full is not None and h.full.untyped_storage().nbytes():
+                    h.cache = h.full.detach().clone()
+                reshard()
+
+            h.reshard = keep_then_reshard
+
+
+class OptimizerShadowState(MutantAdapter):
+    """The optimizer keeps a full-size (W x the shard) copy of each parameter's state in its own
+    attribute, outside `optimizer.state`, where no adapter-reported figure looks (memory only)."""
+
+    name = "mutant:optimizer_shadow_state"
+
+    def make_optimizer(self, wrapped, *, name, lr):
+        opt = super().make_optimizer(wrapped, name=name, lr=lr)
+        opt.shadow = [torch.zeros(h.layout.padded_numel, dtype=h.dtype, device=h.device)
+                      for _, h in _handles(wrapped) if h.requires_grad]
+        return opt
+
+
+class PrefetchThreadGather(MutantAdapter):
+    """A prefetch thread all-gathers the first unit's parameters once more every forward and never
+    uses them: traffic issued from a thread the measured step does not run in (numbers unchanged)."""
+
+    name = "mutant:prefetch_thread_gather"
+
+    def mutate(self, wrapped):
+        all_gather_flat = _collectives().all_gather_flat
+        _, h = _handles(wrapped)[0]
+
+        def prefetch(module, args):
+            if h.world_size == 1:
+                return
+            out = torch.empty(h.layout.padded_numel, dtype=h.param_dtype, device=h.device)
+            t = threading.Thread(target=all_gather_flat, args=(out, h.shard.detach().to(h.param_dtype), h.group))
+            t.start()
+            t.join()
+
+        wrapped.register_forward_pre_hook(prefetch)
+
+
+def _reduce_to_owners(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype) -> torch.Tensor:
+    """ZeRO-1/2 style: each rank's part reduced (summed) on the rank that owns it, then averaged."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world == 1:
+        return full_grad.to(reduce_dtype)
+    parts = full_grad.to(reduce_dtype).view(world, -1)
+    for owner in range(world):
+        dist.reduce(parts[owner], dst=dist.get_global_rank(group, owner), group=group)
+    return parts[rank].clone().div_(world)
+
+
+def _gather_to_owners(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype) -> torch.Tensor:
+    """Each part gathered on its owner, which sums the W copies in rank order in `reduce_dtype`."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world == 1:
+        return full_grad.to(reduce_dtype)
+    parts = full_grad.contiguous().view(world, -1)
+    mine = None
+    for owner in range(world):
+        got = [torch.empty_like(parts[owner]) for _ in range(world)] if owner == rank else None
+        dist.gather(parts[owner].contiguous(), got, dst=dist.get_global_rank(group, owner), group=group)
+        if got is not None:
+            mine = _collectives().sum_in_rank_order(torch.stack(got), reduce_dtype)
+    return mine.div_(world)
+
+
+class ReduceToOwners(MutantAdapter):
+    """Control: gradients reduced with one `reduce` per part to its owner (fp64, as the product)."""
+
+    name = "control:reduce_to_owners"
+
+    def mutate(self, wrapped):
+        for _, h in _handles(wrapped):
+            _rebind(h, "_post_backward", reduce_scatter_mean=_reduce_to_owners)
+
+
+class GatherToOwners(MutantAdapter):
+    """Control: each part gathered on its owner and summed there in rank order (fp64)."""
+
+    name = "control:gather_to_owners"
+
+    def mutate(self, wrapped):
+        for _, h in _handles(wrapped):
+            _rebind(h, "_post_backward", reduce_scatter_mean=_gather_to_owners)
