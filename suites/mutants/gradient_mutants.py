@@ -9,53 +9,35 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from suites.mutants.injection import MutantAdapter, _collectives, _handles, _rebind
+from suites.mutants.injection import MutantAdapter, ReductionReplaced, _collectives, _handles, _rebind
 
 
-class GradSummed(MutantAdapter):
+class GradSummed(ReductionReplaced):
     """Gradients summed over ranks, not averaged (the division by W is missing)."""
 
     name = "mutant:grad_summed"
 
-    def mutate(self, wrapped):
-        mean = _collectives().reduce_scatter_mean
-
-        def reduce_scatter_sum(full_grad, group, reduce_dtype):
-            return mean(full_grad, group, reduce_dtype).mul_(dist.get_world_size(group))
-
-        for _, h in _handles(wrapped):
-            _rebind(h, "_post_backward", reduce_scatter_mean=reduce_scatter_sum)
+    def reduce(self, mean, full_grad, group, reduce_dtype):
+        return mean(full_grad, group, reduce_dtype).mul_(dist.get_world_size(group))
 
 
-class AveragedTwice(MutantAdapter):
+class AveragedTwice(ReductionReplaced):
     """Gradients divided by W twice (e.g. the loss pre-divided by W and the reduction averaging too)."""
 
     name = "mutant:averaged_twice"
 
-    def mutate(self, wrapped):
-        mean = _collectives().reduce_scatter_mean
-
-        def reduce_scatter_mean_twice(full_grad, group, reduce_dtype):
-            return mean(full_grad, group, reduce_dtype).div_(dist.get_world_size(group))
-
-        for _, h in _handles(wrapped):
-            _rebind(h, "_post_backward", reduce_scatter_mean=reduce_scatter_mean_twice)
+    def reduce(self, mean, full_grad, group, reduce_dtype):
+        return mean(full_grad, group, reduce_dtype).div_(dist.get_world_size(group))
 
 
-class LowPrecisionReduce(MutantAdapter):
+class LowPrecisionReduce(ReductionReplaced):
     """Gradients reduced in bf16 although the policy says fp32 params / fp64 reduce: the gradient is
     cast to bf16 before the exchange (half the bytes) and summed in bf16."""
 
     name = "mutant:bf16_reduce"
 
-    def mutate(self, wrapped):
-        mean = _collectives().reduce_scatter_mean
-
-        def reduce_scatter_bf16(full_grad, group, reduce_dtype):
-            return mean(full_grad.to(torch.bfloat16), group, torch.bfloat16)
-
-        for _, h in _handles(wrapped):
-            _rebind(h, "_post_backward", reduce_scatter_mean=reduce_scatter_bf16)
+    def reduce(self, mean, full_grad, group, reduce_dtype):
+        return mean(full_grad.to(torch.bfloat16), group, torch.bfloat16)
 
 
 class TiedReducedTwice(MutantAdapter):

@@ -15,7 +15,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from suites.mutants.injection import MutantAdapter, _collectives, _handles, _rebind
+from suites.mutants.injection import MutantAdapter, ReductionReplaced, _collectives, _handles
 
 
 class ParamLeftOut(MutantAdapter):
@@ -108,21 +108,19 @@ def _gather_to_owners(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype)
     return mine.div_(world)
 
 
-class ReduceToOwners(MutantAdapter):
+class ReduceToOwners(ReductionReplaced):
     """Control: gradients reduced with one `reduce` per part to its owner (fp64, as the product)."""
 
     name = "control:reduce_to_owners"
 
-    def mutate(self, wrapped):
-        for _, h in _handles(wrapped):
-            _rebind(h, "_post_backward", reduce_scatter_mean=_reduce_to_owners)
+    def reduce(self, mean, full_grad, group, reduce_dtype):
+        return _reduce_to_owners(full_grad, group, reduce_dtype)
 
 
-class GatherToOwners(MutantAdapter):
+class GatherToOwners(ReductionReplaced):
     """Control: each part gathered on its owner and summed there in rank order (fp64)."""
 
     name = "control:gather_to_owners"
 
-    def mutate(self, wrapped):
-        for _, h in _handles(wrapped):
-            _rebind(h, "_post_backward", reduce_scatter_mean=_gather_to_owners)
+    def reduce(self, mean, full_grad, group, reduce_dtype):
+        return _gather_to_owners(full_grad, group, reduce_dtype)

@@ -84,3 +84,20 @@ class MutantAdapter(FsdpImplAdapter):
 
     def mutate(self, wrapped: nn.Module) -> None:
         """Inject the fault into `wrapped`'s own objects (mutants that fault elsewhere leave it)."""
+
+
+class ReductionReplaced(MutantAdapter):
+    """fsdp_impl whose post-backward gradient reduction is ``reduce`` instead of the product's
+    ``reduce_scatter_mean`` (which ``reduce`` receives as ``mean`` and may call)."""
+
+    def reduce(self, mean, full_grad, group, reduce_dtype):
+        raise NotImplementedError
+
+    def mutate(self, wrapped):
+        mean = _collectives().reduce_scatter_mean
+
+        def replaced(full_grad, group, reduce_dtype):
+            return self.reduce(mean, full_grad, group, reduce_dtype)
+
+        for _, h in _handles(wrapped):
+            _rebind(h, "_post_backward", reduce_scatter_mean=replaced)
