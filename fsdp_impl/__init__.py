@@ -10,6 +10,6 @@ Knows nothing of the harness; any training loop can use it.
 
 from .api import full_state_dict, fully_shard, load_full_state_dict
 from .meta_init import materialize_meta
-from .policy import MixedPrecisionPolicy
+from .mixed_precision import MixedPrecisionPolicy
 
 __all__ = ["fully_shard", "full_state_dict", "load_full_state_dict", "materialize_meta", "MixedPrecisionPolicy"]

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .handle import FlatParamHandle, Owner
-from .policy import MixedPrecisionPolicy
+from .mixed_precision import MixedPrecisionPolicy
 from .state import UnitState
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .collectives import all_gather_flat, reduce_scatter_mean
-from .policy import MixedPrecisionPolicy
+from .mixed_precision import MixedPrecisionPolicy
 from .sharding import FlatLayout, ParamSlot
 
 
