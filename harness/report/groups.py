@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pandas as pd
 
-from harness.core.scenario import REFERENCE_IMPL
+from harness.core.scenario import REFERENCE_IMPL, Scenario
 from harness.core.verdict import Verdict
 from harness.tables.store import rank_bytes
 
@@ -28,7 +28,8 @@ def _label(key: tuple) -> str:
     return f"{impl} · {model} · {mode} · {opt}" + (f" · seed {seed}" if seed else "")
 
 
-def _slug(key: tuple) -> str:
+def _file_stem(key: tuple) -> str:
+    """A group's key as a file-name stem for its plots."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join(str(k) for k in key[:-1] + ((key[-1],) if key[-1] else ())))
 
 
@@ -49,10 +50,11 @@ def _groups(cells: pd.DataFrame):
     return [(k, g.sort_values("world_size")) for k, g in real.groupby(GROUP, sort=False, dropna=False)]
 
 
-def _reference_id(cells: pd.DataFrame, key: tuple) -> str | None:
-    ref = cells[(cells["impl"] == REFERENCE_IMPL) & (cells["model"] == key[1]) & (cells["optimizer"] == key[3])
-                & (cells["seed"] == key[4])]
-    return ref["scenario"].iloc[0] if len(ref) else None
+def _group_reference(cells: pd.DataFrame, key: tuple) -> str | None:
+    """The id of the run a group is compared with (`Scenario.reference`), if the run has it."""
+    impl, model, mode, opt, seed = key
+    ref = Scenario(impl, model, 1, mode, opt, seed=int(seed)).reference().id
+    return ref if (cells["scenario"] == ref).any() else None
 
 
 def _per_ws(rows: pd.DataFrame, mem: pd.DataFrame) -> pd.DataFrame:

@@ -10,7 +10,7 @@ import pandas as pd
 
 from harness.report import plots
 from harness.report.formatting import _plot, human_bytes, md_table, num
-from harness.report.groups import _cells, _groups, _label, _per_ws, _slug, _t
+from harness.report.groups import _cells, _file_stem, _groups, _label, _per_ws, _t
 from harness.tables.store import rank_bytes
 
 MEM_ORDER = ["params", "grads", "optimizer_state", "state_params", "state_grads", "state_optimizer_state",
@@ -52,7 +52,7 @@ def _memory_section(tables: dict, plots_dir: Path, rel: str) -> list[str]:
             out += ["_Per-category breakdown: not measured._", ""]
         per_ws = _per_ws(rows, mem)
         if per_ws[["state_bytes", "peak_bytes"]].notna().any().any():
-            out += [_plot(plots.plot_memory, plots_dir / f"memory-{_slug(key)}.png", rel, f"memory {_label(key)}",
+            out += [_plot(plots.plot_memory, plots_dir / f"memory-{_file_stem(key)}.png", rel, f"memory {_label(key)}",
                           per_ws, f"memory per rank: {_label(key)}"), ""]
     return out
 

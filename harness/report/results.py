@@ -11,7 +11,7 @@ import pandas as pd
 
 from harness.report import plots
 from harness.report.formatting import _missing, _plot, human_bytes, md_table, num, ratio
-from harness.report.groups import _cells, _groups, _label, _per_ws, _reference_id, _slug, _t
+from harness.report.groups import _cells, _file_stem, _group_reference, _groups, _label, _per_ws, _t
 from harness.report.verdicts import DIFF_COLUMN
 
 MAX_STEP_ROWS = 25
@@ -33,8 +33,8 @@ def _group_sections(tables: dict, plots_dir: Path, rel: str) -> list[str]:
     if not groups:
         return out + ["_Scenario results: not measured._", ""]
     for key, rows in groups:
-        slug, label = _slug(key), _label(key)
-        ref_id = _reference_id(cells, key)
+        slug, label = _file_stem(key), _label(key)
+        ref_id = _group_reference(cells, key)
         out += [f"### {label}", "", f"Reference: `{ref_id or 'not run'}`.", ""]
         mws = _per_ws(rows, mem)
         one = mws[mws["world_size"] == 1]
