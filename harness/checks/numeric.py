@@ -118,6 +118,36 @@ def cross_ws_replicated(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     return out
 
 
+def grads_match_ws1(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    """Replicated data: the gradient values the optimizers apply at world size W, over all ranks,
+    are bitwise those at world size 1, at every step (sorted, so no layout matters). Every rank
+    computes the same local gradient, so an exact reduction reproduces it; a one-ulp reduction
+    error shows here at step 1, before an optimizer amplifies it or rounds it away."""
+    out = []
+    sc, steps = tables["scenarios"], tables["steps"]
+    done = set(_ok(sc).scenario)
+    for row in _ok(sc)[lambda d: (d.world_size > 1) & (d.data_mode == "replicated")].itertuples():
+        ws1 = _ws1_id(row)
+        mine = steps[steps.scenario == row.scenario].sort_values("step")
+        if ws1 not in done or not len(mine) or mine.grad_diff_ws1.isna().all():
+            out.append(_not_measured("grads_match_ws1", row, f"no gradient values recorded for it and for {ws1}",
+                                     0.0))
+            continue
+        bad = mine[mine.grad_diff_ws1.isna() | (mine.grad_diff_ws1 != 0)]
+        worst = float(mine.grad_diff_ws1.max())
+        if not len(bad):
+            out.append(_verdict("grads_match_ws1", row, True, 0.0, 0.0,
+                                "gradient values bitwise those at world size 1 at every step"))
+            continue
+        first = bad.iloc[0]
+        what = ("missing" if math.isnan(first.grad_diff_ws1) else "a different number of non-zero values"
+                if math.isinf(first.grad_diff_ws1) else f"max |sorted diff| {_fmt(first.grad_diff_ws1)}")
+        out.append(_verdict("grads_match_ws1", row, False, worst, 0.0,
+                            f"the gradient the optimizers applied differs from world size 1 from step "
+                            f"{int(first.step)}: {what}", step=int(first.step), param="gradient values", where=what))
+    return out
+
+
 def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """Split data: each rank's 1/W slice, averaged, trains like the full batch within the stated bound."""
     out = []
@@ -300,6 +330,8 @@ NUMERIC_CHECKS = (
     Check(ws1_exact, _sharded_ws1, {"scenarios": _ROW, "steps": _DIFFS}),
     Check(cross_ws_replicated, lambda r: _ok_row(r) and r.world_size > 1 and r.data_mode == "replicated",
           {"scenarios": _ROW, "steps": _DIFFS}),
+    Check(grads_match_ws1, lambda r: _ok_row(r) and r.world_size > 1 and r.data_mode == "replicated",
+          {"scenarios": _ROW, "steps": _STEPS + ("grad_diff_ws1",)}),
     Check(split_matches_full_batch, lambda r: _ok_row(r) and r.world_size > 1 and r.data_mode == "split",
           {"scenarios": _ROW + ("steps", "lr"), "steps": _DIFFS}),
     Check(grad_norm_matches, _not_reference, {"scenarios": _ROW, "steps": _STEPS + ("grad_norm",)}),

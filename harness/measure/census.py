@@ -70,7 +70,12 @@ def _keys(tensors: Iterable[Any]) -> set[int]:
 
 
 class Census:
-    """Storages alive at construction are the process's own; `held` reports the rest by category."""
+    """Storages alive at construction are the process's own; `held` reports the rest by category.
+
+    Every object alive at construction is frozen (``gc.freeze``) until `close`: each later look
+    then collects and walks only the objects made since, a few milliseconds instead of a walk over
+    the whole process (torch alone tracks some 300,000 objects). Use it as a context manager, or
+    call `close`, so that the process's objects are collectable again afterwards."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -79,6 +84,20 @@ class Census:
         # held so that no storage id of these is reused by a new storage while the census lasts
         self._before_refs = [t for _, t in live.values()]
         self._cuda_before = self._cuda_allocated()
+        self._frozen = True
+        gc.freeze()
+
+    def close(self) -> None:
+        if self._frozen:
+            self._frozen = False
+            self._before_refs = []
+            gc.unfreeze()
+
+    def __enter__(self) -> "Census":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _cuda_allocated(self) -> int | None:
         if self.device.type != "cuda":

@@ -34,6 +34,10 @@ class _Snapshots:
     def __init__(self, dirs: dict[str, str]):
         self.dirs, self._cache = dirs, {}
 
+    def grads_path(self, scenario_id: str, step: int) -> Path:
+        """Where rank 0 wrote the sorted gradient values of that step (replicated data only)."""
+        return Path(self.dirs.get(scenario_id, "/nonexistent")) / f"step{step}.grads.pt"
+
     def get(self, scenario_id: str, step: int) -> dict[str, torch.Tensor] | None:
         d = self.dirs.get(scenario_id)
         if d is None:
@@ -43,6 +47,17 @@ class _Snapshots:
             path = Path(d) / f"step{step}.pt"
             self._cache[key] = torch.load(path, weights_only=True) if path.exists() else None
         return self._cache[key]
+
+
+def _grad_diff(a: Path, b: Path) -> float:
+    """Max |difference| between two sorted gradient digests (0.0: bitwise the same multiset of
+    values); inf when they hold different numbers of non-zero values; NaN when one is missing."""
+    if not (a.exists() and b.exists()):
+        return math.nan
+    x, y = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    if x.shape != y.shape:
+        return math.inf
+    return float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
 
 
 def _diffs(cur: dict, other: dict | None) -> dict[str, float]:
@@ -92,8 +107,12 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                                    "sum": float(t.double().sum())})
             wr, mr = _worst(d_ref)
             w1, m1 = _worst(d_ws1)
+            g1 = math.nan
+            if ws1_id in by_id and ws1_id != sc.id and sc.data_mode == "replicated":
+                g1 = _grad_diff(snaps.grads_path(sc.id, k), snaps.grads_path(ws1_id, k))
             steps_rows.append({**base, "step": k, "loss": rec["loss"], "grad_norm": rec["grad_norm"],
-                               "max_diff_ref": mr, "worst_param_ref": wr, "max_diff_ws1": m1, "worst_param_ws1": w1})
+                               "max_diff_ref": mr, "worst_param_ref": wr, "max_diff_ws1": m1, "worst_param_ws1": w1,
+                               "grad_diff_ws1": g1})
             final = {"final_loss": rec["loss"], "param_sum": sum(float(t.double().sum()) for t in cur.values()),
                      "max_diff_ref": mr, "max_diff_ws1": m1}
         for rank_rec in res["ranks"]:

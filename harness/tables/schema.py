@@ -27,6 +27,9 @@ class Table:
 
 
 # What the less obvious columns hold:
+#   steps       grad_diff_ws1 (replicated data, W > 1): max |difference| between the sorted non-zero
+#               gradient values the optimizers applied at that step, over all ranks, and those at
+#               world size 1 (0: bitwise the same values; inf: a different count)
 #   params      the full, unsharded parameter under its module path
 #   scenarios   failed_rank: the rank a failure started on; param_bytes: the full parameters;
 #               largest_unit_bytes: the largest unit's full parameters; row_bytes: one dim-0 row of
@@ -42,7 +45,10 @@ SCENARIO_IDS = ("scenario", "impl", "model", "world_size", "data_mode", "optimiz
 
 TABLES: dict[str, Table] = {t.name: t for t in (
     Table("steps", "scenario x step", SCENARIO_IDS + (
-        "step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1")),
+        "step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1",
+        "grad_diff_ws1"),
+          required=SCENARIO_IDS + ("step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1",
+                                   "worst_param_ws1")),
     Table("params", "scenario x step x parameter", (
         "scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum")),
     Table("scenarios", "scenario", SCENARIO_IDS + (

@@ -19,6 +19,7 @@ from harness.adapters import load_adapter
 from harness.core.scenario import Scenario
 from harness.measure import CommCounter, PeakMemory
 from harness.measure.census import Census
+from harness.measure.memory import local_tensor
 from harness.train.data import global_batch, local_slice
 from harness.train.models import get_model_spec
 
@@ -33,9 +34,13 @@ def train_scenario(ctx, payload: dict) -> dict:
         snap_dir.mkdir(parents=True, exist_ok=True)
     spec = get_model_spec(sc.model)
     adapter = load_adapter(sc.impl)
-    device = ctx.device
+    # what the process holds before the scenario is not the scenario's
+    with Census(ctx.device) as census:
+        return _train(ctx, sc, spec, adapter, census, snap_dir)
 
-    census = Census(device)  # what the process holds before the scenario: not the scenario's
+
+def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> dict:
+    device = ctx.device
     torch.manual_seed(sc.seed)
     model = spec.build().to(device)
     units = spec.units(model)
@@ -76,6 +81,9 @@ def train_scenario(ctx, payload: dict) -> dict:
             memory.update({f"state_{k}": v for k, v in held.items()})
             # the ZeRO-3 state (what the gate compares across runs); buffers and other are rows of their own
             memory["state_total"] = held["params"] + held["grads"] + held["optimizer_state"]
+        if sc.data_mode == "replicated":
+            _save_grads(_optimizer_grads(optimizer, adapter.sharded or ctx.rank == 0), ctx,
+                        snap_dir / f"step{step}.grads.pt")
         optimizer.zero_grad(set_to_none=True)
         for row in counter.summary():
             tot = comm_totals.setdefault((row["collective"], row["dtype"]), {"calls": 0, "elements": 0, "bytes": 0})
@@ -114,6 +122,27 @@ def _snapshot(adapter, wrapped, path: Path, rank: int) -> None:
     full = adapter.full_params(wrapped)  # collective: every rank calls it
     if rank == 0:
         torch.save({k: v.detach().to("cpu", torch.float32).clone() for k, v in full.items()}, path)
+
+
+def _optimizer_grads(optimizer, mine: bool) -> torch.Tensor:
+    """The gradient values this rank's optimizer applied (fp32, CPU, flat); none where `mine` is
+    False (an unsharded implementation's other ranks hold copies of rank 0's)."""
+    grads = [local_tensor(p.grad).detach().reshape(-1).to("cpu", torch.float32)
+             for g in optimizer.param_groups for p in g["params"] if p.grad is not None] if mine else []
+    return torch.cat(grads) if grads else torch.zeros(0)
+
+
+def _save_grads(local: torch.Tensor, ctx, path: Path) -> None:
+    """Rank 0 writes the sorted non-zero gradient values of all ranks: a digest of the reduced
+    gradient that no layout (flat buffers, per-parameter shards, padding) changes, equal bit for bit
+    exactly when the multisets of values are equal."""
+    parts = [local]
+    if ctx.world_size > 1:
+        parts = [None] * ctx.world_size if ctx.rank == 0 else None
+        dist.gather_object(local, parts, dst=dist.get_global_rank(ctx.group, 0), group=ctx.group)
+    if ctx.rank == 0:
+        values = torch.cat(parts)
+        torch.save(torch.sort(values[values != 0]).values, path)
 
 
 def _local_grad_sq(model) -> float:

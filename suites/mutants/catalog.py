@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from suites.mutants.gradient_mutants import (
     AveragedTwice,
+    Fp32Reduce,
     FrozenUpdated,
     GradsNotCleared,
     GradSummed,
@@ -89,6 +90,7 @@ nested_duplication, stale_shard, reshard_skipped = NestedDuplication, StaleShard
 optimizer_state_unsharded, meta_init, meta_init_rng_order = OptimizerStateUnsharded, MetaInit, MetaInitRngOrder
 param_left_out, unit_buffer_kept, optimizer_shadow_state = ParamLeftOut, UnitBufferKept, OptimizerShadowState
 prefetch_thread_gather, reduce_to_owners, gather_to_owners = PrefetchThreadGather, ReduceToOwners, GatherToOwners
+fp32_reduce = Fp32Reduce
 
 
 
@@ -149,6 +151,11 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("prefetch_thread_gather", _spec("prefetch_thread_gather"), "comm_volume",
            "a prefetch thread all-gathers a unit it never uses (traffic only)",
            data_modes=("replicated",), world_sizes=(2, 4), at_steps=None, kind="traffic"),
+    # W = 8: W identical fp32 addends summed in order are exact up to 4 (partial sums 2g, 3g, 4g
+    # round back), the first rounding is at 5g
+    Mutant("fp32_reduce", _spec("fp32_reduce"), "grads_match_ws1",
+           "gradients summed in fp32 in rank order against the policy (fp64): an ulp off in places",
+           data_modes=("replicated",), world_sizes=(1, 8)),
 )
 
 # Unmutated adapters run in the same matrix: the reference and these must pass every check.
@@ -158,6 +165,12 @@ CONTROLS: tuple[tuple[str, str], ...] = (
     (_spec("reduce_to_owners"), "gradients reduced by a reduce to each part's owner, ZeRO-1/2 style"),
     (_spec("gather_to_owners"), "gradients gathered on each part's owner and summed there"),
 )
+# Controls that only concern how gradients travel run in the plain model's cells up to 4 ranks,
+# not in every cell a mutant runs in; the others run everywhere.
+CONTROL_CELLS = {
+    _spec("reduce_to_owners"): lambda model, world_size: model == "mlp" and world_size <= 4,
+    _spec("gather_to_owners"): lambda model, world_size: model == "mlp" and world_size <= 4,
+}
 
 
 def by_name(name: str) -> Mutant:

@@ -40,6 +40,16 @@ class LowPrecisionReduce(ReductionReplaced):
         return mean(full_grad.to(torch.bfloat16), group, torch.bfloat16)
 
 
+class Fp32Reduce(ReductionReplaced):
+    """Gradients summed in fp32 in rank order (the policy says fp64): W identical addends round at
+    the partial sums 3g, 5g, 6g, 7g, so the averaged gradient is off by an ulp in places."""
+
+    name = "mutant:fp32_reduce"
+
+    def reduce(self, mean, full_grad, group, reduce_dtype):
+        return mean(full_grad, group, torch.float32)
+
+
 class TiedReducedTwice(MutantAdapter):
     """A tied parameter's gradient counted once per owner (embedding and head each reduce the
     slot's accumulated gradient), so it is doubled."""

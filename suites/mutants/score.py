@@ -27,7 +27,7 @@ from harness.options import DEFAULT_WORLD_SIZES
 from harness.options import seeds as seed_list
 from harness.tables.store import write_text_atomic
 from suites.mutants import false_alarms as fa
-from suites.mutants.catalog import CATALOGUE, CONTROLS, Mutant
+from suites.mutants.catalog import CATALOGUE, CONTROL_CELLS, CONTROLS, Mutant
 
 DEFAULT_OUT = Path("reports/mutation_score.md")
 PER_SAMPLE_BATCH = 16
@@ -60,11 +60,13 @@ def scenarios_of(m: Mutant, seed: int = 0) -> list[Scenario]:
 
 
 def control_scenarios(mutants, seed: int = 0) -> list[Scenario]:
-    """Every control adapter in every (model, W, mode, optimizer, steps) cell some mutant runs in."""
+    """Every control adapter in every (model, W, mode, optimizer, steps) cell some mutant runs in
+    (those of CONTROL_CELLS in the cells it names)."""
     shapes = sorted({(c.model, c.world_size, c.data_mode, c.optimizer, c.steps)
                      for m in mutants for c in scenarios_of(m, seed)})
     return [Scenario(impl, model, ws, mode, opt, steps=steps, seed=seed)
-            for impl, _ in CONTROLS for model, ws, mode, opt, steps in shapes]
+            for impl, _ in CONTROLS for model, ws, mode, opt, steps in shapes
+            if CONTROL_CELLS.get(impl, lambda *_: True)(model, ws)]
 
 
 @dataclass

@@ -25,7 +25,7 @@ ISSUE_FAULTS = {  # the faults the catalogue must hold at the least, by catalogu
     "nested_duplication", "reshard_skipped", "optimizer_state_unsharded", "meta_init_rng_order",
     "per_sample_norms_allreduced", "grads_not_cleared", "stale_shard", "tied_reduced_twice",
     "frozen_updated", "bf16_reduce", "param_left_out", "unit_buffer_kept", "optimizer_shadow_state",
-    "prefetch_thread_gather",
+    "prefetch_thread_gather", "fp32_reduce",
 }
 HARNESS_CHECKS = {c.name for c in NUMERIC_CHECKS + RESOURCE_CHECKS}
 NUMERIC_NAMES = {"finite", "ws1_exact", "cross_ws_replicated", "split_matches_full_batch", "converges"}
@@ -69,8 +69,9 @@ def test_mutant_is_caught(catalogue_run, mutant: Mutant):
         for v in hits:
             assert v.step is not None and v.param, f"{v.scenario}: {v.check} does not localize the divergence: {v}"
             assert lo <= v.step <= hi, f"{v.scenario}: first divergence at step {v.step}, expected in [{lo}, {hi}]"
-            # grad_norm_matches holds the norm over all parameters: its place is that quantity
-            assert v.param in names | {"gradient norm"}, f"{v.scenario}: {v.param!r} is not a parameter of {mutant.models}"
+            # grad_norm_matches and grads_match_ws1 hold a quantity over all parameters: its place is that quantity
+            assert v.param in names | {"gradient norm", "gradient values"}, \
+                f"{v.scenario}: {v.param!r} is not a parameter of {mutant.models}"
     elif mutant.kind == "per_sample":
         assert all(v.sample is not None and v.rank is not None for v in hits), [str(v) for v in hits]
     else:

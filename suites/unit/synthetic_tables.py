@@ -90,7 +90,8 @@ def _rows(sc: Scenario, fail: bool, steps: int):
         worst = max(diffs, key=lambda p: diffs[p])
         step_rows.append(dict(head, step=step, loss=loss_at(step, ws, mode, fail), grad_norm=1.0 / step,
                               max_diff_ref=diffs[worst], worst_param_ref=worst,
-                              max_diff_ws1=diffs[worst], worst_param_ws1=worst))
+                              max_diff_ws1=diffs[worst], worst_param_ws1=worst,
+                              grad_diff_ws1=diffs[worst] if ws > 1 and mode == "replicated" else float("nan")))
         for p, n in PARAMS.items():
             param_rows.append(dict(scenario=sc.id, step=step, param=p, numel=n, diff_ref=diffs[p],
                                    diff_ws1=diffs[p], sum=0.5 * n + diffs[p]))

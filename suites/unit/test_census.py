@@ -17,79 +17,88 @@ NOTHING_ELSE = {"buffers": 0, "other": 0, "unattributed": 0}
 
 
 def test_census_counts_tied_storage_once():
-    census = Census()
-    emb = nn.Embedding(10, 4)
-    head = nn.Linear(4, 10, bias=False)
-    head.weight = emb.weight
-    model = nn.Sequential(emb, head)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x = torch.arange(3)
-    model(x).sum().backward()
-    opt.step()
-    assert _held(census, model, opt, [x]) == {"params": 160, "grads": 160, "optimizer_state": 160, **NOTHING_ELSE}
+    with Census() as census:
+        emb = nn.Embedding(10, 4)
+        head = nn.Linear(4, 10, bias=False)
+        head.weight = emb.weight
+        model = nn.Sequential(emb, head)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x = torch.arange(3)
+        model(x).sum().backward()
+        opt.step()
+        assert _held(census, model, opt, [x]) == {"params": 160, "grads": 160, "optimizer_state": 160, **NOTHING_ELSE}
 
 
 def test_census_counts_views_of_one_flat_buffer_once():
     """Parameters that are views into one flat storage (FSDP1, fsdp_impl) count that storage."""
-    census = Census()
-    flat = torch.zeros(24)  # 96 bytes: 2 x 10 elements used, 4 of padding
-    model = nn.Module()
-    model.a = nn.Parameter(flat[:10])
-    model.b = nn.Parameter(flat[10:20])
-    del flat
-    assert _held(census, model) == {"params": 96, "grads": 0, "optimizer_state": 0, **NOTHING_ELSE}
+    with Census() as census:
+        flat = torch.zeros(24)  # 96 bytes: 2 x 10 elements used, 4 of padding
+        model = nn.Module()
+        model.a = nn.Parameter(flat[:10])
+        model.b = nn.Parameter(flat[10:20])
+        del flat
+        assert _held(census, model) == {"params": 96, "grads": 0, "optimizer_state": 0, **NOTHING_ELSE}
 
 
 def test_census_leaves_out_what_the_process_held_before_and_what_the_harness_names():
     earlier = torch.zeros(1000)  # alive before the census: the process's, not the scenario's
-    census = Census()
-    model = nn.Linear(4, 4, bias=False)  # 64 B
-    batch = torch.zeros(100)
-    assert _held(census, model, exclude=[batch]) == {"params": 64, "grads": 0, "optimizer_state": 0, **NOTHING_ELSE}
-    assert _held(census, model)["other"] == 400
-    del earlier
+    with Census() as census:
+        model = nn.Linear(4, 4, bias=False)  # 64 B
+        batch = torch.zeros(100)
+        assert _held(census, model, exclude=[batch]) == {"params": 64, "grads": 0, "optimizer_state": 0, **NOTHING_ELSE}
+        assert _held(census, model)["other"] == 400
+        del earlier
 
 
 def test_census_finds_a_buffer_kept_where_model_and_optimizer_do_not_show_it():
     """A full-size copy kept in a closure and an optimizer wrapper's own state: both "other"."""
-    census = Census()
-    model = nn.Linear(8, 8, bias=False)  # 256 B
-    kept = model.weight.detach().clone()
-    hook = model.register_forward_pre_hook(lambda m, args, kept=kept: kept.sum())  # the hook holds it
+    with Census() as census:
+        model = nn.Linear(8, 8, bias=False)  # 256 B
+        kept = model.weight.detach().clone()
+        hook = model.register_forward_pre_hook(lambda m, args, kept=kept: kept.sum())  # the hook holds it
 
-    class Wrapper(torch.optim.SGD):  # state outside optimizer.state
-        def __init__(self, params):
-            super().__init__(params, lr=0.1)
-            self.shadow = [p.detach().clone() for p in self.param_groups[0]["params"]]
+        class Wrapper(torch.optim.SGD):  # state outside optimizer.state
+            def __init__(self, params):
+                super().__init__(params, lr=0.1)
+                self.shadow = [p.detach().clone() for p in self.param_groups[0]["params"]]
 
-    opt = Wrapper(model.parameters())
-    del kept
-    held = _held(census, model, opt)
-    assert held["params"] == 256 and held["optimizer_state"] == 0
-    assert held["other"] == 2 * 256
-    hook.remove()
+        opt = Wrapper(model.parameters())
+        del kept
+        held = _held(census, model, opt)
+        assert held["params"] == 256 and held["optimizer_state"] == 0
+        assert held["other"] == 2 * 256
+        hook.remove()
 
 
 def test_census_does_not_count_what_another_thread_releases_a_moment_later(monkeypatch):
     """gloo's worker thread drops a collective's buffers just after the collective returned: here
     the buffer goes during the pause between the census's two looks."""
-    census = Census()
-    model = nn.Linear(4, 4, bias=False)
-    in_flight = [torch.zeros(100)]
-    kept = [torch.zeros(10)]
-    pauses = []
-    monkeypatch.setattr(census_module.time, "sleep", lambda s: (pauses.append(s), in_flight.clear()))
-    held = _held(census, model)
-    assert pauses == [census_module.SETTLE_S]
-    assert held["other"] == 40  # the kept tensor only
-    del kept
+    with Census() as census:
+        model = nn.Linear(4, 4, bias=False)
+        in_flight = [torch.zeros(100)]
+        kept = [torch.zeros(10)]
+        pauses = []
+        monkeypatch.setattr(census_module.time, "sleep", lambda s: (pauses.append(s), in_flight.clear()))
+        held = _held(census, model)
+        assert pauses == [census_module.SETTLE_S]
+        assert held["other"] == 40  # the kept tensor only
+        del kept
 
 
 def test_census_files_buffers_apart_and_a_freed_storage_as_zero():
-    census = Census()
-    model = nn.BatchNorm1d(4)  # weight, bias: params; running mean, var, count: buffers
-    gone = torch.zeros(50)
-    gone.untyped_storage().resize_(0)
-    held = _held(census, model)
-    assert held["params"] == 2 * 16 and held["buffers"] == 2 * 16 + 8 and held["other"] == 0
-    del gone
+    with Census() as census:
+        model = nn.BatchNorm1d(4)  # weight, bias: params; running mean, var, count: buffers
+        gone = torch.zeros(50)
+        gone.untyped_storage().resize_(0)
+        held = _held(census, model)
+        assert held["params"] == 2 * 16 and held["buffers"] == 2 * 16 + 8 and held["other"] == 0
+        del gone
+
+
+def test_a_closed_census_leaves_nothing_frozen():
+    import gc
+
+    before = gc.get_freeze_count()
+    with Census():
+        assert gc.get_freeze_count() > before
+    assert gc.get_freeze_count() == before

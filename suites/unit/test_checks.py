@@ -30,7 +30,7 @@ def make(cells):
         for k in range(3):
             steps.append({**base, "step": k + 1, "loss": losses[k], "grad_norm": 1.0,
                           "max_diff_ref": dref[k], "worst_param_ref": "fc2.weight",
-                          "max_diff_ws1": dws1[k], "worst_param_ws1": "fc2.weight"})
+                          "max_diff_ws1": dws1[k], "worst_param_ws1": "fc2.weight", "grad_diff_ws1": dws1[k]})
             params.append({"scenario": sc.id, "step": k + 1, "param": "fc2.weight", "numel": 10,
                            "diff_ref": dref[k], "diff_ws1": dws1[k], "sum": 1.0})
         scen.append({**base, "steps": 3, "lr": sc.lr, "status": "ok", "error": "", "sharded": True,
@@ -240,6 +240,24 @@ def test_a_reduction_to_each_parts_owner_counts_as_the_gradient_reduction(collec
     assert v.status == "fail" and "gradient reduction" in v.where
 
 
+def _with_grad_diffs(diffs):
+    sc = _sc("fsdp_impl", 4)
+    t = make([(sc, LOSSES, ZERO, ZERO), (sc.at_world_size(1), LOSSES, ZERO, ZERO)])
+    t["steps"].loc[t["steps"].scenario == sc.id, "grad_diff_ws1"] = diffs
+    return [v for v in checks.run_checks(t) if v.check == "grads_match_ws1"]
+
+
+def test_grads_match_ws1_is_bitwise_and_names_the_first_step():
+    [ok] = _with_grad_diffs([0.0, 0.0, 0.0])
+    assert ok.status == "pass"
+    [v] = _with_grad_diffs([0.0, 3e-9, 0.0])  # one ulp-sized difference at step 2 is a failure
+    assert v.status == "fail" and v.step == 2 and v.param == "gradient values"
+    [v] = _with_grad_diffs([0.0, math.inf, 0.0])
+    assert v.status == "fail" and "number of non-zero values" in v.where
+    [v] = _with_grad_diffs([math.nan] * 3)  # nothing recorded: cannot run, so it fails
+    assert v.status == "fail" and "could not be checked" in v.message
+
+
 def test_a_float64_reduction_passes_with_its_traffic_factor():
     """Twice the bytes on purpose (an exact reduction): the same elements, reported as a factor."""
     sc = _sc("torch_fsdp2_fp64reduce", 4)
@@ -292,7 +310,8 @@ def _expected_applicable(sc_row) -> set[str]:
         if sc_row["world_size"] == 1:
             names.add("ws1_exact")
     if sc_row["world_size"] > 1:
-        names.add({"replicated": "cross_ws_replicated", "split": "split_matches_full_batch"}[sc_row["data_mode"]])
+        names |= {"replicated": {"cross_ws_replicated", "grads_match_ws1"},
+                  "split": {"split_matches_full_batch"}}[sc_row["data_mode"]]
         if sc_row["sharded"]:
             names |= {"peak_params_bound", "comm_volume"}
     return names

@@ -83,7 +83,9 @@ def _measured(build, widths) -> dict[str, Any]:
     opt.zero_grad()
     with PeakMemory(model, opt, "cpu", extra=[x]) as pm, CommCounter() as cc:
         _step(model, opt, x)
-    return {"comm": cc.summary(), "state": census.held(model, opt, exclude=[x]), "peak": pm.result()}
+    held = census.held(model, opt, exclude=[x])
+    census.close()
+    return {"comm": cc.summary(), "state": held, "peak": pm.result()}
 
 
 def _raw_collectives() -> list[dict]:

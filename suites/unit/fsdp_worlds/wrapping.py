@@ -79,4 +79,6 @@ def released(ctx, p: dict) -> list[tuple[tuple, str]]:
         spec.loss(model(x), y).backward()
         opt.step()
     del model, opt, x, y
-    return [(tuple(t.shape), str(t.dtype)) for _, t in census.new_tensors().values()]
+    left = [(tuple(t.shape), str(t.dtype)) for _, t in census.new_tensors().values()]
+    census.close()
+    return left
