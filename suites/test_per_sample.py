@@ -67,7 +67,7 @@ def run_world(world_size: int) -> dict:
                 if OPACUS_MISSING is None and world_size in OPACUS_WORLD_SIZES and model == "mlp":
                     records["opacus", model, mode] = world.call(
                         "harness.per_sample.tasks:opacus_fsdp_task", {**base, "max_norm": max_norm(model), "lr": LR})
-                    records["opacus_tp", model, mode] = world.call("harness.per_sample.tasks:opacus_tp_task", base)
+                    records["opacus_tp", model, mode] = world.call("suites.per_sample_tasks:opacus_tp_task", base)
         if world_size == 2:
             for name, indices in ODD_LAYOUTS.items():
                 odd = {"model": "mlp", "seed": SEED, "batch": BATCH, "mode": name, "indices": indices}
@@ -75,7 +75,7 @@ def run_world(world_size: int) -> dict:
                                                           {**odd, "variants": ["fsdp_impl"]})
                 records["update", "mlp", name] = world.call("harness.per_sample.tasks:clipped_update_task",
                                                            {**odd, "max_norm": max_norm("mlp"), "lr": LR})
-            records["repeated"] = world.call("harness.per_sample.tasks:refused_indices_task", [[0, 1, 2, 3], [4, 5, 5, 6]])
+            records["repeated"] = world.call("suites.per_sample_tasks:refused_indices_task", [[0, 1, 2, 3], [4, 5, 5, 6]])
     return records
 
 
