@@ -16,7 +16,7 @@ from harness.core.policy import Bounds
 from harness.core.scenario import DATA_MODES, OPTIMIZERS, Scenario, build_matrix
 
 DEFAULT_IMPLS = ("fsdp_impl", "torch_fsdp2")
-DEFAULT_MODELS = ("mlp", "tinylm")
+DEFAULT_MODELS = ("mlp", "tinylm", "tinylm_tied")
 DEFAULT_WORLD_SIZES = (1, 2, 4, 8)
 # Generated output goes apart from the committed reports (git-ignored); the committed
 # reports/verification.md is refreshed on purpose with --report reports/verification.md.
@@ -271,7 +271,7 @@ def add_matrix_arguments(add) -> None:
     add("--impl", dest="impls", type=impls, default=None,
         help="implementations under test: fsdp_impl, torch_fsdp2, torch_fsdp2_fp64reduce, torch_fsdp1, ddp, "
              "package.module:object, cs336:module (default fsdp_impl,torch_fsdp2)")
-    add("--models", type=models, default=None, help="model zoo names (default mlp,tinylm)")
+    add("--models", type=models, default=None, help="model zoo names (default mlp,tinylm,tinylm_tied)")
     add("--data-modes", type=data_modes, default=None, help="replicated,split (default both)")
     add("--optimizers", type=optimizers, default=None, help="adamw,sgd (default both)")
     add("--steps", type=steps, default=None, help="training steps per scenario, at least 2 (default 10)")

@@ -54,6 +54,7 @@ from suites.mutants.sharding_mutants import (
     PaddingInView,
     PaddingNotZeroed,
     StaleShard,
+    TieBroken,
     WrongShardOffset,
 )
 
@@ -90,7 +91,7 @@ nested_duplication, stale_shard, reshard_skipped = NestedDuplication, StaleShard
 optimizer_state_unsharded, meta_init, meta_init_rng_order = OptimizerStateUnsharded, MetaInit, MetaInitRngOrder
 param_left_out, unit_buffer_kept, optimizer_shadow_state = ParamLeftOut, UnitBufferKept, OptimizerShadowState
 prefetch_thread_gather, reduce_to_owners, gather_to_owners = PrefetchThreadGather, ReduceToOwners, GatherToOwners
-fp32_reduce = Fp32Reduce
+fp32_reduce, tie_broken = Fp32Reduce, TieBroken
 
 
 
@@ -156,6 +157,9 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("fp32_reduce", _spec("fp32_reduce"), "grads_match_ws1",
            "gradients summed in fp32 in rank order against the policy (fp64): an ulp off in places",
            data_modes=("replicated",), world_sizes=(1, 8)),
+    Mutant("tie_broken", _spec("tie_broken"), "ws1_exact",
+           "tied weights untied on wrapping: embedding and head train apart", models=("tinylm_tied",),
+           optimizers=("adamw",)),
 )
 
 # Unmutated adapters run in the same matrix: the reference and these must pass every check.

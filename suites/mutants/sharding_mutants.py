@@ -135,3 +135,16 @@ class StaleShard(MutantAdapter):
                 return gather(out, cache["shard"], group)
 
             _rebind(h, "_fill_full", all_gather_flat=gather_cached)
+
+
+class TieBroken(MutantAdapter):
+    """Tied weights untied on wrapping (the head gets a copy of the embedding, as a wrapper that
+    re-registers each module's parameters would do): each copy trains on its own gradient only."""
+
+    name = "mutant:tie_broken"
+
+    def wrap(self, model, units, *, group, device):
+        head = getattr(model, "head", None)
+        if head is not None and head.weight is getattr(getattr(model, "embed", None), "weight", None):
+            head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        return super().wrap(model, units, group=group, device=device)
