@@ -72,20 +72,24 @@ def _keys(tensors: Iterable[Any]) -> set[int]:
 class Census:
     """Storages alive at construction are the process's own; `held` reports the rest by category.
 
-    Every object alive at construction is frozen (``gc.freeze``) until `close`: each later look
-    then collects and walks only the objects made since, a few milliseconds instead of a walk over
-    the whole process (torch alone tracks some 300,000 objects). Use it as a context manager, or
-    call `close`, so that the process's objects are collectable again afterwards."""
+    Every object alive at construction is frozen (``gc.freeze``) until `close`: each look then
+    collects and walks only the objects made since, a few milliseconds instead of a walk over the
+    whole process (torch alone tracks some 300,000 objects). The frozen objects are the process's
+    own by definition and are never listed; a new tensor over one of their storages (a view) is
+    left out too. Use it as a context manager, or call `close`, so that the process's objects are
+    collectable again afterwards."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        live = live_tensors()
-        self.before = set(live)
-        # held so that no storage id of these is reused by a new storage while the census lasts
-        self._before_refs = [t for _, t in live.values()]
+        if self.device.type == "cuda":
+            gc.collect()  # no earlier garbage on the device through the scenario (the allocator counts it)
         self._cuda_before = self._cuda_allocated()
+        # a tensor made later over a storage alive now (a view) is not the scenario's either; the
+        # tensors are held so that no id of theirs is reused by a new storage while the census lasts
+        self._before_refs = [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
+        self.before = {k[0] for t in self._before_refs if (k := _key(t)) is not None}
+        gc.freeze()  # from here on the collector (and every look) sees only what the scenario makes
         self._frozen = True
-        gc.freeze()
 
     def close(self) -> None:
         if self._frozen:

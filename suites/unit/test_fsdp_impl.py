@@ -251,7 +251,7 @@ def test_buffers_are_broadcast_from_rank_zero(world):
 @pytest.mark.parametrize("n", [1, 2])
 def test_a_dropped_model_leaves_nothing_alive(world, n):
     for r, left in enumerate(run(world, n, "wrapping:released", {"model": "tinylm"})):
-        assert left == [], f"rank {r} still holds {left}"
+        assert left == [], f"rank {r} still holds the parameters {left}"
 
 
 # ------------------------------------------------------------------ state dicts and meta init
