@@ -62,7 +62,7 @@ def _verdict(check, row, passed, measured, bound, message, *, at: Crossing | Non
     return Verdict(check, row.scenario, FAIL, measured, bound, message=message, **loc)
 
 
-def _not_measured(check: str, row, what: str, bound: float | None = None) -> Verdict:
+def not_measured(check: str, row, what: str, bound: float | None = None) -> Verdict:
     """A check that applies but could not run: a FAIL that says what was missing."""
     return Verdict(check, row.scenario, FAIL, None, bound, message=f"could not be checked: {what}")
 
@@ -84,7 +84,7 @@ def ws1_exact(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         ref_id = _reference_id(row)
         losses, ref = losses_of.get(row.scenario, []), losses_of.get(ref_id)
         if ref is None:
-            out.append(_not_measured("ws1_exact", row, f"the reference run {ref_id} did not complete", 0.0))
+            out.append(not_measured("ws1_exact", row, f"the reference run {ref_id} did not complete", 0.0))
             continue
         at, worst = _first_crossing(steps, row.scenario, "max_diff_ref", 0.0, strict_zero=True)
         bad_loss = next((i + 1 for i, (a, b) in enumerate(zip(losses, ref)) if a != b), None)
@@ -109,7 +109,7 @@ def cross_ws_replicated(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     for row in _ok(sc)[lambda d: (d.world_size > 1) & (d.data_mode == "replicated")].itertuples():
         ws1 = _ws1_id(row)
         if ws1 not in done:
-            out.append(_not_measured("cross_ws_replicated", row, f"the world-size-1 run {ws1} did not complete",
+            out.append(not_measured("cross_ws_replicated", row, f"the world-size-1 run {ws1} did not complete",
                                      bound))
             continue
         at, worst = _first_crossing(steps, row.scenario, "max_diff_ws1", bound)
@@ -130,7 +130,7 @@ def grads_match_ws1(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         ws1 = _ws1_id(row)
         mine = steps[steps.scenario == row.scenario].sort_values("step")
         if ws1 not in done or not len(mine) or mine.grad_diff_ws1.isna().all():
-            out.append(_not_measured("grads_match_ws1", row, f"no gradient values recorded for it and for {ws1}",
+            out.append(not_measured("grads_match_ws1", row, f"no gradient values recorded for it and for {ws1}",
                                      0.0))
             continue
         bad = mine[mine.grad_diff_ws1.isna() | (mine.grad_diff_ws1 != 0)]
@@ -177,11 +177,11 @@ def grad_norm_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         ref_id = _reference_id(row)
         if ref_id not in first or row.scenario not in first:
             missing = ref_id if ref_id not in first else row.scenario
-            out.append(_not_measured("grad_norm_matches", row, f"no step-1 gradient norm of {missing}", bound))
+            out.append(not_measured("grad_norm_matches", row, f"no step-1 gradient norm of {missing}", bound))
             continue
         (step, got), (_, ref) = first[row.scenario], first[ref_id]
         if not math.isfinite(ref) or ref == 0:
-            out.append(_not_measured("grad_norm_matches", row, f"the reference's step-1 gradient norm is {ref}",
+            out.append(not_measured("grad_norm_matches", row, f"the reference's step-1 gradient norm is {ref}",
                                      bound))
             continue
         rel = abs(got - ref) / abs(ref) if math.isfinite(got) else math.inf
@@ -205,7 +205,7 @@ def converges(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         ref_id, losses = _reference_id(row), losses_of.get(row.scenario, [])
         ref = losses_of.get(ref_id)
         if ref is None or not losses:
-            out.append(_not_measured("converges", row, f"no loss trajectory of {ref_id if ref is None else row.scenario}"))
+            out.append(not_measured("converges", row, f"no loss trajectory of {ref_id if ref is None else row.scenario}"))
             continue
         if not ref[-1] < ref[0]:
             out.append(Verdict("converges", row.scenario, SKIP, None, 0.0, message=(
@@ -226,7 +226,7 @@ def finite(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         s = steps[steps.scenario == row.scenario].sort_values("step")
         p = params[params.scenario == row.scenario].sort_values(["step", "param"])
         if not len(s) or not len(p):
-            out.append(_not_measured("finite", row, "no losses or no parameters were recorded"))
+            out.append(not_measured("finite", row, "no losses or no parameters were recorded"))
             continue
         bad_loss = s[~s.loss.map(math.isfinite)]
         bad_param = p[~p["sum"].map(math.isfinite)]
@@ -249,7 +249,7 @@ def params_cover_model(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     for row in _ok(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
         n = row.params_compared
         if pd.isna(n):
-            out.append(_not_measured("params_cover_model", row, f"no parameters of {_reference_id(row)} "
+            out.append(not_measured("params_cover_model", row, f"no parameters of {_reference_id(row)} "
                                      "to hold full_params against"))
             continue
         bad = cover[cover.scenario == row.scenario].sort_values("step", kind="stable")  # missing first

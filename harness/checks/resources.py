@@ -13,7 +13,7 @@ import math
 
 import pandas as pd
 
-from harness.checks.numeric import Check
+from harness.checks.numeric import Check, not_measured
 from harness.core.policy import Bounds
 from harness.core.verdict import FAIL, PASS, Verdict
 from harness.measure import ideal_comm_elements, ideal_state_bytes
@@ -39,8 +39,7 @@ def _measured_rows(tables, check: str, out: list[Verdict], *, multi_rank: bool =
     if multi_rank:
         rows = rows[(rows.world_size > 1) & rows.sharded.astype(bool)]
     for r in rows[rows.param_bytes.isna()].itertuples():
-        out.append(Verdict(check, r.scenario, FAIL, None, None,
-                           message="could not be checked: the rank recorded no parameter sizes (param_bytes)"))
+        out.append(not_measured(check, r, "the rank recorded no parameter sizes (param_bytes)"))
     return rows[rows.param_bytes.notna()]
 
 
@@ -53,6 +52,13 @@ def shard_padding(row, bounds: Bounds = Bounds()) -> float:
 def gather_padding(row, bounds: Bounds = Bounds()) -> float:
     """Most padding one full-size collective over all parameters may carry: W-1 rows per tensor."""
     return (int(row.world_size) - 1) * float(row.row_bytes) + bounds.align_bytes_per_tensor * float(row.param_tensors)
+
+
+def _at_most(check: str, row, measured: float, bound: float, message: str, where_over: str) -> Verdict:
+    """PASS when `measured` <= `bound`; else FAIL, located by `where_over`."""
+    passed = measured <= bound
+    return Verdict(check, row.scenario, PASS if passed else FAIL, measured, bound, "" if passed else where_over,
+                   message)
 
 
 def _max_over_ranks(mem: pd.DataFrame, sid: str, *categories: str) -> float:
@@ -112,18 +118,16 @@ def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     for row in _measured_rows(tables, "peak_memory_bound", out).itertuples():
         peak = _max_over_ranks(mem, row.scenario, "peak")
         if math.isnan(peak):
-            out.append(Verdict("peak_memory_bound", row.scenario, FAIL, None, None,
-                               message="could not be checked: the rank recorded no peak memory"))
+            out.append(not_measured("peak_memory_bound", row, "the rank recorded no peak memory"))
             continue
         ideal = ideal_state_bytes(int(row.param_bytes), row.optimizer, int(row.world_size), sharded=bool(row.sharded))
         unsharded = 0 if not row.sharded or row.world_size == 1 else 2 * 2 * float(row.largest_unit_bytes)
         transient = (_max_over_ranks(mem, row.scenario, "activations") + _max_over_ranks(mem, row.scenario, "other"))
         bound = (sum(ideal.values()) + unsharded + transient) * (1 + bounds.peak_slack) + 4 * shard_padding(row, bounds)
-        passed = peak <= bound
         msg = (f"peak {peak:,.0f} B per rank vs bound {bound:,.0f} B (state ideal {sum(ideal.values()):,.0f} + "
                f"2 units unsharded {unsharded:,.0f} + activations/other {transient:,.0f}, +{bounds.peak_slack:.0%})")
-        where = "" if passed else f"params: peak exceeds the bound by {peak - bound:,.0f} B"
-        out.append(Verdict("peak_memory_bound", row.scenario, PASS if passed else FAIL, peak, bound, where, msg))
+        out.append(_at_most("peak_memory_bound", row, peak, bound, msg,
+                            f"params: peak exceeds the bound by {peak - bound:,.0f} B"))
     return out
 
 
@@ -137,18 +141,16 @@ def peak_params_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     for row in _measured_rows(tables, "peak_params_bound", out, multi_rank=True).itertuples():
         held = _max_over_ranks(mem, row.scenario, "params")
         if math.isnan(held) or math.isnan(float(getattr(row, "root_bytes", math.nan))):
-            out.append(Verdict("peak_params_bound", row.scenario, FAIL, None, None,
-                               message="could not be checked: parameters at the peak or the root's own "
-                                       "parameter bytes were not recorded"))
+            out.append(not_measured("peak_params_bound", row, "parameters at the peak or the root's own "
+                                     "parameter bytes were not recorded"))
             continue
         shards = -(-int(row.param_bytes) // int(row.world_size))
         gathered = 2 * float(row.largest_child_bytes) + float(row.root_bytes)
         bound = shards + gathered + shard_padding(row, bounds) + 2 * bounds.align_bytes_per_tensor * float(row.param_tensors)
-        passed = held <= bound
         msg = (f"parameters held at the peak {held:,.0f} B per rank vs bound {bound:,.0f} B (shards {shards:,} + "
                f"2 child units {2 * float(row.largest_child_bytes):,.0f} + root {float(row.root_bytes):,.0f} + padding)")
-        where = "" if passed else f"params: {held - bound:,.0f} B over the bound at the peak"
-        out.append(Verdict("peak_params_bound", row.scenario, PASS if passed else FAIL, held, bound, where, msg))
+        out.append(_at_most("peak_params_bound", row, held, bound, msg,
+                            f"params: {held - bound:,.0f} B over the bound at the peak"))
     return out
 
 

@@ -14,6 +14,7 @@ out of the pool; the next scenario runs on a rebuilt world.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import tempfile
 import time
@@ -114,9 +115,10 @@ def run_matrix(scenarios: list[Scenario], *, pool: WorldPool | ScenarioPool | No
     own_pool = pool is None
     world_pool = WorldPool(timeout_s=timeout_s) if own_pool else pool
     scenario_pool = ReusedWorlds(world_pool, timeout_s) if isinstance(world_pool, WorldPool) else world_pool
-    with tempfile.TemporaryDirectory(prefix="fsdp-harness-") as tmp:
+    own_dir = tempfile.TemporaryDirectory(prefix="fsdp-harness-") if snapshot_dir is None else None
+    with own_dir or contextlib.nullcontext(snapshot_dir) as snapshots:
         try:
-            records = execute(scenarios, snapshot_dir=snapshot_dir or tmp, pool=scenario_pool, progress=progress)
+            records = execute(scenarios, snapshot_dir=snapshots, pool=scenario_pool, progress=progress)
         finally:
             if own_pool:
                 world_pool.close()

@@ -33,7 +33,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from harness.measure.memory import local_tensor
+from harness.measure.memory import local_tensor, state_tensors
 
 __all__ = ["Census", "HELD_CATEGORIES", "live_tensors"]
 
@@ -119,13 +119,9 @@ class Census:
     def classify(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  exclude: Iterable[torch.Tensor] = ()) -> list[tuple[str, int, torch.Tensor]]:
         """(category, bytes, a tensor using it) per storage alive now that was not at construction."""
-        params = list(model.parameters())
-        if optimizer is not None:
-            params += [p for g in optimizer.param_groups for p in g["params"]]
-        state = [v for s in optimizer.state.values() for v in s.values()] if optimizer is not None else []
         owner: dict[int, str] = {}
-        for cat, tensors in (("params", params), ("grads", [p.grad for p in params]),
-                             ("optimizer_state", state), ("buffers", list(model.buffers()))):
+        groups = {**state_tensors(model, optimizer), "buffers": list(model.buffers())}
+        for cat, tensors in groups.items():
             for k in _keys(tensors):
                 owner.setdefault(k, cat)
         return [(owner.get(k, "other"), nbytes, t) for k, (nbytes, t) in self.new_tensors(exclude).items()]

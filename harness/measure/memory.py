@@ -30,7 +30,7 @@ try:
 except ImportError:  # torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["state_bytes", "PeakMemory", "ideal_state_bytes", "CATEGORIES", "local_tensor"]
+__all__ = ["state_bytes", "state_tensors", "PeakMemory", "ideal_state_bytes", "CATEGORIES", "local_tensor"]
 
 CATEGORIES = ("params", "grads", "optimizer_state", "activations", "other")
 
@@ -57,28 +57,25 @@ def _count(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
     return total
 
 
-def _optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    if optimizer is None:
-        return []
-    return [v for state in optimizer.state.values() for v in state.values()
-            if isinstance(v, torch.Tensor)]
-
-
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
-    """Bytes THIS rank holds now: {"params", "grads", "optimizer_state"}, each storage once.
+def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, list[torch.Tensor]]:
+    """The training state by category: {"params", "grads", "optimizer_state"}.
 
     Parameters are those of ``model`` plus any the optimizer holds that the model does not list
-    (e.g. a flat parameter); a storage already counted in an earlier category is not counted again.
-    """
+    (e.g. a flat parameter); grads are theirs; optimizer state is the tensors in ``optimizer.state``."""
     params = list(model.parameters())
     if optimizer is not None:
         known = {id(p) for p in params}
         params += [p for g in optimizer.param_groups for p in g["params"] if id(p) not in known]
+    state = [v for s in optimizer.state.values() for v in s.values()
+             if isinstance(v, torch.Tensor)] if optimizer is not None else []
+    return {"params": params, "grads": [p.grad for p in params if p.grad is not None], "optimizer_state": state}
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """Bytes THIS rank holds now in `state_tensors`' categories, each storage once: a storage
+    already counted in an earlier category is not counted again."""
     seen: set[int] = set()
-    out = {"params": _count(params, seen)}
-    out["grads"] = _count((p.grad for p in params if p.grad is not None), seen)
-    out["optimizer_state"] = _count(_optimizer_tensors(optimizer), seen)
-    return out
+    return {cat: _count(tensors, seen) for cat, tensors in state_tensors(model, optimizer).items()}
 
 
 # Optimizer name -> state bytes per parameter byte (steps counters, a few bytes each, left out).

@@ -34,9 +34,10 @@ class _Snapshots:
     def __init__(self, dirs: dict[str, str]):
         self.dirs, self._cache = dirs, {}
 
-    def grads_path(self, scenario_id: str, step: int) -> Path:
+    def grads_path(self, scenario_id: str, step: int) -> Path | None:
         """Where rank 0 wrote the sorted gradient values of that step (replicated data only)."""
-        return Path(self.dirs.get(scenario_id, "/nonexistent")) / f"step{step}.grads.pt"
+        d = self.dirs.get(scenario_id)
+        return None if d is None else Path(d) / f"step{step}.grads.pt"
 
     def get(self, scenario_id: str, step: int) -> dict[str, torch.Tensor] | None:
         d = self.dirs.get(scenario_id)
@@ -49,10 +50,10 @@ class _Snapshots:
         return self._cache[key]
 
 
-def _grad_diff(a: Path, b: Path) -> float:
+def _grad_diff(a: Path | None, b: Path | None) -> float:
     """Max |difference| between two sorted gradient digests (0.0: bitwise the same multiset of
     values); inf when they hold different numbers of non-zero values; NaN when one is missing."""
-    if not (a.exists() and b.exists()):
+    if a is None or b is None or not (a.exists() and b.exists()):
         return math.nan
     x, y = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
     if x.shape != y.shape:

@@ -149,8 +149,7 @@ def _local_grad_sq(model) -> float:
     total = 0.0
     for p in model.parameters():
         if p.grad is not None:
-            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            total += float(g.detach().double().pow(2).sum())
+            total += float(local_tensor(p.grad).detach().double().pow(2).sum())
     return total
 
 
