@@ -47,7 +47,7 @@ def _reference_id(row) -> str:
     return Scenario(row.impl, row.model, 1, row.data_mode, row.optimizer, seed=int(row.seed)).reference().id
 
 
-def _verdict(check, row, passed, measured, bound, message, *, at: Crossing | None = None,
+def judge(check, row, passed, measured, bound, message, *, at: Crossing | None = None,
              step: int | None = None, param: str = "", where: str = "") -> Verdict:
     """PASS, else KNOWN for a documented deviation (harness/core/policy.py), else FAIL; `at` locates it."""
     if at is not None:
@@ -96,7 +96,7 @@ def ws1_exact(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                f"world size 1 differs from the non-sharded model: max |param diff| {_fmt(worst)}")
         if loss_step is not None:
             msg += f"; loss {losses[loss_step - 1]!r} vs {ref[loss_step - 1]!r} at step {loss_step}"
-        out.append(_verdict("ws1_exact", row, passed, worst, 0.0, msg, at=at, step=loss_step,
+        out.append(judge("ws1_exact", row, passed, worst, 0.0, msg, at=at, step=loss_step,
                             param="loss" if loss_step is not None else ""))
     return out
 
@@ -114,7 +114,7 @@ def cross_ws_replicated(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             continue
         at, worst = _first_crossing(steps, row.scenario, "max_diff_ws1", bound)
         msg = f"max |param diff| vs world size 1 = {_fmt(worst)} (bound < {bound:g})"
-        out.append(_verdict("cross_ws_replicated", row, at is None, worst, bound, msg, at=at))
+        out.append(judge("cross_ws_replicated", row, at is None, worst, bound, msg, at=at))
     return out
 
 
@@ -136,13 +136,13 @@ def grads_match_ws1(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         bad = mine[mine.grad_diff_ws1.isna() | (mine.grad_diff_ws1 != 0)]
         worst = float(mine.grad_diff_ws1.max())
         if not len(bad):
-            out.append(_verdict("grads_match_ws1", row, True, 0.0, 0.0,
+            out.append(judge("grads_match_ws1", row, True, 0.0, 0.0,
                                 "gradient values bitwise those at world size 1 at every step"))
             continue
         first = bad.iloc[0]
         what = ("missing" if math.isnan(first.grad_diff_ws1) else "a different number of non-zero values"
                 if math.isinf(first.grad_diff_ws1) else f"max |sorted diff| {_fmt(first.grad_diff_ws1)}")
-        out.append(_verdict("grads_match_ws1", row, False, worst, 0.0,
+        out.append(judge("grads_match_ws1", row, False, worst, 0.0,
                             f"the gradient the optimizers applied differs from world size 1 from step "
                             f"{int(first.step)}: {what}", step=int(first.step), param="gradient values", where=what))
     return out
@@ -157,7 +157,7 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
         at, worst = _first_crossing(steps, row.scenario, "max_diff_ref", bound)
         msg = (f"max |param diff| vs full-batch training = {_fmt(worst)} "
                f"(bound {bound:.3g} = {bound / (row.lr * row.steps):g} x lr x steps)")
-        out.append(_verdict("split_matches_full_batch", row, at is None and not math.isnan(worst), worst, bound,
+        out.append(judge("split_matches_full_batch", row, at is None and not math.isnan(worst), worst, bound,
                             msg, at=at))
     return out
 
@@ -187,7 +187,7 @@ def grad_norm_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         rel = abs(got - ref) / abs(ref) if math.isfinite(got) else math.inf
         passed = rel <= bound
         msg = f"step-1 gradient norm {got:.9g} vs non-sharded {ref:.9g}: relative difference {_fmt(rel)} (bound {bound:g})"
-        out.append(_verdict("grad_norm_matches", row, passed, rel, bound, msg, step=step, param="gradient norm"))
+        out.append(judge("grad_norm_matches", row, passed, rel, bound, msg, step=step, param="gradient norm"))
     return out
 
 
@@ -214,7 +214,7 @@ def converges(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             continue
         first, last = losses[0], losses[-1]
         msg = f"loss {first:.6g} -> {last:.6g} (non-sharded {ref[0]:.6g} -> {ref[-1]:.6g})"
-        out.append(_verdict("converges", row, last < first, last - first, 0.0, msg, step=len(losses), param="loss"))
+        out.append(judge("converges", row, last < first, last - first, 0.0, msg, step=len(losses), param="loss"))
     return out
 
 
@@ -237,7 +237,7 @@ def finite(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             step, param = int(bad_loss.step.iloc[0]), "loss"
         passed = step is None
         msg = "all losses and parameters finite" if passed else "non-finite loss or parameter"
-        out.append(_verdict("finite", row, passed, None, None, msg, step=step, param=param))
+        out.append(judge("finite", row, passed, None, None, msg, step=step, param=param))
     return out
 
 
@@ -261,7 +261,7 @@ def params_cover_model(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         at_first = bad[bad.step == first.step]
         listed = "; ".join(f"{r.param}: {r.problem}" for r in at_first.head(5).itertuples())
         more = f" (and {len(at_first) - 5} more)" if len(at_first) > 5 else ""
-        out.append(_verdict("params_cover_model", row, False, len(at_first), 0,
+        out.append(judge("params_cover_model", row, False, len(at_first), 0,
                             f"full_params disagrees with the plain model's {int(n)} parameters at step "
                             f"{int(first.step)}: {listed}{more}", step=int(first.step), param=str(first.param),
                             where=str(first.problem)))

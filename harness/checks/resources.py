@@ -13,9 +13,9 @@ import math
 
 import pandas as pd
 
-from harness.checks.numeric import Check, not_measured
+from harness.checks.numeric import Check, judge, not_measured
 from harness.core.policy import Bounds
-from harness.core.verdict import FAIL, PASS, Verdict
+from harness.core.verdict import Verdict
 from harness.measure import ideal_comm_elements, ideal_state_bytes
 
 STATE_CATEGORIES = ("params", "grads", "optimizer_state")
@@ -55,10 +55,8 @@ def gather_padding(row, bounds: Bounds = Bounds()) -> float:
 
 
 def _at_most(check: str, row, measured: float, bound: float, message: str, where_over: str) -> Verdict:
-    """PASS when `measured` <= `bound`; else FAIL, located by `where_over`."""
-    passed = measured <= bound
-    return Verdict(check, row.scenario, PASS if passed else FAIL, measured, bound, "" if passed else where_over,
-                   message)
+    """PASS when `measured` <= `bound`; else KNOWN for a documented deviation, else FAIL (`judge`)."""
+    return judge(check, row, measured <= bound, measured, bound, message, where=where_over)
 
 
 def _max_over_ranks(mem: pd.DataFrame, sid: str, *categories: str) -> float:
@@ -106,8 +104,8 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                f"({kind} {row.world_size} ranks; worst category {worst:.3f}x its ideal); "
                f"held elsewhere {elsewhere:,.0f} B")
         # bound: the worst category's allowed ratio (1% slack + this model's padding allowance)
-        out.append(Verdict("memory_sharding", row.scenario, FAIL if where else PASS, worst, worst_limit,
-                           where, msg if not where else f"{msg}; {where}"))
+        out.append(judge("memory_sharding", row, not where, worst, worst_limit,
+                         msg if not where else f"{msg}; {where}", where=where))
     return out
 
 
@@ -193,8 +191,8 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                f"{reduce_bytes:,.0f} B: traffic factor {factor:.2f}x the parameters' {8 * width:g}-bit elements; "
                f"ZeRO-3 ideal 2P + P with P = {p:,.0f} elements")
         limit = (ideal_gather + t) * (1 + bounds.comm_slack) + 3 * allowance  # the most both conditions above allow together
-        out.append(Verdict("comm_volume", row.scenario, FAIL if problems else PASS, (gather + reduce) / p, limit / p,
-                           "; ".join(problems), msg + f"; allowed up to {limit / p:.3g}P with padding"))
+        out.append(judge("comm_volume", row, not problems, (gather + reduce) / p, limit / p,
+                         msg + f"; allowed up to {limit / p:.3g}P with padding", where="; ".join(problems)))
     return out
 
 

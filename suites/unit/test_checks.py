@@ -165,6 +165,20 @@ def test_peak_params_bound_catches_a_whole_extra_copy_of_the_parameters():
     assert [v.status for v in resource_checks.peak_params_bound(t)] == ["fail"]
 
 
+def test_a_resource_bound_missed_where_policy_documents_it_is_known_and_elsewhere_a_failure():
+    """harness/core/policy.py documents FSDP2 missing peak_params_bound on gloo; the same miss by
+    fsdp_impl stays a failure. The bound itself is the same for both."""
+    verdicts = {}
+    for impl in ("torch_fsdp2", "fsdp_impl"):
+        sc = _sc(impl, 4)
+        t = make([(sc, LOSSES, ZERO, ZERO)])
+        t["memory"] = pd.DataFrame([(sc.id, 0, "params", 2 * P_BYTES)], columns=["scenario", "rank", "category", "bytes"])
+        [verdicts[impl]] = resource_checks.peak_params_bound(t)
+    assert verdicts["torch_fsdp2"].status == "known" and "Known deviation" in verdicts["torch_fsdp2"].message
+    assert verdicts["fsdp_impl"].status == "fail"
+    assert verdicts["torch_fsdp2"].bound == verdicts["fsdp_impl"].bound
+
+
 def _with_memory(t, sid, ws, opt_factor, optimizer_state=None, other=0):
     per = P_BYTES // ws
     rows = [(sid, 0, "state_params", per), (sid, 0, "state_grads", per),
