@@ -17,6 +17,7 @@ from harness.checks.numeric import Check, judge, not_measured
 from harness.core.policy import Bounds
 from harness.core.verdict import Verdict
 from harness.measure import ideal_comm_elements, ideal_state_bytes
+from harness.measure.timeline import ALLOWED, PHASES, ROOT_FREE
 
 STATE_CATEGORIES = ("params", "grads", "optimizer_state")
 # Gradient reductions after which each rank holds only its own part, and the share of a call's
@@ -152,6 +153,40 @@ def peak_params_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     return out
 
 
+def units_gathered(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    """Sharded, W > 1: at no moment of the measured step more units hold their full parameters than
+    ZeRO-3 lets them (harness.measure.timeline.ALLOWED: 2 in forward and backward, the unit running
+    and one prefetched; 1 between forward and backward; none after backward, the root included).
+    Counted in units, not bytes, so a unit left gathered after its forward fails on any model."""
+    out, gathered = [], tables["gathered"]
+    for row in _measured_rows(tables, "units_gathered", out, multi_rank=True).itertuples():
+        g = gathered[gathered.scenario == row.scenario]
+        missing = [p for p in PHASES if p not in set(g.phase)]
+        if g.empty or missing:
+            out.append(not_measured("units_gathered", row, f"no moments of {', '.join(missing)} recorded"))
+            continue
+        if not (g.units.max() > 0 or g.root.astype(bool).any()):
+            out.append(not_measured("units_gathered", row, "no unit was ever seen holding its full parameters: "
+                                    "the implementation keeps them where the model's modules do not point"))
+            continue
+        problems, worst = [], 0
+        for r in g.itertuples():
+            over = int(r.units) - ALLOWED[r.phase] + int(bool(r.root) and r.phase not in ROOT_FREE)
+            worst = max(worst, over)
+            if int(r.units) > ALLOWED[r.phase]:
+                problems.append(f"{r.phase.replace('_', ' ')} on rank {r.rank}: {int(r.units)} units gathered at once "
+                                f"({r.which}), {ALLOWED[r.phase]} allowed")
+            if bool(r.root) and r.phase not in ROOT_FREE:
+                problems.append(f"{r.phase.replace('_', ' ')} on rank {r.rank}: the root's own parameters still gathered")
+        most = g.groupby("phase").units.max()
+        msg = ("most units gathered at once: " + ", ".join(f"{p.replace('_', ' ')} {int(most[p])}" for p in PHASES)
+               + " (allowed " + ", ".join(str(ALLOWED[p]) for p in PHASES) + "; the root may stay gathered until "
+               "backward ends)")
+        out.append(judge("units_gathered", row, not problems, worst, 0, msg if not problems else
+                         f"{msg}; {problems[0]}", where="; ".join(problems[:3])))
+    return out
+
+
 def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """Sharded, W > 1, per step, counted in elements so that the element type neither hides nor
     fakes volume: parameter all-gathers at most 2P elements, and the gradient reduction exactly the
@@ -211,6 +246,8 @@ RESOURCE_CHECKS = (
     Check(peak_memory_bound, _ok_row, {"scenarios": _SIZES + ("largest_unit_bytes",), **_MEM}, kind="efficiency"),
     Check(peak_params_bound, _ok_multi_rank, {"scenarios": _SIZES + ("largest_child_bytes", "root_bytes"), **_MEM},
           kind="efficiency"),
+    Check(units_gathered, _ok_multi_rank, {"scenarios": _SIZES, "gathered": ("scenario", "rank", "phase", "units",
+                                                                          "which", "root")}, kind="efficiency"),
     Check(comm_volume, _ok_multi_rank, {"scenarios": _SIZES + ("param_elements", "trainable_elements"),
                                         "comm": ("scenario", "collective", "dtype", "elements", "bytes")},
           kind="efficiency"),

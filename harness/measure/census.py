@@ -6,7 +6,9 @@ each under one category:
 
     params           storages of the model's parameters and of any the optimizer holds
     grads            their ``.grad``
-    optimizer_state  tensors in ``optimizer.state``
+    optimizer_state  tensors in the ``state`` of every optimizer: the one the adapter returned and
+                     every ``torch.optim.Optimizer`` the scenario made (an optimizer wrapper's inner
+                     optimizer holds the state the wrapper does not)
     buffers          the model's buffers (``module.buffers()``)
     other            anything else: a buffer an implementation keeps per unit between steps, an
                      optimizer wrapper's own state, a cache in a closure or a module global
@@ -33,7 +35,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from harness.measure.memory import local_tensor, state_tensors
+from harness.measure.memory import local_tensor, optimizer_list, state_tensors
 
 __all__ = ["Census", "HELD_CATEGORIES", "live_tensors"]
 
@@ -116,7 +118,15 @@ class Census:
         return {k: v for k, v in live_tensors().items()
                 if k not in skip and local_tensor(v[1]).device.type == self.device.type}
 
-    def classify(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+    def optimizers(self, optimizer: Any) -> list[Any]:
+        """`optimizer` (one or several) and every other ``torch.optim.Optimizer`` alive that the
+        scenario made: whatever an adapter's optimizer wraps, its state is found."""
+        given = optimizer_list(optimizer)
+        seen = {id(o) for o in given}
+        return given + [o for o in gc.get_objects()
+                        if issubclass(type(o), torch.optim.Optimizer) and id(o) not in seen]
+
+    def classify(self, model: nn.Module, optimizer: Any,
                  exclude: Iterable[torch.Tensor] = ()) -> list[tuple[str, int, torch.Tensor]]:
         """(category, bytes, a tensor using it) per storage alive now that was not at construction."""
         owner: dict[int, str] = {}
@@ -126,7 +136,7 @@ class Census:
                 owner.setdefault(k, cat)
         return [(owner.get(k, "other"), nbytes, t) for k, (nbytes, t) in self.new_tensors(exclude).items()]
 
-    def held(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+    def held(self, model: nn.Module, optimizer: Any,
              exclude: Iterable[torch.Tensor] = ()) -> dict[str, int]:
         """Bytes held now, by category (HELD_CATEGORIES), each storage once.
 

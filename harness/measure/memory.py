@@ -30,7 +30,7 @@ try:
 except ImportError:  # torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["state_bytes", "state_tensors", "PeakMemory", "ideal_state_bytes", "CATEGORIES", "local_tensor"]
+__all__ = ["state_bytes", "state_tensors", "optimizer_list", "PeakMemory", "ideal_state_bytes", "CATEGORIES", "local_tensor"]
 
 CATEGORIES = ("params", "grads", "optimizer_state", "activations", "other")
 
@@ -57,21 +57,35 @@ def _count(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
     return total
 
 
-def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, list[torch.Tensor]]:
+def optimizer_list(optimizer: Any) -> list[Any]:
+    """One optimizer, several (a list or tuple), or None, as a list."""
+    if optimizer is None:
+        return []
+    return list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+
+
+def state_tensors(model: nn.Module, optimizer: Any) -> dict[str, list[torch.Tensor]]:
     """The training state by category: {"params", "grads", "optimizer_state"}.
 
-    Parameters are those of ``model`` plus any the optimizer holds that the model does not list
-    (e.g. a flat parameter); grads are theirs; optimizer state is the tensors in ``optimizer.state``."""
+    ``optimizer``: one optimizer or several (an optimizer wrapper and the optimizer inside it).
+    Parameters are those of ``model`` plus any an optimizer holds that the model does not list
+    (e.g. a flat parameter); grads are theirs; optimizer state is the tensors in every
+    optimizer's ``state``."""
+    optimizers = optimizer_list(optimizer)
     params = list(model.parameters())
-    if optimizer is not None:
-        known = {id(p) for p in params}
-        params += [p for g in optimizer.param_groups for p in g["params"] if id(p) not in known]
-    state = [v for s in optimizer.state.values() for v in s.values()
-             if isinstance(v, torch.Tensor)] if optimizer is not None else []
+    known = {id(p) for p in params}
+    for opt in optimizers:  # an object that only looks like an optimizer may lack either attribute
+        for g in getattr(opt, "param_groups", ()):
+            for p in g["params"]:
+                if id(p) not in known:
+                    known.add(id(p))
+                    params.append(p)
+    state = [v for opt in optimizers for s in getattr(opt, "state", {}).values() for v in s.values()
+             if isinstance(v, torch.Tensor)]
     return {"params": params, "grads": [p.grad for p in params if p.grad is not None], "optimizer_state": state}
 
 
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+def state_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
     """Bytes THIS rank holds now in `state_tensors`' categories, each storage once: a storage
     already counted in an earlier category is not counted again."""
     seen: set[int] = set()
@@ -118,7 +132,11 @@ class _GlobalPeakOnly:
     op, a loop over all modules seen: O(ops x modules), 3/4 of the time of a GPT-2-medium step
     under FakeTensorMode. Module-wise snapshots (not used here) lose their peak entries."""
 
+    _on_op: Any = None  # called after every operation's bookkeeping (a timeline's `sample`)
+
     def _update_peak_stats(self, peak_state: Any) -> None:
+        if self._on_op is not None:
+            self._on_op()
         for dev, snap in self._curr_mem_snap.items():  # type: ignore[attr-defined]
             if self._peak_mem.get(dev, 0) < snap["Total"]:  # type: ignore[attr-defined]
                 self._peak_mem[dev] = snap["Total"]  # type: ignore[attr-defined]
@@ -185,9 +203,13 @@ class PeakMemory:
     on the device); the category split comes from the tracker and ``other`` takes the remainder.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 device: torch.device | str, extra: Iterable[torch.Tensor] = ()) -> None:
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model: nn.Module, optimizer: Any, device: torch.device | str,
+                 extra: Iterable[torch.Tensor] = (), on_op: Any = None) -> None:
+        self.model = model
+        self.on_op = on_op  # called at every operation of the step (harness.measure.timeline)
+        # one optimizer or several (a wrapper and the optimizer inside it): the torch optimizers'
+        # state is tracked from entry; an object that only looks like one has none of its own
+        self.optimizers = [o for o in optimizer_list(optimizer) if isinstance(o, torch.optim.Optimizer)]
         self.device = torch.device(device)
         self.extra = list(extra)
         self.tracker: MemTracker | None = None
@@ -207,12 +229,16 @@ class PeakMemory:
             class _FSDPTracker(_GlobalPeakOnly, FSDPMemTracker):
                 pass
 
-            self.tracker = _FSDPTracker(self.model, self.optimizer)
-            self.tracker.track_inputs(tuple(self.extra))  # its track_external is a no-op
+            # it instruments one optimizer: the one holding state; any other's state counts as other
+            main = max(self.optimizers, key=lambda o: len(o.state), default=None)
+            self.tracker = _FSDPTracker(self.model, main)
+            rest = [t for o in self.optimizers if o is not main for t in state_tensors(nn.Module(), o)["optimizer_state"]]
+            self.tracker.track_inputs(tuple(self.extra + rest))  # its track_external is a no-op
         else:
             self.tracker = _CollectiveAwareTracker()
-            self.tracker.track_external(self.model, self.optimizer, *self.extra)
+            self.tracker.track_external(self.model, *self.optimizers, *self.extra)
         self.extra = []  # tracked now; kept here they could not be freed during the step
+        self.tracker._on_op = self.on_op
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from harness.measure.timeline import ALLOWED, PHASES
 from harness.report import plots
 from harness.report.formatting import _plot, human_bytes, md_table, num
 from harness.report.groups import _cells, _file_stem, _groups, _label, _per_ws, _t
@@ -50,11 +51,32 @@ def _memory_section(tables: dict, plots_dir: Path, rel: str) -> list[str]:
             out += [md_table(table.rename_axis("category").reset_index()), ""]
         else:
             out += ["_Per-category breakdown: not measured._", ""]
+        out += _gathered_table(tables, rows)
         per_ws = _per_ws(rows, mem)
         if per_ws[["state_bytes", "peak_bytes"]].notna().any().any():
             out += [_plot(plots.plot_memory, plots_dir / f"memory-{_file_stem(key)}.png", rel, f"memory {_label(key)}",
                           per_ws, f"memory per rank: {_label(key)}"), ""]
     return out
+
+
+def _gathered_table(tables: dict, rows: pd.DataFrame) -> list[str]:
+    """Units holding their full parameters at once, the most at one moment of each phase (max over
+    ranks), by world size; a `+ root` where the root's own parameters were full too."""
+    g = _t(tables, "gathered")
+    if not len(g):
+        return []
+    g = g.merge(rows[["scenario", "world_size"]], on="scenario")
+    g = g[g.world_size > 1]
+    if not len(g):
+        return []
+    by = g.groupby(["phase", "world_size"]).agg(units=("units", "max"), root=("root", "any"))
+    cell = by.apply(lambda r: f"{int(r['units'])}" + (" + root" if r["root"] else ""), axis=1).unstack("world_size")
+    cell = cell.loc[[p for p in PHASES if p in cell.index]]
+    cell.columns = [f"W={c}" for c in cell.columns]
+    cell.index = [p.replace("_", " ") for p in cell.index]
+    allowed = ", ".join(f"{p.replace('_', ' ')} {ALLOWED[p]}" for p in PHASES)
+    return [f"Units holding their full parameters at once, the most at one moment of each phase (ZeRO-3 allows "
+            f"{allowed}; the root until backward ends):", "", md_table(cell.rename_axis("phase").reset_index()), ""]
 
 
 def _comm_section(tables: dict) -> list[str]:

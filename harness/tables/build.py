@@ -81,7 +81,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
     """results: scenario id -> {"ranks": [per-rank record...]} or {"error": str}."""
     by_id = {s.id: s for s in scenarios}
     snaps = _Snapshots({sid: r["ranks"][0]["snapshot_dir"] for sid, r in results.items() if "ranks" in r})
-    steps_rows, param_rows, scen_rows, mem_rows, comm_rows, cover_rows = [], [], [], [], [], []
+    steps_rows, param_rows, scen_rows, mem_rows, comm_rows, cover_rows, gathered_rows = [], [], [], [], [], [], []
     for sc in scenarios:
         res = results.get(sc.id, {"error": "not run"})
         base = _scenario_fields(sc)
@@ -119,6 +119,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
         for rank_rec in res["ranks"]:
             for cat, b in rank_rec["memory"].items():
                 mem_rows.append({"scenario": sc.id, "rank": rank_rec["rank"], "category": cat, "bytes": b})
+            gathered_rows += [{"scenario": sc.id, "rank": rank_rec["rank"], **g} for g in rank_rec.get("gathered", ())]
         for c in r0["comm"]:
             comm_rows.append({"scenario": sc.id, **c})
         state = [rr["memory"].get("state_total", math.nan) for rr in res["ranks"]]
@@ -137,7 +138,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                           "params_compared": compared, "state_bytes": max(state), "peak_bytes": max(peak),
                           "step_time_s": max(rr["step_time_s"] for rr in res["ranks"])})
     rows = {"steps": steps_rows, "params": param_rows, "scenarios": scen_rows, "memory": mem_rows,
-            "comm": comm_rows, "coverage": cover_rows}
+            "comm": comm_rows, "coverage": cover_rows, "gathered": gathered_rows}
     return {name: pd.DataFrame(r, columns=columns(name)) for name, r in rows.items()}
 
 

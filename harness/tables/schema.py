@@ -61,6 +61,10 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("memory", "scenario x rank x category", ("scenario", "rank", "category", "bytes"),
           "category: params, grads, optimizer_state, activations, other, peak; state_params, state_grads, "
           "state_optimizer_state, state_buffers, state_other, state_unattributed (CUDA), state_total"),
+    Table("gathered", "scenario x rank x phase of the measured step", (
+        "scenario", "rank", "phase", "moments", "units", "which", "root"),
+          "units: the most units (the root aside) holding their full parameters at one moment of the phase, "
+          "which: their names, root: the root's own parameters full at some moment (harness.measure.timeline)"),
     Table("comm", "scenario x collective x element type", (
         "scenario", "collective", "dtype", "calls", "elements", "bytes"),
           "per step, the full size each collective handles, from every thread of the rank"),

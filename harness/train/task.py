@@ -20,6 +20,7 @@ from harness.core.scenario import Scenario
 from harness.measure import CommCounter, PeakMemory
 from harness.measure.census import Census
 from harness.measure.memory import local_tensor
+from harness.measure.timeline import UnitTimeline
 from harness.train.data import global_batch, local_slice
 from harness.train.models import get_model_spec
 
@@ -45,11 +46,12 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> 
     model = spec.build().to(device)
     units = spec.units(model)
     sizes = _param_bytes(model, units)
+    timeline = UnitTimeline(model, units)  # found on the plain model, looked at while the wrapped one trains
     wrapped = adapter.wrap(model, units, group=ctx.group, device=device)
     optimizer = adapter.make_optimizer(wrapped, name=sc.optimizer, lr=sc.lr)
     _snapshot(adapter, wrapped, snap_dir / "step0.pt", ctx.rank)
 
-    steps, comm_totals, memory, times = [], {}, {}, []
+    steps, comm_totals, memory, times, gathered = [], {}, {}, [], []
     for step in range(1, sc.steps + 1):
         inputs, targets = global_batch(spec, sc.global_batch, step, sc.seed)
         x, y, idx = local_slice(inputs, targets, ctx.rank, ctx.world_size, sc.data_mode)
@@ -59,28 +61,36 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> 
         counter = CommCounter()
         mem = None
         if measure_mem:  # the peak tracker also counts what the implementation holds outside model and optimizer
-            held_elsewhere = [t for cat, _, t in census.classify(wrapped, optimizer, batch) if cat == "other"]
-            mem = PeakMemory(wrapped, optimizer, device, extra=held_elsewhere)
+            optimizers = census.optimizers(optimizer)  # the adapter's and any inside it
+            held_elsewhere = [t for cat, _, t in census.classify(wrapped, optimizers, batch) if cat == "other"]
+            mem = PeakMemory(wrapped, optimizers, device, extra=held_elsewhere, on_op=timeline.sample)
             del held_elsewhere  # the tracker holds them weakly; a strong reference here would keep them alive
         _sync(device)
         t0 = time.perf_counter()
         # The tracker (a dispatch mode plus global module hooks) is left on every path: a step that
         # raises must not leave it installed for the next scenario in this process.
+        mark = timeline.mark if mem is not None else (lambda phase, value=None: value)
         with counter, (mem if mem is not None else contextlib.nullcontext()):
-            loss = spec.loss(wrapped(x), y)
+            mark("forward")
+            loss = spec.loss(mark("after_forward", wrapped(x)), y)
+            mark("backward")
             loss.backward()
             adapter.after_backward(wrapped, optimizer)
+            mark("after_backward")
             grad_sq = _local_grad_sq(wrapped)
+            mark("optimizer")
             optimizer.step()
+            mark("optimizer")
         _sync(device)
         if mem is None:
             times.append(time.perf_counter() - t0)
         else:
             memory = dict(mem.result())
-            held = census.held(wrapped, optimizer, exclude=(*batch, loss))
+            held = census.held(wrapped, optimizers, exclude=(*batch, loss))
             memory.update({f"state_{k}": v for k, v in held.items()})
             # the ZeRO-3 state (what the gate compares across runs); buffers and other are rows of their own
             memory["state_total"] = held["params"] + held["grads"] + held["optimizer_state"]
+            gathered = timeline.records()
         if sc.data_mode == "replicated":
             _save_grads(_optimizer_grads(optimizer, adapter.sharded or ctx.rank == 0), ctx,
                         snap_dir / f"step{step}.grads.pt")
@@ -95,7 +105,7 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> 
 
     comm = [{"collective": c, "dtype": d, **{k: v / sc.steps for k, v in tot.items()}}
             for (c, d), tot in sorted(comm_totals.items())]
-    return {"scenario": sc.id, "rank": ctx.rank, "steps": steps, "memory": memory, "comm": comm,
+    return {"scenario": sc.id, "rank": ctx.rank, "steps": steps, "memory": memory, "comm": comm, "gathered": gathered,
             "sharded": bool(adapter.sharded), **sizes,
             "step_time_s": sum(times) / len(times) if times else math.nan, "snapshot_dir": str(snap_dir)}
 

@@ -124,3 +124,27 @@ class GatherToOwners(ReductionReplaced):
 
     def reduce(self, mean, full_grad, group, reduce_dtype):
         return _gather_to_owners(full_grad, group, reduce_dtype)
+
+
+class DelegatingOptimizer(torch.optim.Optimizer):
+    """An optimizer wrapper whose own `state` stays empty: the torch optimizer inside it holds the
+    state and does the step, as training libraries' optimizer wrappers do."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        super().__init__(inner.param_groups, inner.defaults)
+        self.inner = inner
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+
+class OptimizerDelegated(MutantAdapter):
+    """Control: fsdp_impl trained through a delegating optimizer wrapper (state in the inner optimizer)."""
+
+    name = "control:optimizer_delegated"
+
+    def make_optimizer(self, wrapped, *, name, lr):
+        return DelegatingOptimizer(super().make_optimizer(wrapped, name=name, lr=lr))

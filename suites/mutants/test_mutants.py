@@ -133,3 +133,15 @@ def test_full_matrix_widens_world_sizes_and_steps_only():
         want = {x for x in DEFAULT_WORLD_SIZES if x > 1} if m.kind == "per_sample" else set(DEFAULT_WORLD_SIZES)
         assert want <= set(w.world_sizes) and set(m.world_sizes) <= set(w.world_sizes), m.name
         assert w.steps == 10 and (m.kind == "per_sample" or m.steps < w.steps)
+
+
+def test_a_unit_left_gathered_fails_on_every_model_and_world_size(catalogue_run):
+    """The skipped reshard is counted in units: caught in every sharded cell, not at 1% on one model."""
+    from suites.mutants.score import scenarios_of
+
+    m = next(m for m in CATALOGUE if m.name == "reshard_skipped")
+    r = _result(catalogue_run, m)
+    cells = scenarios_of(m)
+    multi = {s.id for s in cells if s.world_size > 1}
+    assert {s.model for s in cells} == {"mlp", "tinylm", "tinylm_tied"} and set(r.scenarios) >= multi
+    assert multi and {v.scenario for v in r.failed if v.check == "units_gathered"} == multi

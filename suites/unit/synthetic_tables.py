@@ -80,6 +80,13 @@ def comm(ws: int) -> dict[str, tuple[int, int]]:
     return {"all_gather_into_tensor": (4, 2 * wire), "reduce_scatter_tensor": (2, wire)}
 
 
+def gathered(ws: int) -> list[dict]:
+    """A ZeRO-3 timeline: one unit at a time in forward, two in backward (one prefetched)."""
+    units = {"forward": 1, "after_forward": 0, "backward": 2, "after_backward": 0, "optimizer": 0}
+    return [dict(phase=p, moments=10, units=3 if ws == 1 else n, which="a, b" if n else "",
+                 root=p in ("forward", "backward")) for p, n in units.items()]
+
+
 def _rows(sc: Scenario, fail: bool, steps: int):
     ws, mode = sc.world_size, sc.data_mode
     head = dict(scenario=sc.id, impl=sc.impl, model=sc.model, world_size=ws, data_mode=mode,
@@ -149,8 +156,8 @@ def frame(name: str, rows: list[dict], extra: tuple[str, ...] = ()) -> pd.DataFr
 
 def make_tables(*, world_sizes=(1, 2, 4), modes=("replicated", "split"), steps: int = 5, fail: bool = True,
                 ideal_memory: bool = False) -> dict[str, pd.DataFrame]:
-    """All seven tables for the reference run plus every (world size, data mode) cell."""
-    steps_rows, param_rows, scen_rows, mem_rows, comm_rows = [], [], [], [], []
+    """All eight tables for the reference run plus every (world size, data mode) cell."""
+    steps_rows, param_rows, scen_rows, mem_rows, comm_rows, gathered_rows = [], [], [], [], [], []
     cells = [scenario(1, "replicated").reference()] + [scenario(ws, m) for ws in world_sizes for m in modes]
     for sc in cells:
         s, p, row = _rows(sc, fail, steps)
@@ -164,12 +171,15 @@ def make_tables(*, world_sizes=(1, 2, 4), modes=("replicated", "split"), steps: 
                 if ideal_memory:
                     r["ideal_bytes"] = ideal1[cat] // sc.world_size
                 mem_rows.append(r)
+        for rank in range(sc.world_size):
+            gathered_rows += [dict(scenario=sc.id, rank=rank, **g) for g in gathered(sc.world_size)]
         for coll, (calls, b) in comm(sc.world_size).items():
             comm_rows.append(dict(scenario=sc.id, collective=coll, dtype="float32", calls=calls, elements=b // 4,
                                   bytes=b))
     return {"steps": frame("steps", steps_rows), "params": frame("params", param_rows),
             "scenarios": frame("scenarios", scen_rows), "memory": frame("memory", mem_rows, extra=("ideal_bytes",)),
             "comm": frame("comm", comm_rows), "coverage": frame("coverage", []),
+            "gathered": frame("gathered", gathered_rows),
             "verdicts": verdict_table([Verdict(**v) for v in _verdicts(world_sizes, modes, fail, steps)])}
 
 

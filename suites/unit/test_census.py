@@ -102,3 +102,46 @@ def test_a_closed_census_leaves_nothing_frozen():
     with Census():
         assert gc.get_freeze_count() > before
     assert gc.get_freeze_count() == before
+
+
+def _adamw_stepped(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 8)).sum().backward()
+    opt.step()
+    return opt
+
+
+def test_census_finds_the_state_of_an_optimizer_inside_a_wrapper():
+    """A wrapper whose own `state` is empty (the optimizer inside it holds exp_avg and exp_avg_sq):
+    the census finds every optimizer the scenario made, so the inner state is optimizer state."""
+    from suites.mutants.hidden_mutants import DelegatingOptimizer
+
+    with Census() as census:
+        model = nn.Linear(8, 8, bias=False)  # 256 B
+        wrapper = DelegatingOptimizer(_adamw_stepped(model))
+        assert _held(census, model, wrapper)["other"] == 2 * 256 + 4  # the wrapper alone: hidden state
+        held = _held(census, model, census.optimizers(wrapper))
+        assert held["optimizer_state"] == 2 * 256 + 4 and held["other"] == 0  # + the step count (fp32)
+
+
+def test_peak_tracker_takes_an_object_that_only_looks_like_an_optimizer():
+    """A duck-typed wrapper (not a torch Optimizer) is measured, not a crash (the torch tracker
+    refuses any object that is not a module, optimizer or tensor); the optimizer inside is tracked."""
+    from harness.measure import PeakMemory
+
+    class Duck:
+        def __init__(self, inner):
+            self.inner, self.param_groups = inner, inner.param_groups
+
+        def step(self):
+            self.inner.step()
+
+    with Census() as census:
+        model = nn.Linear(8, 8, bias=False)
+        duck = Duck(_adamw_stepped(model))
+        optimizers = census.optimizers(duck)
+        assert optimizers[0] is duck and duck.inner in optimizers
+        with PeakMemory(model, optimizers, "cpu") as mem:
+            model(torch.ones(1, 8)).sum().backward()
+            duck.step()
+        assert mem.result()["optimizer_state"] >= 2 * 256

@@ -165,6 +165,44 @@ def test_peak_params_bound_catches_a_whole_extra_copy_of_the_parameters():
     assert [v.status for v in resource_checks.peak_params_bound(t)] == ["fail"]
 
 
+def _timeline(sc, **units):
+    """A gathered table: every phase on two ranks, one unit at most unless `units` says otherwise."""
+    from harness.measure.timeline import PHASES
+
+    rows = [dict(scenario=sc.id, rank=r, phase=p, moments=5, units=units.get(p, 1 if p in ("forward", "backward") else 0),
+                 which="x", root=False) for r in (0, 1) for p in PHASES]
+    return frame("gathered", rows)
+
+
+def test_units_gathered_fails_a_unit_left_gathered_after_forward_and_names_the_phase():
+    sc = _sc("fsdp_impl", 4)
+    t = make([(sc, LOSSES, ZERO, ZERO)])
+    t["gathered"] = _timeline(sc)
+    [v] = resource_checks.units_gathered(t)
+    assert v.status == "pass", v
+    t["gathered"] = _timeline(sc, after_forward=2)  # two units kept after forward: one more than prefetch allows
+    [v] = resource_checks.units_gathered(t)
+    assert v.status == "fail" and "after forward on rank 0: 2 units gathered at once" in v.where
+    t["gathered"] = _timeline(sc, forward=3)  # three at once in forward
+    [v] = resource_checks.units_gathered(t)
+    assert v.status == "fail" and v.where.startswith("forward")
+
+
+def test_units_gathered_fails_the_root_kept_after_backward_and_a_timeline_that_saw_nothing():
+    sc = _sc("fsdp_impl", 4)
+    t = make([(sc, LOSSES, ZERO, ZERO)])
+    t["gathered"] = _timeline(sc)
+    t["gathered"].loc[t["gathered"].phase == "after_backward", "root"] = True
+    [v] = resource_checks.units_gathered(t)
+    assert v.status == "fail" and "root's own parameters still gathered" in v.where
+    t["gathered"] = _timeline(sc, forward=0, backward=0)  # full parameters never seen: nothing was measured
+    [v] = resource_checks.units_gathered(t)
+    assert v.status == "fail" and "could not be checked" in v.message
+    t["gathered"] = _timeline(sc).query("phase != 'optimizer'")
+    [v] = resource_checks.units_gathered(t)
+    assert v.status == "fail" and "optimizer" in v.message
+
+
 def test_a_resource_bound_missed_where_policy_documents_it_is_known_and_elsewhere_a_failure():
     """harness/core/policy.py documents FSDP2 missing peak_params_bound on gloo; the same miss by
     fsdp_impl stays a failure. The bound itself is the same for both."""
@@ -327,7 +365,7 @@ def _expected_applicable(sc_row) -> set[str]:
         names |= {"replicated": {"cross_ws_replicated", "grads_match_ws1"},
                   "split": {"split_matches_full_batch"}}[sc_row["data_mode"]]
         if sc_row["sharded"]:
-            names |= {"peak_params_bound", "comm_volume"}
+            names |= {"peak_params_bound", "comm_volume", "units_gathered"}
     return names
 
 

@@ -353,3 +353,15 @@ def test_built_and_stored_tables_follow_the_schema(tmp_path):
     tables["steps"] = tables["steps"].drop(columns=["loss"])
     with pytest.raises(StoreError, match="loss"):
         save_tables(tables, {}, tmp_path / "run")
+
+
+def test_memory_section_shows_units_gathered_per_phase(tmp_path, fast_plots):
+    """The timeline table: the most units gathered at one moment of each phase, by world size."""
+    tables = syn.make_tables(modes=("split",))
+    g = tables["gathered"]
+    g.loc[(g.phase == "after_forward") & g.scenario.str.contains("ws4"), ["units", "root"]] = (3, True)
+    mem = _section(report.write_report(tables, {}, tmp_path / "r.md").read_text(), "## Memory")
+    assert "Units holding their full parameters at once" in mem
+    assert _row(mem, "forward")[1:] == ["1 + root", "1 + root"]  # W=2, W=4 (W=1 holds everything: not shown)
+    assert _row(mem, "after forward")[1:] == ["0", "3 + root"]
+    assert _row(mem, "backward")[1:] == ["2 + root", "2 + root"]

@@ -1,0 +1,134 @@
+"""Which units hold their full parameters at each moment of a training step.
+
+ZeRO-3 keeps a unit's parameters gathered only while it runs (and, with prefetching, while the
+unit before it runs). A peak-memory figure cannot show a unit left gathered after its forward on a
+model whose units are few or small: the bound that allows two units unsharded may exceed the whole
+model. Counting units can, on every model.
+
+A unit is *gathered* at a moment when the storages behind its own parameters, looked up where the
+plain model keeps them (the module attribute, whatever an implementation has put there: a
+Parameter, a view into a flat buffer, a DTensor whose local shard is counted), hold at least the
+unit's parameter elements. A unit's own parameters are those of its submodules that no nested unit
+claims; the root's are what no unit claims. Tied parameters belong to the first unit that has them.
+
+Moments: every tensor operation of the measured step (the peak tracker's dispatch calls `sample`)
+and one moment between phases (`mark`). The phases, and how many units other than the root
+ZeRO-3 lets a rank hold gathered at once in each (`ALLOWED`; the root's own parameters may stay
+gathered from forward to the end of backward, as FSDP2 keeps them):
+
+    forward          2   the unit running and one prefetched
+    after_forward    1   the first unit of backward, prefetched; covers the loss computation
+    backward         2   the unit running and one prefetched
+    after_backward   0   everything resharded, root included
+    optimizer        0   root included
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+__all__ = ["UnitTimeline", "PHASES", "ALLOWED", "ROOT"]
+
+PHASES = ("forward", "after_forward", "backward", "after_backward", "optimizer")
+ALLOWED = {"forward": 2, "after_forward": 1, "backward": 2, "after_backward": 0, "optimizer": 0}
+ROOT_FREE = ("forward", "after_forward", "backward")  # phases in which the root may stay gathered
+ROOT = "(root)"
+
+
+@dataclass
+class _Unit:
+    name: str
+    slots: list[tuple[nn.Module, str]]  # where the plain model keeps its own parameters
+    elements: int
+
+
+@dataclass
+class _Phase:
+    moments: int = 0
+    units: int = -1  # the most child units gathered at one moment
+    which: str = ""  # their names at the first moment with that many
+    root: bool = False  # the root's own parameters gathered at some moment
+
+
+def _held_elements(t: object, seen: set[int]) -> int:
+    """Elements the storage behind `t` holds (each storage once; a DTensor's local shard)."""
+    if not isinstance(t, torch.Tensor):
+        return 0
+    if DTensor is not None and isinstance(t, DTensor):
+        t = t._local_tensor  # the attribute, not to_local(): no operation inside the tracker's dispatch
+    if t.device.type == "meta":
+        return 0
+    st = t.untyped_storage()
+    if st._cdata in seen:
+        return 0
+    seen.add(st._cdata)
+    return st.nbytes() // max(1, t.element_size())
+
+
+class UnitTimeline:
+    """Built on the PLAIN model (before an implementation wraps it), so each unit's parameters are
+    found where the model keeps them; then `sample`d during a step, phase by phase."""
+
+    def __init__(self, model: nn.Module, units: list[nn.Module]) -> None:
+        names = {id(m): n for n, m in model.named_modules()}
+        claimed: set[int] = set()
+        self.units: list[_Unit] = []
+        for unit in [*units, model]:  # bottom-up: a nested unit claims its parameters first
+            slots, elements = [], 0
+            for module in unit.modules():
+                for attr, p in module._parameters.items():
+                    if p is not None and id(p) not in claimed:
+                        claimed.add(id(p))
+                        slots.append((module, attr))
+                        elements += p.numel()
+            if elements:
+                name = ROOT if unit is model else names.get(id(unit), type(unit).__name__)
+                self.units.append(_Unit(name, slots, elements))
+        self.phase: str | None = None
+        self._phases: dict[str, _Phase] = {}
+
+    def gathered(self) -> list[str]:
+        """Names of the units gathered now."""
+        out = []
+        for u in self.units:
+            seen: set[int] = set()
+            held = sum(_held_elements(getattr(m, a, None), seen) for m, a in u.slots)
+            if held >= u.elements:
+                out.append(u.name)
+        return out
+
+    def sample(self) -> None:
+        """One moment in the current phase (nothing outside a phase)."""
+        if self.phase is None:
+            return
+        rec = self._phases.setdefault(self.phase, _Phase())
+        names = self.gathered()
+        children = [n for n in names if n != ROOT]
+        rec.moments += 1
+        rec.root = rec.root or ROOT in names
+        if len(children) > rec.units:
+            rec.units, rec.which = len(children), ", ".join(children)
+
+    def start(self, phase: str) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; phases: {', '.join(PHASES)}")
+        self.phase = phase
+
+    def mark(self, phase: str, value=None):
+        """Enter `phase` and sample the moment at its start; returns `value` (to wrap an expression)."""
+        self.start(phase)
+        self.sample()
+        return value
+
+    def records(self) -> list[dict]:
+        """One plain record per phase seen: phase, moments, units, which, root."""
+        return [{"phase": p, "moments": r.moments, "units": r.units, "which": r.which, "root": r.root}
+                for p in PHASES if (r := self._phases.get(p)) is not None]
