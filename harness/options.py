@@ -13,7 +13,7 @@ from pathlib import Path
 
 from harness.core import names
 from harness.core.policy import Bounds
-from harness.core.scenario import DATA_MODES, OPTIMIZERS, Scenario, build_matrix
+from harness.core.scenario import ACCUM_MICRO_BATCHES, DATA_MODES, FEATURES, OPTIMIZERS, Scenario, build_matrix
 
 DEFAULT_IMPLS = ("fsdp_impl", "torch_fsdp2")
 DEFAULT_MODELS = ("mlp", "tinylm", "tinylm_tied")
@@ -58,6 +58,7 @@ def choices(valid: tuple[str, ...]):
 
 data_modes = choices(DATA_MODES)
 optimizers = choices(OPTIMIZERS)
+features = choices(FEATURES)
 
 
 models = choices(names.MODELS)
@@ -242,6 +243,7 @@ class MatrixOptions:
     backend: str = "gloo"
     timeout_s: float = 300.0
     bounds: Bounds = field(default_factory=Bounds)
+    features: tuple[str, ...] = ("plain",)
 
     def validate(self) -> None:
         """Cross-option checks; raises argparse.ArgumentTypeError with one line."""
@@ -251,6 +253,14 @@ class MatrixOptions:
                 raise argparse.ArgumentTypeError(
                     f"--data-modes split needs the global batch ({self.global_batch}) divisible by every world size; "
                     f"{bad} do not divide it (set --global-batch)")
+        if "accum" in self.features:
+            k = ACCUM_MICRO_BATCHES
+            per = [(w, self.global_batch // w if "split" in self.data_modes else self.global_batch) for w in self.world_sizes]
+            bad = [w for w, n in per if n % k]
+            if bad:
+                raise argparse.ArgumentTypeError(
+                    f"--features accum splits each rank's batch into {k} micro-batches; at world size(s) {bad} the "
+                    f"local batch of global batch {self.global_batch} does not divide by {k} (set --global-batch)")
         if self.backend == "nccl":
             import torch
             n = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -262,7 +272,7 @@ class MatrixOptions:
     def scenarios(self) -> list[Scenario]:
         return build_matrix(self.impls, self.models, self.world_sizes, self.data_modes, self.optimizers,
                             steps=self.steps, seeds=self.seeds, lr=self.lr, global_batch=self.global_batch,
-                            backend=self.backend)
+                            backend=self.backend, features=self.features)
 
 
 def add_matrix_arguments(add) -> None:
@@ -274,6 +284,9 @@ def add_matrix_arguments(add) -> None:
     add("--models", type=models, default=None, help="model zoo names (default mlp,tinylm,tinylm_tied)")
     add("--data-modes", type=data_modes, default=None, help="replicated,split (default both)")
     add("--optimizers", type=optimizers, default=None, help="adamw,sgd (default both)")
+    add("--features", type=features, default=None,
+        help="what a step does: plain (one forward and backward), accum (2 micro-batches, a backward each, "
+             "one optimizer step) (default plain)")
     add("--steps", type=steps, default=None, help="training steps per scenario, at least 2 (default 10)")
     add("--seeds", type=seeds, default=None, help="comma list of seeds (default 0)")
     add("--lr", type=positive_float, default=None, help="learning rate (default 1e-2)")
@@ -295,7 +308,7 @@ def matrix_from(ns) -> MatrixOptions:
         data_modes=pick("data_modes", d.data_modes), optimizers=pick("optimizers", d.optimizers),
         steps=pick("steps", d.steps), seeds=pick("seeds", d.seeds), lr=pick("lr", d.lr),
         global_batch=pick("global_batch", d.global_batch), backend=pick("backend", d.backend),
-        timeout_s=pick("scenario_timeout", d.timeout_s),
+        timeout_s=pick("scenario_timeout", d.timeout_s), features=pick("features", d.features),
         bounds=Bounds(cross_ws_replicated=bound) if bound else Bounds())
     opts.validate()
     return opts

@@ -44,7 +44,7 @@ def _first_crossing(steps: pd.DataFrame, sid: str, col: str, bound: float,
 
 def _reference_id(row) -> str:
     """The id of the non-sharded run a scenarios-table row is compared with."""
-    return Scenario(row.impl, row.model, 1, row.data_mode, row.optimizer, seed=int(row.seed)).reference().id
+    return Scenario.of_row(row).reference().id
 
 
 def judge(check, row, passed, measured, bound, message, *, at: Crossing | None = None,
@@ -281,7 +281,7 @@ def _rank_or_none(x) -> int | None:
 
 
 def _ws1_id(row) -> str:
-    return Scenario(row.impl, row.model, 1, row.data_mode, row.optimizer, seed=int(row.seed)).id
+    return Scenario.of_row(row).at_world_size(1).id
 
 
 # ------------------------------------------------------------------------------- registry
@@ -322,7 +322,7 @@ class Check:
 
 _STEPS = ("scenario", "step", "loss")
 _DIFFS = _STEPS + ("max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1")
-_ROW = ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed", "status")
+_ROW = ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed", "status")  # feature: optional
 
 NUMERIC_CHECKS = (
     Check(completed, _all, {"scenarios": _ROW + ("error",)}),

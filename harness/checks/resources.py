@@ -15,6 +15,7 @@ import pandas as pd
 
 from harness.checks.numeric import Check, judge, not_measured
 from harness.core.policy import Bounds
+from harness.core.scenario import Scenario, passes_per_step
 from harness.core.verdict import Verdict
 from harness.measure import ideal_comm_elements, ideal_state_bytes
 from harness.measure.timeline import ALLOWED, PHASES, ROOT_FREE
@@ -203,8 +204,9 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         p = float(row.param_elements)
         width = float(row.param_bytes) / p  # bytes per parameter element
         ideal = ideal_comm_elements(int(p), int(row.world_size), int(row.trainable_elements))
-        ideal_gather, t = float(ideal["all_gather"]), float(ideal["reduce_scatter"])
-        allowance = gather_padding(row, bounds) / width
+        passes = passes_per_step(Scenario.of_row(row).feature)  # each micro-batch gathers and reduces
+        ideal_gather, t = passes * float(ideal["all_gather"]), passes * float(ideal["reduce_scatter"])
+        allowance = passes * gather_padding(row, bounds) / width
         gather = elements.get("all_gather", 0.0)
         scatter = _reduced(elements, int(row.world_size))
         all_reduce = elements.get("all_reduce", 0.0)
@@ -213,18 +215,19 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         factor = reduce_bytes / (reduce * width) if reduce else math.nan
         types = sorted(set(c[c.collective.isin((*SCATTER_COLLECTIVES, "all_reduce"))].dtype.astype(str)))
         problems = []
+        per = f"{passes} x " if passes > 1 else ""  # passes per step
         if gather > ideal_gather * (1 + bounds.comm_slack) + 2 * allowance:
-            problems.append(f"all_gather {gather:,.0f} elements > 2P = {ideal_gather:,.0f}")
+            problems.append(f"all_gather {gather:,.0f} elements > {per}2P = {ideal_gather:,.0f}")
         if not t <= reduce <= t * (1 + bounds.comm_slack) + allowance:
-            what = "trainable" if t != p else "P ="
-            problems.append(f"gradient reduction {reduce:,.0f} elements != {what} {t:,.0f}")
+            what = "trainable" if t != passes * p else "P ="
+            problems.append(f"gradient reduction {reduce:,.0f} elements != {per}{what} {t:,.0f}")
         if all_reduce:
             problems.append(f"gradients reduced by all_reduce ({all_reduce:,.0f} elements): every rank receives the "
                             "whole reduced gradient, twice a reduce-scatter's traffic (not ZeRO-3)")
         msg = (f"per step: all_gather {gather:,.0f} elements ({gather / p:.2f}P), gradient reduction "
                f"{reduce:,.0f} elements ({reduce / p:.2f}P) in {', '.join(types) or 'no type'}, "
                f"{reduce_bytes:,.0f} B: traffic factor {factor:.2f}x the parameters' {8 * width:g}-bit elements; "
-               f"ZeRO-3 ideal 2P + P with P = {p:,.0f} elements")
+               f"ZeRO-3 ideal {per}(2P + P) with P = {p:,.0f} elements")
         limit = (ideal_gather + t) * (1 + bounds.comm_slack) + 3 * allowance  # the most both conditions above allow together
         out.append(judge("comm_volume", row, not problems, (gather + reduce) / p, limit / p,
                          msg + f"; allowed up to {limit / p:.3g}P with padding", where="; ".join(problems)))

@@ -1,4 +1,4 @@
-"""Frozen scenarios: one cell of the (impl x model x world size x data mode x optimizer) matrix."""
+"""Frozen scenarios: one cell of the (impl x model x world size x data mode x optimizer x feature) matrix."""
 
 from __future__ import annotations
 
@@ -8,6 +8,18 @@ from dataclasses import dataclass
 
 DATA_MODES = ("replicated", "split")
 OPTIMIZERS = ("adamw", "sgd")
+# What one training step does besides forward, backward and the optimizer step (harness/train/features.py):
+#   plain  one forward and backward on the rank's batch
+#   accum  the rank's batch in ACCUM_MICRO_BATCHES micro-batches, a forward and backward each (every
+#          backward reduces its gradient, which the implementation must ADD to the one before), then
+#          one optimizer step; the loss of each micro-batch is scaled by 1 / ACCUM_MICRO_BATCHES
+FEATURES = ("plain", "accum")
+ACCUM_MICRO_BATCHES = 2
+
+
+def passes_per_step(feature: str) -> int:
+    """Forward and backward passes in one training step: each gathers the parameters and reduces the gradient."""
+    return ACCUM_MICRO_BATCHES if feature == "accum" else 1
 # The plain, non-sharded model trained on the full global batch in one process.
 REFERENCE_IMPL = "reference"
 
@@ -24,18 +36,28 @@ class Scenario:
     lr: float = 1e-2
     global_batch: int = 16
     backend: str = "gloo"  # "gloo" (CPU) | "nccl" (CUDA)
+    feature: str = "plain"  # FEATURES
 
     @property
     def id(self) -> str:
-        """Stable readable id, e.g. ``fsdp_impl-mlp-ws4-split-adamw``."""
-        return scenario_id(self.impl, self.model, self.world_size, self.data_mode, self.optimizer, self.seed)
+        """Stable readable id, e.g. ``fsdp_impl-mlp-ws4-split-adamw`` (``...-adamw-accum`` with a feature)."""
+        return scenario_id(self.impl, self.model, self.world_size, self.data_mode, self.optimizer, self.seed,
+                           self.feature)
+
+    @classmethod
+    def of_row(cls, row) -> "Scenario":
+        """The scenario of a scenarios-table row (a row stored before features existed is plain)."""
+        feature = getattr(row, "feature", "plain")
+        return cls(row.impl, row.model, int(row.world_size), row.data_mode, row.optimizer, seed=int(row.seed),
+                   feature=feature if isinstance(feature, str) and feature else "plain")
 
     @property
     def device_type(self) -> str:
         return "cuda" if self.backend == "nccl" else "cpu"
 
     def reference(self) -> "Scenario":
-        """The scenario whose trajectory this one is compared with: the plain model, full batch."""
+        """The scenario whose trajectory this one is compared with: the plain model, full batch, doing
+        the same feature (the same micro-batches, ...)."""
         return dataclasses.replace(self, impl=REFERENCE_IMPL, world_size=1, data_mode="replicated")
 
     def dependencies(self) -> list["Scenario"]:
@@ -54,10 +76,11 @@ class Scenario:
 
 
 def scenario_id(impl: str, model: str, world_size: int, data_mode: str, optimizer: str | None = None,
-                seed: int = 0) -> str:
-    """The one way ids are made: ``impl-model-wsW-mode[-optimizer][-seedN]``. Runs that train no
-    optimizer (the per-sample norms, measured on one backward) leave it out."""
+                seed: int = 0, feature: str = "plain") -> str:
+    """The one way ids are made: ``impl-model-wsW-mode[-optimizer][-feature][-seedN]``. Runs that train no
+    optimizer (the per-sample norms, measured on one backward) leave it out; the plain feature is left out."""
     parts = [_slug(impl), model, f"ws{world_size}", data_mode] + ([optimizer] if optimizer else [])
+    parts += [feature] if feature != "plain" else []
     return "-".join(parts) + (f"-seed{seed}" if seed else "")
 
 
@@ -68,15 +91,15 @@ def _slug(impl: str) -> str:
 
 def build_matrix(
     impls, models, world_sizes, data_modes, optimizers, *, steps=10, seeds=(0,), lr=1e-2,
-    global_batch=16, backend="gloo",
+    global_batch=16, backend="gloo", features=("plain",),
 ) -> list[Scenario]:
     """Every combination, in a stable order, plus the runs they are compared with: the references
     first, and each implementation at world size 1 where the world sizes leave it out."""
     cells = [
         Scenario(impl, model, ws, mode, opt, steps=steps, seed=seed, lr=lr,
-                 global_batch=global_batch, backend=backend)
-        for seed, impl, model, ws, mode, opt in itertools.product(
-            seeds, impls, models, world_sizes, data_modes, optimizers)
+                 global_batch=global_batch, backend=backend, feature=feature)
+        for seed, feature, impl, model, ws, mode, opt in itertools.product(
+            seeds, features, impls, models, world_sizes, data_modes, optimizers)
     ]
     return with_dependencies(cells)
 

@@ -245,6 +245,12 @@ class PeakMemory:
         self.tracker.__enter__()
         return self
 
+    def next_forward(self) -> None:
+        """Before the second and later forwards inside the window (micro-batches): the torch tracker
+        refuses a module run again unless its per-module statistics are cleared. The peak stays."""
+        if self.tracker is not None:
+            self.tracker.reset_mod_stats()
+
     def __exit__(self, *exc: Any) -> None:
         assert self.tracker is not None
         try:

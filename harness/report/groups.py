@@ -1,5 +1,5 @@
 """The run's tables as the report reads them: a table by name (empty when missing), one row per
-scenario, and the non-reference scenarios grouped by (impl, model, data mode, optimizer, seed)
+scenario, and the non-reference scenarios grouped by (impl, model, data mode, optimizer, feature, seed)
 across world sizes, with each group's reference scenario and its per-rank bytes per world size."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from harness.core.scenario import REFERENCE_IMPL, Scenario
 from harness.core.verdict import Verdict
 from harness.tables.store import rank_bytes
 
-GROUP = ["impl", "model", "data_mode", "optimizer", "seed"]
+GROUP = ["impl", "model", "data_mode", "optimizer", "feature", "seed"]
 
 
 def _t(tables: dict, name: str) -> pd.DataFrame:
@@ -24,22 +24,27 @@ def _t(tables: dict, name: str) -> pd.DataFrame:
 
 
 def _label(key: tuple) -> str:
-    impl, model, mode, opt, seed = key
-    return f"{impl} · {model} · {mode} · {opt}" + (f" · seed {seed}" if seed else "")
+    impl, model, mode, opt, feature, seed = key
+    return (f"{impl} · {model} · {mode} · {opt}" + (f" · {feature}" if feature != "plain" else "")
+            + (f" · seed {seed}" if seed else ""))
 
 
 def _file_stem(key: tuple) -> str:
-    """A group's key as a file-name stem for its plots."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join(str(k) for k in key[:-1] + ((key[-1],) if key[-1] else ())))
+    """A group's key as a file-name stem for its plots (the plain feature and seed 0 left out)."""
+    impl, model, mode, opt, feature, seed = key
+    parts = [impl, model, mode, opt] + ([feature] if feature != "plain" else []) + ([seed] if seed else [])
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join(str(k) for k in parts))
 
 
 def _cells(tables: dict) -> pd.DataFrame:
     """One row per scenario (the scenarios table, else scenario columns of the steps table)."""
     scen, steps = _t(tables, "scenarios"), _t(tables, "steps")
-    if len(scen):
-        return scen
     cols = ["scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed"]
-    return steps.drop_duplicates("scenario")[cols] if len(steps) else pd.DataFrame(columns=cols)
+    cols += ["feature"] if "feature" in steps else []
+    cells = scen if len(scen) else steps.drop_duplicates("scenario")[cols] if len(steps) else pd.DataFrame(columns=cols)
+    if "feature" not in cells:  # a run stored before features existed
+        cells = cells.assign(feature="plain")
+    return cells
 
 
 def _groups(cells: pd.DataFrame):
@@ -52,8 +57,8 @@ def _groups(cells: pd.DataFrame):
 
 def _group_reference(cells: pd.DataFrame, key: tuple) -> str | None:
     """The id of the run a group is compared with (`Scenario.reference`), if the run has it."""
-    impl, model, mode, opt, seed = key
-    ref = Scenario(impl, model, 1, mode, opt, seed=int(seed)).reference().id
+    impl, model, mode, opt, feature, seed = key
+    ref = Scenario(impl, model, 1, mode, opt, seed=int(seed), feature=feature).reference().id
     return ref if (cells["scenario"] == ref).any() else None
 
 

@@ -20,7 +20,7 @@ from harness.tables.schema import columns
 
 def _scenario_fields(sc: Scenario) -> dict:
     return {"scenario": sc.id, "impl": sc.impl, "model": sc.model, "world_size": sc.world_size,
-            "data_mode": sc.data_mode, "optimizer": sc.optimizer, "seed": sc.seed}
+            "data_mode": sc.data_mode, "optimizer": sc.optimizer, "seed": sc.seed, "feature": sc.feature}
 
 
 def ws1_of(sc: Scenario) -> Scenario:

@@ -42,16 +42,17 @@ class Table:
 #               held after it (state_*)
 #   comm        rank 0, per training step averaged over the steps (harness.measure.comm)
 SCENARIO_IDS = ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed")
+FEATURE = ("feature",)  # after the ids; optional when reading: a run stored before features existed is plain
 
 TABLES: dict[str, Table] = {t.name: t for t in (
-    Table("steps", "scenario x step", SCENARIO_IDS + (
+    Table("steps", "scenario x step", SCENARIO_IDS + FEATURE + (
         "step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1",
         "grad_diff_ws1"),
           required=SCENARIO_IDS + ("step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1",
                                    "worst_param_ws1")),
     Table("params", "scenario x step x parameter", (
         "scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum")),
-    Table("scenarios", "scenario", SCENARIO_IDS + (
+    Table("scenarios", "scenario", SCENARIO_IDS + FEATURE + (
         "steps", "lr", "status", "error", "failed_rank", "final_loss", "param_sum", "max_diff_ref", "max_diff_ws1", "sharded",
         "param_bytes", "trainable_bytes", "param_elements", "trainable_elements", "largest_unit_bytes",
         "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "buffer_bytes", "params_compared", "state_bytes",

@@ -22,6 +22,7 @@ from harness.measure.census import Census
 from harness.measure.memory import local_tensor
 from harness.measure.timeline import UnitTimeline
 from harness.train.data import global_batch, local_slice
+from harness.train.features import forward_backward
 from harness.train.models import get_model_spec
 
 MEASURED_STEP = 1  # memory is measured on the second step: optimizer state exists by then
@@ -69,12 +70,9 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> 
         t0 = time.perf_counter()
         # The tracker (a dispatch mode plus global module hooks) is left on every path: a step that
         # raises must not leave it installed for the next scenario in this process.
-        mark = timeline.mark if mem is not None else (lambda phase, value=None: value)
+        mark = _marker(timeline, mem)
         with counter, (mem if mem is not None else contextlib.nullcontext()):
-            mark("forward")
-            loss = spec.loss(mark("after_forward", wrapped(x)), y)
-            mark("backward")
-            loss.backward()
+            loss = forward_backward(sc.feature, spec, wrapped, x, y, mark)
             adapter.after_backward(wrapped, optimizer)
             mark("after_backward")
             grad_sq = _local_grad_sq(wrapped)
@@ -108,6 +106,18 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> 
     return {"scenario": sc.id, "rank": ctx.rank, "steps": steps, "memory": memory, "comm": comm, "gathered": gathered,
             "sharded": bool(adapter.sharded), **sizes,
             "step_time_s": sum(times) / len(times) if times else math.nan, "snapshot_dir": str(snap_dir)}
+
+
+def _marker(timeline: UnitTimeline, mem: PeakMemory | None):
+    """`mark(phase, value)` for the step: the timeline hears where the step is (measured step only)."""
+    if mem is None:
+        return lambda phase, value=None: value
+
+    def mark(phase: str, value=None):
+        if phase == "forward":
+            mem.next_forward()
+        return timeline.mark(phase, value)
+    return mark
 
 
 def _param_bytes(model, units) -> dict:

@@ -59,6 +59,7 @@ CASES: tuple[Case, ...] = (
     Case("unknown model", ("--models", "resnet"), "unknown 'resnet'; choose from"),
     Case("unknown data mode", ("--data-modes", "sharded"), "unknown 'sharded'; choose from"),
     Case("unknown optimizer", ("--optimizers", "lamb"), "unknown 'lamb'; choose from"),
+    Case("unknown feature", ("--features", "accumulate"), "unknown 'accumulate'; choose from plain, accum"),
     Case("adapter module that is not there", ("--impl", "no_such_pkg.adapters:Mine"),
          "module 'no_such_pkg.adapters' could not be imported", pytest=True),
     Case("adapter module that raises on import", ("--impl", f"{BROKEN_MODULE}:adapter"),
@@ -91,6 +92,9 @@ CASES: tuple[Case, ...] = (
     Case("conflicting pair: split data, batch not divisible",
          ("--world-sizes", "1,2", "--data-modes", "split", "--global-batch", "3"),
          "needs the global batch (3) divisible by every world size", pytest=True),
+    Case("conflicting pair: micro-batches that do not divide the local batch",
+         ("--world-sizes", "1,2", "--data-modes", "split", "--features", "accum", "--global-batch", "6"),
+         "--features accum splits each rank's batch into 2 micro-batches; at world size(s) [2]", pytest=True),
     Case("conflicting pair: --gate without --baseline", ("--gate", "loss:1e-7"), "--gate needs --baseline", pytest=True),
 )
 

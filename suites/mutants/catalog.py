@@ -33,6 +33,7 @@ from suites.mutants.gradient_mutants import (
     AveragedTwice,
     Fp32Reduce,
     FrozenUpdated,
+    GradOverwritten,
     GradsNotCleared,
     GradSummed,
     LowPrecisionReduce,
@@ -77,6 +78,7 @@ class Mutant:
     # before `earliest`; `latest` is the step by which the fault has changed an update directly
     at_steps: tuple[int, int] | None = (1, 1)
     kind: str = "numeric"  # "numeric" | "memory" | "traffic" | "per_sample"
+    features: tuple[str, ...] = ("plain",)  # what a step does (harness.core.scenario.FEATURES)
     slow: bool = False  # behind @pytest.mark.slow (none is: the whole catalogue runs in ~1 minute)
 
 
@@ -93,6 +95,7 @@ optimizer_state_unsharded, meta_init, meta_init_rng_order = OptimizerStateUnshar
 param_left_out, unit_buffer_kept, optimizer_shadow_state = ParamLeftOut, UnitBufferKept, OptimizerShadowState
 prefetch_thread_gather, reduce_to_owners, gather_to_owners = PrefetchThreadGather, ReduceToOwners, GatherToOwners
 fp32_reduce, tie_broken, optimizer_delegated = Fp32Reduce, TieBroken, OptimizerDelegated
+grad_overwritten = GradOverwritten
 
 
 
@@ -162,6 +165,11 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("tie_broken", _spec("tie_broken"), "ws1_exact",
            "tied weights untied on wrapping: embedding and head train apart", models=("tinylm_tied",),
            optimizers=("adamw",)),
+    # two backward passes per step (accum): with one, writing over the gradient and adding to an
+    # empty one are the same; W = 1 has no reduction (autograd accumulates into the shard itself)
+    Mutant("grad_overwritten", _spec("grad_overwritten"), "grads_match_ws1",
+           "the reduced gradient written over the shard's .grad instead of added to it: under gradient "
+           "accumulation only the last micro-batch counts", data_modes=("replicated",), features=("accum",)),
 )
 
 # Unmutated adapters run in the same matrix: the reference and these must pass every check.

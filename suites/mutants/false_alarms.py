@@ -1,7 +1,7 @@
 """False alarms: the correct implementations run through the matrix, where no verdict may FAIL.
 
 A harness that catches every mutant by failing everything is worthless. The slow tier runs the
-default matrix (models, world sizes 1/2/4/8, both data modes, both optimizers, 10 steps) for
+default matrix (models, world sizes 1/2/4/8, both data modes, both optimizers, every feature, 10 steps) for
 ``fsdp_impl``, PyTorch FSDP2 and DDP under several seeds (init and data both change). KNOWN verdicts
 are documented deviations of a real implementation (harness/core/policy.py), shown and counted, never
 hidden. ``margins`` says how close the passes came to their bounds: a check that passes with a
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from harness.core.scenario import DATA_MODES, OPTIMIZERS, Scenario, build_matrix
+from harness.core.scenario import DATA_MODES, FEATURES, OPTIMIZERS, Scenario, build_matrix
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
 from harness.options import DEFAULT_MODELS, DEFAULT_WORLD_SIZES
 
@@ -25,14 +25,18 @@ FULL_STEPS = 10
 
 
 def quick_matrix() -> list[Scenario]:
-    """One seed, W in {1, 2}, 3 steps: the cells the mutant suite runs in (every CI run)."""
-    return build_matrix(CORRECT, list(DEFAULT_MODELS), [1, 2], DATA_MODES, OPTIMIZERS, steps=3)
+    """One seed, W in {1, 2}, 3 steps: the cells the mutant suite runs in (every CI run); the other
+    features with AdamW only (how gradients are accumulated does not depend on the optimizer)."""
+    plain = build_matrix(CORRECT, list(DEFAULT_MODELS), [1, 2], DATA_MODES, OPTIMIZERS, steps=3)
+    others = [f for f in FEATURES if f != "plain"]
+    return plain + [c for c in build_matrix(CORRECT, list(DEFAULT_MODELS), [1, 2], DATA_MODES, ("adamw",), steps=3,
+                                            features=others) if c not in plain]
 
 
 def full_matrix(seed: int) -> list[Scenario]:
-    """The default matrix for every correct implementation, under one seed."""
+    """The default matrix for every correct implementation and every feature, under one seed."""
     return build_matrix(CORRECT, list(DEFAULT_MODELS), list(DEFAULT_WORLD_SIZES), DATA_MODES, OPTIMIZERS,
-                        steps=FULL_STEPS, seeds=(seed,))
+                        steps=FULL_STEPS, seeds=(seed,), features=FEATURES)
 
 
 @dataclass

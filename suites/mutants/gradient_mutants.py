@@ -127,3 +127,18 @@ def frozen_probe_task(ctx, p: dict) -> dict:
         opt.zero_grad(set_to_none=True)
     after = adapter.full_params(wrapped)
     return {n: float((after[n] - before[n]).abs().max()) for n in ("layers.0.weight", "layers.0.bias")}
+
+
+class GradOverwritten(MutantAdapter):
+    """The reduced gradient is written over the shard's ``.grad`` instead of added to it: whatever an
+    earlier backward of the same step left there (gradient accumulation) is lost."""
+
+    name = "mutant:grad_overwritten"
+
+    def mutate(self, wrapped):
+        for _, h in _handles(wrapped):
+            def post_backward(full, h=h, product=type(h)._post_backward):
+                h.shard.grad = None  # forget what earlier micro-batches reduced
+                product(h, full)
+
+            h._post_backward = post_backward

@@ -47,6 +47,8 @@ def cells(m: Mutant) -> str:
     parts = [",".join(m.models), "W " + ",".join(map(str, m.world_sizes)), "/".join(m.data_modes)]
     if m.kind != "per_sample":
         parts += ["/".join(m.optimizers), f"{m.steps} steps"]
+    if m.features != ("plain",):
+        parts.append("/".join(m.features))
     return " · ".join(parts)
 
 
@@ -55,17 +57,17 @@ def scenarios_of(m: Mutant, seed: int = 0) -> list[Scenario]:
     if m.kind == "per_sample":
         return []
     cells = build_matrix([m.spec], list(m.models), list(m.world_sizes), list(m.data_modes),
-                         list(m.optimizers), steps=m.steps, seeds=(seed,))
+                         list(m.optimizers), steps=m.steps, seeds=(seed,), features=m.features)
     return [c for c in cells if c.impl != REFERENCE_IMPL]
 
 
 def control_scenarios(mutants, seed: int = 0) -> list[Scenario]:
     """Every control adapter in every (model, W, mode, optimizer, steps) cell some mutant runs in
     (those of CONTROL_CELLS in the cells it names)."""
-    shapes = sorted({(c.model, c.world_size, c.data_mode, c.optimizer, c.steps)
+    shapes = sorted({(c.model, c.world_size, c.data_mode, c.optimizer, c.steps, c.feature)
                      for m in mutants for c in scenarios_of(m, seed)})
-    return [Scenario(impl, model, ws, mode, opt, steps=steps, seed=seed)
-            for impl, _ in CONTROLS for model, ws, mode, opt, steps in shapes
+    return [Scenario(impl, model, ws, mode, opt, steps=steps, seed=seed, feature=feature)
+            for impl, _ in CONTROLS for model, ws, mode, opt, steps, feature in shapes
             if CONTROL_CELLS.get(impl, lambda *_: True)(model, ws)]
 
 

@@ -1,0 +1,43 @@
+"""What a training step does between zeroed gradients and the optimizer step, per feature
+(harness.core.scenario.FEATURES). The sharded run and the plain reference run the same function,
+so a feature is an equivalence like the plain step: same micro-batches, same scaling, same order.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from harness.core.scenario import ACCUM_MICRO_BATCHES, FEATURES
+
+
+def micro_batches(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The rank's batch in `k` contiguous, equal micro-batches (views: no copy)."""
+    n = x.shape[0]
+    if n % k:
+        raise ValueError(f"a local batch of {n} samples does not split into {k} equal micro-batches")
+    m = n // k
+    return [(x[i * m:(i + 1) * m], y[i * m:(i + 1) * m]) for i in range(k)]
+
+
+def forward_backward(feature: str, spec, model, x: torch.Tensor, y: torch.Tensor,
+                     mark: Callable = lambda phase, value=None: value) -> torch.Tensor:
+    """Forward and backward of one step on this rank's batch; returns the loss of the whole local batch
+    (detached). `mark(phase, value)` is told where the step is (harness.measure.timeline)."""
+    if feature == "plain":
+        mark("forward")
+        loss = spec.loss(mark("after_forward", model(x)), y)
+        mark("backward")
+        loss.backward()
+        return loss.detach()
+    if feature == "accum":
+        total = None
+        for xm, ym in micro_batches(x, y, ACCUM_MICRO_BATCHES):
+            mark("forward")
+            loss = spec.loss(mark("after_forward", model(xm)), ym) / ACCUM_MICRO_BATCHES
+            mark("backward")
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
+    raise ValueError(f"unknown feature {feature!r}; features: {', '.join(FEATURES)}")

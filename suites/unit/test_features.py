@@ -1,0 +1,81 @@
+"""The feature axis: what one training step does (harness/core/scenario.py, harness/train/features.py)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from harness.checks import resources
+from harness.core.scenario import ACCUM_MICRO_BATCHES, Scenario, build_matrix
+from harness.train.features import forward_backward, micro_batches
+from harness.train.models import get_model_spec
+
+
+def test_plain_ids_are_unchanged_and_a_feature_is_named_before_the_seed():
+    sc = Scenario("fsdp_impl", "mlp", 4, "split", "adamw", seed=3)
+    assert sc.id == "fsdp_impl-mlp-ws4-split-adamw-seed3"
+    assert sc.replace(feature="accum").id == "fsdp_impl-mlp-ws4-split-adamw-accum-seed3"
+
+
+def test_a_feature_is_compared_with_the_plain_model_doing_the_same():
+    cells = build_matrix(["fsdp_impl"], ["mlp"], [2], ["split"], ["sgd"], features=("plain", "accum"))
+    refs = {c.id for c in cells if c.impl == "reference"}
+    assert refs == {"reference-mlp-ws1-replicated-sgd", "reference-mlp-ws1-replicated-sgd-accum"}
+    accum = next(c for c in cells if c.feature == "accum" and c.world_size == 2)
+    assert {d.id for d in accum.dependencies()} == {"reference-mlp-ws1-replicated-sgd-accum",
+                                                   "fsdp_impl-mlp-ws1-split-sgd-accum"}
+
+
+def test_a_row_stored_before_features_existed_reads_as_plain():
+    row = pd.Series({"impl": "fsdp_impl", "model": "mlp", "world_size": 2, "data_mode": "split",
+                     "optimizer": "adamw", "seed": 0})
+    assert Scenario.of_row(row).feature == "plain"
+    assert Scenario.of_row(pd.Series({**row.to_dict(), "feature": "accum"})).feature == "accum"
+
+
+def test_micro_batches_are_equal_views_and_an_uneven_batch_is_refused():
+    x, y = torch.arange(8.0).reshape(4, 2), torch.arange(4)
+    parts = micro_batches(x, y, 2)
+    assert [p[1].tolist() for p in parts] == [[0, 1], [2, 3]]
+    assert parts[0][0].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="does not split into 3 equal micro-batches"):
+        micro_batches(x, y, 3)
+
+
+def test_accumulated_micro_batches_give_the_whole_batch_gradient_up_to_rounding():
+    """The feature is a faithful accumulation: k scaled micro-batch gradients sum to the batch's."""
+    spec = get_model_spec("mlp")
+    grads = {}
+    for feature in ("plain", "accum"):
+        torch.manual_seed(0)
+        model = spec.build()
+        x, y = spec.make_batch(8, 1, 0)
+        loss = forward_backward(feature, spec, model, x, y)
+        grads[feature] = (float(loss), [p.grad.clone() for p in model.parameters()])
+    assert grads["plain"][0] == pytest.approx(grads["accum"][0], rel=1e-6)
+    for a, b in zip(grads["plain"][1], grads["accum"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert ACCUM_MICRO_BATCHES == 2
+
+
+def _comm_tables(feature: str, passes: int):
+    p = 1000
+    sc = Scenario("fsdp_impl", "mlp", 2, "replicated", "adamw", feature=feature)
+    scen = pd.DataFrame([{"scenario": sc.id, "impl": sc.impl, "model": sc.model, "world_size": 2,
+                          "data_mode": "replicated", "optimizer": "adamw", "seed": 0, "feature": feature,
+                          "status": "ok", "sharded": True, "param_bytes": 4 * p, "row_bytes": 0, "param_tensors": 1,
+                          "param_elements": p, "trainable_elements": p}])
+    comm = pd.DataFrame([{"scenario": sc.id, "collective": "all_gather", "dtype": "float32", "calls": 2 * passes,
+                          "elements": 2 * p * passes, "bytes": 8 * p * passes},
+                         {"scenario": sc.id, "collective": "reduce_scatter", "dtype": "float32", "calls": passes,
+                          "elements": p * passes, "bytes": 4 * p * passes}])
+    return {"scenarios": scen, "comm": comm}
+
+
+def test_traffic_is_held_to_one_gather_and_reduction_per_micro_batch():
+    assert [v.status for v in resources.comm_volume(_comm_tables("accum", ACCUM_MICRO_BATCHES))] == ["pass"]
+    [v] = resources.comm_volume(_comm_tables("accum", 1))  # a reduction skipped on one micro-batch
+    assert v.status == "fail" and f"!= {ACCUM_MICRO_BATCHES} x P =" in v.where
+    [v] = resources.comm_volume(_comm_tables("plain", ACCUM_MICRO_BATCHES))
+    assert v.status == "fail"
