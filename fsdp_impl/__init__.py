@@ -1,6 +1,7 @@
 """fsdp_impl: a from-scratch ZeRO-3 (fully sharded data parallel) implementation.
 
     fully_shard(module, process_group=None, reshard_after_forward=True, mp_policy=None)
+    set_requires_gradient_sync(module, False)   # accumulate micro-batches unreduced; True before the last
     full_state_dict(module) / load_full_state_dict(module, state_dict)
     materialize_meta(module, device)            # after building on "meta" and sharding
     MixedPrecisionPolicy(param_dtype, reduce_dtype)
@@ -8,8 +9,9 @@
 Knows nothing of the harness; any training loop can use it.
 """
 
-from .api import full_state_dict, fully_shard, load_full_state_dict
+from .api import full_state_dict, fully_shard, load_full_state_dict, set_requires_gradient_sync
 from .meta_init import materialize_meta
 from .mixed_precision import MixedPrecisionPolicy
 
-__all__ = ["fully_shard", "full_state_dict", "load_full_state_dict", "materialize_meta", "MixedPrecisionPolicy"]
+__all__ = ["fully_shard", "set_requires_gradient_sync", "full_state_dict", "load_full_state_dict", "materialize_meta",
+           "MixedPrecisionPolicy"]

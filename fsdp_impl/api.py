@@ -1,4 +1,4 @@
-"""Public entry points: fully_shard, full_state_dict, load_full_state_dict."""
+"""Public entry points: fully_shard, set_requires_gradient_sync, full_state_dict, load_full_state_dict."""
 
 from __future__ import annotations
 
@@ -69,6 +69,16 @@ def units(module: nn.Module):
         state = getattr(sub, "_fsdp_state", None)
         if state is not None:
             yield prefix, state
+
+
+def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
+    """Switch the gradient reduction of every unit under `module` off (False) or back on (True), as
+    FSDP2's method of the same name does. While it is off, each unit keeps its full, unreduced
+    gradient between backward passes and later ones add to it; the first backward with it on reduces
+    the sum once. Gradient accumulation over k micro-batches: off for the first k - 1, on for the last."""
+    for _, state in units(module):
+        for h in state.handles:
+            h.sync_grads = bool(requires_gradient_sync)
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ Lifecycle per training step (W > 1):
     pre-backward  re-allocate and all-gather into the same storage (saved views see the data again)
     post-backward autograd accumulates every view's gradient into full.grad (one flat, padded tensor);
                   reduce-scatter it to the mean shard gradient, add it to shard.grad, free the full storage
+                  (with gradient sync off, full.grad is kept, unreduced, for the next backward to add to)
 At world size 1 with no dtype cast the shard *is* the full buffer: views are taken straight from the
 parameter the optimizer owns, gradients accumulate into it by autograd, nothing is copied.
 """
@@ -64,6 +65,7 @@ class FlatParamHandle:
         self.no_copy = self.world_size == 1 and self.param_dtype == self.dtype
         self.full: torch.Tensor | None = None  # 1D, padded; a leaf that autograd accumulates into
         self.state = HandleState.SHARDED
+        self.sync_grads = True  # False: keep full.grad unreduced between backward passes (accumulation)
 
     # -- layout helpers -------------------------------------------------------------------------
     def _copy_into_shard(self, shard: torch.Tensor, slot: ParamSlot, flat_value: torch.Tensor) -> None:
@@ -140,6 +142,9 @@ class FlatParamHandle:
 
     # -- gradients ------------------------------------------------------------------------------
     def _post_backward(self, full: torch.Tensor) -> None:
+        if not self.sync_grads:  # accumulating: the next backward adds to full.grad, one reduction at the end
+            self.reshard()
+            return
         grad, full.grad = full.grad, None
         reduced = reduce_scatter_mean(grad, self.group, self.reduce_dtype).to(self.dtype)
         self.zero_padding_(reduced)

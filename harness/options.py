@@ -253,13 +253,14 @@ class MatrixOptions:
                 raise argparse.ArgumentTypeError(
                     f"--data-modes split needs the global batch ({self.global_batch}) divisible by every world size; "
                     f"{bad} do not divide it (set --global-batch)")
-        if "accum" in self.features:
+        if {"accum", "no_sync"} & set(self.features):
             k = ACCUM_MICRO_BATCHES
             per = [(w, self.global_batch // w if "split" in self.data_modes else self.global_batch) for w in self.world_sizes]
             bad = [w for w, n in per if n % k]
             if bad:
                 raise argparse.ArgumentTypeError(
-                    f"--features accum splits each rank's batch into {k} micro-batches; at world size(s) {bad} the "
+                    f"--features {'/'.join(f for f in self.features if f != 'plain')} splits each rank's batch into "
+                    f"{k} micro-batches; at world size(s) {bad} the "
                     f"local batch of global batch {self.global_batch} does not divide by {k} (set --global-batch)")
         if self.backend == "nccl":
             import torch
@@ -286,7 +287,8 @@ def add_matrix_arguments(add) -> None:
     add("--optimizers", type=optimizers, default=None, help="adamw,sgd (default both)")
     add("--features", type=features, default=None,
         help="what a step does: plain (one forward and backward), accum (2 micro-batches, a backward each, "
-             "one optimizer step) (default plain)")
+             "one optimizer step), no_sync (the same with the reduction switched off on all but the last) "
+             "(default plain)")
     add("--steps", type=steps, default=None, help="training steps per scenario, at least 2 (default 10)")
     add("--seeds", type=seeds, default=None, help="comma list of seeds (default 0)")
     add("--lr", type=positive_float, default=None, help="learning rate (default 1e-2)")

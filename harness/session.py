@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 
 from harness import options as opt
 from harness.core.scenario import Scenario, with_dependencies
-from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
+from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, UNSUPPORTED, Verdict
 
 if TYPE_CHECKING:  # torch and pandas load only once a run starts: a usage error stays instant
     from harness.execute.executor import RunResult
@@ -181,7 +181,7 @@ class Session:
 
     def counts(self) -> dict[str, int]:
         verdicts = self.result.verdicts if self.result else []
-        return {s: sum(v.status == s for v in verdicts) for s in (PASS, FAIL, KNOWN, SKIP)}
+        return {s: sum(v.status == s for v in verdicts) for s in (PASS, FAIL, KNOWN, SKIP, UNSUPPORTED)}
 
     def failures(self) -> list[Verdict]:
         return [v for v in (self.result.verdicts if self.result else []) if v.status == FAIL]
@@ -193,8 +193,9 @@ class Session:
         n = self.counts()
         wall = f" in {self.result.wall_s:.1f}s" if self.result else ""
         where = f"; report: {self.options.report}" if self.options.report is not None else ""
-        return (f"{n[PASS]} passed, {n[FAIL]} failed, {n[KNOWN]} known deviations, {n[SKIP]} skipped{wall}"
-                f"{where}")
+        unsupported = f", {n[UNSUPPORTED]} unsupported" if n[UNSUPPORTED] else ""
+        return (f"{n[PASS]} passed, {n[FAIL]} failed, {n[KNOWN]} known deviations, {n[SKIP]} skipped{unsupported}"
+                f"{wall}{where}")
 
     def finish(self) -> int:
         """Write the outputs and say where they went; the exit status (1 on any failed verdict).

@@ -2,7 +2,9 @@
 
 The matrix comes from the command line (--world-sizes, --impl, --models, --data-modes, ...).
 A verdict with status "known" (a documented deviation of a real implementation, harness/core/policy.py)
-makes the test xfail with the measured value and the cause; any other failure fails the test.
+makes the test xfail with the measured value and the cause; any other failure fails the test. A
+scenario whose implementation lacks what its feature needs was not run: the test is skipped with a
+reason that starts "[UNSUPPORTED]".
 """
 
 import pytest
@@ -21,6 +23,9 @@ def test_scenario(harness_run, scenario_id):
     assert verdicts, f"no verdict was produced for {scenario_id}"
     failed = [v for v in verdicts if v.status == "fail"]
     known = [v for v in verdicts if v.status == "known"]
+    unsupported = [v for v in verdicts if v.status == "unsupported"]
     assert not failed, "\n".join(str(v) for v in failed)
     if known:
         pytest.xfail("; ".join(str(v) for v in known))
+    if unsupported:  # not run: shown as a skip whose reason starts with UNSUPPORTED, never a pass
+        pytest.skip("; ".join(str(v) for v in unsupported))

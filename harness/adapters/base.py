@@ -27,6 +27,13 @@ Methods:
   as detached fp32 CPU copies. Called on every rank (it may be collective).
 - ``sharded``: ``False`` for implementations that keep a full replica per rank (DDP); memory
   checks then expect no per-rank reduction of parameter and optimizer state.
+
+Capabilities (optional methods a feature needs, ``harness.core.scenario.FEATURE_NEEDS``; a scenario
+whose adapter lacks one is not run and gets an ``unsupported`` verdict, never a pass):
+
+- ``set_gradient_sync(wrapped, enabled: bool)`` (feature ``no_sync``): switch the gradient reduction
+  off for the following backward passes (the gradients accumulate unreduced) and back on; FSDP2's
+  ``set_requires_gradient_sync``, DDP's ``no_sync``.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from harness.train.optim import make_optimizer as _make_optimizer
 
 REQUIRED = ("wrap", "full_params")
 OPTIONAL = ("make_optimizer", "after_backward")
+CAPABILITIES = ("set_gradient_sync",)
 
 
 class AdapterError(ValueError):
@@ -70,9 +78,20 @@ class _Completed(Adapter):
         self.inner = inner
         self.name = getattr(inner, "name", name)
         self.sharded = bool(getattr(inner, "sharded", True))
-        for method in REQUIRED + OPTIONAL:
+        for method in REQUIRED + OPTIONAL + CAPABILITIES:
             if callable(getattr(inner, method, None)):
                 setattr(self, method, getattr(inner, method))
+
+
+def missing_capability(adapter: object, feature: str) -> str | None:
+    """Why `adapter` cannot run `feature` (one line), or None when it can."""
+    from harness.core.scenario import FEATURE_NEEDS
+
+    need = FEATURE_NEEDS.get(feature)
+    if need is None or callable(getattr(adapter, need, None)):
+        return None
+    return (f"adapter '{getattr(adapter, 'name', adapter)}' has no {need}() method, which feature '{feature}' "
+            f"needs (see harness/adapters/base.py)")
 
 
 def cpu_fp32(t: Tensor) -> Tensor:

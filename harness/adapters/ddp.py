@@ -22,5 +22,8 @@ class DDPAdapter(Adapter):
         return DistributedDataParallel(model.to(device), device_ids=ids, process_group=group,
                                        gradient_as_bucket_view=True)
 
+    def set_gradient_sync(self, wrapped: nn.Module, enabled: bool) -> None:
+        wrapped.require_backward_grad_sync = enabled  # what DDP.no_sync() switches
+
     def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
         return {name: cpu_fp32(p) for name, p in wrapped.module.named_parameters()}

@@ -21,6 +21,11 @@ class FsdpImplAdapter(Adapter):
             fully_shard(unit, process_group=group)
         return fully_shard(model, process_group=group)
 
+    def set_gradient_sync(self, wrapped: nn.Module, enabled: bool) -> None:
+        from fsdp_impl import set_requires_gradient_sync
+
+        set_requires_gradient_sync(wrapped, enabled)
+
     def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
         from fsdp_impl import full_state_dict
 

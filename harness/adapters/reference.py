@@ -14,5 +14,8 @@ class ReferenceAdapter(Adapter):
     def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
         return model.to(device)
 
+    def set_gradient_sync(self, wrapped: nn.Module, enabled: bool) -> None:
+        return None  # one process: nothing to reduce
+
     def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
         return {name: cpu_fp32(p) for name, p in wrapped.named_parameters()}

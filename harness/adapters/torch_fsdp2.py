@@ -28,6 +28,9 @@ class TorchFSDP2Adapter(Adapter):
             fully_shard(unit, mesh=mesh, mp_policy=policy)
         return fully_shard(model, mesh=mesh, mp_policy=policy)
 
+    def set_gradient_sync(self, wrapped: nn.Module, enabled: bool) -> None:
+        wrapped.set_requires_gradient_sync(enabled)  # every FSDP module under the root
+
     def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
         from torch.distributed.tensor import DTensor
 

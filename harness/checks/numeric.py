@@ -10,7 +10,7 @@ import pandas as pd
 
 from harness.core.policy import Bounds, known_deviation
 from harness.core.scenario import REFERENCE_IMPL, Scenario
-from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, VERDICT_COLUMNS, Verdict
+from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, UNSUPPORTED, VERDICT_COLUMNS, Verdict
 
 
 def _fmt(x: float) -> str:
@@ -269,8 +269,10 @@ def params_cover_model(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 
 
 def completed(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
-    """Every rank finished; a scenario that raised or hung is a failure with its message."""
-    return [Verdict("completed", row.scenario, PASS if row.status == "ok" else FAIL, None, None,
+    """Every rank finished; a scenario that raised or hung is a failure with its message, one whose
+    implementation cannot do its feature is `unsupported` (not run, not passed)."""
+    status = {"ok": PASS, "unsupported": UNSUPPORTED}
+    return [Verdict("completed", row.scenario, status.get(row.status, FAIL), None, None,
                     message="every rank finished" if row.status == "ok" else str(row.error),
                     rank=_rank_or_none(getattr(row, "failed_rank", None)))
             for row in tables["scenarios"].itertuples()]

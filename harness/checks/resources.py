@@ -15,7 +15,7 @@ import pandas as pd
 
 from harness.checks.numeric import Check, judge, not_measured
 from harness.core.policy import Bounds
-from harness.core.scenario import Scenario, passes_per_step
+from harness.core.scenario import Scenario, holds_unsharded_grads, passes_per_step, reductions_per_step
 from harness.core.verdict import Verdict
 from harness.measure import ideal_comm_elements, ideal_state_bytes
 from harness.measure.timeline import ALLOWED, PHASES, ROOT_FREE
@@ -122,10 +122,16 @@ def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             continue
         ideal = ideal_state_bytes(int(row.param_bytes), row.optimizer, int(row.world_size), sharded=bool(row.sharded))
         unsharded = 0 if not row.sharded or row.world_size == 1 else 2 * 2 * float(row.largest_unit_bytes)
+        # with the reduction switched off between micro-batches every unit's unsharded gradient is held
+        held_grads = (float(row.trainable_bytes) if row.sharded and row.world_size > 1
+                      and holds_unsharded_grads(Scenario.of_row(row).feature) else 0.0)
         transient = (_max_over_ranks(mem, row.scenario, "activations") + _max_over_ranks(mem, row.scenario, "other"))
-        bound = (sum(ideal.values()) + unsharded + transient) * (1 + bounds.peak_slack) + 4 * shard_padding(row, bounds)
+        bound = ((sum(ideal.values()) + unsharded + held_grads + transient) * (1 + bounds.peak_slack)
+                 + 4 * shard_padding(row, bounds))
         msg = (f"peak {peak:,.0f} B per rank vs bound {bound:,.0f} B (state ideal {sum(ideal.values()):,.0f} + "
-               f"2 units unsharded {unsharded:,.0f} + activations/other {transient:,.0f}, +{bounds.peak_slack:.0%})")
+               f"2 units unsharded {unsharded:,.0f} + activations/other {transient:,.0f}"
+               + (f" + unsharded gradients held between micro-batches {held_grads:,.0f}" if held_grads else "")
+               + f", +{bounds.peak_slack:.0%})")
         out.append(_at_most("peak_memory_bound", row, peak, bound, msg,
                             f"params: peak exceeds the bound by {peak - bound:,.0f} B"))
     return out
@@ -204,8 +210,9 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         p = float(row.param_elements)
         width = float(row.param_bytes) / p  # bytes per parameter element
         ideal = ideal_comm_elements(int(p), int(row.world_size), int(row.trainable_elements))
-        passes = passes_per_step(Scenario.of_row(row).feature)  # each micro-batch gathers and reduces
-        ideal_gather, t = passes * float(ideal["all_gather"]), passes * float(ideal["reduce_scatter"])
+        feature = Scenario.of_row(row).feature  # each micro-batch gathers; each reduces unless switched off
+        passes, reductions = passes_per_step(feature), reductions_per_step(feature)
+        ideal_gather, t = passes * float(ideal["all_gather"]), reductions * float(ideal["reduce_scatter"])
         allowance = passes * gather_padding(row, bounds) / width
         gather = elements.get("all_gather", 0.0)
         scatter = _reduced(elements, int(row.world_size))
@@ -215,19 +222,19 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         factor = reduce_bytes / (reduce * width) if reduce else math.nan
         types = sorted(set(c[c.collective.isin((*SCATTER_COLLECTIVES, "all_reduce"))].dtype.astype(str)))
         problems = []
-        per = f"{passes} x " if passes > 1 else ""  # passes per step
+        per, per_r = (f"{n} x " if n > 1 else "" for n in (passes, reductions))  # passes, reductions per step
         if gather > ideal_gather * (1 + bounds.comm_slack) + 2 * allowance:
             problems.append(f"all_gather {gather:,.0f} elements > {per}2P = {ideal_gather:,.0f}")
         if not t <= reduce <= t * (1 + bounds.comm_slack) + allowance:
-            what = "trainable" if t != passes * p else "P ="
-            problems.append(f"gradient reduction {reduce:,.0f} elements != {per}{what} {t:,.0f}")
+            what = "trainable" if t != reductions * p else "P ="
+            problems.append(f"gradient reduction {reduce:,.0f} elements != {per_r}{what} {t:,.0f}")
         if all_reduce:
             problems.append(f"gradients reduced by all_reduce ({all_reduce:,.0f} elements): every rank receives the "
                             "whole reduced gradient, twice a reduce-scatter's traffic (not ZeRO-3)")
         msg = (f"per step: all_gather {gather:,.0f} elements ({gather / p:.2f}P), gradient reduction "
                f"{reduce:,.0f} elements ({reduce / p:.2f}P) in {', '.join(types) or 'no type'}, "
                f"{reduce_bytes:,.0f} B: traffic factor {factor:.2f}x the parameters' {8 * width:g}-bit elements; "
-               f"ZeRO-3 ideal {per}(2P + P) with P = {p:,.0f} elements")
+               f"ZeRO-3 ideal {per}2P + {per_r}P with P = {p:,.0f} elements")
         limit = (ideal_gather + t) * (1 + bounds.comm_slack) + 3 * allowance  # the most both conditions above allow together
         out.append(judge("comm_volume", row, not problems, (gather + reduce) / p, limit / p,
                          msg + f"; allowed up to {limit / p:.3g}P with padding", where="; ".join(problems)))
@@ -246,7 +253,8 @@ _SIZES = ("scenario", "status", "world_size", "sharded", "optimizer", "param_byt
 _MEM = {"memory": ("scenario", "category", "bytes")}
 RESOURCE_CHECKS = (
     Check(memory_sharding, _ok_row, {"scenarios": _SIZES, **_MEM}, kind="efficiency"),
-    Check(peak_memory_bound, _ok_row, {"scenarios": _SIZES + ("largest_unit_bytes",), **_MEM}, kind="efficiency"),
+    Check(peak_memory_bound, _ok_row, {"scenarios": _SIZES + ("largest_unit_bytes", "trainable_bytes"), **_MEM},
+          kind="efficiency"),
     Check(peak_params_bound, _ok_multi_rank, {"scenarios": _SIZES + ("largest_child_bytes", "root_bytes"), **_MEM},
           kind="efficiency"),
     Check(units_gathered, _ok_multi_rank, {"scenarios": _SIZES, "gathered": ("scenario", "rank", "phase", "units",

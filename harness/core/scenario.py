@@ -8,20 +8,35 @@ from dataclasses import dataclass
 
 DATA_MODES = ("replicated", "split")
 OPTIMIZERS = ("adamw", "sgd")
+# The plain, non-sharded model trained on the full global batch in one process.
+REFERENCE_IMPL = "reference"
 # What one training step does besides forward, backward and the optimizer step (harness/train/features.py):
-#   plain  one forward and backward on the rank's batch
-#   accum  the rank's batch in ACCUM_MICRO_BATCHES micro-batches, a forward and backward each (every
-#          backward reduces its gradient, which the implementation must ADD to the one before), then
-#          one optimizer step; the loss of each micro-batch is scaled by 1 / ACCUM_MICRO_BATCHES
-FEATURES = ("plain", "accum")
+#   plain    one forward and backward on the rank's batch
+#   accum    the rank's batch in ACCUM_MICRO_BATCHES micro-batches, a forward and backward each (every
+#            backward reduces its gradient, which the implementation must ADD to the one before), then
+#            one optimizer step; the loss of each micro-batch is scaled by 1 / ACCUM_MICRO_BATCHES
+#   no_sync  the same micro-batches with the gradient reduction switched off on all but the last
+#            (the adapter's set_gradient_sync): the unsharded gradients accumulate locally and are
+#            reduced once
+FEATURES = ("plain", "accum", "no_sync")
 ACCUM_MICRO_BATCHES = 2
+# the adapter method a feature needs beyond the protocol's required ones (harness/adapters/base.py)
+FEATURE_NEEDS = {"no_sync": "set_gradient_sync"}
 
 
 def passes_per_step(feature: str) -> int:
-    """Forward and backward passes in one training step: each gathers the parameters and reduces the gradient."""
+    """Forward and backward passes in one training step: each gathers the parameters."""
+    return ACCUM_MICRO_BATCHES if feature in ("accum", "no_sync") else 1
+
+
+def reductions_per_step(feature: str) -> int:
+    """Gradient reductions in one training step."""
     return ACCUM_MICRO_BATCHES if feature == "accum" else 1
-# The plain, non-sharded model trained on the full global batch in one process.
-REFERENCE_IMPL = "reference"
+
+
+def holds_unsharded_grads(feature: str) -> bool:
+    """Whether the step keeps every unit's unsharded gradient between passes (no reduction until the last)."""
+    return feature == "no_sync"
 
 
 @dataclass(frozen=True)

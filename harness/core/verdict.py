@@ -9,13 +9,16 @@ PASS = "pass"
 FAIL = "fail"  # the property was measured and does not hold, or it could not be measured at all
 KNOWN = "known"  # a documented deviation of a real implementation (see harness/core/policy.py): shown, never hidden
 SKIP = "skip"  # the check does not apply to this scenario (the reason is in `message`); never "could not run"
+# the scenario was not run: its feature needs an adapter method the implementation does not have
+# (harness/adapters/base.py). Not a pass and not a failure: counted and shown apart from both
+UNSUPPORTED = "unsupported"
 
 
 @dataclass(frozen=True)
 class Verdict:
     check: str  # stable check name, e.g. "ws1_exact", "cross_ws_replicated"
     scenario: str  # Scenario.id (or "" for run-wide checks)
-    status: str  # PASS | FAIL | KNOWN | SKIP
+    status: str  # PASS | FAIL | KNOWN | SKIP | UNSUPPORTED
     measured: float | None  # the measured figure (e.g. max |param diff|)
     bound: float | None  # the bound it was held against
     where: str = ""  # display only: a short phrase on the place or quantity (never parsed back)

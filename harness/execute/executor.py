@@ -9,7 +9,8 @@ Where the ranks live is the pool's business. Two pools keep one contract (`Scena
 
 Either way a scenario's outcome is a record: ``{"ranks": [record per rank]}`` when every rank
 finished, else ``{"error": message, "failed_rank": rank or None}``. A failing scenario never raises
-out of the pool; the next scenario runs on a rebuilt world.
+out of the pool; the next scenario runs on a rebuilt world. A scenario whose feature needs an adapter
+method the adapter lacks is not run: ``{"unsupported": reason}``.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from typing import Callable, Protocol
 
 import pandas as pd
 
+from harness.adapters import load_adapter
+from harness.adapters.base import AdapterError, missing_capability
 from harness.checks.numeric import run_checks, verdict_table
 from harness.core.environment import environment
 from harness.core.policy import Bounds
-from harness.core.scenario import Scenario
+from harness.core.scenario import FEATURE_NEEDS, Scenario
 from harness.core.verdict import Verdict
 from harness.execute.worker import root_cause
 from harness.execute.world import RankFailed, WorldError, WorldHung, WorldPool
@@ -79,6 +82,16 @@ class ReusedWorlds:
             return {"error": str(e), "failed_rank": failed_rank(e)}
 
 
+def unsupported(sc: Scenario) -> str | None:
+    """Why `sc`'s adapter cannot run its feature, or None (plain scenarios need no look at the adapter)."""
+    if sc.feature not in FEATURE_NEEDS:
+        return None
+    try:
+        return missing_capability(load_adapter(sc.impl), sc.feature)
+    except AdapterError:
+        return None  # the scenario itself will fail, with the adapter's own message
+
+
 def failed_rank(e: WorldError) -> int | None:
     """The rank a world failure started on: the one whose own error it was, or the first silent one."""
     if isinstance(e, RankFailed) and e.tracebacks:
@@ -97,7 +110,8 @@ def execute(scenarios: list[Scenario], *, snapshot_dir: str | Path, pool: Scenar
     for i, sc in enumerate(order):
         t0 = time.perf_counter()
         payload = {"scenario": dataclasses.asdict(sc), "snapshot_dir": str(snapshot_dir)}
-        record = pool.run_scenario(sc, payload)
+        why = unsupported(sc)
+        record = {"unsupported": why} if why else pool.run_scenario(sc, payload)
         if record is not None:
             results[sc.id] = record
         if progress is not None:

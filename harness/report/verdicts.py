@@ -6,20 +6,24 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
+from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, UNSUPPORTED, Verdict
 from harness.report.formatting import _missing, md_table, num, ratio
 from harness.report.groups import _t
 
-STATUS_ORDER = {FAIL: 0, KNOWN: 1, PASS: 2, SKIP: 3}
+STATUS_ORDER = {FAIL: 0, KNOWN: 1, UNSUPPORTED: 2, PASS: 3, SKIP: 4}
 MAX_SUMMARY_ROWS = 40
 
 
 def _overall(verdicts: pd.DataFrame, cells: pd.DataFrame) -> str:
     n = {s: int((verdicts["status"] == s).sum()) if len(verdicts) else 0 for s in STATUS_ORDER}
-    errored = int((cells["error"].fillna("").astype(str) != "").sum()) if "error" in cells else 0
-    word = "FAIL" if n[FAIL] or errored else ("PASS" if len(verdicts) else "NO VERDICTS")
+    status = cells["status"] if "status" in cells else pd.Series("", index=cells.index)
+    failed_cells = (cells["error"].fillna("").astype(str) != "") & (status != "unsupported") if "error" in cells else []
+    errored = int(sum(failed_cells))
+    ran = len(verdicts) - n[UNSUPPORTED]
+    word = "FAIL" if n[FAIL] or errored else "PASS" if ran else "NOT RUN" if n[UNSUPPORTED] else "NO VERDICTS"
     extra = f"; {errored} scenario(s) errored" if errored else ""
-    return (f"**Overall: {word}** — {n[PASS]} passed / {n[FAIL]} failed / {n[KNOWN]} known deviations "
+    unsupported = f" / {n[UNSUPPORTED]} unsupported (not run)" if n[UNSUPPORTED] else ""
+    return (f"**Overall: {word}** — {n[PASS]} passed / {n[FAIL]} failed / {n[KNOWN]} known deviations{unsupported} "
             f"({n[SKIP]} skipped; {len(cells)} scenarios{extra})")
 
 
@@ -171,6 +175,10 @@ def _verdict_sections(tables: dict) -> list[str]:
     out += [f"- `{v['check']}` {_on(v)}: measured {num(v['measured'])} vs bound {num(v['bound'])}"
             f" ({ratio(v['measured'], v['bound'], '.3g')})" + (f" at {location(v)}" if location(v) else "")
             + f". **Cause:** {v['message'] or 'not stated'}" for _, v in known.iterrows()] or ["None."]
+    unsupported = verdicts[verdicts["status"] == UNSUPPORTED].fillna({"message": ""})
+    if len(unsupported):
+        out += ["", "## Unsupported", "", "Scenarios not run: the implementation lacks what the feature needs. "
+                "Not a pass.", ""] + [f"- `{v['scenario']}`: {v['message']}" for _, v in unsupported.iterrows()]
     skips = verdicts[verdicts["status"] == SKIP].fillna({"message": ""})
     if len(skips):
         out += ["", "Skipped checks:", ""] + [f"- `{v['check']}` {_on(v)}: {v['message']}"

@@ -86,7 +86,8 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
         res = results.get(sc.id, {"error": "not run"})
         base = _scenario_fields(sc)
         if "ranks" not in res:
-            scen_rows.append({**base, "steps": sc.steps, "lr": sc.lr, "status": "error", "error": res["error"],
+            status, why = ("unsupported", res["unsupported"]) if "unsupported" in res else ("error", res["error"])
+            scen_rows.append({**base, "steps": sc.steps, "lr": sc.lr, "status": status, "error": why,
                               "failed_rank": res.get("failed_rank")})
             continue
         r0 = res["ranks"][0]

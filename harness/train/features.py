@@ -22,18 +22,24 @@ def micro_batches(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.
 
 
 def forward_backward(feature: str, spec, model, x: torch.Tensor, y: torch.Tensor,
-                     mark: Callable = lambda phase, value=None: value) -> torch.Tensor:
+                     mark: Callable = lambda phase, value=None: value,
+                     set_sync: Callable[[bool], None] | None = None) -> torch.Tensor:
     """Forward and backward of one step on this rank's batch; returns the loss of the whole local batch
-    (detached). `mark(phase, value)` is told where the step is (harness.measure.timeline)."""
+    (detached). `mark(phase, value)` is told where the step is (harness.measure.timeline);
+    `set_sync(enabled)` switches the gradient reduction (the adapter's set_gradient_sync)."""
     if feature == "plain":
         mark("forward")
         loss = spec.loss(mark("after_forward", model(x)), y)
         mark("backward")
         loss.backward()
         return loss.detach()
-    if feature == "accum":
+    if feature in ("accum", "no_sync"):
+        if feature == "no_sync" and set_sync is None:
+            raise ValueError("feature 'no_sync' needs set_sync (the adapter's set_gradient_sync)")
         total = None
-        for xm, ym in micro_batches(x, y, ACCUM_MICRO_BATCHES):
+        for i, (xm, ym) in enumerate(micro_batches(x, y, ACCUM_MICRO_BATCHES)):
+            if feature == "no_sync":
+                set_sync(i == ACCUM_MICRO_BATCHES - 1)  # reduce once, on the last micro-batch
             mark("forward")
             loss = spec.loss(mark("after_forward", model(xm)), ym) / ACCUM_MICRO_BATCHES
             mark("backward")

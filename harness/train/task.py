@@ -51,6 +51,8 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> 
     wrapped = adapter.wrap(model, units, group=ctx.group, device=device)
     optimizer = adapter.make_optimizer(wrapped, name=sc.optimizer, lr=sc.lr)
     _snapshot(adapter, wrapped, snap_dir / "step0.pt", ctx.rank)
+    sync = getattr(adapter, "set_gradient_sync", None)  # a capability (harness/adapters/base.py)
+    set_sync = (lambda enabled: sync(wrapped, enabled)) if callable(sync) else None
 
     steps, comm_totals, memory, times, gathered = [], {}, {}, [], []
     for step in range(1, sc.steps + 1):
@@ -72,7 +74,7 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> 
         # raises must not leave it installed for the next scenario in this process.
         mark = _marker(timeline, mem)
         with counter, (mem if mem is not None else contextlib.nullcontext()):
-            loss = forward_backward(sc.feature, spec, wrapped, x, y, mark)
+            loss = forward_backward(sc.feature, spec, wrapped, x, y, mark, set_sync)
             adapter.after_backward(wrapped, optimizer)
             mark("after_backward")
             grad_sq = _local_grad_sq(wrapped)

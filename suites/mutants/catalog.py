@@ -10,6 +10,7 @@ else (``injection.py`` says how). The mutants live beside this module, grouped b
 - ``memory_mutants``: faults that change memory only, not the numbers;
 - ``meta_init_mutants``: meta-device init (and the control it is judged against);
 - ``per_sample_mutants``: per-sample gradient norms (a world task, not an adapter);
+- ``accumulation_mutants``: gradient accumulation with the reduction switched off (no_sync);
 - ``hidden_mutants``: faults hidden from what an adapter reports (a parameter left out of
   ``full_params``, buffers and state outside the reported objects, traffic from another thread),
   and the controls that reduce gradients ZeRO-1/2 style.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from suites.mutants.accumulation_mutants import AccumAveraged, SyncIgnored, SyncNeverRestored
 from suites.mutants.gradient_mutants import (
     AveragedTwice,
     Fp32Reduce,
@@ -96,6 +98,7 @@ param_left_out, unit_buffer_kept, optimizer_shadow_state = ParamLeftOut, UnitBuf
 prefetch_thread_gather, reduce_to_owners, gather_to_owners = PrefetchThreadGather, ReduceToOwners, GatherToOwners
 fp32_reduce, tie_broken, optimizer_delegated = Fp32Reduce, TieBroken, OptimizerDelegated
 grad_overwritten = GradOverwritten
+sync_ignored, sync_never_restored, accum_averaged = SyncIgnored, SyncNeverRestored, AccumAveraged
 
 
 
@@ -170,6 +173,16 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("grad_overwritten", _spec("grad_overwritten"), "grads_match_ws1",
            "the reduced gradient written over the shard's .grad instead of added to it: under gradient "
            "accumulation only the last micro-batch counts", data_modes=("replicated",), features=("accum",)),
+    # the reduction switched off on all but the last micro-batch (no_sync); W = 1 reduces nothing
+    Mutant("sync_ignored", _spec("sync_ignored"), "comm_volume",
+           "the gradient-sync switch does nothing: every micro-batch is reduced (traffic only)",
+           data_modes=("replicated",), world_sizes=(2, 4), at_steps=None, kind="traffic", features=("no_sync",)),
+    Mutant("sync_never_restored", _spec("sync_never_restored"), "cross_ws_replicated",
+           "the gradient-sync switch is never turned back on: the accumulated gradient is never reduced",
+           data_modes=("replicated",), features=("no_sync",)),
+    Mutant("accum_averaged", _spec("accum_averaged"), "grads_match_ws1",
+           "the gradient accumulated over unreduced micro-batches divided by their count although each "
+           "micro-batch's loss is already scaled", data_modes=("replicated",), features=("no_sync",)),
 )
 
 # Unmutated adapters run in the same matrix: the reference and these must pass every check.

@@ -26,6 +26,7 @@ ISSUE_FAULTS = {  # the faults the catalogue must hold at the least, by catalogu
     "per_sample_norms_allreduced", "grads_not_cleared", "stale_shard", "tied_reduced_twice",
     "frozen_updated", "bf16_reduce", "param_left_out", "unit_buffer_kept", "optimizer_shadow_state",
     "prefetch_thread_gather", "fp32_reduce", "tie_broken", "grad_overwritten",
+    "sync_ignored", "sync_never_restored", "accum_averaged",
 }
 HARNESS_CHECKS = {c.name for c in NUMERIC_CHECKS + RESOURCE_CHECKS}
 NUMERIC_NAMES = {"finite", "ws1_exact", "cross_ws_replicated", "split_matches_full_batch", "converges"}

@@ -79,3 +79,37 @@ def test_traffic_is_held_to_one_gather_and_reduction_per_micro_batch():
     assert v.status == "fail" and f"!= {ACCUM_MICRO_BATCHES} x P =" in v.where
     [v] = resources.comm_volume(_comm_tables("plain", ACCUM_MICRO_BATCHES))
     assert v.status == "fail"
+
+
+def test_a_feature_the_adapter_cannot_do_is_unsupported_not_run_and_never_a_pass(tmp_path):
+    from harness.checks.numeric import completed
+    from harness.execute.executor import execute
+    from harness.report import markdown as report
+    from harness.tables.build import build_tables
+
+    class NoPool:
+        worlds_started = 0
+
+        def run_scenario(self, sc, payload):
+            raise AssertionError(f"{sc.id} was run")
+
+    sc = Scenario("torch_fsdp1", "mlp", 2, "replicated", "adamw", feature="no_sync")
+    records = execute([sc], snapshot_dir=tmp_path, pool=NoPool())
+    assert "has no set_gradient_sync() method, which feature 'no_sync' needs" in records[sc.id]["unsupported"]
+    tables = build_tables([sc], records)
+    assert tables["scenarios"].status.tolist() == ["unsupported"]
+    [v] = completed(tables)
+    assert v.status == "unsupported" and not v.passed
+    tables["verdicts"] = [v]
+    text = report.write_report(tables, {}, tmp_path / "r.md").read_text()
+    assert "1 unsupported (not run)" in text and "## Unsupported" in text and "Overall: PASS" not in text
+
+
+def test_the_built_in_adapters_declare_what_they_support():
+    from harness.adapters import load_adapter
+    from harness.adapters.base import missing_capability
+
+    for name in ("reference", "fsdp_impl", "torch_fsdp2", "ddp"):
+        assert missing_capability(load_adapter(name), "no_sync") is None, name
+    assert missing_capability(load_adapter("torch_fsdp1"), "no_sync")
+    assert all(missing_capability(load_adapter("torch_fsdp1"), f) is None for f in ("plain", "accum"))

@@ -354,6 +354,9 @@ def test_gradient_accumulation_over_two_backwards(world):
     assert max_diff(got["fsdp_accumulated"], got["plain_accumulated"]) < REPLICATED_BOUND
     assert max_diff(got["fsdp_whole"], whole) < REPLICATED_BOUND
     assert scale > 0
+    # the reduction switched off for the first half: nothing reduced then, the same sum at the end
+    assert got["no_sync_reduced_early"] is False
+    assert max_diff(got["fsdp_no_sync"], got["plain_accumulated"]) < REPLICATED_BOUND
 
 
 def test_eval_under_no_grad_between_steps(world):

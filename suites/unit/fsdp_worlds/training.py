@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_impl.handle as fsdp_handle
-from fsdp_impl import fully_shard
+from fsdp_impl import fully_shard, set_requires_gradient_sync
 from fsdp_impl.api import units
 from harness.train.models import get_model_spec
 from harness.train.optim import make_optimizer
@@ -134,19 +134,25 @@ def full_grads(model: nn.Module) -> dict[str, np.ndarray]:
 
 
 def grad_accumulation(ctx, p: dict) -> dict:
-    """Gradients after (a) two backward calls on the two halves of a batch, each loss halved, and
-    (b) one backward on the whole batch; for a sharded and for the plain model."""
+    """Gradients after (a) two backward calls on the two halves of a batch, each loss halved, (b) one
+    backward on the whole batch, and (c) as (a) with the reduction switched off for the first half
+    (set_requires_gradient_sync); for a sharded and for the plain model."""
     spec = get_model_spec(p["model"])
     x, y = spec.make_batch(p.get("batch", 8), 1, 0)
     half = x.shape[0] // 2
     out = {}
     for wrapped in (True, False):
-        for mode in ("accumulated", "whole"):
+        for mode in ("accumulated", "whole", "no_sync"):
             model, _ = build({**p, "wrap": wrapped}, ctx)
+            sync = (lambda on: set_requires_gradient_sync(model, on)) if wrapped else (lambda on: None)
             if mode == "whole":
                 spec.loss(model(x), y).backward()
             else:
+                sync(mode != "no_sync")  # no_sync: the first half's gradient stays unreduced
                 (spec.loss(model(x[:half]), y[:half]) * 0.5).backward()
+                if mode == "no_sync" and wrapped:
+                    out["no_sync_reduced_early"] = any(q.grad is not None for q in model.parameters())
+                sync(True)
                 (spec.loss(model(x[half:]), y[half:]) * 0.5).backward()
             if wrapped:
                 grads = full_grads(model)
