@@ -2,6 +2,7 @@
 
     fully_shard(module, process_group=None, reshard_after_forward=True, mp_policy=None)
     set_requires_gradient_sync(module, False)   # accumulate micro-batches unreduced; True before the last
+    clip_grad_norm_(module, max_norm, norm_type=2.0)   # the global norm over all ranks' shards
     full_state_dict(module) / load_full_state_dict(module, state_dict)
     materialize_meta(module, device)            # after building on "meta" and sharding
     MixedPrecisionPolicy(param_dtype, reduce_dtype)
@@ -10,8 +11,9 @@ Knows nothing of the harness; any training loop can use it.
 """
 
 from .api import full_state_dict, fully_shard, load_full_state_dict, set_requires_gradient_sync
+from .clip import clip_grad_norm_
 from .meta_init import materialize_meta
 from .mixed_precision import MixedPrecisionPolicy
 
-__all__ = ["fully_shard", "set_requires_gradient_sync", "full_state_dict", "load_full_state_dict", "materialize_meta",
+__all__ = ["fully_shard", "set_requires_gradient_sync", "clip_grad_norm_", "full_state_dict", "load_full_state_dict", "materialize_meta",
            "MixedPrecisionPolicy"]

@@ -34,6 +34,9 @@ whose adapter lacks one is not run and gets an ``unsupported`` verdict, never a 
 - ``set_gradient_sync(wrapped, enabled: bool)`` (feature ``no_sync``): switch the gradient reduction
   off for the following backward passes (the gradients accumulate unreduced) and back on; FSDP2's
   ``set_requires_gradient_sync``, DDP's ``no_sync``.
+- ``clip_grad_norm(wrapped, max_norm, norm_type) -> float`` (features ``clip``, ``clip_inf``): scale the
+  gradients so that their GLOBAL norm (over all ranks' shards) is at most ``max_norm``, as
+  ``torch.nn.utils.clip_grad_norm_`` does for one unsharded model; return the norm before clipping.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from harness.train.optim import make_optimizer as _make_optimizer
 
 REQUIRED = ("wrap", "full_params")
 OPTIONAL = ("make_optimizer", "after_backward")
-CAPABILITIES = ("set_gradient_sync",)
+CAPABILITIES = ("set_gradient_sync", "clip_grad_norm")
 
 
 class AdapterError(ValueError):
@@ -92,6 +95,13 @@ def missing_capability(adapter: object, feature: str) -> str | None:
         return None
     return (f"adapter '{getattr(adapter, 'name', adapter)}' has no {need}() method, which feature '{feature}' "
             f"needs (see harness/adapters/base.py)")
+
+
+def torch_clip(parameters, max_norm: float, norm_type: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_``; the norm before clipping as a float (a DTensor's in full)."""
+    total = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type)
+    full = getattr(total, "full_tensor", None)
+    return float(full() if callable(full) else total)
 
 
 def cpu_fp32(t: Tensor) -> Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from harness.adapters.base import Adapter, cpu_fp32
+from harness.adapters.base import Adapter, cpu_fp32, torch_clip
 
 
 class DDPAdapter(Adapter):
@@ -24,6 +24,9 @@ class DDPAdapter(Adapter):
 
     def set_gradient_sync(self, wrapped: nn.Module, enabled: bool) -> None:
         wrapped.require_backward_grad_sync = enabled  # what DDP.no_sync() switches
+
+    def clip_grad_norm(self, wrapped: nn.Module, max_norm: float, norm_type: float) -> float:
+        return torch_clip(wrapped.parameters(), max_norm, norm_type)  # every rank holds the whole gradient
 
     def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
         return {name: cpu_fp32(p) for name, p in wrapped.module.named_parameters()}

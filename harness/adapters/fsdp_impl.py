@@ -26,6 +26,11 @@ class FsdpImplAdapter(Adapter):
 
         set_requires_gradient_sync(wrapped, enabled)
 
+    def clip_grad_norm(self, wrapped: nn.Module, max_norm: float, norm_type: float) -> float:
+        from fsdp_impl import clip_grad_norm_
+
+        return float(clip_grad_norm_(wrapped, max_norm, norm_type))
+
     def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
         from fsdp_impl import full_state_dict
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from harness.adapters.base import Adapter, cpu_fp32
+from harness.adapters.base import Adapter, cpu_fp32, torch_clip
 
 
 class TorchFSDP2Adapter(Adapter):
@@ -30,6 +30,9 @@ class TorchFSDP2Adapter(Adapter):
 
     def set_gradient_sync(self, wrapped: nn.Module, enabled: bool) -> None:
         wrapped.set_requires_gradient_sync(enabled)  # every FSDP module under the root
+
+    def clip_grad_norm(self, wrapped: nn.Module, max_norm: float, norm_type: float) -> float:
+        return torch_clip(wrapped.parameters(), max_norm, norm_type)  # DTensor gradients: the global norm
 
     def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
         from torch.distributed.tensor import DTensor

@@ -15,7 +15,7 @@ import pandas as pd
 
 from harness.checks.numeric import Check, judge, not_measured
 from harness.core.policy import Bounds
-from harness.core.scenario import Scenario, holds_unsharded_grads, passes_per_step, reductions_per_step
+from harness.core.scenario import CLIP, Scenario, holds_unsharded_grads, passes_per_step, reductions_per_step
 from harness.core.verdict import Verdict
 from harness.measure import ideal_comm_elements, ideal_state_bytes
 from harness.measure.timeline import ALLOWED, PHASES, ROOT_FREE
@@ -217,8 +217,13 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         gather = elements.get("all_gather", 0.0)
         scatter = _reduced(elements, int(row.world_size))
         all_reduce = elements.get("all_reduce", 0.0)
+        # clipping all-reduces the global gradient norm: a few elements (at most one per parameter
+        # tensor) a step, not the gradient; anything beyond that counts as a gradient all-reduce
+        norm_reduce = min(all_reduce, float(row.param_tensors)) if feature in CLIP else 0.0
+        all_reduce -= norm_reduce
         reduce = scatter + all_reduce
-        reduce_bytes = _reduced(nbytes, int(row.world_size)) + nbytes.get("all_reduce", 0.0)
+        reduce_bytes = (_reduced(nbytes, int(row.world_size))
+                        + nbytes.get("all_reduce", 0.0) * (all_reduce / (all_reduce + norm_reduce) if all_reduce else 0))
         factor = reduce_bytes / (reduce * width) if reduce else math.nan
         types = sorted(set(c[c.collective.isin((*SCATTER_COLLECTIVES, "all_reduce"))].dtype.astype(str)))
         problems = []
@@ -234,7 +239,8 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         msg = (f"per step: all_gather {gather:,.0f} elements ({gather / p:.2f}P), gradient reduction "
                f"{reduce:,.0f} elements ({reduce / p:.2f}P) in {', '.join(types) or 'no type'}, "
                f"{reduce_bytes:,.0f} B: traffic factor {factor:.2f}x the parameters' {8 * width:g}-bit elements; "
-               f"ZeRO-3 ideal {per}2P + {per_r}P with P = {p:,.0f} elements")
+               f"ZeRO-3 ideal {per}2P + {per_r}P with P = {p:,.0f} elements"
+               + (f"; the clipping norm's all_reduce {norm_reduce:,.0f} elements" if norm_reduce else ""))
         limit = (ideal_gather + t) * (1 + bounds.comm_slack) + 3 * allowance  # the most both conditions above allow together
         out.append(judge("comm_volume", row, not problems, (gather + reduce) / p, limit / p,
                          msg + f"; allowed up to {limit / p:.3g}P with padding", where="; ".join(problems)))

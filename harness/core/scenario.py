@@ -18,10 +18,16 @@ REFERENCE_IMPL = "reference"
 #   no_sync  the same micro-batches with the gradient reduction switched off on all but the last
 #            (the adapter's set_gradient_sync): the unsharded gradients accumulate locally and are
 #            reduced once
-FEATURES = ("plain", "accum", "no_sync")
+#   clip     one forward and backward, then the gradients clipped to a global L2 norm of at most
+#            CLIP["clip"][1] (the adapter's clip_grad_norm), then the optimizer step
+#   clip_inf the same with the infinity norm (the largest |gradient element|)
+FEATURES = ("plain", "accum", "no_sync", "clip", "clip_inf")
 ACCUM_MICRO_BATCHES = 2
+# feature -> (norm type, max norm): below the smallest pre-clip norm the default models reach in 10
+# steps under seeds 0-4 (L2 0.20, inf 0.033 on mlp), so clipping acts at every step (checked per run)
+CLIP = {"clip": (2.0, 0.1), "clip_inf": (float("inf"), 0.01)}
 # the adapter method a feature needs beyond the protocol's required ones (harness/adapters/base.py)
-FEATURE_NEEDS = {"no_sync": "set_gradient_sync"}
+FEATURE_NEEDS = {"no_sync": "set_gradient_sync", "clip": "clip_grad_norm", "clip_inf": "clip_grad_norm"}
 
 
 def passes_per_step(feature: str) -> int:

@@ -27,7 +27,8 @@ class Table:
 
 
 # What the less obvious columns hold:
-#   steps       grad_diff_ws1 (replicated data, W > 1): max |difference| between the sorted non-zero
+#   steps       clip_norm (clip features): the global gradient norm before clipping, as the adapter's
+#               clip_grad_norm returned it (NaN otherwise); grad_diff_ws1 (replicated data, W > 1): max |difference| between the sorted non-zero
 #               gradient values the optimizers applied at that step, over all ranks, and those at
 #               world size 1 (0: bitwise the same values; inf: a different count)
 #   params      the full, unsharded parameter under its module path
@@ -47,7 +48,7 @@ FEATURE = ("feature",)  # after the ids; optional when reading: a run stored bef
 TABLES: dict[str, Table] = {t.name: t for t in (
     Table("steps", "scenario x step", SCENARIO_IDS + FEATURE + (
         "step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1",
-        "grad_diff_ws1"),
+        "grad_diff_ws1", "clip_norm"),
           required=SCENARIO_IDS + ("step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1",
                                    "worst_param_ws1")),
     Table("params", "scenario x step x parameter", (

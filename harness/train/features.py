@@ -27,7 +27,7 @@ def forward_backward(feature: str, spec, model, x: torch.Tensor, y: torch.Tensor
     """Forward and backward of one step on this rank's batch; returns the loss of the whole local batch
     (detached). `mark(phase, value)` is told where the step is (harness.measure.timeline);
     `set_sync(enabled)` switches the gradient reduction (the adapter's set_gradient_sync)."""
-    if feature == "plain":
+    if feature in ("plain", "clip", "clip_inf"):  # clipping happens after backward (the task's step)
         mark("forward")
         loss = spec.loss(mark("after_forward", model(x)), y)
         mark("backward")

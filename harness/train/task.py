@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from harness.adapters import load_adapter
-from harness.core.scenario import Scenario
+from harness.core.scenario import CLIP, Scenario
 from harness.measure import CommCounter, PeakMemory
 from harness.measure.census import Census
 from harness.measure.memory import local_tensor
@@ -77,7 +77,8 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> 
             loss = forward_backward(sc.feature, spec, wrapped, x, y, mark, set_sync)
             adapter.after_backward(wrapped, optimizer)
             mark("after_backward")
-            grad_sq = _local_grad_sq(wrapped)
+            grad_sq = _local_grad_sq(wrapped)  # before clipping: the norm the harness measures itself
+            clip_norm = _clip(adapter, wrapped, sc.feature)
             mark("optimizer")
             optimizer.step()
             mark("optimizer")
@@ -100,7 +101,7 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> 
             for k in tot:
                 tot[k] += row[k]
         steps.append({"step": step, "loss": _global_loss(loss, sc, ctx),
-                      "grad_norm": _global_grad_norm(grad_sq, adapter, ctx)})
+                      "grad_norm": _global_grad_norm(grad_sq, adapter, ctx), "clip_norm": clip_norm})
         _snapshot(adapter, wrapped, snap_dir / f"step{step}.pt", ctx.rank)
 
     comm = [{"collective": c, "dtype": d, **{k: v / sc.steps for k, v in tot.items()}}
@@ -108,6 +109,14 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> 
     return {"scenario": sc.id, "rank": ctx.rank, "steps": steps, "memory": memory, "comm": comm, "gathered": gathered,
             "sharded": bool(adapter.sharded), **sizes,
             "step_time_s": sum(times) / len(times) if times else math.nan, "snapshot_dir": str(snap_dir)}
+
+
+def _clip(adapter, wrapped, feature: str) -> float:
+    """Clip the gradients for a clip feature; the norm before clipping the adapter reports (NaN: none)."""
+    if feature not in CLIP:
+        return math.nan
+    norm_type, max_norm = CLIP[feature]
+    return float(adapter.clip_grad_norm(wrapped, max_norm, norm_type))
 
 
 def _marker(timeline: UnitTimeline, mem: PeakMemory | None):

@@ -10,7 +10,8 @@ else (``injection.py`` says how). The mutants live beside this module, grouped b
 - ``memory_mutants``: faults that change memory only, not the numbers;
 - ``meta_init_mutants``: meta-device init (and the control it is judged against);
 - ``per_sample_mutants``: per-sample gradient norms (a world task, not an adapter);
-- ``accumulation_mutants``: gradient accumulation with the reduction switched off (no_sync);
+- ``feature_mutants``: the training features (gradient accumulation with the reduction switched off,
+  clipping);
 - ``hidden_mutants``: faults hidden from what an adapter reports (a parameter left out of
   ``full_params``, buffers and state outside the reported objects, traffic from another thread),
   and the controls that reduce gradients ZeRO-1/2 style.
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from suites.mutants.accumulation_mutants import AccumAveraged, SyncIgnored, SyncNeverRestored
+from suites.mutants.feature_mutants import AccumAveraged, ClipLocalNorm, SyncIgnored, SyncNeverRestored
 from suites.mutants.gradient_mutants import (
     AveragedTwice,
     Fp32Reduce,
@@ -99,6 +100,7 @@ prefetch_thread_gather, reduce_to_owners, gather_to_owners = PrefetchThreadGathe
 fp32_reduce, tie_broken, optimizer_delegated = Fp32Reduce, TieBroken, OptimizerDelegated
 grad_overwritten = GradOverwritten
 sync_ignored, sync_never_restored, accum_averaged = SyncIgnored, SyncNeverRestored, AccumAveraged
+clip_local_norm = ClipLocalNorm
 
 
 
@@ -183,6 +185,9 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("accum_averaged", _spec("accum_averaged"), "grads_match_ws1",
            "the gradient accumulated over unreduced micro-batches divided by their count although each "
            "micro-batch's loss is already scaled", data_modes=("replicated",), features=("no_sync",)),
+    Mutant("clip_local_norm", _spec("clip_local_norm"), "clip_acts",
+           "gradients clipped by the norm of the rank's own shard instead of the global norm",
+           features=("clip", "clip_inf"), optimizers=("adamw",)),
 )
 
 # Unmutated adapters run in the same matrix: the reference and these must pass every check.

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from harness.adapters import load_adapter
-from harness.checks.numeric import NUMERIC_CHECKS
-from harness.checks.resources import RESOURCE_CHECKS
+from harness.checks.numeric import all_checks
 from harness.core.verdict import FAIL
 from harness.train.models import MODELS, get_model_spec
 from suites.mutants.catalog import CATALOGUE, Mutant
@@ -26,9 +25,9 @@ ISSUE_FAULTS = {  # the faults the catalogue must hold at the least, by catalogu
     "per_sample_norms_allreduced", "grads_not_cleared", "stale_shard", "tied_reduced_twice",
     "frozen_updated", "bf16_reduce", "param_left_out", "unit_buffer_kept", "optimizer_shadow_state",
     "prefetch_thread_gather", "fp32_reduce", "tie_broken", "grad_overwritten",
-    "sync_ignored", "sync_never_restored", "accum_averaged",
+    "sync_ignored", "sync_never_restored", "accum_averaged", "clip_local_norm",
 }
-HARNESS_CHECKS = {c.name for c in NUMERIC_CHECKS + RESOURCE_CHECKS}
+HARNESS_CHECKS = {c.name for c in all_checks()}
 NUMERIC_NAMES = {"finite", "ws1_exact", "cross_ws_replicated", "split_matches_full_batch", "converges"}
 
 

@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from harness import options
+from harness.checks import norms
 from harness.checks import numeric as checks
 from harness.checks import resources as resource_checks
 from harness.core.policy import Bounds
@@ -138,7 +139,7 @@ def _set_grad_norm(t, sid, value):
 def test_grad_norm_matches_holds_step_one_against_the_reference(norm, status):
     sc = _sc("fsdp_impl", 4, mode="split")
     t = _set_grad_norm(make([(sc.reference(), LOSSES, ZERO, ZERO), (sc, LOSSES, ZERO, ZERO)]), sc.id, norm)
-    v = by(checks.grad_norm_matches(t), "grad_norm_matches")[sc.id]
+    v = by(norms.grad_norm_matches(t), "grad_norm_matches")[sc.id]
     assert v.status == status
     if status == "fail":
         assert (v.step, v.param) == (1, "gradient norm")
@@ -146,7 +147,7 @@ def test_grad_norm_matches_holds_step_one_against_the_reference(norm, status):
 
 def test_grad_norm_matches_fails_without_a_reference():
     sc = _sc("fsdp_impl", 2)
-    [v] = checks.grad_norm_matches(make([(sc, LOSSES, ZERO, ZERO)]))
+    [v] = norms.grad_norm_matches(make([(sc, LOSSES, ZERO, ZERO)]))
     assert v.status == "fail" and "could not be checked" in v.message and sc.reference().id in v.message
 
 

@@ -110,6 +110,37 @@ def test_the_built_in_adapters_declare_what_they_support():
     from harness.adapters.base import missing_capability
 
     for name in ("reference", "fsdp_impl", "torch_fsdp2", "ddp"):
-        assert missing_capability(load_adapter(name), "no_sync") is None, name
+        for feature in ("no_sync", "clip", "clip_inf"):
+            assert missing_capability(load_adapter(name), feature) is None, (name, feature)
     assert missing_capability(load_adapter("torch_fsdp1"), "no_sync")
+    assert "clip_grad_norm()" in missing_capability(load_adapter("torch_fsdp1"), "clip")
     assert all(missing_capability(load_adapter("torch_fsdp1"), f) is None for f in ("plain", "accum"))
+
+
+def _clip_tables(ref_norms, norms, feature="clip"):
+    from suites.unit.synthetic_tables import frame
+
+    cells = [Scenario("fsdp_impl", "mlp", 2, "replicated", "adamw", steps=len(norms), feature=feature)]
+    cells.insert(0, cells[0].reference())
+    scen, steps = [], []
+    for sc, values in zip(cells, (ref_norms, norms)):
+        scen.append(dict(scenario=sc.id, impl=sc.impl, model=sc.model, world_size=sc.world_size, data_mode=sc.data_mode,
+                         optimizer=sc.optimizer, seed=0, feature=feature, status="ok", steps=sc.steps, lr=sc.lr))
+        steps += [dict(scenario=sc.id, step=k + 1, loss=1.0, clip_norm=v) for k, v in enumerate(values)]
+    return {"scenarios": frame("scenarios", scen), "steps": frame("steps", steps)}, cells[1].id
+
+
+def test_clip_acts_requires_clipping_to_act_and_the_global_norm():
+    from harness.checks.norms import clip_acts
+
+    tables, sid = _clip_tables([0.5, 0.4, 0.3], [0.5, 0.4, 0.3])
+    assert {v.scenario: v.status for v in clip_acts(tables)}[sid] == "pass"
+    tables, sid = _clip_tables([0.5, 0.4, 0.3], [0.5 / 2 ** 0.5, 0.4, 0.3])  # one rank's shard: off by sqrt(2)
+    v = {v.scenario: v for v in clip_acts(tables)}[sid]
+    assert v.status == "fail" and v.step == 1 and v.param == "gradient norm"
+    tables, sid = _clip_tables([0.5, 0.05, 0.3], [0.5, 0.05, 0.3])  # below max_norm 0.1 at step 2: never tested
+    verdicts = clip_acts(tables)
+    assert [(v.status, v.step) for v in verdicts] == [("fail", 2), ("fail", 2)]
+    assert "clipping did not act" in verdicts[1].where
+    tables, sid = _clip_tables([0.05, 0.04, 0.03], [0.05, 0.04, 0.03], feature="clip_inf")  # max norm 0.01
+    assert [v.status for v in clip_acts(tables)] == ["pass", "pass"]

@@ -377,3 +377,22 @@ def test_padding_is_rezeroed_before_every_gather(world, plain, n):
     for got in results:
         assert got["after_forward"] == 0.0 and got["after_step"] == 0.0
         assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_clip_grad_norm_clips_by_the_global_norm(world, n, norm_type):
+    """The norm over every rank's shard (not a rank's own), the same coefficient on every rank: the
+    gradients match torch's clipping of the plain model; bitwise at one rank, and for the infinity
+    norm (a maximum) at any world size."""
+    got = run(world, n, "training:clipped", {"model": "tinylm_tied", "max_norm": 0.05, "norm_type": norm_type})
+    norms = {g["fsdp"][0] for g in got}
+    assert len(norms) == 1, norms  # every rank reports the same global norm
+    (norm, grads), (plain_norm, plain_grads) = got[0]["fsdp"], got[0]["plain"]
+    assert plain_norm > 0.05  # clipping acted
+    if n == 1 or norm_type == math.inf:
+        assert norm == plain_norm
+        assert max_diff(grads, plain_grads) == 0.0
+    else:
+        assert abs(norm - plain_norm) <= 1e-6 * plain_norm
+        assert max_diff(grads, plain_grads) < REPLICATED_BOUND

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp_impl.handle as fsdp_handle
-from fsdp_impl import fully_shard, set_requires_gradient_sync
+from fsdp_impl import clip_grad_norm_, fully_shard, set_requires_gradient_sync
 from fsdp_impl.api import units
 from harness.train.models import get_model_spec
 from harness.train.optim import make_optimizer
@@ -235,3 +235,21 @@ def padding_rezeroed(ctx, p: dict) -> dict:
         opt.zero_grad()
     return {"corrupted": corrupted, "after_forward": worst_after_forward, "after_step": worst_after_step,
             "params": named_full(model, True)}
+
+
+def clipped(ctx, p: dict) -> dict:
+    """The global norm fsdp_impl.clip_grad_norm_ reports and the gradients it leaves, for the sharded
+    model and for the plain model clipped by torch, on the same batch (replicated data)."""
+    spec = get_model_spec(p["model"])
+    x, y = spec.make_batch(p.get("batch", 8), 1, 0)
+    out = {}
+    for wrapped in (True, False):
+        model, _ = build({**p, "wrap": wrapped}, ctx)
+        spec.loss(model(x), y).backward()
+        if wrapped:
+            norm = clip_grad_norm_(model, p["max_norm"], p["norm_type"])
+            out["fsdp"] = (float(norm), full_grads(model))
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), p["max_norm"], p["norm_type"])
+            out["plain"] = (float(norm), {n: to_numpy(q.grad) for n, q in model.named_parameters()})
+    return out

@@ -1,11 +1,12 @@
-"""Gradient accumulation faults (features accum and no_sync, harness/train/features.py): the reduction
-switch that does nothing, the switch never turned back on, and an accumulated gradient averaged over
-its micro-batches although each micro-batch's loss is already scaled.
+"""Faults of the training features (harness/train/features.py): for gradient accumulation, the
+reduction switch that does nothing, the switch never turned back on, and an accumulated gradient
+averaged over its micro-batches although each micro-batch's loss is already scaled; for clipping, the
+norm of the rank's own shard taken for the global norm.
 """
 
 from __future__ import annotations
 
-from suites.mutants.injection import MutantAdapter, _handles
+from suites.mutants.injection import MutantAdapter, _handles, _with_globals
 
 
 class SyncIgnored(MutantAdapter):
@@ -46,3 +47,17 @@ class AccumAveraged(MutantAdapter):
                 product(h, full)
 
             h._post_backward = post_backward
+
+
+class ClipLocalNorm(MutantAdapter):
+    """Gradient clipping by the norm of the rank's own shard, not the global norm (as
+    ``torch.nn.utils.clip_grad_norm_`` computes on flat shards): off by about sqrt(W) for L2, and each
+    rank scales by a coefficient of its own."""
+
+    name = "mutant:clip_local_norm"
+
+    def clip_grad_norm(self, wrapped, max_norm, norm_type):
+        from fsdp_impl import clip
+
+        local = _with_globals(clip.clip_grad_norm_, all_reduce_norm=lambda value, op, group: None)
+        return float(local(wrapped, max_norm, norm_type))

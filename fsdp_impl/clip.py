@@ -1,0 +1,86 @@
+"""Gradient-norm clipping over the whole sharded model: the global norm, not a rank's own.
+
+``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` on ``fsdp_impl`` shards would compute
+each rank's norm of its own shard: off by about sqrt(W) for norm 2, and different on every rank.
+``clip_grad_norm_(model, ...)`` here reduces each rank's part over the unit's process group, one
+all-reduce for the whole model, and scales every shard's gradient by the same coefficient.
+
+At world size 1 it computes exactly what torch's function computes on the unsharded parameters
+(per-parameter norms, then the norm of those), so one rank is bitwise the plain model. At W > 1 a
+parameter split over ranks contributes partial sums of squares (in float64, summed over ranks by
+the all-reduce): the norm is right to float32 rounding, but it is not bitwise the W = 1 value,
+since the sum runs in another order. The infinity norm is a maximum and is exact at any W.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .api import units
+
+
+def all_reduce_norm(value: torch.Tensor, op, group) -> None:
+    """The one collective of clipping (a name of its own so that tests can replace it)."""
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(value, op=op, group=group)
+
+
+def _local_parts(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor], object]:
+    """(this rank's gradient part of every original parameter, in the order the unwrapped model lists
+    them; every gradient tensor to scale; the process group). Parts are views into the shard
+    gradients, padding left out. The order is torch's, so that at one rank the norm of the
+    per-parameter norms is summed exactly as torch sums it."""
+    position = {id(m): i for i, m in enumerate(module.modules())}
+    keyed, grads, group = [], [], None
+    for _, state in units(module):
+        for h in state.handles:
+            group = h.group
+            if h.shard.grad is None:
+                continue
+            grads.append(h.shard.grad)
+            lo = h.layout.rank_range(h.rank)[0]
+            for i, (slot, owners) in enumerate(zip(h.layout.slots, h.owners)):
+                span = h.layout.overlap(slot, h.rank)
+                if span is not None:
+                    keyed.append(((position[id(owners[0].module)], i), h.shard.grad[span[0] - lo:span[1] - lo]))
+    keyed.sort(key=lambda kv: kv[0])
+    return [t for _, t in keyed], grads, group
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale every gradient of `module` (sharded by fully_shard) so that the global norm is at most
+    `max_norm`, as ``torch.nn.utils.clip_grad_norm_`` does for an unsharded model (same coefficient
+    ``max_norm / (norm + 1e-6)``, clamped at 1). Returns the global norm before clipping (float32,
+    the same on every rank). Collective: every rank of the units' group calls it."""
+    norm_type = float(norm_type)
+    if norm_type not in (2.0, math.inf):
+        raise ValueError(f"clip_grad_norm_: norm_type {norm_type} is not supported (2 or inf)")
+    parts, grads, group = _local_parts(module)
+    plain = [p.grad for p in module.parameters() if not getattr(p, "_fsdp_shard", False) and p.grad is not None]
+    if group is None:
+        raise ValueError("clip_grad_norm_: no fully_shard unit under this module")
+    world = dist.get_world_size(group)
+    dtype = next((g.dtype for g in grads + plain), torch.float32)
+    device = next((g.device for g in grads + plain), torch.device("cpu"))
+    # a parameter outside every unit is whole on every rank: counted by rank 0 alone for norm 2
+    own = parts + (plain if norm_type == math.inf or dist.get_rank(group) == 0 else [])
+    if world == 1:  # torch's computation on the whole parameters: per-parameter norms, then their norm
+        norms = torch._foreach_norm(own, norm_type) if own else []
+        total = (torch.linalg.vector_norm(torch.stack(list(norms)), norm_type) if norms
+                 else torch.zeros((), dtype=dtype, device=device))
+    elif norm_type == math.inf:
+        local = max((float(t.abs().max()) for t in own if t.numel()), default=0.0)
+        total = torch.tensor(local, dtype=dtype, device=device)
+        all_reduce_norm(total, dist.ReduceOp.MAX, group)
+    else:
+        sq = sum((t.double().pow(2).sum() for t in own), torch.zeros((), dtype=torch.float64, device=device))
+        all_reduce_norm(sq, dist.ReduceOp.SUM, group)
+        total = sq.sqrt().to(dtype)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        torch._foreach_mul_(grads + plain, coef) if grads + plain else None
+    return total

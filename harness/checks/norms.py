@@ -1,0 +1,100 @@
+"""Checks on gradient norms: the norm the harness measures at step 1 against the plain model's, and
+the norm a clipping feature reports (the other checks hold every feature the same way, against the
+plain model doing the same thing).
+
+clip_acts (features clip, clip_inf): clipping that never acts cannot be wrong, so first every step's norm
+before clipping must exceed the max norm (the reference's too: it is the yardstick); then the norm the
+implementation's clip_grad_norm reports at step 1 must be the plain model's within the same relative
+bound as grad_norm_matches: a norm computed on a rank's own shard (off by about sqrt(W) for L2) fails
+here at step 1, naming it, besides the parameters it then clips wrongly.
+"""
+
+from __future__ import annotations
+
+import math
+
+from harness.checks.numeric import Check, _fmt, _not_reference, _ok, _reference_id, judge, not_measured
+from harness.core.policy import Bounds
+from harness.core.scenario import CLIP, REFERENCE_IMPL, Scenario
+from harness.core.verdict import Verdict
+
+
+def grad_norm_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    """Step 1's global gradient norm equals the non-sharded model's within a relative bound.
+
+    At step 1 every implementation starts from the same parameters and sees the same global batch,
+    so its averaged gradient differs from the plain model's by rounding only (measured <= 9e-9
+    relative over the default matrix). Parameters alone miss gradient faults that no optimizer step
+    shows, such as junk in the padding of a flat shard; the norm reads the whole local gradient."""
+    out, bound = [], bounds.grad_norm_rel
+    sc, steps = tables["scenarios"], tables["steps"]
+    first = {r.scenario: (int(r.step), r.grad_norm) for r in steps[steps.step == steps.step.min()].itertuples()} \
+        if len(steps) else {}
+    for row in _ok(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
+        ref_id = _reference_id(row)
+        if ref_id not in first or row.scenario not in first:
+            missing = ref_id if ref_id not in first else row.scenario
+            out.append(not_measured("grad_norm_matches", row, f"no step-1 gradient norm of {missing}", bound))
+            continue
+        (step, got), (_, ref) = first[row.scenario], first[ref_id]
+        if not math.isfinite(ref) or ref == 0:
+            out.append(not_measured("grad_norm_matches", row, f"the reference's step-1 gradient norm is {ref}",
+                                     bound))
+            continue
+        rel = abs(got - ref) / abs(ref) if math.isfinite(got) else math.inf
+        passed = rel <= bound
+        msg = f"step-1 gradient norm {got:.9g} vs non-sharded {ref:.9g}: relative difference {_fmt(rel)} (bound {bound:g})"
+        out.append(judge("grad_norm_matches", row, passed, rel, bound, msg, step=step, param="gradient norm"))
+    return out
+
+
+def clip_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    out = []
+    sc, steps = tables["scenarios"], tables["steps"]
+    norms = {s: g.sort_values("step") for s, g in steps.groupby("scenario")} if len(steps) else {}
+    for row in sc[sc.status == "ok"].itertuples():
+        feature = Scenario.of_row(row).feature
+        if feature not in CLIP:
+            continue
+        norm_type, max_norm = CLIP[feature]
+        mine = norms.get(row.scenario)
+        if mine is None or "clip_norm" not in mine or mine.clip_norm.isna().any():
+            out.append(not_measured("clip_acts", row, "no norm before clipping recorded at every step"))
+            continue
+        idle = mine[~(mine.clip_norm > max_norm)]
+        kind = "L2" if norm_type == 2 else "infinity"
+        if len(idle):
+            first = idle.iloc[0]
+            out.append(judge("clip_acts", row, False, float(first.clip_norm), max_norm,
+                             f"the {kind} norm before clipping is {first.clip_norm:.6g} at step {int(first.step)}, "
+                             f"not above max_norm {max_norm:g}: clipping did not act, so nothing about it was tested",
+                             step=int(first.step), param="gradient norm", where="clipping did not act"))
+            continue
+        if row.impl == REFERENCE_IMPL:
+            out.append(judge("clip_acts", row, True, float(mine.clip_norm.min()), max_norm,
+                             f"clipping acted at every step ({kind} norm {mine.clip_norm.min():.6g} at the least, "
+                             f"max_norm {max_norm:g})"))
+            continue
+        ref = norms.get(_reference_id(row))
+        if ref is None or "clip_norm" not in ref or ref.clip_norm.isna().all():
+            out.append(not_measured("clip_acts", row, f"no norm before clipping of {_reference_id(row)}"))
+            continue
+        got, want = float(mine.clip_norm.iloc[0]), float(ref.clip_norm.iloc[0])
+        rel = abs(got - want) / abs(want)
+        step = int(mine.step.iloc[0])
+        out.append(judge("clip_acts", row, rel <= bounds.grad_norm_rel, rel, bounds.grad_norm_rel,
+                         f"clipping acted at every step; the {kind} norm before clipping at step {step} is {got:.9g} vs "
+                         f"the plain model's {want:.9g}: relative difference {_fmt(rel)} (bound {bounds.grad_norm_rel:g})",
+                         step=step, param="gradient norm"))
+    return out
+
+
+def _clip_row(row) -> bool:
+    return row.status == "ok" and Scenario.of_row(row).feature in CLIP
+
+
+_ROW = ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed", "status")
+NORM_CHECKS = (
+    Check(grad_norm_matches, _not_reference, {"scenarios": _ROW, "steps": ("scenario", "step", "loss", "grad_norm")}),
+    Check(clip_acts, _clip_row, {"scenarios": _ROW, "steps": ("scenario", "step", "clip_norm")}),
+)
