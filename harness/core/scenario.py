@@ -21,11 +21,15 @@ REFERENCE_IMPL = "reference"
 #   clip     one forward and backward, then the gradients clipped to a global L2 norm of at most
 #            CLIP["clip"][1] (the adapter's clip_grad_norm), then the optimizer step
 #   clip_inf the same with the infinity norm (the largest |gradient element|)
-FEATURES = ("plain", "accum", "no_sync", "clip", "clip_inf")
+#   ac       activation checkpointing on every unit (non-reentrant): forward keeps no activations of
+#            a unit, backward runs its forward again
+FEATURES = ("plain", "accum", "no_sync", "clip", "clip_inf", "ac")
 ACCUM_MICRO_BATCHES = 2
 # feature -> (norm type, max norm): below the smallest pre-clip norm the default models reach in 10
 # steps under seeds 0-4 (L2 0.20, inf 0.033 on mlp), so clipping acts at every step (checked per run)
 CLIP = {"clip": (2.0, 0.1), "clip_inf": (float("inf"), 0.01)}
+# features that must leave every number bitwise as the plain step has it: compared with the plain reference
+NUMBERS_UNCHANGED = ("ac",)
 # the adapter method a feature needs beyond the protocol's required ones (harness/adapters/base.py)
 FEATURE_NEEDS = {"no_sync": "set_gradient_sync", "clip": "clip_grad_norm", "clip_inf": "clip_grad_norm"}
 
@@ -78,8 +82,10 @@ class Scenario:
 
     def reference(self) -> "Scenario":
         """The scenario whose trajectory this one is compared with: the plain model, full batch, doing
-        the same feature (the same micro-batches, ...)."""
-        return dataclasses.replace(self, impl=REFERENCE_IMPL, world_size=1, data_mode="replicated")
+        the same feature (the same micro-batches, ...); for a feature that must not change the numbers
+        at all (NUMBERS_UNCHANGED: activation checkpointing), the plain model doing the plain step."""
+        feature = "plain" if self.feature in NUMBERS_UNCHANGED else self.feature
+        return dataclasses.replace(self, impl=REFERENCE_IMPL, world_size=1, data_mode="replicated", feature=feature)
 
     def dependencies(self) -> list["Scenario"]:
         """The runs this one's checks compare with: the reference and, for a sharded run at W > 1,

@@ -12,6 +12,23 @@ import torch
 from harness.core.scenario import ACCUM_MICRO_BATCHES, FEATURES
 
 
+def checkpoint_units(units: list[torch.nn.Module]) -> None:
+    """Activation checkpointing on every unit (feature ac): its forward keeps no activations and runs
+    again in backward (torch.utils.checkpoint, non-reentrant). Applied to the plain model before any
+    implementation wraps it, inside the module call, so the implementation's hooks stay outside: its
+    parameters are gathered for the recomputation by its own pre-backward hook, as for a checkpoint
+    wrapper under FSDP2."""
+    from torch.utils.checkpoint import checkpoint
+
+    for unit in units:
+        forward = unit.forward
+
+        def checkpointed(*args, forward=forward, **kwargs):
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+        unit.forward = checkpointed
+
+
 def micro_batches(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The rank's batch in `k` contiguous, equal micro-batches (views: no copy)."""
     n = x.shape[0]
@@ -27,7 +44,7 @@ def forward_backward(feature: str, spec, model, x: torch.Tensor, y: torch.Tensor
     """Forward and backward of one step on this rank's batch; returns the loss of the whole local batch
     (detached). `mark(phase, value)` is told where the step is (harness.measure.timeline);
     `set_sync(enabled)` switches the gradient reduction (the adapter's set_gradient_sync)."""
-    if feature in ("plain", "clip", "clip_inf"):  # clipping happens after backward (the task's step)
+    if feature in ("plain", "clip", "clip_inf", "ac"):  # clipping happens after backward (the task's step)
         mark("forward")
         loss = spec.loss(mark("after_forward", model(x)), y)
         mark("backward")

@@ -22,7 +22,7 @@ from harness.measure.census import Census
 from harness.measure.memory import local_tensor
 from harness.measure.timeline import UnitTimeline
 from harness.train.data import global_batch, local_slice
-from harness.train.features import forward_backward
+from harness.train.features import checkpoint_units, forward_backward
 from harness.train.models import get_model_spec
 
 MEASURED_STEP = 1  # memory is measured on the second step: optimizer state exists by then
@@ -48,6 +48,8 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> 
     units = spec.units(model)
     sizes = _param_bytes(model, units)
     timeline = UnitTimeline(model, units)  # found on the plain model, looked at while the wrapped one trains
+    if sc.feature == "ac":
+        checkpoint_units(units)
     wrapped = adapter.wrap(model, units, group=ctx.group, device=device)
     optimizer = adapter.make_optimizer(wrapped, name=sc.optimizer, lr=sc.lr)
     _snapshot(adapter, wrapped, snap_dir / "step0.pt", ctx.rank)

@@ -59,7 +59,7 @@ CASES: tuple[Case, ...] = (
     Case("unknown model", ("--models", "resnet"), "unknown 'resnet'; choose from"),
     Case("unknown data mode", ("--data-modes", "sharded"), "unknown 'sharded'; choose from"),
     Case("unknown optimizer", ("--optimizers", "lamb"), "unknown 'lamb'; choose from"),
-    Case("unknown feature", ("--features", "accumulate"), "unknown 'accumulate'; choose from plain, accum, no_sync, clip, clip_inf"),
+    Case("unknown feature", ("--features", "accumulate"), "unknown 'accumulate'; choose from plain, accum, no_sync, clip, clip_inf, ac"),
     Case("adapter module that is not there", ("--impl", "no_such_pkg.adapters:Mine"),
          "module 'no_such_pkg.adapters' could not be imported", pytest=True),
     Case("adapter module that raises on import", ("--impl", f"{BROKEN_MODULE}:adapter"),

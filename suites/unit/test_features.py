@@ -144,3 +144,30 @@ def test_clip_acts_requires_clipping_to_act_and_the_global_norm():
     assert "clipping did not act" in verdicts[1].where
     tables, sid = _clip_tables([0.05, 0.04, 0.03], [0.05, 0.04, 0.03], feature="clip_inf")  # max norm 0.01
     assert [v.status for v in clip_acts(tables)] == ["pass", "pass"]
+
+
+def test_activation_checkpointing_is_compared_with_the_plain_model_without_it():
+    """Recomputation must change no number: an ac run's reference is the plain step's."""
+    sc = Scenario("fsdp_impl", "mlp", 2, "split", "adamw", feature="ac")
+    assert sc.reference().id == "reference-mlp-ws1-replicated-adamw"
+    assert sc.at_world_size(1).id == "fsdp_impl-mlp-ws1-split-adamw-ac"
+
+
+def test_checkpointed_units_recompute_their_forward_in_backward():
+    from harness.train.features import checkpoint_units
+
+    spec = get_model_spec("mlp")
+    torch.manual_seed(0)
+    model = spec.build()
+    units = spec.units(model)
+    calls = []
+    for u in units:
+        u.register_forward_hook(lambda m, a, o: calls.append(m))  # hooks fire once per module call...
+        inner = u.forward
+        u.forward = lambda *a, inner=inner, u=u, **k: (calls.append(("forward", u)), inner(*a, **k))[1]
+    checkpoint_units(units)
+    x, y = spec.make_batch(8, 1, 0)
+    forward_backward("ac", spec, model, x, y)
+    runs = [c for c in calls if isinstance(c, tuple)]
+    assert len(runs) == 2 * len(units)  # ...the forward itself runs again in backward
+    assert all(p.grad is not None for p in model.parameters())
