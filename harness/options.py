@@ -61,7 +61,22 @@ optimizers = choices(OPTIMIZERS)
 features = choices(FEATURES)
 
 
-models = choices(names.MODELS)
+def models(text: str) -> tuple[str, ...]:
+    """Zoo names are checked by name; a user's 'package.module:factory' is imported and held to the
+    model protocol (harness/train/user_models.py)."""
+    items = _items(text)
+    for name in items:
+        if name in names.MODELS:
+            continue
+        if ":" not in name:
+            raise argparse.ArgumentTypeError(f"unknown {name!r}; choose from {', '.join(names.MODELS)}, "
+                                             f"or name your own model 'package.module:factory'")
+        from harness.train.user_models import ModelError, load_user_model
+        try:
+            load_user_model(name)
+        except ModelError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return tuple(items)
 
 
 def impls(text: str) -> tuple[str, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -55,7 +56,9 @@ def judge(check, row, passed, measured, bound, message, *, at: Crossing | None =
     if passed:
         return Verdict(check, row.scenario, PASS, measured, bound, message=message)
     loc = dict(where=where, step=step, param=param)
-    dev = known_deviation(row.impl, check, int(row.world_size))
+    feature = getattr(row, "feature", "plain")
+    dev = known_deviation(row.impl, check, int(row.world_size), feature if isinstance(feature, str) else "plain",
+                          message)
     if dev is not None:
         return Verdict(check, row.scenario, KNOWN, measured, bound, message=f"{message} Known deviation: {dev.cause}.",
                        **loc)
@@ -245,13 +248,19 @@ def params_cover_model(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 
 
 def completed(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
-    """Every rank finished; a scenario that raised or hung is a failure with its message, one whose
-    implementation cannot do its feature is `unsupported` (not run, not passed)."""
-    status = {"ok": PASS, "unsupported": UNSUPPORTED}
-    return [Verdict("completed", row.scenario, status.get(row.status, FAIL), None, None,
-                    message="every rank finished" if row.status == "ok" else str(row.error),
-                    rank=_rank_or_none(getattr(row, "failed_rank", None)))
-            for row in tables["scenarios"].itertuples()]
+    """Every rank finished; a scenario that raised or hung is a failure with its message (KNOWN where
+    policy documents that very error), one whose implementation cannot do its feature is
+    `unsupported` (not run, not passed)."""
+    out = []
+    for row in tables["scenarios"].itertuples():
+        rank = _rank_or_none(getattr(row, "failed_rank", None))
+        if row.status in ("ok", "unsupported"):
+            out.append(Verdict("completed", row.scenario, PASS if row.status == "ok" else UNSUPPORTED, None, None,
+                               message="every rank finished" if row.status == "ok" else str(row.error), rank=rank))
+        else:
+            v = judge("completed", row, False, None, None, str(row.error))
+            out.append(dataclasses.replace(v, rank=rank))
+    return out
 
 
 def _rank_or_none(x) -> int | None:

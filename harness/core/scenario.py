@@ -106,13 +106,13 @@ def scenario_id(impl: str, model: str, world_size: int, data_mode: str, optimize
                 seed: int = 0, feature: str = "plain") -> str:
     """The one way ids are made: ``impl-model-wsW-mode[-optimizer][-feature][-seedN]``. Runs that train no
     optimizer (the per-sample norms, measured on one backward) leave it out; the plain feature is left out."""
-    parts = [_slug(impl), model, f"ws{world_size}", data_mode] + ([optimizer] if optimizer else [])
+    parts = [_slug(impl), _slug(model), f"ws{world_size}", data_mode] + ([optimizer] if optimizer else [])
     parts += [feature] if feature != "plain" else []
     return "-".join(parts) + (f"-seed{seed}" if seed else "")
 
 
 def _slug(impl: str) -> str:
-    """A user adapter 'pkg.mod:obj' becomes 'pkg.mod.obj' so ids stay path- and shell-safe."""
+    """A user adapter or model 'pkg.mod:obj' becomes 'pkg.mod.obj' so ids stay path- and shell-safe."""
     return impl.replace(":", ".").replace("/", ".")
 
 

@@ -286,7 +286,10 @@ MODELS: dict[str, ModelSpec] = {
 
 
 def get_model_spec(name: str) -> ModelSpec:
-    try:
+    """A zoo model by name, or the user's ``"package.module:factory"`` (harness/train/user_models.py)."""
+    if name in MODELS:
         return MODELS[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}") from None
+    if ":" in name:
+        from harness.train.user_models import load_user_model
+        return load_user_model(name)
+    raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}, or 'package.module:factory'")

@@ -24,6 +24,7 @@ from harness.measure.timeline import UnitTimeline
 from harness.train.data import global_batch, local_slice
 from harness.train.features import checkpoint_units, forward_backward
 from harness.train.models import get_model_spec
+from harness.train.user_models import check_batch, check_built
 
 MEASURED_STEP = 1  # memory is measured on the second step: optimizer state exists by then
 
@@ -44,8 +45,10 @@ def train_scenario(ctx, payload: dict) -> dict:
 def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> dict:
     device = ctx.device
     torch.manual_seed(sc.seed)
-    model = spec.build().to(device)
+    model = spec.build()
     units = spec.units(model)
+    check_built(sc.model, model, units)  # a user's model is held to the protocol, one line if it is not
+    model = model.to(device)
     sizes = _param_bytes(model, units)
     timeline = UnitTimeline(model, units)  # found on the plain model, looked at while the wrapped one trains
     if sc.feature == "ac":
@@ -59,6 +62,7 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> 
     steps, comm_totals, memory, times, gathered = [], {}, {}, [], []
     for step in range(1, sc.steps + 1):
         inputs, targets = global_batch(spec, sc.global_batch, step, sc.seed)
+        check_batch(sc.model, (inputs, targets), sc.global_batch)
         x, y, idx = local_slice(inputs, targets, ctx.rank, ctx.world_size, sc.data_mode)
         x, y = x.to(device), y.to(device)
         batch = (inputs, targets, x, y, idx)  # the harness's own tensors, not the implementation's

@@ -19,6 +19,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLE = Path(__file__).with_name("bad_inputs.md")
@@ -36,6 +37,16 @@ class HalfAdapter:
 
 
 half_adapter = HalfAdapter()
+
+
+def raising_model():
+    """A user model factory that raises."""
+    raise RuntimeError("no weights here")
+
+
+def half_model():
+    """A user model factory whose object has build and units but no make_batch or loss."""
+    return SimpleNamespace(build=lambda: None, units=lambda m: [])
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,14 @@ CASES: tuple[Case, ...] = (
          "1024 ranks need 1024 GPUs with --backend nccl", pytest=True),
     Case("unknown implementation", ("--impl", "fsdp_imp"), "unknown adapter 'fsdp_imp'", pytest=True),
     Case("unknown model", ("--models", "resnet"), "unknown 'resnet'; choose from"),
+    Case("user model module that is not there", ("--models", "no_such_pkg.models:spec"),
+         "model 'no_such_pkg.models:spec': module 'no_such_pkg.models' could not be imported", pytest=True),
+    Case("user model object that is not in the module", ("--models", "suites.faults.bad_inputs:no_such_model"),
+         "has no attribute 'no_such_model'"),
+    Case("user model factory that raises", ("--models", "suites.faults.bad_inputs:raising_model"),
+         "calling raising_model() failed: RuntimeError: no weights here"),
+    Case("user model factory returning the wrong thing", ("--models", "suites.faults.bad_inputs:half_model"),
+         "has no make_batch(), loss() (a model needs build, make_batch, loss, units", pytest=True),
     Case("unknown data mode", ("--data-modes", "sharded"), "unknown 'sharded'; choose from"),
     Case("unknown optimizer", ("--optimizers", "lamb"), "unknown 'lamb'; choose from"),
     Case("unknown feature", ("--features", "accumulate"), "unknown 'accumulate'; choose from plain, accum, no_sync, clip, clip_inf, ac"),

@@ -171,3 +171,20 @@ def test_checkpointed_units_recompute_their_forward_in_backward():
     runs = [c for c in calls if isinstance(c, tuple)]
     assert len(runs) == 2 * len(units)  # ...the forward itself runs again in backward
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_fsdp2_infinity_norm_on_an_empty_shard_is_the_one_documented_crash():
+    """policy.py documents torch's clip_grad_norm_ raising for FSDP2 under clip_inf where a shard is
+    empty; the same error from another implementation or feature, or another error, stays a FAIL."""
+    from harness.checks.numeric import completed
+
+    error = ("rank 3 failed: RuntimeError: _foreach_norm cannot compute the infinity norm on an empty tensor "
+             "because the operation does not have an identity")
+    rows = []
+    for impl, feature, text in (("torch_fsdp2", "clip_inf", error), ("fsdp_impl", "clip_inf", error),
+                                ("torch_fsdp2", "clip", error), ("torch_fsdp2", "clip_inf", "RuntimeError: other")):
+        sc = Scenario(impl, "mlp", 8, "replicated", "adamw", feature=feature)
+        rows.append(dict(scenario=sc.id, impl=impl, model="mlp", world_size=8, data_mode="replicated",
+                         optimizer="adamw", seed=0, feature=feature, status="error", error=text, failed_rank=3))
+    statuses = [v.status for v in completed({"scenarios": pd.DataFrame(rows)})]
+    assert statuses == ["known", "fail", "fail", "fail"]
