@@ -125,7 +125,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     # unsharded exceeds the whole mlp (3 units) and saw it on tinylm only, by about 1%
     Mutant("reshard_skipped", _spec("reshard_skipped"), "units_gathered",
            "no reshard after forward: every unit stays unsharded until its backward (memory only)",
-           models=("mlp", "tinylm", "tinylm_tied"), data_modes=("replicated",), world_sizes=(1, 2, 4), at_steps=None,
+           models=("mlp", "tinylm", "tinylm_tied"), data_modes=("replicated",), at_steps=None,
            kind="memory"),
     Mutant("optimizer_state_unsharded", _spec("optimizer_state_unsharded"), "memory_sharding",
            "optimizer state kept for the whole flat parameter on every rank (memory only)",

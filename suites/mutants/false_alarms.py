@@ -27,11 +27,12 @@ FULL_STEPS = 10
 def quick_matrix() -> list[Scenario]:
     """One seed, W in {1, 2}, 3 steps, in every CI run: DDP's plain step (the README's test command
     runs fsdp_impl's and FSDP2's in its own matrix, at every world size), and every other feature for
-    all three with AdamW on mlp and tinylm_tied (how a feature treats gradients does not depend on the
-    optimizer; tinylm_tied has the tied weight, mlp the smallest rows)."""
+    all three with AdamW and replicated data on mlp and tinylm_tied (how a feature treats gradients
+    depends neither on the optimizer nor on the data split; tinylm_tied has the tied weight, mlp the
+    smallest rows; the full tier runs every combination)."""
     plain = build_matrix(("ddp",), list(DEFAULT_MODELS), [1, 2], DATA_MODES, OPTIMIZERS, steps=3)
     others = [f for f in FEATURES if f != "plain"]
-    featured = build_matrix(CORRECT, ["mlp", "tinylm_tied"], [1, 2], DATA_MODES, ("adamw",), steps=3,
+    featured = build_matrix(CORRECT, ["mlp", "tinylm_tied"], [1, 2], ("replicated",), ("adamw",), steps=3,
                             features=others)
     return plain + [c for c in featured if c not in plain]
 

@@ -66,8 +66,11 @@ def control_scenarios(mutants, seed: int = 0) -> list[Scenario]:
     (those of CONTROL_CELLS in the cells it names)."""
     shapes = sorted({(c.model, c.world_size, c.data_mode, c.optimizer, c.steps, c.feature)
                      for m in mutants for c in scenarios_of(m, seed)})
+    # in a feature's cells the product itself is the control; the other controls are about init,
+    # reduction and optimizer wrappers, which the plain cells already hold
     return [Scenario(impl, model, ws, mode, opt, steps=steps, seed=seed, feature=feature)
             for impl, _ in CONTROLS for model, ws, mode, opt, steps, feature in shapes
+            if feature == "plain" or impl == "fsdp_impl"
             if CONTROL_CELLS.get(impl, lambda *_: True)(model, ws)]
 
 
