@@ -49,6 +49,22 @@ class _Unit:
     slots: list[tuple[nn.Module, str]]  # where the plain model keeps its own parameters
     elements: int
 
+    def __post_init__(self) -> None:
+        # the module's instance dict and parameter dict per slot: read directly at every operation, as
+        # attribute lookup would (instance attribute first, then the registered parameter), minus the cost
+        self.lookups = [(m.__dict__, m.__dict__["_parameters"], a) for m, a in self.slots]
+
+    def held(self) -> int:
+        """Elements the storages behind the unit's parameters hold now, each storage once."""
+        seen: set[int] = set()
+        total = 0
+        for attrs, params, name in self.lookups:
+            t = attrs.get(name)
+            if t is None:
+                t = params.get(name)
+            total += _held_elements(t, seen)
+        return total
+
 
 @dataclass
 class _Phase:
@@ -64,7 +80,7 @@ def _held_elements(t: object, seen: set[int]) -> int:
         return 0
     if DTensor is not None and isinstance(t, DTensor):
         t = t._local_tensor  # the attribute, not to_local(): no operation inside the tracker's dispatch
-    if t.device.type == "meta":
+    if t.is_meta:
         return 0
     st = t.untyped_storage()
     if st._cdata in seen:
@@ -97,13 +113,7 @@ class UnitTimeline:
 
     def gathered(self) -> list[str]:
         """Names of the units gathered now."""
-        out = []
-        for u in self.units:
-            seen: set[int] = set()
-            held = sum(_held_elements(getattr(m, a, None), seen) for m, a in u.slots)
-            if held >= u.elements:
-                out.append(u.name)
-        return out
+        return [u.name for u in self.units if u.held() >= u.elements]
 
     def sample(self) -> None:
         """One moment in the current phase (nothing outside a phase)."""
