@@ -188,3 +188,32 @@ def test_fsdp2_infinity_norm_on_an_empty_shard_is_the_one_documented_crash():
                          optimizer="adamw", seed=0, feature=feature, status="error", error=text, failed_rank=3))
     statuses = [v.status for v in completed({"scenarios": pd.DataFrame(rows)})]
     assert statuses == ["known", "fail", "fail", "fail"]
+
+
+def test_the_features_option_reaches_the_matrix_and_refuses_a_bad_name():
+    import argparse
+
+    from harness import options
+
+    parser = argparse.ArgumentParser()
+    options.add_matrix_arguments(parser.add_argument)
+    ns = parser.parse_args(["--world-sizes", "2", "--impl", "fsdp_impl", "--models", "mlp", "--data-modes", "split",
+                            "--optimizers", "sgd", "--features", "plain,no_sync"])
+    ids = {s.id for s in options.matrix_from(ns).scenarios()}
+    assert {"fsdp_impl-mlp-ws2-split-sgd", "fsdp_impl-mlp-ws2-split-sgd-no_sync",
+            "reference-mlp-ws1-replicated-sgd-no_sync"} <= ids
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown 'zero'; choose from plain, accum"):
+        options.features("plain,zero")
+    assert options.matrix_from(parser.parse_args([])).features == ("plain",)  # the default keeps today's step
+
+
+def test_the_summary_line_counts_unsupported_apart():
+    from harness.core.verdict import Verdict
+    from harness.session import Session
+
+    session = Session.__new__(Session)
+    session.options = type("O", (), {"report": None})()
+    session.result = type("R", (), {"verdicts": [Verdict("completed", "a", "unsupported", None, None),
+                                                 Verdict("completed", "b", "pass", None, None)], "wall_s": 1.0})()
+    assert session.summary_line().startswith("1 passed, 0 failed, 0 known deviations, 0 skipped, 1 unsupported")
+    assert session.exit_status() == 0
