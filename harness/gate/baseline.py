@@ -55,8 +55,9 @@ def summarize(tables: dict) -> dict[str, dict]:
         c = comm[comm["scenario"] == sid] if len(comm) else comm
         s = steps[steps["scenario"] == sid].sort_values("step") if len(steps) else steps
         err = str(row.get("error", "") or "")
+        status = "unsupported" if row.get("status") == "unsupported" else "error" if err and err != "nan" else "ok"
         out[sid] = {
-            "status": "error" if err and err != "nan" else "ok", "loss": [_f(x) for x in s.get("loss", [])],
+            "status": status, "loss": [_f(x) for x in s.get("loss", [])],
             "final_loss": _f(row.get("final_loss")), "max_diff_ref": _f(row.get("max_diff_ref")),
             "max_diff_ws1": _f(row.get("max_diff_ws1")),
             "peak_mem": _f(mem_of("peak") if pd.isna(row.get("peak_bytes", np.nan)) else row["peak_bytes"]),

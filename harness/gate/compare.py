@@ -124,7 +124,9 @@ def comparison(current: dict[str, dict], env: dict | None, base: Baseline,
             rows.append(GateRow("gate:scenario", sid, SKIP, f"new scenario {sid} is not in baseline '{base.name}': "
                                 "not gated (re-save the baseline to cover it)"))
         elif current[sid]["status"] != "ok" and base.scenarios[sid]["status"] == "ok":
-            rows.append(GateRow("gate:scenario", sid, FAIL, f"scenario {sid} errored in this run"))
+            what = ("is unsupported in this run: the implementation lost what its feature needs"
+                    if current[sid]["status"] == "unsupported" else "errored in this run")
+            rows.append(GateRow("gate:scenario", sid, FAIL, f"scenario {sid} {what}"))
         else:
             rows += [_field(f, sid, base.scenarios[sid], current[sid], t) for f, t in tols.items() if not t.off]
     return rows

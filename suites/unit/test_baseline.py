@@ -110,7 +110,12 @@ def test_missing_and_new_scenarios_are_reported(tables, saved):
     assert [(v.check, v.status) for v in new] == [("gate:scenario", "skip")] and "not in baseline" in new[0].message
     errored = _edit(tables, "scenarios", SPLIT2, "error", lambda _: "RuntimeError: boom")
     bad = _fails(compare(errored, load_baseline(saved)))
-    assert [(v.check, v.scenario) for v in bad] == [("gate:scenario", SPLIT2)]
+    assert [(v.check, v.scenario) for v in bad] == [("gate:scenario", SPLIT2)] and "errored" in bad[0].message
+    # gated before, not run now: the implementation lost a capability its feature needs
+    lost = _edit(_edit(tables, "scenarios", SPLIT2, "status", lambda _: "unsupported"), "scenarios", SPLIT2, "error",
+                 lambda _: "adapter 'x' has no set_gradient_sync() method")
+    [v] = _fails(compare(lost, load_baseline(saved)))
+    assert v.scenario == SPLIT2 and "is unsupported in this run" in v.message
 
 
 def test_environment_differences_are_visible(tables, saved):
