@@ -198,3 +198,38 @@ def make_per_sample_tables(*, world_sizes=(1, 2), samples: int = 4) -> dict[str,
                     ratio_of_means=1.0, max_rel_err=0.0, clipped_update_rel_err=0.0, update_ratio=1.0)
                for ws in world_sizes]
     return {"per_sample": frame("per_sample", rows), "per_sample_summary": frame("per_sample_summary", summary)}
+
+
+# -- small hand-made tables for single checks (suites/unit/test_checks.py, test_timeline.py) --------------
+
+P_BYTES = 4000  # full parameter bytes of the pretend model
+
+
+def cell(impl, ws, mode="replicated", opt="adamw"):
+    """A 3-step mlp scenario for the check builders below."""
+    return Scenario(impl, "mlp", ws, mode, opt, steps=3)
+
+
+def check_tables(cells):
+    """cells: list of (Scenario, losses[3], diff_ref[3], diff_ws1[3]) -> tables."""
+    steps, scen, params = [], [], []
+    for sc, losses, dref, dws1 in cells:
+        base = {"scenario": sc.id, "impl": sc.impl, "model": sc.model, "world_size": sc.world_size,
+                "data_mode": sc.data_mode, "optimizer": sc.optimizer, "seed": sc.seed}
+        for k in range(3):
+            steps.append({**base, "step": k + 1, "loss": losses[k], "grad_norm": 1.0,
+                          "max_diff_ref": dref[k], "worst_param_ref": "fc2.weight",
+                          "max_diff_ws1": dws1[k], "worst_param_ws1": "fc2.weight", "grad_diff_ws1": dws1[k]})
+            params.append({"scenario": sc.id, "step": k + 1, "param": "fc2.weight", "numel": 10,
+                           "diff_ref": dref[k], "diff_ws1": dws1[k], "sum": 1.0})
+        scen.append({**base, "steps": 3, "lr": sc.lr, "status": "ok", "error": "", "sharded": True,
+                     "param_bytes": P_BYTES, "param_elements": P_BYTES // 4, "trainable_elements": P_BYTES // 4,
+                     "largest_unit_bytes": P_BYTES // 2,
+                     "largest_child_bytes": P_BYTES // 4, "root_bytes": P_BYTES // 4, "row_bytes": 40,
+                     "param_tensors": 4, "buffer_bytes": 0})
+    return {"steps": frame("steps", steps), "scenarios": frame("scenarios", scen), "params": frame("params", params),
+            "memory": frame("memory", []), "comm": frame("comm", [])}
+
+
+LOSSES = [1.0, 0.8, 0.6]
+ZERO = [0.0, 0.0, 0.0]

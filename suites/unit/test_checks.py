@@ -12,39 +12,9 @@ from harness.checks import norms
 from harness.checks import numeric as checks
 from harness.checks import resources as resource_checks
 from harness.core.policy import Bounds
-from harness.core.scenario import Scenario
-from suites.unit.synthetic_tables import frame
-
-P_BYTES = 4000  # full parameter bytes of the pretend model
-
-
-def _sc(impl, ws, mode="replicated", opt="adamw"):
-    return Scenario(impl, "mlp", ws, mode, opt, steps=3)
-
-
-def make(cells):
-    """cells: list of (Scenario, losses[3], diff_ref[3], diff_ws1[3]) -> tables."""
-    steps, scen, params = [], [], []
-    for sc, losses, dref, dws1 in cells:
-        base = {"scenario": sc.id, "impl": sc.impl, "model": sc.model, "world_size": sc.world_size,
-                "data_mode": sc.data_mode, "optimizer": sc.optimizer, "seed": sc.seed}
-        for k in range(3):
-            steps.append({**base, "step": k + 1, "loss": losses[k], "grad_norm": 1.0,
-                          "max_diff_ref": dref[k], "worst_param_ref": "fc2.weight",
-                          "max_diff_ws1": dws1[k], "worst_param_ws1": "fc2.weight", "grad_diff_ws1": dws1[k]})
-            params.append({"scenario": sc.id, "step": k + 1, "param": "fc2.weight", "numel": 10,
-                           "diff_ref": dref[k], "diff_ws1": dws1[k], "sum": 1.0})
-        scen.append({**base, "steps": 3, "lr": sc.lr, "status": "ok", "error": "", "sharded": True,
-                     "param_bytes": P_BYTES, "param_elements": P_BYTES // 4, "trainable_elements": P_BYTES // 4,
-                     "largest_unit_bytes": P_BYTES // 2,
-                     "largest_child_bytes": P_BYTES // 4, "root_bytes": P_BYTES // 4, "row_bytes": 40,
-                     "param_tensors": 4, "buffer_bytes": 0})
-    return {"steps": frame("steps", steps), "scenarios": frame("scenarios", scen), "params": frame("params", params),
-            "memory": frame("memory", []), "comm": frame("comm", [])}
-
-
-LOSSES = [1.0, 0.8, 0.6]
-ZERO = [0.0, 0.0, 0.0]
+from suites.unit.synthetic_tables import LOSSES, P_BYTES, ZERO, frame
+from suites.unit.synthetic_tables import cell as _sc
+from suites.unit.synthetic_tables import check_tables as make
 
 
 def by(verdicts, check):
@@ -164,44 +134,6 @@ def test_peak_params_bound_catches_a_whole_extra_copy_of_the_parameters():
     assert v.where.startswith("params:")
     t["memory"] = t["memory"].iloc[0:0]
     assert [v.status for v in resource_checks.peak_params_bound(t)] == ["fail"]
-
-
-def _timeline(sc, **units):
-    """A gathered table: every phase on two ranks, one unit at most unless `units` says otherwise."""
-    from harness.measure.timeline import PHASES
-
-    rows = [dict(scenario=sc.id, rank=r, phase=p, moments=5, units=units.get(p, 1 if p in ("forward", "backward") else 0),
-                 which="x", root=False) for r in (0, 1) for p in PHASES]
-    return frame("gathered", rows)
-
-
-def test_units_gathered_fails_a_unit_left_gathered_after_forward_and_names_the_phase():
-    sc = _sc("fsdp_impl", 4)
-    t = make([(sc, LOSSES, ZERO, ZERO)])
-    t["gathered"] = _timeline(sc)
-    [v] = resource_checks.units_gathered(t)
-    assert v.status == "pass", v
-    t["gathered"] = _timeline(sc, after_forward=2)  # two units kept after forward: one more than prefetch allows
-    [v] = resource_checks.units_gathered(t)
-    assert v.status == "fail" and "after forward on rank 0: 2 units gathered at once" in v.where
-    t["gathered"] = _timeline(sc, forward=3)  # three at once in forward
-    [v] = resource_checks.units_gathered(t)
-    assert v.status == "fail" and v.where.startswith("forward")
-
-
-def test_units_gathered_fails_the_root_kept_after_backward_and_a_timeline_that_saw_nothing():
-    sc = _sc("fsdp_impl", 4)
-    t = make([(sc, LOSSES, ZERO, ZERO)])
-    t["gathered"] = _timeline(sc)
-    t["gathered"].loc[t["gathered"].phase == "after_backward", "root"] = True
-    [v] = resource_checks.units_gathered(t)
-    assert v.status == "fail" and "root's own parameters still gathered" in v.where
-    t["gathered"] = _timeline(sc, forward=0, backward=0)  # full parameters never seen: nothing was measured
-    [v] = resource_checks.units_gathered(t)
-    assert v.status == "fail" and "could not be checked" in v.message
-    t["gathered"] = _timeline(sc).query("phase != 'optimizer'")
-    [v] = resource_checks.units_gathered(t)
-    assert v.status == "fail" and "optimizer" in v.message
 
 
 def test_a_resource_bound_missed_where_policy_documents_it_is_known_and_elsewhere_a_failure():

@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from harness.checks import resources
 from harness.measure.timeline import ROOT, UnitTimeline
+from suites.unit.synthetic_tables import LOSSES, ZERO, frame
+from suites.unit.synthetic_tables import cell as _sc
+from suites.unit.synthetic_tables import check_tables as make
 
 
 def _model():
@@ -55,3 +59,41 @@ def test_nested_units_claim_their_own_parameters_and_tied_ones_count_once():
     tl = UnitTimeline(model, [inner, outer])
     sizes = {u.name: u.elements for u in tl.units}
     assert sizes == {"0.0": 6, "0": 6}  # the root's only parameter is tied to inner: it has none of its own
+
+
+def _timeline(sc, **units):
+    """A gathered table: every phase on two ranks, one unit at most unless `units` says otherwise."""
+    from harness.measure.timeline import PHASES
+
+    rows = [dict(scenario=sc.id, rank=r, phase=p, moments=5, units=units.get(p, 1 if p in ("forward", "backward") else 0),
+                 which="x", root=False) for r in (0, 1) for p in PHASES]
+    return frame("gathered", rows)
+
+
+def test_units_gathered_fails_a_unit_left_gathered_after_forward_and_names_the_phase():
+    sc = _sc("fsdp_impl", 4)
+    t = make([(sc, LOSSES, ZERO, ZERO)])
+    t["gathered"] = _timeline(sc)
+    [v] = resources.units_gathered(t)
+    assert v.status == "pass", v
+    t["gathered"] = _timeline(sc, after_forward=2)  # two units kept after forward: one more than prefetch allows
+    [v] = resources.units_gathered(t)
+    assert v.status == "fail" and "after forward on rank 0: 2 units gathered at once" in v.where
+    t["gathered"] = _timeline(sc, forward=3)  # three at once in forward
+    [v] = resources.units_gathered(t)
+    assert v.status == "fail" and v.where.startswith("forward")
+
+
+def test_units_gathered_fails_the_root_kept_after_backward_and_a_timeline_that_saw_nothing():
+    sc = _sc("fsdp_impl", 4)
+    t = make([(sc, LOSSES, ZERO, ZERO)])
+    t["gathered"] = _timeline(sc)
+    t["gathered"].loc[t["gathered"].phase == "after_backward", "root"] = True
+    [v] = resources.units_gathered(t)
+    assert v.status == "fail" and "root's own parameters still gathered" in v.where
+    t["gathered"] = _timeline(sc, forward=0, backward=0)  # full parameters never seen: nothing was measured
+    [v] = resources.units_gathered(t)
+    assert v.status == "fail" and "could not be checked" in v.message
+    t["gathered"] = _timeline(sc).query("phase != 'optimizer'")
+    [v] = resources.units_gathered(t)
+    assert v.status == "fail" and "optimizer" in v.message
