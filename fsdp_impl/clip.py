@@ -81,6 +81,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         all_reduce_norm(sq, dist.ReduceOp.SUM, group)
         total = sq.sqrt().to(dtype)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    with torch.no_grad():
-        torch._foreach_mul_(grads + plain, coef) if grads + plain else None
+    if grads + plain:
+        with torch.no_grad():
+            torch._foreach_mul_(grads + plain, coef)
     return total

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
 
 import pandas as pd
 
-from harness.core.policy import NOT_EXACT_UNDER_L2_CLIP, Bounds, known_deviation
-from harness.core.scenario import REFERENCE_IMPL, Scenario
+from harness.core.policy import NOT_EXACT, Bounds, known_deviation
+from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, UNSUPPORTED, VERDICT_COLUMNS, Verdict
 
 
@@ -49,16 +48,14 @@ def _reference_id(row) -> str:
 
 
 def judge(check, row, passed, measured, bound, message, *, at: Crossing | None = None,
-             step: int | None = None, param: str = "", where: str = "") -> Verdict:
+          step: int | None = None, param: str = "", where: str = "", rank: int | None = None) -> Verdict:
     """PASS, else KNOWN for a documented deviation (harness/core/policy.py), else FAIL; `at` locates it."""
     if at is not None:
         step, param, where = at.step, at.param, where or _fmt(at.value)
     if passed:
-        return Verdict(check, row.scenario, PASS, measured, bound, message=message)
-    loc = dict(where=where, step=step, param=param)
-    feature = getattr(row, "feature", "plain")
-    dev = known_deviation(row.impl, check, int(row.world_size), feature if isinstance(feature, str) else "plain",
-                          message)
+        return Verdict(check, row.scenario, PASS, measured, bound, message=message, rank=rank)
+    loc = dict(where=where, step=step, param=param, rank=rank)
+    dev = known_deviation(row.impl, check, int(row.world_size), feature_of(row), message)
     if dev is not None:
         return Verdict(check, row.scenario, KNOWN, measured, bound, message=f"{message} Known deviation: {dev.cause}.",
                        **loc)
@@ -111,7 +108,7 @@ def cross_ws_replicated(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     done = set(_ok(sc).scenario)
     for row in _ok(sc)[lambda d: (d.world_size > 1) & (d.data_mode == "replicated")].itertuples():
         ws1 = _ws1_id(row)
-        bound, why = bounds.replicated_bound(Scenario.of_row(row).feature, row.optimizer, row.lr, int(row.steps))
+        bound, why = bounds.replicated_bound(feature_of(row), row.optimizer, row.lr, int(row.steps))
         if ws1 not in done:
             out.append(not_measured("cross_ws_replicated", row, f"the world-size-1 run {ws1} did not complete",
                                      bound))
@@ -131,9 +128,9 @@ def grads_match_ws1(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     sc, steps = tables["scenarios"], tables["steps"]
     done = set(_ok(sc).scenario)
     for row in _ok(sc)[lambda d: (d.world_size > 1) & (d.data_mode == "replicated")].itertuples():
-        if Scenario.of_row(row).feature == "clip":
+        if feature_of(row) in NOT_EXACT:
             out.append(Verdict("grads_match_ws1", row.scenario, SKIP, None, None,
-                               message=f"does not apply: {NOT_EXACT_UNDER_L2_CLIP}"))
+                               message=f"does not apply: {NOT_EXACT[feature_of(row)]}"))
             continue
         ws1 = _ws1_id(row)
         mine = steps[steps.scenario == row.scenario].sort_values("step")
@@ -258,8 +255,7 @@ def completed(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             out.append(Verdict("completed", row.scenario, PASS if row.status == "ok" else UNSUPPORTED, None, None,
                                message="every rank finished" if row.status == "ok" else str(row.error), rank=rank))
         else:
-            v = judge("completed", row, False, None, None, str(row.error))
-            out.append(dataclasses.replace(v, rank=rank))
+            out.append(judge("completed", row, False, None, None, str(row.error), rank=rank))
     return out
 
 

@@ -178,13 +178,14 @@ def units_gathered(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             continue
         problems, worst = [], 0
         for r in g.itertuples():
-            over = int(r.units) - ALLOWED[r.phase] + int(bool(r.root) and r.phase not in ROOT_FREE)
-            worst = max(worst, over)
-            if int(r.units) > ALLOWED[r.phase]:
-                problems.append(f"{r.phase.replace('_', ' ')} on rank {r.rank}: {int(r.units)} units gathered at once "
-                                f"({r.which}), {ALLOWED[r.phase]} allowed")
-            if bool(r.root) and r.phase not in ROOT_FREE:
-                problems.append(f"{r.phase.replace('_', ' ')} on rank {r.rank}: the root's own parameters still gathered")
+            units_over = int(r.units) - ALLOWED[r.phase]
+            root_kept = bool(r.root) and r.phase not in ROOT_FREE
+            worst = max(worst, units_over + int(root_kept))
+            at = f"{r.phase.replace('_', ' ')} on rank {r.rank}"
+            if units_over > 0:
+                problems.append(f"{at}: {int(r.units)} units gathered at once ({r.which}), {ALLOWED[r.phase]} allowed")
+            if root_kept:
+                problems.append(f"{at}: the root's own parameters still gathered")
         most = g.groupby("phase").units.max()
         msg = ("most units gathered at once: " + ", ".join(f"{p.replace('_', ' ')} {int(most[p])}" for p in PHASES)
                + " (allowed " + ", ".join(str(ALLOWED[p]) for p in PHASES) + "; the root may stay gathered until "

@@ -40,8 +40,8 @@ class Bounds:
     def replicated_bound(self, feature: str, optimizer: str, lr: float, steps: int) -> tuple[float, str]:
         """(bound, why) of cross_ws_replicated: 3e-8 where an exact reduction reproduces one rank's
         gradient; under L2 clipping the split tier's bound, for the cause in NOT_EXACT_UNDER_L2_CLIP."""
-        if feature == "clip":
-            return self.split_bound(optimizer, lr, steps), f"the split tier's bound: {NOT_EXACT_UNDER_L2_CLIP}"
+        if feature in NOT_EXACT:
+            return self.split_bound(optimizer, lr, steps), f"the split tier's bound: {NOT_EXACT[feature]}"
         return self.cross_ws_replicated, ""
 
 
@@ -52,6 +52,8 @@ NOT_EXACT_UNDER_L2_CLIP = (
     "under L2 clipping every gradient is scaled by the global norm, which W ranks sum from partial sums "
     "in another order than one rank does, so it differs in the last bit and AdamW amplifies that; no "
     "correct sharded clipping is bitwise across world sizes (clip_inf, a maximum, is)")
+# feature -> why no correct implementation is bitwise across world sizes under it
+NOT_EXACT = {"clip": NOT_EXACT_UNDER_L2_CLIP}
 
 
 # Per-sample gradient norms (`--per-sample`), fp32 runs against a float64 truth

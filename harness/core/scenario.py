@@ -34,6 +34,12 @@ NUMBERS_UNCHANGED = ("ac",)
 FEATURE_NEEDS = {"no_sync": "set_gradient_sync", "clip": "clip_grad_norm", "clip_inf": "clip_grad_norm"}
 
 
+def feature_of(row) -> str:
+    """A table row's feature; a row stored before features existed (no column, or empty) is plain."""
+    feature = getattr(row, "feature", "plain")
+    return feature if isinstance(feature, str) and feature else "plain"
+
+
 def passes_per_step(feature: str) -> int:
     """Forward and backward passes in one training step: each gathers the parameters."""
     return ACCUM_MICRO_BATCHES if feature in ("accum", "no_sync") else 1
@@ -71,10 +77,9 @@ class Scenario:
 
     @classmethod
     def of_row(cls, row) -> "Scenario":
-        """The scenario of a scenarios-table row (a row stored before features existed is plain)."""
-        feature = getattr(row, "feature", "plain")
+        """The scenario of a scenarios-table row."""
         return cls(row.impl, row.model, int(row.world_size), row.data_mode, row.optimizer, seed=int(row.seed),
-                   feature=feature if isinstance(feature, str) and feature else "plain")
+                   feature=feature_of(row))
 
     @property
     def device_type(self) -> str:

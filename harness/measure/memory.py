@@ -80,9 +80,14 @@ def state_tensors(model: nn.Module, optimizer: Any) -> dict[str, list[torch.Tens
                 if id(p) not in known:
                     known.add(id(p))
                     params.append(p)
-    state = [v for opt in optimizers for s in getattr(opt, "state", {}).values() for v in s.values()
-             if isinstance(v, torch.Tensor)]
-    return {"params": params, "grads": [p.grad for p in params if p.grad is not None], "optimizer_state": state}
+    return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+            "optimizer_state": optimizer_state_tensors(optimizers)}
+
+
+def optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """The tensors in the ``state`` of one optimizer or several (none for an object without one)."""
+    return [v for opt in optimizer_list(optimizer) for s in getattr(opt, "state", {}).values() for v in s.values()
+            if isinstance(v, torch.Tensor)]
 
 
 def state_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
@@ -232,7 +237,7 @@ class PeakMemory:
             # it instruments one optimizer: the one holding state; any other's state counts as other
             main = max(self.optimizers, key=lambda o: len(o.state), default=None)
             self.tracker = _FSDPTracker(self.model, main)
-            rest = [t for o in self.optimizers if o is not main for t in state_tensors(nn.Module(), o)["optimizer_state"]]
+            rest = optimizer_state_tensors([o for o in self.optimizers if o is not main])
             self.tracker.track_inputs(tuple(self.extra + rest))  # its track_external is a no-op
         else:
             self.tracker = _CollectiveAwareTracker()

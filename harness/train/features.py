@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from harness.core.scenario import ACCUM_MICRO_BATCHES, FEATURES
+from harness.core.scenario import FEATURES, passes_per_step, reductions_per_step
 
 
 def checkpoint_units(units: list[torch.nn.Module]) -> None:
@@ -31,6 +31,8 @@ def checkpoint_units(units: list[torch.nn.Module]) -> None:
 
 def micro_batches(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The rank's batch in `k` contiguous, equal micro-batches (views: no copy)."""
+    if k == 1:
+        return [(x, y)]
     n = x.shape[0]
     if n % k:
         raise ValueError(f"a local batch of {n} samples does not split into {k} equal micro-batches")
@@ -44,23 +46,21 @@ def forward_backward(feature: str, spec, model, x: torch.Tensor, y: torch.Tensor
     """Forward and backward of one step on this rank's batch; returns the loss of the whole local batch
     (detached). `mark(phase, value)` is told where the step is (harness.measure.timeline);
     `set_sync(enabled)` switches the gradient reduction (the adapter's set_gradient_sync)."""
-    if feature in ("plain", "clip", "clip_inf", "ac"):  # clipping happens after backward (the task's step)
+    if feature not in FEATURES:
+        raise ValueError(f"unknown feature {feature!r}; features: {', '.join(FEATURES)}")
+    k = passes_per_step(feature)  # clipping and checkpointing act outside this: one pass, as plain
+    switched = reductions_per_step(feature) < k  # the reduction runs on the last pass only
+    if switched and set_sync is None:
+        raise ValueError(f"feature {feature!r} needs set_sync (the adapter's set_gradient_sync)")
+    total = None
+    for i, (xm, ym) in enumerate(micro_batches(x, y, k)):
+        if switched:
+            set_sync(i == k - 1)
         mark("forward")
-        loss = spec.loss(mark("after_forward", model(x)), y)
+        loss = spec.loss(mark("after_forward", model(xm)), ym)
+        if k > 1:
+            loss = loss / k
         mark("backward")
         loss.backward()
-        return loss.detach()
-    if feature in ("accum", "no_sync"):
-        if feature == "no_sync" and set_sync is None:
-            raise ValueError("feature 'no_sync' needs set_sync (the adapter's set_gradient_sync)")
-        total = None
-        for i, (xm, ym) in enumerate(micro_batches(x, y, ACCUM_MICRO_BATCHES)):
-            if feature == "no_sync":
-                set_sync(i == ACCUM_MICRO_BATCHES - 1)  # reduce once, on the last micro-batch
-            mark("forward")
-            loss = spec.loss(mark("after_forward", model(xm)), ym) / ACCUM_MICRO_BATCHES
-            mark("backward")
-            loss.backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        return total
-    raise ValueError(f"unknown feature {feature!r}; features: {', '.join(FEATURES)}")
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
