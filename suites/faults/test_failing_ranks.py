@@ -26,7 +26,7 @@ HANG_TIMEOUT_S = 10.0  # the run's --scenario-timeout; a good scenario here take
 # name -> (faulty rank, phase as the exception names it, harness code of the phase, raising function, step)
 RAISES = {
     "init_rank1": (1, "init (wrap)", "adapter.wrap(", "raise_in_init", 0),
-    "forward_rank1": (1, "forward", "model(x)", "raise_in_forward", FAULT_STEP),
+    "forward_rank1": (1, "forward", "model(xm)", "raise_in_forward", FAULT_STEP),
     "backward_rank0": (0, "backward", "loss.backward()", "raise_in_backward", FAULT_STEP),
     "step_rank1": (1, "optimizer step", "optimizer.step()", "raise_in_optimizer_step", FAULT_STEP),
     "adapter_rank1": (1, "full_params", "adapter.full_params(", "raise_in_full_params", FAULT_STEP),
