@@ -241,16 +241,18 @@ class TransformerLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def _lm_batch(cfg: LMConfig, global_batch: int, step: int, seed: int) -> tuple[Tensor, Tensor]:
-    """Arithmetic progressions mod vocab (random start and stride): learnable in context."""
+def lm_batch(vocab: int, seq_len: int, global_batch: int, step: int, seed: int) -> tuple[Tensor, Tensor]:
+    """Token ids [global_batch, seq_len] and their next tokens: arithmetic progressions mod vocab
+    (random start and stride), learnable in context. Any language model of the zoo or beside it."""
     g = data_generator("lm", seed, step)
-    start = torch.randint(0, cfg.vocab, (global_batch, 1), generator=g)
+    start = torch.randint(0, vocab, (global_batch, 1), generator=g)
     stride = torch.randint(1, 5, (global_batch, 1), generator=g)
-    seq = (start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab
+    seq = (start + stride * torch.arange(seq_len + 1)) % vocab
     return seq[:, :-1], seq[:, 1:]
 
 
-def _lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean cross-entropy over every token of the batch (logits [B, T, V], targets [B, T])."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
@@ -265,8 +267,8 @@ def _lm_spec(name: str, cfg: LMConfig) -> ModelSpec:
     return ModelSpec(
         name=name,
         build=lambda: TransformerLM(cfg),
-        make_batch=lambda n, step, seed: _lm_batch(cfg, n, step, seed),
-        loss=_lm_loss,
+        make_batch=lambda n, step, seed: lm_batch(cfg.vocab, cfg.seq_len, n, step, seed),
+        loss=lm_loss,
         units=_lm_units,
     )
 
