@@ -62,18 +62,27 @@ features = choices(FEATURES)
 
 
 def models(text: str) -> tuple[str, ...]:
-    """Zoo names are checked by name; a user's 'package.module:factory' is imported and held to the
-    model protocol (harness/train/user_models.py)."""
+    """Zoo names are checked by name; a Hugging Face 'hf:<model>' by name and by transformers being
+    importable; a user's 'package.module:factory' is imported and held to the model protocol
+    (harness/train/user_models.py)."""
     items = _items(text)
     for name in items:
         if name in names.MODELS:
             continue
         if ":" not in name:
             raise argparse.ArgumentTypeError(f"unknown {name!r}; choose from {', '.join(names.MODELS)}, "
-                                             f"or name your own model 'package.module:factory'")
-        from harness.train.user_models import ModelError, load_user_model
+                                             f"{', '.join(names.HF_MODELS)}, or name your own model "
+                                             f"'package.module:factory'")
+        if name.startswith(names.HF_PREFIX) and name not in names.HF_MODELS:
+            raise argparse.ArgumentTypeError(names.unknown_hf_model(name))  # before any torch import
+        from harness.train.user_models import ModelError
         try:
-            load_user_model(name)
+            if name.startswith(names.HF_PREFIX):  # 'hf:gpt2': transformers must be importable
+                from harness.train.hf_models import hf_model_spec
+                hf_model_spec(name)
+            else:
+                from harness.train.user_models import load_user_model
+                load_user_model(name)
         except ModelError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
     return tuple(items)
@@ -297,7 +306,9 @@ def add_matrix_arguments(add) -> None:
     add("--impl", dest="impls", type=impls, default=None,
         help="implementations under test: fsdp_impl, torch_fsdp2, torch_fsdp2_fp64reduce, torch_fsdp1, ddp, "
              "package.module:object, cs336:module (default fsdp_impl,torch_fsdp2)")
-    add("--models", type=models, default=None, help="model zoo names (default mlp,tinylm,tinylm_tied)")
+    add("--models", type=models, default=None,
+        help="model zoo names, Hugging Face hf:gpt2,hf:llama (pip install -e .[hf]), or package.module:factory "
+             "(default mlp,tinylm,tinylm_tied)")
     add("--data-modes", type=data_modes, default=None, help="replicated,split (default both)")
     add("--optimizers", type=optimizers, default=None, help="adamw,sgd (default both)")
     add("--features", type=features, default=None,

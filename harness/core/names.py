@@ -7,7 +7,14 @@
 BUILTIN_ADAPTERS = ("reference", "fsdp_impl", "torch_fsdp2", "torch_fsdp2_fp64reduce", "torch_fsdp1", "ddp")
 ADAPTER_FORMS = "'cs336:<module>', or 'package.module:object'"
 MODELS = ("mlp", "mlp_frozen", "tinylm", "tinylm_tied", "gpt2_medium")
+# Hugging Face transformers models (optional extra `pip install -e .[hf]`): harness.train.hf_models.HF_SPECS
+HF_PREFIX = "hf:"
+HF_MODELS = ("hf:gpt2", "hf:llama")
 
 
 def unknown_adapter(name: str) -> str:
     return f"unknown adapter {name!r}; valid: {', '.join(BUILTIN_ADAPTERS)}, {ADAPTER_FORMS}"
+
+
+def unknown_hf_model(name: str) -> str:
+    return f"unknown Hugging Face model {name!r}; valid: {', '.join(HF_MODELS)}"

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from harness.core.names import HF_MODELS, HF_PREFIX
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -288,10 +290,15 @@ MODELS: dict[str, ModelSpec] = {
 
 
 def get_model_spec(name: str) -> ModelSpec:
-    """A zoo model by name, or the user's ``"package.module:factory"`` (harness/train/user_models.py)."""
+    """A zoo model by name, a Hugging Face model ``"hf:gpt2"`` (harness/train/hf_models.py, optional
+    extra), or the user's ``"package.module:factory"`` (harness/train/user_models.py)."""
     if name in MODELS:
         return MODELS[name]
+    if name.startswith(HF_PREFIX):  # before the user's form: 'hf:gpt2' has a ':' too
+        from harness.train.hf_models import hf_model_spec
+        return hf_model_spec(name)
     if ":" in name:
         from harness.train.user_models import load_user_model
         return load_user_model(name)
-    raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}, or 'package.module:factory'")
+    raise ValueError(f"unknown model {name!r}; valid: {', '.join((*MODELS, *HF_MODELS))}, "
+                     f"or 'package.module:factory'")
