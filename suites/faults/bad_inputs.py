@@ -68,6 +68,8 @@ CASES: tuple[Case, ...] = (
          "1024 ranks need 1024 GPUs with --backend nccl", pytest=True),
     Case("unknown implementation", ("--impl", "fsdp_imp"), "unknown adapter 'fsdp_imp'", pytest=True),
     Case("unknown model", ("--models", "resnet"), "unknown 'resnet'; choose from"),
+    Case("unknown Hugging Face model", ("--models", "hf:gpt3"),
+         "unknown Hugging Face model 'hf:gpt3'; valid: hf:gpt2, hf:llama", pytest=True),
     Case("user model module that is not there", ("--models", "no_such_pkg.models:spec"),
          "model 'no_such_pkg.models:spec': module 'no_such_pkg.models' could not be imported", pytest=True),
     Case("user model object that is not in the module", ("--models", "suites.faults.bad_inputs:no_such_model"),
