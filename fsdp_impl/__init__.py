@@ -1,19 +1,25 @@
 """fsdp_impl: a from-scratch ZeRO-3 (fully sharded data parallel) implementation.
 
-    fully_shard(module, process_group=None, reshard_after_forward=True, mp_policy=None)
+    fully_shard(module, process_group=None, replicate_group=None, reshard_after_forward=True, mp_policy=None)
+    hybrid_groups(replicas, group=None)         # HSDP: (shard group, replicate group) of this rank
     set_requires_gradient_sync(module, False)   # accumulate micro-batches unreduced; True before the last
-    clip_grad_norm_(module, max_norm, norm_type=2.0)   # the global norm over all ranks' shards
+    clip_grad_norm_(module, max_norm, norm_type=2.0)   # the global norm over the shard group's shards
     full_state_dict(module) / load_full_state_dict(module, state_dict)
     materialize_meta(module, device)            # after building on "meta" and sharding
     MixedPrecisionPolicy(param_dtype, reduce_dtype)
+
+Hybrid sharding (HSDP, R replicas x S shards): ``shard, rep = hybrid_groups(R)`` once, then
+``fully_shard(unit, process_group=shard, replicate_group=rep)``; gathers stay within the shard
+group, gradients are averaged over all R x S ranks (see mesh.py for the rank layout).
 
 Knows nothing of the harness; any training loop can use it.
 """
 
 from .api import full_state_dict, fully_shard, load_full_state_dict, set_requires_gradient_sync
 from .clip import clip_grad_norm_
+from .mesh import hybrid_groups
 from .meta_init import materialize_meta
 from .mixed_precision import MixedPrecisionPolicy
 
-__all__ = ["fully_shard", "set_requires_gradient_sync", "clip_grad_norm_", "full_state_dict", "load_full_state_dict", "materialize_meta",
-           "MixedPrecisionPolicy"]
+__all__ = ["fully_shard", "hybrid_groups", "set_requires_gradient_sync", "clip_grad_norm_", "full_state_dict",
+           "load_full_state_dict", "materialize_meta", "MixedPrecisionPolicy"]

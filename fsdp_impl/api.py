@@ -9,17 +9,24 @@ import torch.distributed as dist
 from torch import nn
 
 from .handle import FlatParamHandle, Owner
+from .mesh import check_hybrid_layout
 from .mixed_precision import MixedPrecisionPolicy
 from .state import UnitState
 
 
-def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward: bool = True,
+def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None, reshard_after_forward: bool = True,
                 mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Shard `module`'s parameters (those not already in a sharded submodule) across `process_group`.
 
     Apply bottom-up: each block first, then the root. Afterwards ``module.parameters()`` yields this
     rank's 1D shards (one per dtype x requires_grad group), so a stock torch.optim optimizer works
     unchanged and its state is sharded too. Gradients are averaged over the group. Returns `module`.
+
+    Hybrid sharding (HSDP): `replicate_group` (default None: no replication) holds the ranks that
+    keep the SAME shard, one per replica: the ranks at the same position in their shard groups
+    (``hybrid_groups`` builds both; ``check_hybrid_layout`` refuses others, collectively). Parameters
+    are gathered within `process_group` only; after backward each gradient is summed over the shard
+    group, then across the replicas, and divided once: the mean over all R x S ranks.
     """
     if getattr(module, "_fsdp_state", None) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
@@ -27,6 +34,10 @@ def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward:
         raise RuntimeError("fully_shard needs torch.distributed: call init_process_group first "
                            "(a world of size 1 is fine)")
     group = process_group if process_group is not None else dist.group.WORLD
+    if replicate_group is not None and dist.get_world_size(replicate_group) == 1:
+        replicate_group = None  # one replica: plain sharding
+    if replicate_group is not None:
+        check_hybrid_layout(group, replicate_group)
     mp = mp_policy or MixedPrecisionPolicy()
 
     groups: dict[tuple, OrderedDict[int, tuple[nn.Parameter, list[Owner]]]] = {}
@@ -41,7 +52,7 @@ def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward:
             key = (p.requires_grad, p.dtype, p.device)
             groups.setdefault(key, OrderedDict()).setdefault(id(p), (p, []))[1].append(Owner(sub, name, fqn))
 
-    handles = [FlatParamHandle(list(entries.values()), group, mp) for entries in groups.values()]
+    handles = [FlatParamHandle(list(entries.values()), group, mp, replicate_group) for entries in groups.values()]
     for h in handles:
         for owners in h.owners:
             for o in owners:
@@ -49,12 +60,16 @@ def fully_shard(module: nn.Module, *, process_group=None, reshard_after_forward:
     for i, h in enumerate(handles):
         module.register_parameter(f"_fsdp_flat_param{i}", h.shard)
     _broadcast_buffers(module, group)
+    if replicate_group is not None:  # then every replica takes its rank 0's, which now holds rank 0's
+        _broadcast_buffers(module, replicate_group)
     module._fsdp_state = UnitState(module, handles, reshard_after_forward, mp.param_dtype)
     return module
 
 
 def _broadcast_buffers(module: nn.Module, group) -> None:
-    """Ranks start from the same buffers (running stats, caches), as rank 0 of the group has them."""
+    """Ranks start from the same buffers (running stats, caches), as rank 0 of the group has them.
+    Under HSDP it runs over the shard group, then the replicate group: all R x S ranks end with the
+    buffers of the first rank of replica 0."""
     if dist.get_world_size(group) == 1:
         return
     src = dist.get_global_rank(group, 0)
@@ -75,14 +90,16 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
     """Switch the gradient reduction of every unit under `module` off (False) or back on (True), as
     FSDP2's method of the same name does. While it is off, each unit keeps its full, unreduced
     gradient between backward passes and later ones add to it; the first backward with it on reduces
-    the sum once. Gradient accumulation over k micro-batches: off for the first k - 1, on for the last."""
+    the sum once. Gradient accumulation over k micro-batches: off for the first k - 1, on for the last.
+    Under HSDP both reductions (over the shard group and across replicas) are skipped while it is off."""
     for _, state in units(module):
         for h in state.handles:
             h.sync_grads = bool(requires_gradient_sync)
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Full (unsharded) parameters under the names they had in the unwrapped module (collective).
+    """Full (unsharded) parameters under the names they had in the unwrapped module (collective over
+    the shard group; under HSDP every replica gathers its own, identical, copy).
 
     Tied parameters appear once, under the first name, as ``named_parameters()`` gives them.
     Parameters outside any unit are included as they are.

@@ -10,6 +10,11 @@ At world size 1 it computes exactly what torch's function computes on the unshar
 parameter split over ranks contributes partial sums of squares (in float64, summed over ranks by
 the all-reduce): the norm is right to float32 rounding, but it is not bitwise the W = 1 value,
 since the sum runs in another order. The infinity norm is a maximum and is exact at any W.
+
+Under HSDP the reduction runs over the shard group only (``h.group``): the S ranks of a shard
+group hold the whole model between them, and the replicas hold the same shards (their gradients
+were all-reduced, bitwise equal), so each replica computes the same global norm on its own;
+summing over all R x S ranks would count every element R times (norm off by sqrt(R)).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ def all_reduce_norm(value: torch.Tensor, op, group) -> None:
 
 def _local_parts(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor], object]:
     """(this rank's gradient part of every original parameter, in the order the unwrapped model lists
-    them; every gradient tensor to scale; the process group). Parts are views into the shard
+    them; every gradient tensor to scale; the shard group). Parts are views into the shard
     gradients, padding left out. The order is torch's, so that at one rank the norm of the
     per-parameter norms is summed exactly as torch sums it."""
     position = {id(m): i for i, m in enumerate(module.modules())}
@@ -55,7 +60,8 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     """Scale every gradient of `module` (sharded by fully_shard) so that the global norm is at most
     `max_norm`, as ``torch.nn.utils.clip_grad_norm_`` does for an unsharded model (same coefficient
     ``max_norm / (norm + 1e-6)``, clamped at 1). Returns the global norm before clipping (float32,
-    the same on every rank). Collective: every rank of the units' group calls it."""
+    the same on every rank). Collective: every rank of the units' group calls it (under HSDP every
+    rank of every replica: each reduces over its own shard group)."""
     norm_type = float(norm_type)
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"clip_grad_norm_: norm_type {norm_type} is not supported (2 or inf)")

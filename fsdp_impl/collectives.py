@@ -27,10 +27,62 @@ def reduce_scatter_mean(full_grad: torch.Tensor, group, reduce_dtype: torch.dtyp
     world = dist.get_world_size(group)
     if world == 1:
         return full_grad.to(reduce_dtype)
+    return reduce_scatter_sum(full_grad, group, reduce_dtype).div_(world)
+
+
+def reduce_scatter_sum(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype) -> torch.Tensor:
+    """This rank's shard of the SUM over ranks of `full_grad`, in `reduce_dtype` (no division):
+    the all-to-all and rank-ordered sum of ``reduce_scatter_mean``. A new tensor, never `full_grad`."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return full_grad.to(reduce_dtype, copy=True)
     send = full_grad.contiguous()
     recv = torch.empty_like(send)  # W chunks: chunk j is rank j's gradient for this rank's shard
     dist.all_to_all_single(recv, send, group=group)
-    return sum_in_rank_order(recv.view(world, -1), reduce_dtype).div_(world)
+    return sum_in_rank_order(recv.view(world, -1), reduce_dtype)
+
+
+def hybrid_reduce_mean(full_grad: torch.Tensor, shard_group, replicate_group,
+                       reduce_dtype: torch.dtype) -> torch.Tensor:
+    """HSDP: this rank's shard of the mean of `full_grad` over all R x S ranks (S in `shard_group`,
+    R in `replicate_group`), in `reduce_dtype`.
+
+    Sum over the shard group (``reduce_scatter_sum``), then sum those partial sums across the
+    replicas (``all_reduce_in_rank_order``, still in `reduce_dtype`), then divide by R x S once.
+    Nothing is rounded to the gradient's dtype before the division: with fp32 gradients and the
+    default fp64 `reduce_dtype`, R x S identical addends sum exactly to R x S x g, so replicated data
+    is bitwise equal to one rank, and the split-data mean is the fp64 sum of the R x S gradients
+    (exact for addends of similar magnitude), divided and rounded once. The price: the replica
+    exchange carries `reduce_dtype` (fp64 by default), twice the bytes of an fp32 all-reduce.
+    """
+    partial = reduce_scatter_sum(full_grad, shard_group, reduce_dtype)
+    total = all_reduce_in_rank_order(partial, replicate_group)
+    return total.div_(dist.get_world_size(shard_group) * dist.get_world_size(replicate_group))
+
+
+def all_reduce_in_rank_order(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum over the ranks of `group` of their `x` (1D, same length everywhere), summed in rank
+    order in x's dtype; bitwise the same on every rank. A new tensor.
+
+    An all-reduce as reduce-scatter + all-gather, both spelled out so that the order of the sum is
+    fixed (a backend all_reduce picks its own): `x` is cut into R chunks (zero-padded to equal
+    length); an all-to-all gives each rank every rank's copy of its chunk, which it sums in rank
+    order; an all-gather hands every rank all the summed chunks. Each element is summed once, on
+    one rank, so every rank holds the same bits. 2 (R-1)/R of x on the wire, as a ring all-reduce.
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x.clone()
+    n = x.numel()
+    chunk = -(-n // world)
+    send = torch.zeros(chunk * world, dtype=x.dtype, device=x.device)
+    send[:n] = x
+    recv = torch.empty_like(send)  # chunk j: rank j's copy of this rank's chunk
+    dist.all_to_all_single(recv, send, group=group)
+    mine = sum_in_rank_order(recv.view(world, chunk), x.dtype)
+    out = torch.empty_like(send)
+    dist.all_gather_single(out, mine, group=group)
+    return out[:n]
 
 
 def sum_in_rank_order(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -8,8 +8,11 @@ Lifecycle per training step (W > 1):
     post-backward autograd accumulates every view's gradient into full.grad (one flat, padded tensor);
                   reduce-scatter it to the mean shard gradient, add it to shard.grad, free the full storage
                   (with gradient sync off, full.grad is kept, unreduced, for the next backward to add to)
+                  HSDP (a replicate group): the shard group's sum, kept wide, is summed across the
+                  replicas before the one division by R x S
 At world size 1 with no dtype cast the shard *is* the full buffer: views are taken straight from the
-parameter the optimizer owns, gradients accumulate into it by autograd, nothing is copied.
+parameter the optimizer owns, gradients accumulate into it by autograd, nothing is copied
+(unless there are replicas to reduce with: then the full buffer is a copy, as at W > 1).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import all_gather_flat, reduce_scatter_mean
+from .collectives import all_gather_flat, hybrid_reduce_mean, reduce_scatter_mean
 from .mixed_precision import MixedPrecisionPolicy
 from .sharding import FlatLayout, ParamSlot
 
@@ -41,9 +44,11 @@ class Owner:
 
 
 class FlatParamHandle:
-    def __init__(self, entries: list[tuple[nn.Parameter, list[Owner]]], group, mp: MixedPrecisionPolicy):
+    def __init__(self, entries: list[tuple[nn.Parameter, list[Owner]]], group, mp: MixedPrecisionPolicy,
+                 replicate_group=None):
         first = entries[0][0]
-        self.group = group
+        self.group = group  # the shard group: the layout, gathers, the first gradient reduction
+        self.replicate_group = replicate_group  # HSDP: ranks holding this same shard; None if no replicas
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.dtype, self.device, self.requires_grad = first.dtype, first.device, first.requires_grad
@@ -62,7 +67,7 @@ class FlatParamHandle:
         self.shard = nn.Parameter(shard, requires_grad=self.requires_grad)
         self.shard._fsdp_shard = True  # marks it for fully_shard of an ancestor: not an original parameter
         # the shard is the full buffer: no collective, no copy
-        self.no_copy = self.world_size == 1 and self.param_dtype == self.dtype
+        self.no_copy = self.world_size == 1 and self.param_dtype == self.dtype and replicate_group is None
         self.full: torch.Tensor | None = None  # 1D, padded; a leaf that autograd accumulates into
         self.state = HandleState.SHARDED
         self.sync_grads = True  # False: keep full.grad unreduced between backward passes (accumulation)
@@ -146,7 +151,10 @@ class FlatParamHandle:
             self.reshard()
             return
         grad, full.grad = full.grad, None
-        reduced = reduce_scatter_mean(grad, self.group, self.reduce_dtype).to(self.dtype)
+        if self.replicate_group is None:
+            reduced = reduce_scatter_mean(grad, self.group, self.reduce_dtype).to(self.dtype)
+        else:
+            reduced = hybrid_reduce_mean(grad, self.group, self.replicate_group, self.reduce_dtype).to(self.dtype)
         self.zero_padding_(reduced)
         if self.shard.grad is None:
             self.shard.grad = reduced

@@ -19,6 +19,8 @@ class MixedPrecisionPolicy:
                   bf16/fp16 -> fp32). The wider, rank-ordered sum makes replicated-data training
                   at any world size bitwise equal to one rank and split-data means correctly
                   rounded. torch.float32 sums in fp32 (cheaper local adds, not exact).
+                  Under HSDP the partial sums cross the replicas in reduce_dtype (fp64 by
+                  default: twice the bytes of fp32 on the inter-replica links), as exactness needs.
     """
 
     param_dtype: torch.dtype | None = None

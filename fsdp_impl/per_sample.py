@@ -79,8 +79,10 @@ def clipped_mean_grads(model: nn.Module, loss_fn, inputs: Tensor, targets: Tenso
 
     Two forward/backward passes: one for the norms, one with dL/d(output) of sample i scaled by its
     weight. The weight of a sample held by m ranks is c_k * W / (B * m), so after fsdp_impl's
-    gradient MEAN over the W ranks of `group` (the group the model was sharded over) each sample
-    counts c_k / B whatever the layout (m = W replicated, m = 1 split). Existing ``.grad`` is replaced.
+    gradient MEAN over the W ranks of `group` (the group the model was sharded over; under HSDP
+    the group of all R x S ranks, e.g. WORLD, not the shard group: the mean runs over all of them)
+    each sample counts c_k / B whatever the layout (m = W replicated, m = 1 split). Existing
+    ``.grad`` is replaced.
     """
     layout = _Layout(global_indices, group, _device_of(model, inputs))
     norms = layout.place(local_per_sample_grad_norms(model, loss_fn, inputs, targets))
