@@ -6,14 +6,17 @@
     full_state_dict(module) / load_full_state_dict(module, state_dict)
     materialize_meta(module, device)            # after building on "meta" and sharding
     MixedPrecisionPolicy(param_dtype, reduce_dtype)
+    save_sharded(module, optimizer, path)       # each rank writes its shards (collective)
+    load_sharded(module, optimizer, path)       # at any world size: reshards parameters and optimizer state
 
 Knows nothing of the harness; any training loop can use it.
 """
 
 from .api import full_state_dict, fully_shard, load_full_state_dict, set_requires_gradient_sync
+from .checkpoint import load_sharded, save_sharded
 from .clip import clip_grad_norm_
 from .meta_init import materialize_meta
 from .mixed_precision import MixedPrecisionPolicy
 
 __all__ = ["fully_shard", "set_requires_gradient_sync", "clip_grad_norm_", "full_state_dict", "load_full_state_dict", "materialize_meta",
-           "MixedPrecisionPolicy"]
+           "MixedPrecisionPolicy", "save_sharded", "load_sharded"]
