@@ -63,12 +63,38 @@ def save_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, pat
 
 def load_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> None:
     """Fill `module`'s shards (and `optimizer`'s state and hyper-parameters, if given) from the
-    checkpoint under `path`, saved at any world size. Every rank of the group calls it; it reads
-    files only (no collective). A checkpoint that does not fit raises one ValueError saying what
-    differs, on every rank alike (the checks use only what every rank sees the same)."""
+    checkpoint under `path`, saved at any world size. Collective over the module's process group.
+
+    Every rank first reads what it needs (checks, then its pieces of the overlapping saved files);
+    the ranks then agree (one all-gather of their outcome) and only then does anything change. A
+    checkpoint that does not fit, or that one rank cannot read, raises the same one-line ValueError
+    on every rank and leaves the model and the optimizer as they were.
+    """
     path = os.fspath(path)
-    handles, _ = _handles(module, "load_sharded")
+    handles, group = _handles(module, "load_sharded")
     names = _param_names(module)
+    try:
+        values, state, plain = _read(module, optimizer, path, handles, names)
+        error = None
+    except Exception as exc:  # any rank's failure is every rank's: no rank may go on alone
+        values = state = plain = None
+        error = exc
+    _agree(error, group, path)
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for (_, _, _, h), value in zip(handles, values):
+            h.reshard()  # a gathered copy (mid-step) would be stale: the next forward gathers anew
+            h.shard.copy_(value)
+        for n, value in plain["params"].items():
+            params[n].copy_(value)
+    if optimizer is not None:
+        _load_optimizer(optimizer, state, names)
+
+
+def _read(module, optimizer, path: str, handles: list, names: dict[int, str]):
+    """Check the checkpoint against `module` (and `optimizer`), and read this rank's part of it:
+    (the new shard of every handle, in order; the optimizer's state and saved param groups, or
+    None; the parameters outside every unit and their state). Changes nothing."""
     meta = fmt.read_meta(path)
     fmt.check_layout(meta, handles, module, path)
     if optimizer is not None:
@@ -77,19 +103,32 @@ def load_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, pat
     fmt.check_files_exist(meta, path)
     reader = fmt.ShardReader(path, meta)
     saved = {h["name"]: h for u in meta["units"] for h in u["handles"]}
-    state: dict[str, dict] = {}
+    values, state = [], {}
     for name, _, _, h in handles:
         value, opt_state = reader.rebuild(saved[name], h, want_state=optimizer is not None)
-        with torch.no_grad():
-            h.reshard()  # a gathered copy (mid-step) would be stale: the next forward gathers anew
-            h.shard.copy_(value)
+        values.append(value)
         if opt_state is not None:
             state[name] = opt_state
-    plain_state = reader.plain(module)
-    if optimizer is not None:
-        state.update(plain_state)
-        _load_optimizer(optimizer, meta["optimizer"], state, names)
+    plain = reader.plain()
+    state.update(plain["state"])
     reader.close()
+    return values, (None if optimizer is None else (state, meta["optimizer"])), plain
+
+
+def _agree(error: Exception | None, group, path: str) -> None:
+    """Raise on every rank if any rank failed: the first failing rank's message, one line."""
+    message = None
+    if error is not None:
+        message = str(error) if isinstance(error, ValueError) and str(error).startswith("load_sharded:") else \
+            f"load_sharded: cannot read the checkpoint at {path}: {type(error).__name__}: {error}"
+        message = " ".join(message.split())
+    messages = [message]
+    if dist.get_world_size(group) > 1:
+        messages = [None] * dist.get_world_size(group)
+        dist.all_gather_object(messages, message, group=group)
+    first = next((m for m in messages if m is not None), None)
+    if first is not None:
+        raise ValueError(first) from error
 
 
 # -------------------------------------------------------------------------------- helpers
@@ -129,9 +168,10 @@ def _optimizer_index(module, optimizer, names: dict[int, str], who: str) -> set:
     return held
 
 
-def _load_optimizer(optimizer, saved: dict, state: dict[str, dict], names: dict[int, str]) -> None:
+def _load_optimizer(optimizer, read: tuple[dict[str, dict], dict], names: dict[int, str]) -> None:
     """Through torch's Optimizer.load_state_dict (hyper-parameters, hooks, casts), with the saved
     groups' parameters numbered as this optimizer lists them (check_optimizer matched the names)."""
+    state, saved = read
     groups, states, index = [], {}, 0
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
         ids = []

@@ -17,7 +17,8 @@ tensor) and ``state`` (name -> its optimizer state, whole).
 ``meta.pt`` (rank 0, written last): ``world_size``; ``units`` (prefix, ``handles``: each shard
 entry without its tensors, plus ``name`` and ``shard_numel``; from rank 0, whose scalar state
 stands for every rank's); ``plain`` (name -> (shape, dtype)); ``optimizer``: None (saved without
-one), or ``param_groups`` (the hyper-parameters, ``params`` as parameter names).
+one), or ``type`` (the optimizer's class name) and ``param_groups`` (the hyper-parameters,
+``params`` as parameter names).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def meta_file(save_id: str, world_size: int, shard_file: dict, plain: list, opti
     return {"format": FORMAT, "save_id": save_id, "world_size": world_size,
             "units": [{"prefix": p, "handles": hs} for p, hs in by_unit.items()],
             "plain": {n: (tuple(p.shape), p.dtype) for n, p in plain},
-            "optimizer": None if groups is None else {"param_groups": groups}}
+            "optimizer": None if groups is None else {"type": type(optimizer).__name__, "param_groups": groups}}
 
 
 # --------------------------------------------------------------------------------- checks
@@ -178,6 +179,10 @@ def check_optimizer(meta: dict, optimizer, names: dict[int, str], path: str) -> 
     if meta["optimizer"] is None:
         raise ValueError(f"load_sharded: the checkpoint at {path} holds no optimizer state "
                          f"(saved with optimizer=None); pass optimizer=None to load the parameters only")
+    kind = type(optimizer).__name__
+    if meta["optimizer"]["type"] != kind:
+        raise ValueError(f"load_sharded: the checkpoint at {path} holds the state of a {meta['optimizer']['type']} "
+                         f"optimizer, not of a {kind}")
     saved = meta["optimizer"]["param_groups"]
     if len(saved) != len(optimizer.param_groups):
         raise ValueError(f"load_sharded: the optimizer has {len(optimizer.param_groups)} param group(s), "
@@ -248,19 +253,17 @@ class ShardReader:
             sharded = {k: sharded[k] if k in sharded else _fresh(spec["scalars"][k]) for k in spec["keys"]}
         return value.to(h.device), None if sharded is None else {k: _to(v, h.device) for k, v in sharded.items()}
 
-    def plain(self, module) -> dict[str, dict]:
-        """Copy the parameters outside every unit into `module`; their optimizer state, by name."""
+    def plain(self) -> dict[str, dict]:
+        """The parameters outside every unit (``params``, by name) and their optimizer state (``state``),
+        copied out of plain.pt."""
         if not self.meta["plain"]:
-            return {}
+            return {"params": {}, "state": {}}
         f = os.path.join(self.path, PLAIN)
         obj = _load(f, "file")
         if obj.get("save_id") != self.meta["save_id"]:
             raise ValueError(f"load_sharded: {f} belongs to another save than {META} (a save was interrupted?)")
-        params = dict(module.named_parameters())
-        with torch.no_grad():
-            for n, v in obj["params"].items():
-                params[n].copy_(v)
-        return {n: {k: _to(_fresh(v), params[n].device) for k, v in st.items()} for n, st in obj["state"].items()}
+        return {"params": {n: v.clone() for n, v in obj["params"].items()},
+                "state": {n: {k: _fresh(v) for k, v in st.items()} for n, st in obj["state"].items()}}
 
     def close(self) -> None:
         self._open.clear()
