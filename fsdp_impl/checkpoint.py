@@ -1,7 +1,7 @@
 """Sharded checkpoints: every rank saves its own shards; any world size loads them back.
 
     save_sharded(module, optimizer, path)   # collective: every rank of the module's group calls it
-    load_sharded(module, optimizer, path)   # at the same, a smaller or a larger world size
+    load_sharded(module, optimizer, path)   # collective, at the same, a smaller or a larger world size
 
 Why it reshards: a flat layout's slot offsets depend only on the parameter shapes (alignment),
 never on the world size; only the shard boundaries and the tail padding do. So the unpadded flat
@@ -17,7 +17,8 @@ rank, ``plain.pt`` when there are parameters outside every unit, and ``meta.pt``
 last: a checkpoint without meta.pt is incomplete. Every file is written under a temporary name
 and renamed, and carries the save's id, so a crash never leaves a file that looks complete and
 files of two saves are never mixed. Nothing is gathered: a rank holds its own shards only, and
-at load reads (memory-mapped) only the saved files that overlap its range.
+at load reads (memory-mapped) only the saved files that overlap its range. The one collective of a
+load is the ranks' agreement that every rank read its part: a refusal is every rank's.
 """
 
 from __future__ import annotations
@@ -35,17 +36,41 @@ from .api import units
 
 def save_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> None:
     """Write this rank's shards of `module` (and of `optimizer`'s state, if given) under directory
-    `path`. Collective over the module's process group; returns once every rank's files exist."""
+    `path`. Collective over the module's process group; returns once every rank's files exist.
+
+    Each step (the directory, every rank's files, then meta.pt from rank 0) ends with the ranks'
+    agreement (_together: an all-gather of the outcome, a barrier too): a rank that cannot write
+    makes every rank raise the same one-line ValueError, and no meta.pt is written then.
+    """
     path = os.fspath(path)
     handles, group = _handles(module, "save_sharded")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     names = _param_names(module)
     held = _optimizer_index(module, optimizer, names, "save_sharded") if optimizer is not None else set()
     save_id = _broadcast_id(group)
+    context = f"save_sharded: cannot write the checkpoint at {path}"
+    _together(group, context, lambda: _prepare(path, rank))
+    shard_file, plain = _together(group, context, lambda: _write(module, optimizer, path, handles, held, save_id))
+
+    def finish() -> None:
+        if rank == 0:  # every rank's files exist: the checkpoint is complete once meta.pt does
+            fmt.atomic_save(fmt.meta_file(save_id, world, shard_file, plain, optimizer, names),
+                            os.path.join(path, fmt.META))
+
+    _together(group, context, finish)
+
+
+def _prepare(path: str, rank: int) -> None:
     os.makedirs(path, exist_ok=True)
     if rank == 0:  # an older save here is incomplete from now on (its meta.pt goes first)
         fmt.remove_if_present(os.path.join(path, fmt.META))
-    _barrier(group)
+
+
+def _write(module, optimizer, path: str, handles: list, held: set, save_id: str) -> tuple[dict, list]:
+    """This rank's shard file (and, on rank 0, plain.pt): (the shard file's content, the
+    parameters outside every unit)."""
+    h0 = handles[0][3]
+    rank, world = h0.rank, h0.world_size
     shard_file = {"format": fmt.FORMAT, "save_id": save_id, "world_size": world, "rank": rank, "handles": {}}
     for name, prefix, index, h in handles:
         state = optimizer.state.get(h.shard, {}) if h.shard in held else None  # None: not in the optimizer
@@ -54,11 +79,7 @@ def save_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, pat
     plain = [(n, p) for n, p in module.named_parameters() if not getattr(p, "_fsdp_shard", False)]
     if rank == 0 and plain:
         fmt.atomic_save(fmt.plain_file(save_id, plain, optimizer, held), os.path.join(path, fmt.PLAIN))
-    _barrier(group)
-    if rank == 0:
-        meta = fmt.meta_file(save_id, world, shard_file, plain, optimizer, names)
-        fmt.atomic_save(meta, os.path.join(path, fmt.META))
-    _barrier(group)
+    return shard_file, plain
 
 
 def load_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> None:
@@ -73,13 +94,8 @@ def load_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, pat
     path = os.fspath(path)
     handles, group = _handles(module, "load_sharded")
     names = _param_names(module)
-    try:
-        values, state, plain = _read(module, optimizer, path, handles, names)
-        error = None
-    except Exception as exc:  # any rank's failure is every rank's: no rank may go on alone
-        values = state = plain = None
-        error = exc
-    _agree(error, group, path)
+    values, state, plain = _together(group, f"load_sharded: cannot read the checkpoint at {path}",
+                                     lambda: _read(module, optimizer, path, handles, names))
     params = dict(module.named_parameters())
     with torch.no_grad():
         for (_, _, _, h), value in zip(handles, values):
@@ -115,13 +131,25 @@ def _read(module, optimizer, path: str, handles: list, names: dict[int, str]):
     return values, (None if optimizer is None else (state, meta["optimizer"])), plain
 
 
-def _agree(error: Exception | None, group, path: str) -> None:
-    """Raise on every rank if any rank failed: the first failing rank's message, one line."""
+def _together(group, context: str, fn):
+    """fn() on this rank, then _agree on the outcome: fn's result, or every rank raises."""
+    try:
+        result, error = fn(), None
+    except Exception as exc:  # any rank's failure is every rank's: no rank may go on alone (or wait)
+        result, error = None, exc
+    _agree(error, group, context)
+    return result
+
+
+def _agree(error: Exception | None, group, context: str) -> None:
+    """Every rank learns whether any rank failed (one all-gather: a barrier too); if one did, every
+    rank raises the same one-line ValueError, the first failing rank's. Our own refusals (a
+    ValueError starting with 'save_sharded:' / 'load_sharded:') keep their text; anything else
+    (OSError, a corrupt file) is prefixed with `context`."""
     message = None
     if error is not None:
-        message = str(error) if isinstance(error, ValueError) and str(error).startswith("load_sharded:") else \
-            f"load_sharded: cannot read the checkpoint at {path}: {type(error).__name__}: {error}"
-        message = " ".join(message.split())
+        own = isinstance(error, ValueError) and str(error).startswith(context.split(":")[0] + ":")
+        message = " ".join((str(error) if own else f"{context}: {type(error).__name__}: {error}").split())
     messages = [message]
     if dist.get_world_size(group) > 1:
         messages = [None] * dist.get_world_size(group)
@@ -191,8 +219,3 @@ def _broadcast_id(group) -> str:
     if dist.get_world_size(group) > 1:
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return box[0]
-
-
-def _barrier(group) -> None:
-    if dist.get_world_size(group) > 1:
-        dist.barrier(group=group)

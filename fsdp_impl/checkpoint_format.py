@@ -249,9 +249,12 @@ class ShardReader:
                 t[a - lo:b - lo] = pieces[k][a - r * s:b - r * s]
         for t in [value, *(sharded or {}).values()]:
             h.zero_padding_(t)  # alignment gaps too: whatever the saving run left there
-        if sharded is not None:  # the saved order of keys, scalars copied
-            sharded = {k: sharded[k] if k in sharded else _fresh(spec["scalars"][k]) for k in spec["keys"]}
-        return value.to(h.device), None if sharded is None else {k: _to(v, h.device) for k, v in sharded.items()}
+        if sharded is None:
+            return value.to(h.device), None
+        # the saved order of keys; scalars (Adam's step) stay on the CPU, where they were saved, as
+        # torch keeps them (Optimizer.load_state_dict moves them itself where fused/capturable asks)
+        state = {k: sharded[k].to(h.device) if k in sharded else _fresh(spec["scalars"][k]) for k in spec["keys"]}
+        return value.to(h.device), state
 
     def plain(self) -> dict[str, dict]:
         """The parameters outside every unit (``params``, by name) and their optimizer state (``state``),
@@ -272,7 +275,3 @@ class ShardReader:
 def _fresh(v):
     """A tensor of its own (not a view of a memory-mapped file, not shared with the metadata)."""
     return v.clone() if torch.is_tensor(v) else v
-
-
-def _to(v, device):
-    return v.to(device) if torch.is_tensor(v) else v

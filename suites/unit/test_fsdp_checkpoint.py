@@ -173,6 +173,17 @@ def test_a_checkpoint_that_does_not_fit_is_refused_in_one_line(world, tmp_path):
     assert [r["message"] for r in run(world, 2, "load_error", {**base, "path": str(tmp_path / "good")})] == ["", ""]
 
 
+def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(world, tmp_path):
+    """Rank 1's file name is taken by a directory: rank 1's rename fails, both ranks raise the same
+    line (rank 0 does not wait forever at the next step) and no meta.pt marks the save complete."""
+    (tmp_path / "ckpt" / "shard-00001-of-00002.pt").mkdir(parents=True)
+    messages = run(world, 2, "save_error", {**MODELS["mlp"], "path": str(tmp_path / "ckpt")})
+    assert messages[0] == messages[1], messages
+    assert messages[0].startswith(f"save_sharded: cannot write the checkpoint at {tmp_path / 'ckpt'}: ")
+    assert "\n" not in messages[0]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
+
+
 def test_a_failed_write_leaves_no_file(tmp_path):
     """atomic_save: the final name appears complete or not at all; no temporary is left."""
     target = tmp_path / "shard-00000-of-00001.pt"

@@ -120,6 +120,18 @@ def load_error(ctx, p: dict) -> dict:
     return {"message": "", "untouched": False}
 
 
+def save_error(ctx, p: dict) -> str:
+    """Save to ``path`` after one step: the ValueError's text ('' if it saved)."""
+    model, spec = build(p, ctx, seed=0)
+    opt = make_optimizer(model.parameters(), p.get("optimizer", "adamw"), 0.01)
+    _step(model, spec, opt, p, 1, ctx)
+    try:
+        save_sharded(model, opt, p["path"])
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
 def files_read(ctx, p: dict) -> list[str]:
     """The saved shard files this rank opens while loading ``path`` (torch.load spied on)."""
     opened: list[str] = []
