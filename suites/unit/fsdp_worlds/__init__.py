@@ -10,5 +10,6 @@ so bitwise comparisons compare like with like.
   as numpy, the padding check);
 - ``wrapping``: what fully_shard does to a model (shard layout, shared parameters, buffers);
 - ``training``: training steps, sharded or plain (numerics, mixed precision, training modes);
-- ``state_dicts_and_meta_init``: full state dicts saved and loaded, meta-device init.
+- ``state_dicts_and_meta_init``: full state dicts saved and loaded, meta-device init;
+- ``checkpointing``: sharded checkpoints saved at one world size and resumed at another.
 """

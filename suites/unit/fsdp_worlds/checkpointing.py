@@ -1,6 +1,7 @@
 """fsdp_worlds tasks on sharded checkpoints (fsdp_impl.save_sharded / load_sharded): a run that
 saves part way and trains on (the uninterrupted reference at its world size), a run that loads at
-another world size and finishes, and a load that must fail with a clear message.
+another world size and finishes, a load (or a save) that must fail with a clear message, and the
+saved files a load opens.
 
 Data is replicated (every rank trains on the global batch), so fsdp_impl's runs are bitwise the
 same at every world size and a resumed run can be held to the uninterrupted one bit for bit.
