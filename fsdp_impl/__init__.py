@@ -7,6 +7,8 @@
     full_state_dict(module) / load_full_state_dict(module, state_dict)
     materialize_meta(module, device)            # after building on "meta" and sharding
     MixedPrecisionPolicy(param_dtype, reduce_dtype)
+    save_sharded(module, optimizer, path)       # each rank writes its shards (collective)
+    load_sharded(module, optimizer, path)       # at any world size: reshards parameters and optimizer state
 
 Hybrid sharding (HSDP, R replicas x S shards): ``shard, rep = hybrid_groups(R)`` once, then
 ``fully_shard(unit, process_group=shard, replicate_group=rep)``; gathers stay within the shard
@@ -16,10 +18,11 @@ Knows nothing of the harness; any training loop can use it.
 """
 
 from .api import full_state_dict, fully_shard, load_full_state_dict, set_requires_gradient_sync
+from .checkpoint import load_sharded, save_sharded
 from .clip import clip_grad_norm_
 from .mesh import hybrid_groups
 from .meta_init import materialize_meta
 from .mixed_precision import MixedPrecisionPolicy
 
 __all__ = ["fully_shard", "hybrid_groups", "set_requires_gradient_sync", "clip_grad_norm_", "full_state_dict",
-           "load_full_state_dict", "materialize_meta", "MixedPrecisionPolicy"]
+           "load_full_state_dict", "save_sharded", "load_sharded", "materialize_meta", "MixedPrecisionPolicy"]

@@ -11,5 +11,6 @@ so bitwise comparisons compare like with like.
 - ``wrapping``: what fully_shard does to a model (shard layout, shared parameters, buffers);
 - ``training``: training steps, sharded or plain (numerics, mixed precision, training modes);
 - ``state_dicts_and_meta_init``: full state dicts saved and loaded, meta-device init;
-- ``hybrid``: hybrid sharding (R replicas x S shards), its groups and its reduction.
+- ``hybrid``: hybrid sharding (R replicas x S shards), its groups and its reduction;
+- ``checkpointing``: sharded checkpoints saved at one world size and resumed at another.
 """
