@@ -169,6 +169,9 @@ def _handles(module: nn.Module, who: str) -> tuple[list[tuple[str, str, int, obj
         for i, h in enumerate(state.handles):
             name = f"{prefix}._fsdp_flat_param{i}" if prefix else f"_fsdp_flat_param{i}"
             out.append((name, prefix, i, h))
+            if getattr(h, "replicate_group", None) is not None:
+                raise ValueError(f"{who}: unit '{prefix}' is hybrid-sharded (a replicate group); sharded "
+                                 f"checkpoints of hybrid meshes are not supported yet")
             if group is None:
                 group = h.group
             elif h.group is not group:

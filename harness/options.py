@@ -315,7 +315,9 @@ def add_matrix_arguments(add) -> None:
         help="what a step does: plain (one forward and backward), accum (2 micro-batches, a backward each, "
              "one optimizer step), no_sync (the same with the reduction switched off on all but the last), "
              "clip / clip_inf (global gradient-norm clipping, L2 / infinity), ac (activation checkpointing on "
-             "every unit); comma list (default plain)")
+             "every unit), ckpt (resumed at each world size from a sharded checkpoint saved at every other one), "
+             "bf16 (bf16 compute, fp32 master weights and reduction), hsdp (2 replicas x W/2 shards); comma list "
+             "(default plain)")
     add("--steps", type=steps, default=None, help="training steps per scenario, at least 2 (default 10)")
     add("--seeds", type=seeds, default=None, help="comma list of seeds (default 0)")
     add("--lr", type=positive_float, default=None, help="learning rate (default 1e-2)")

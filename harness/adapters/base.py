@@ -37,6 +37,19 @@ whose adapter lacks one is not run and gets an ``unsupported`` verdict, never a 
 - ``clip_grad_norm(wrapped, max_norm, norm_type) -> float`` (features ``clip``, ``clip_inf``): scale the
   gradients so that their GLOBAL norm (over all ranks' shards) is at most ``max_norm``, as
   ``torch.nn.utils.clip_grad_norm_`` does for one unsharded model; return the norm before clipping.
+- ``save_checkpoint(wrapped, optimizer, path)`` and ``load_checkpoint(wrapped, optimizer, path)`` (feature
+  ``ckpt``): collective; save the parameters and the optimizer state into the directory ``path`` (every
+  rank its own part, or however the implementation checkpoints), and load them into a freshly wrapped
+  model and optimizer of the same kind at ANY world size, after which training goes on as if it had
+  never stopped. ``path`` is on a file system every rank sees.
+- ``wrap_mixed_precision(model, units, *, group, device, param_dtype, reduce_dtype)`` (feature ``bf16``):
+  ``wrap`` under a mixed-precision policy: forward and backward on ``param_dtype`` copies of the
+  parameters (floating inputs cast to it), fp32 master parameters that the optimizer steps, gradients
+  reduced in ``reduce_dtype``; FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``.
+- ``wrap_hybrid(model, units, *, group, device, shard_group, replicate_group)`` (feature ``hsdp``): ``wrap``
+  with each parameter sharded over ``shard_group`` and replicated across ``replicate_group`` (the ranks
+  holding the same shard); the gradient is still the mean over every rank of ``group``. The harness
+  makes both groups (rank = replica x shard size + index in the shard group).
 """
 
 from __future__ import annotations
@@ -50,7 +63,8 @@ from harness.train.optim import make_optimizer as _make_optimizer
 
 REQUIRED = ("wrap", "full_params")
 OPTIONAL = ("make_optimizer", "after_backward")
-CAPABILITIES = ("set_gradient_sync", "clip_grad_norm")
+CAPABILITIES = ("set_gradient_sync", "clip_grad_norm", "save_checkpoint", "load_checkpoint", "wrap_mixed_precision",
+                "wrap_hybrid")
 
 
 class AdapterError(ValueError):
@@ -90,11 +104,11 @@ def missing_capability(adapter: object, feature: str) -> str | None:
     """Why `adapter` cannot run `feature` (one line), or None when it can."""
     from harness.core.scenario import FEATURE_NEEDS
 
-    need = FEATURE_NEEDS.get(feature)
-    if need is None or callable(getattr(adapter, need, None)):
+    missing = [m for m in FEATURE_NEEDS.get(feature, ()) if not callable(getattr(adapter, m, None))]
+    if not missing:
         return None
-    return (f"adapter '{getattr(adapter, 'name', adapter)}' has no {need}() method, which feature '{feature}' "
-            f"needs (see harness/adapters/base.py)")
+    return (f"adapter '{getattr(adapter, 'name', adapter)}' has no {' or '.join(m + '()' for m in missing)} "
+            f"method, which feature '{feature}' needs (see harness/adapters/base.py)")
 
 
 def torch_clip(parameters, max_norm: float, norm_type: float) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import Tensor, nn
 
@@ -21,6 +23,22 @@ class DDPAdapter(Adapter):
         # full copy of the gradients) alive between steps beside the .grad tensors.
         return DistributedDataParallel(model.to(device), device_ids=ids, process_group=group,
                                        gradient_as_bucket_view=True)
+
+    def save_checkpoint(self, wrapped: nn.Module, optimizer, path) -> None:
+        """A full checkpoint (every rank holds everything): rank 0 writes it, the others wait."""
+        import torch.distributed as dist
+
+        group = wrapped.process_group
+        if dist.get_rank(group) == 0:
+            tmp = Path(path) / "full.pt.tmp"
+            torch.save({"model": wrapped.module.state_dict(), "optim": optimizer.state_dict()}, tmp)
+            tmp.replace(Path(path) / "full.pt")
+        dist.barrier(group=group)
+
+    def load_checkpoint(self, wrapped: nn.Module, optimizer, path) -> None:
+        state = torch.load(Path(path) / "full.pt", weights_only=True, map_location=next(wrapped.parameters()).device)
+        wrapped.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
 
     def set_gradient_sync(self, wrapped: nn.Module, enabled: bool) -> None:
         wrapped.require_backward_grad_sync = enabled  # what DDP.no_sync() switches

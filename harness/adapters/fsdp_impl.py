@@ -11,6 +11,30 @@ class FsdpImplAdapter(Adapter):
     name = "fsdp_impl"
 
     def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
+        return self._shard(model, units, device, process_group=group)
+
+    def wrap_mixed_precision(self, model: nn.Module, units: list[nn.Module], *, group, device, param_dtype,
+                             reduce_dtype) -> nn.Module:
+        from fsdp_impl import MixedPrecisionPolicy
+
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        return self._shard(model, units, device, process_group=group, mp_policy=policy)
+
+    def wrap_hybrid(self, model: nn.Module, units: list[nn.Module], *, group, device, shard_group,
+                    replicate_group) -> nn.Module:
+        return self._shard(model, units, device, process_group=shard_group, replicate_group=replicate_group)
+
+    def save_checkpoint(self, wrapped: nn.Module, optimizer, path) -> None:
+        from fsdp_impl import save_sharded
+
+        save_sharded(wrapped, optimizer, path)
+
+    def load_checkpoint(self, wrapped: nn.Module, optimizer, path) -> None:
+        from fsdp_impl import load_sharded
+
+        load_sharded(wrapped, optimizer, path)
+
+    def _shard(self, model: nn.Module, units: list[nn.Module], device, **options) -> nn.Module:
         try:
             from fsdp_impl import fully_shard
         except ImportError as exc:
@@ -18,8 +42,8 @@ class FsdpImplAdapter(Adapter):
                                f"{type(exc).__name__}: {exc}") from exc
         model.to(device)
         for unit in units:
-            fully_shard(unit, process_group=group)
-        return fully_shard(model, process_group=group)
+            fully_shard(unit, **options)
+        return fully_shard(model, **options)
 
     def set_gradient_sync(self, wrapped: nn.Module, enabled: bool) -> None:
         from fsdp_impl import set_requires_gradient_sync

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from harness.adapters.base import Adapter, cpu_fp32, torch_clip
 
@@ -14,6 +16,10 @@ class ReferenceAdapter(Adapter):
     def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
         return model.to(device)
 
+    def wrap_mixed_precision(self, model: nn.Module, units: list[nn.Module], *, group, device, param_dtype,
+                             reduce_dtype) -> nn.Module:
+        return MixedPrecision(model.to(device), param_dtype)  # one process: nothing is reduced
+
     def set_gradient_sync(self, wrapped: nn.Module, enabled: bool) -> None:
         return None  # one process: nothing to reduce
 
@@ -21,4 +27,27 @@ class ReferenceAdapter(Adapter):
         return torch_clip(wrapped.parameters(), max_norm, norm_type)
 
     def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
-        return {name: cpu_fp32(p) for name, p in wrapped.named_parameters()}
+        plain = wrapped.module if isinstance(wrapped, MixedPrecision) else wrapped
+        return {name: cpu_fp32(p) for name, p in plain.named_parameters()}
+
+
+class MixedPrecision(nn.Module):
+    """The plain model under a mixed-precision policy, written out: every forward runs on
+    `param_dtype` copies of the fp32 parameters (made once per forward; a tied parameter once), with
+    floating inputs cast to `param_dtype`. Autograd casts each copy's gradient back to fp32 onto the
+    master parameter, which the optimizer steps: what a sharded implementation under the same policy
+    does at one rank, with no sharding code in the way."""
+
+    def __init__(self, module: nn.Module, param_dtype: torch.dtype):
+        super().__init__()
+        self.module, self.param_dtype = module, param_dtype
+
+    def forward(self, *args, **kwargs):
+        low = {name: p.to(self.param_dtype) for name, p in self.module.named_parameters()}
+        args, kwargs = tree_map(self._cast, (args, kwargs))
+        return torch.func.functional_call(self.module, low, args, kwargs, tie_weights=True, strict=False)
+
+    def _cast(self, x):
+        if isinstance(x, Tensor) and x.is_floating_point():
+            return x.to(self.param_dtype)
+        return x

@@ -18,15 +18,59 @@ class TorchFSDP2Adapter(Adapter):
 
     def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
         from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(group, torch.device(device).type)
+        return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype)
+
+    def wrap_mixed_precision(self, model: nn.Module, units: list[nn.Module], *, group, device, param_dtype,
+                             reduce_dtype) -> nn.Module:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(group, torch.device(device).type)
+        return self._shard(model, units, mesh, group, device, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+    def wrap_hybrid(self, model: nn.Module, units: list[nn.Module], *, group, device, shard_group,
+                    replicate_group) -> nn.Module:
+        """A 2D (replicate, shard) mesh from the harness's groups: FSDP2 shards over the last dimension,
+        all-reduces across the first (HSDP)."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        size = dist.get_world_size(group)
+        ranks = torch.tensor([dist.get_global_rank(group, i) for i in range(size)])
+        mesh = DeviceMesh.from_group([replicate_group, shard_group], torch.device(device).type,
+                                     mesh=ranks.view(dist.get_world_size(replicate_group), -1),
+                                     mesh_dim_names=("replicate", "shard"))
+        return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype)
+
+    def _shard(self, model, units, mesh, group, device, *, param_dtype, reduce_dtype) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        device = torch.device(device)
-        mesh = DeviceMesh.from_group(group, device.type)
-        policy = MixedPrecisionPolicy(reduce_dtype=self.reduce_dtype)
-        model.to(device)
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        model.to(torch.device(device))
         for unit in units:
             fully_shard(unit, mesh=mesh, mp_policy=policy)
-        return fully_shard(model, mesh=mesh, mp_policy=policy)
+        wrapped = fully_shard(model, mesh=mesh, mp_policy=policy)
+        wrapped._harness_group = group  # the group a checkpoint is saved and loaded over
+        return wrapped
+
+    def save_checkpoint(self, wrapped: nn.Module, optimizer, path) -> None:
+        """torch.distributed.checkpoint: each rank writes its DTensor shards; resharded on load."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(wrapped, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path),
+                 process_group=wrapped._harness_group)
+
+    def load_checkpoint(self, wrapped: nn.Module, optimizer, path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(wrapped, optimizer)  # this world's layout to load into
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path), process_group=wrapped._harness_group)
+        set_state_dict(wrapped, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def set_gradient_sync(self, wrapped: nn.Module, enabled: bool) -> None:
         wrapped.set_requires_gradient_sync(enabled)  # every FSDP module under the root

@@ -8,8 +8,8 @@ from typing import Callable
 
 import pandas as pd
 
-from harness.core.policy import NOT_EXACT, Bounds, known_deviation
-from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of
+from harness.core.policy import BF16_SPLIT, NOT_EXACT, Bounds, known_deviation
+from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of, widest
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, UNSUPPORTED, VERDICT_COLUMNS, Verdict
 
 
@@ -26,9 +26,10 @@ class Crossing:
     value: float
 
 
-def _first_crossing(steps: pd.DataFrame, sid: str, col: str, bound: float,
+def _first_crossing(steps: pd.DataFrame, sid: str, col: str, bound: float | dict[int, float],
                     strict_zero: bool = False) -> tuple[Crossing | None, float]:
-    """(first crossing or None, worst value) for one scenario's `col` of the steps table."""
+    """(first crossing or None, worst value) for one scenario's `col` of the steps table; `bound` is
+    one number, or one per step (a derived bound that grows with the run)."""
     rows = steps[steps.scenario == sid].sort_values("step")
     worst = float(rows[col].max()) if len(rows) else math.nan
     if rows[col].isna().any():
@@ -36,7 +37,7 @@ def _first_crossing(steps: pd.DataFrame, sid: str, col: str, bound: float,
     param_col = "worst_param_ref" if col.endswith("ref") else "worst_param_ws1"
     for _, r in rows.iterrows():
         v = r[col]
-        crossed = (v != 0) if strict_zero else (v >= bound)
+        crossed = (v != 0) if strict_zero else (v >= (bound[int(r.step)] if isinstance(bound, dict) else bound))
         if math.isnan(v) or crossed:
             return Crossing(int(r.step), str(r[param_col]), float(v)), worst
     return None, worst
@@ -55,7 +56,7 @@ def judge(check, row, passed, measured, bound, message, *, at: Crossing | None =
     if passed:
         return Verdict(check, row.scenario, PASS, measured, bound, message=message, rank=rank)
     loc = dict(where=where, step=step, param=param, rank=rank)
-    dev = known_deviation(row.impl, check, int(row.world_size), feature_of(row), message)
+    dev = known_deviation(row.impl, check, widest(row), feature_of(row), message)
     if dev is not None:
         return Verdict(check, row.scenario, KNOWN, measured, bound, message=f"{message} Known deviation: {dev.cause}.",
                        **loc)
@@ -80,7 +81,7 @@ def ws1_exact(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     out = []
     sc, steps = tables["scenarios"], tables["steps"]
     losses_of = _trajectories(steps)
-    for row in _ok(sc)[lambda d: (d.world_size == 1) & (d.impl != REFERENCE_IMPL)].itertuples():
+    for row in _ok(sc)[lambda d: (_widest(d) == 1) & (d.impl != REFERENCE_IMPL)].itertuples():
         ref_id = _reference_id(row)
         losses, ref = losses_of.get(row.scenario, []), losses_of.get(ref_id)
         if ref is None:
@@ -106,7 +107,7 @@ def cross_ws_replicated(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     out = []
     sc, steps = tables["scenarios"], tables["steps"]
     done = set(_ok(sc).scenario)
-    for row in _ok(sc)[lambda d: (d.world_size > 1) & (d.data_mode == "replicated")].itertuples():
+    for row in _ok(sc)[lambda d: (_widest(d) > 1) & (d.data_mode == "replicated")].itertuples():
         ws1 = _ws1_id(row)
         bound, why = bounds.replicated_bound(feature_of(row), row.optimizer, row.lr, int(row.steps))
         if ws1 not in done:
@@ -127,7 +128,7 @@ def grads_match_ws1(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     out = []
     sc, steps = tables["scenarios"], tables["steps"]
     done = set(_ok(sc).scenario)
-    for row in _ok(sc)[lambda d: (d.world_size > 1) & (d.data_mode == "replicated")].itertuples():
+    for row in _ok(sc)[lambda d: (_widest(d) > 1) & (d.data_mode == "replicated")].itertuples():
         if feature_of(row) in NOT_EXACT:
             out.append(Verdict("grads_match_ws1", row.scenario, SKIP, None, None,
                                message=f"does not apply: {NOT_EXACT[feature_of(row)]}"))
@@ -157,14 +158,33 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
     """Split data: each rank's 1/W slice, averaged, trains like the full batch within the stated bound."""
     out = []
     sc, steps = tables["scenarios"], tables["steps"]
-    for row in _ok(sc)[lambda d: (d.world_size > 1) & (d.data_mode == "split")].itertuples():
+    for row in _ok(sc)[lambda d: (_widest(d) > 1) & (d.data_mode == "split")].itertuples():
         bound = bounds.split_bound(row.optimizer, row.lr, int(row.steps))
+        why = f"{bound / (row.lr * row.steps):g} x lr x steps"
+        if feature_of(row) == "bf16":
+            bound, why = _bf16_bound(steps, row, bound, why)
         at, worst = _first_crossing(steps, row.scenario, "max_diff_ref", bound)
-        msg = (f"max |param diff| vs full-batch training = {_fmt(worst)} "
-               f"(bound {bound:.3g} = {bound / (row.lr * row.steps):g} x lr x steps)")
-        out.append(judge("split_matches_full_batch", row, at is None and not math.isnan(worst), worst, bound,
+        shown = max(bound.values()) if isinstance(bound, dict) else bound
+        if isinstance(bound, dict):
+            shown = bound[at.step] if at is not None else shown
+        msg = f"max |param diff| vs full-batch training = {_fmt(worst)} (bound {shown:.3g} = {why})"
+        out.append(judge("split_matches_full_batch", row, at is None and not math.isnan(worst), worst, shown,
                             msg, at=at))
     return out
+
+
+def _bf16_drift(steps: pd.DataFrame, row) -> dict[int, float]:
+    """Step -> the largest |param diff| up to that step between the plain model in bf16 and in fp32
+    (the bf16 reference's max_diff_ref): how far bf16 compute alone moves a correct run."""
+    ref = steps[steps.scenario == _reference_id(row)].sort_values("step")
+    return dict(zip(ref.step.astype(int), ref.max_diff_ref.cummax()))
+
+
+def _bf16_bound(steps: pd.DataFrame, row, split: float, why: str) -> tuple[dict[int, float], str]:
+    """Split data under bf16, per step: the split tier's bound plus twice the bf16 drift (BF16_SPLIT)."""
+    drift = _bf16_drift(steps, row)
+    return ({k: split + 2 * d for k, d in drift.items()},
+            f"{why} + 2 x the bf16 drift of the plain model up to that step: {BF16_SPLIT}")
 
 
 def converges(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
@@ -263,8 +283,13 @@ def _rank_or_none(x) -> int | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) or x == "" else int(x)
 
 
+def _widest(d: pd.DataFrame) -> pd.Series:
+    """`scenario.widest` of each row: a resumed run is held to the bounds of the world sizes it trained at."""
+    return d.apply(widest, axis=1) if len(d) else d.world_size
+
+
 def _ws1_id(row) -> str:
-    return Scenario.of_row(row).at_world_size(1).id
+    return Scenario.of_row(row).ws1().id
 
 
 # ------------------------------------------------------------------------------- registry
@@ -278,7 +303,11 @@ def _ok_row(row) -> bool:
 
 
 def _sharded_ws1(row) -> bool:
-    return _ok_row(row) and row.world_size == 1 and row.impl != REFERENCE_IMPL
+    return _ok_row(row) and widest(row) == 1 and row.impl != REFERENCE_IMPL
+
+
+def _multi_rank(mode: str):
+    return lambda r: _ok_row(r) and widest(r) > 1 and r.data_mode == mode
 
 
 def _not_reference(row) -> bool:
@@ -311,12 +340,9 @@ NUMERIC_CHECKS = (
     Check(completed, _all, {"scenarios": _ROW + ("error",)}),
     Check(finite, _ok_row, {"scenarios": _ROW, "steps": _STEPS, "params": ("scenario", "step", "param", "sum")}),
     Check(ws1_exact, _sharded_ws1, {"scenarios": _ROW, "steps": _DIFFS}),
-    Check(cross_ws_replicated, lambda r: _ok_row(r) and r.world_size > 1 and r.data_mode == "replicated",
-          {"scenarios": _ROW + ("steps", "lr"), "steps": _DIFFS}),
-    Check(grads_match_ws1, lambda r: _ok_row(r) and r.world_size > 1 and r.data_mode == "replicated",
-          {"scenarios": _ROW, "steps": _STEPS + ("grad_diff_ws1",)}),
-    Check(split_matches_full_batch, lambda r: _ok_row(r) and r.world_size > 1 and r.data_mode == "split",
-          {"scenarios": _ROW + ("steps", "lr"), "steps": _DIFFS}),
+    Check(cross_ws_replicated, _multi_rank("replicated"), {"scenarios": _ROW + ("steps", "lr"), "steps": _DIFFS}),
+    Check(grads_match_ws1, _multi_rank("replicated"), {"scenarios": _ROW, "steps": _STEPS + ("grad_diff_ws1",)}),
+    Check(split_matches_full_batch, _multi_rank("split"), {"scenarios": _ROW + ("steps", "lr"), "steps": _DIFFS}),
     Check(converges, _not_reference, {"scenarios": _ROW, "steps": _STEPS}),
     Check(params_cover_model, _not_reference, {"scenarios": _ROW + ("params_compared",),
                                                "coverage": ("scenario", "step", "param", "problem")}),
@@ -324,9 +350,10 @@ NUMERIC_CHECKS = (
 
 
 def all_checks() -> tuple[Check, ...]:
+    from harness.checks.features import FEATURE_CHECKS
     from harness.checks.norms import NORM_CHECKS
     from harness.checks.resources import RESOURCE_CHECKS
-    return NUMERIC_CHECKS + NORM_CHECKS + RESOURCE_CHECKS
+    return NUMERIC_CHECKS + NORM_CHECKS + FEATURE_CHECKS + RESOURCE_CHECKS
 
 
 def _missing_columns(tables, check: Check) -> list[str]:

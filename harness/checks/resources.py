@@ -15,7 +15,15 @@ import pandas as pd
 
 from harness.checks.numeric import Check, judge, not_measured
 from harness.core.policy import Bounds
-from harness.core.scenario import CLIP, Scenario, holds_unsharded_grads, passes_per_step, reductions_per_step
+from harness.core.scenario import (
+    CLIP,
+    Scenario,
+    feature_of,
+    holds_unsharded_grads,
+    passes_per_step,
+    reductions_per_step,
+    shard_size,
+)
 from harness.core.verdict import Verdict
 from harness.measure import ideal_comm_elements, ideal_state_bytes
 from harness.measure.timeline import ALLOWED, PHASES, ROOT_FREE
@@ -39,7 +47,7 @@ def _measured_rows(tables, check: str, out: list[Verdict], *, multi_rank: bool =
     sc = tables["scenarios"]
     rows = sc[sc.status == "ok"]
     if multi_rank:
-        rows = rows[(rows.world_size > 1) & rows.sharded.astype(bool)]
+        rows = rows[rows.apply(_ok_multi_rank, axis=1).astype(bool)] if len(rows) else rows
     for r in rows[rows.param_bytes.isna()].itertuples():
         out.append(not_measured(check, r, "the rank recorded no parameter sizes (param_bytes)"))
     return rows[rows.param_bytes.notna()]
@@ -51,9 +59,14 @@ def shard_padding(row, bounds: Bounds = Bounds()) -> float:
     return float(row.row_bytes) + bounds.align_bytes_per_tensor * float(row.param_tensors)
 
 
+def shards(row) -> int:
+    """Ranks each parameter is sharded over: W, or one replica's ranks under hybrid sharding (hsdp)."""
+    return shard_size(feature_of(row), int(row.world_size))
+
+
 def gather_padding(row, bounds: Bounds = Bounds()) -> float:
     """Most padding one full-size collective over all parameters may carry: W-1 rows per tensor."""
-    return (int(row.world_size) - 1) * float(row.row_bytes) + bounds.align_bytes_per_tensor * float(row.param_tensors)
+    return (shards(row) - 1) * float(row.row_bytes) + bounds.align_bytes_per_tensor * float(row.param_tensors)
 
 
 def _at_most(check: str, row, measured: float, bound: float, message: str, where_over: str) -> Verdict:
@@ -75,7 +88,7 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     model's own buffers and a small bookkeeping allowance."""
     out, mem = [], tables["memory"]
     for row in _measured_rows(tables, "memory_sharding", out).itertuples():
-        ideal = ideal_state_bytes(int(row.param_bytes), row.optimizer, int(row.world_size), sharded=bool(row.sharded))
+        ideal = ideal_state_bytes(int(row.param_bytes), row.optimizer, shards(row), sharded=bool(row.sharded))
         allowance = shard_padding(row, bounds)
         worst, worst_limit, where, total_measured = 0.0, 1.0, "", 0.0
         for cat in STATE_CATEGORIES:
@@ -102,8 +115,9 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                      f"state (allowed {elsewhere_limit:,.0f} B: the model's buffers + 1% + "
                      f"{bounds.held_elsewhere_bytes:,} B)")
         kind = "sharded over" if row.sharded else "replicated on"
+        mesh = f" of each of {int(row.world_size) // shards(row)} replicas" if shards(row) != int(row.world_size) else ""
         msg = (f"per-rank state {total_measured:,.0f} B vs ideal {sum(ideal.values()):,.0f} B "
-               f"({kind} {row.world_size} ranks; worst category {worst:.3f}x its ideal); "
+               f"({kind} {shards(row) if row.sharded else row.world_size} ranks{mesh}; worst category {worst:.3f}x its ideal); "
                f"held elsewhere {elsewhere:,.0f} B")
         # bound: the worst category's allowed ratio (1% slack + this model's padding allowance)
         out.append(judge("memory_sharding", row, not where, worst, worst_limit,
@@ -120,10 +134,10 @@ def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         if math.isnan(peak):
             out.append(not_measured("peak_memory_bound", row, "the rank recorded no peak memory"))
             continue
-        ideal = ideal_state_bytes(int(row.param_bytes), row.optimizer, int(row.world_size), sharded=bool(row.sharded))
-        unsharded = 0 if not row.sharded or row.world_size == 1 else 2 * 2 * float(row.largest_unit_bytes)
+        ideal = ideal_state_bytes(int(row.param_bytes), row.optimizer, shards(row), sharded=bool(row.sharded))
+        unsharded = 0 if not row.sharded or shards(row) == 1 else 2 * 2 * float(row.largest_unit_bytes)
         # with the reduction switched off between micro-batches every unit's unsharded gradient is held
-        held_grads = (float(row.trainable_bytes) if row.sharded and row.world_size > 1
+        held_grads = (float(row.trainable_bytes) if row.sharded and shards(row) > 1
                       and holds_unsharded_grads(Scenario.of_row(row).feature) else 0.0)
         transient = (_max_over_ranks(mem, row.scenario, "activations") + _max_over_ranks(mem, row.scenario, "other"))
         bound = ((sum(ideal.values()) + unsharded + held_grads + transient) * (1 + bounds.peak_slack)
@@ -150,10 +164,10 @@ def peak_params_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             out.append(not_measured("peak_params_bound", row, "parameters at the peak or the root's own "
                                      "parameter bytes were not recorded"))
             continue
-        shards = -(-int(row.param_bytes) // int(row.world_size))
+        mine = -(-int(row.param_bytes) // shards(row))
         gathered = 2 * float(row.largest_child_bytes) + float(row.root_bytes)
-        bound = shards + gathered + shard_padding(row, bounds) + 2 * bounds.align_bytes_per_tensor * float(row.param_tensors)
-        msg = (f"parameters held at the peak {held:,.0f} B per rank vs bound {bound:,.0f} B (shards {shards:,} + "
+        bound = mine + gathered + shard_padding(row, bounds) + 2 * bounds.align_bytes_per_tensor * float(row.param_tensors)
+        msg = (f"parameters held at the peak {held:,.0f} B per rank vs bound {bound:,.0f} B (shards {mine:,} + "
                f"2 child units {2 * float(row.largest_child_bytes):,.0f} + root {float(row.root_bytes):,.0f} + padding)")
         out.append(_at_most("peak_params_bound", row, held, bound, msg,
                             f"params: {held - bound:,.0f} B over the bound at the peak"))
@@ -210,20 +224,28 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         nbytes = c.groupby("collective")["bytes"].sum().to_dict()
         p = float(row.param_elements)
         width = float(row.param_bytes) / p  # bytes per parameter element
-        ideal = ideal_comm_elements(int(p), int(row.world_size), int(row.trainable_elements))
+        ideal = ideal_comm_elements(int(p), shards(row), int(row.trainable_elements))
         feature = Scenario.of_row(row).feature  # each micro-batch gathers; each reduces unless switched off
         passes, reductions = passes_per_step(feature), reductions_per_step(feature)
         ideal_gather, t = passes * float(ideal["all_gather"]), reductions * float(ideal["reduce_scatter"])
         allowance = passes * gather_padding(row, bounds) / width
         gather = elements.get("all_gather", 0.0)
-        scatter = _reduced(elements, int(row.world_size))
+        scatter = _reduced(elements, shards(row))
         all_reduce = elements.get("all_reduce", 0.0)
         # clipping all-reduces the global gradient norm: a few elements (at most one per parameter
         # tensor) a step, not the gradient; anything beyond that counts as a gradient all-reduce
         norm_reduce = min(all_reduce, float(row.param_tensors)) if feature in CLIP else 0.0
         all_reduce -= norm_reduce
+        # hybrid sharding: the replicas then average their reduced shards, T / S elements of the rank's
+        # own, by an all-reduce (FSDP2) or any of the reductions above
+        # (an all-reduce may be written as a reduce-scatter and an all-gather of the reduced parts: that
+        # all-gather is allowed beside the parameters')
+        replicas_t = t / shards(row) if feature == "hsdp" else 0.0
+        replica_reduce = min(all_reduce, replicas_t * (1 + bounds.comm_slack) + allowance / shards(row))
+        t += replicas_t
+        ideal_gather += replicas_t
         reduce = scatter + all_reduce
-        reduce_bytes = (_reduced(nbytes, int(row.world_size))
+        reduce_bytes = (_reduced(nbytes, shards(row))
                         + nbytes.get("all_reduce", 0.0) * (all_reduce / (all_reduce + norm_reduce) if all_reduce else 0))
         factor = reduce_bytes / (reduce * width) if reduce else math.nan
         types = sorted(set(c[c.collective.isin((*SCATTER_COLLECTIVES, "all_reduce"))].dtype.astype(str)))
@@ -234,14 +256,15 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         if not t <= reduce <= t * (1 + bounds.comm_slack) + allowance:
             what = "trainable" if t != reductions * p else "P ="
             problems.append(f"gradient reduction {reduce:,.0f} elements != {per_r}{what} {t:,.0f}")
-        if all_reduce:
+        if all_reduce > replica_reduce:
             problems.append(f"gradients reduced by all_reduce ({all_reduce:,.0f} elements): every rank receives the "
                             "whole reduced gradient, twice a reduce-scatter's traffic (not ZeRO-3)")
         msg = (f"per step: all_gather {gather:,.0f} elements ({gather / p:.2f}P), gradient reduction "
                f"{reduce:,.0f} elements ({reduce / p:.2f}P) in {', '.join(types) or 'no type'}, "
                f"{reduce_bytes:,.0f} B: traffic factor {factor:.2f}x the parameters' {8 * width:g}-bit elements; "
                f"ZeRO-3 ideal {per}2P + {per_r}P with P = {p:,.0f} elements"
-               + (f"; the clipping norm's all_reduce {norm_reduce:,.0f} elements" if norm_reduce else ""))
+               + (f"; the clipping norm's all_reduce {norm_reduce:,.0f} elements" if norm_reduce else "")
+               + (f"; the replicas' average of their shards T/S = {replicas_t:,.0f} elements" if replicas_t else ""))
         limit = (ideal_gather + t) * (1 + bounds.comm_slack) + 3 * allowance  # the most both conditions above allow together
         out.append(judge("comm_volume", row, not problems, (gather + reduce) / p, limit / p,
                          msg + f"; allowed up to {limit / p:.3g}P with padding", where="; ".join(problems)))
@@ -253,7 +276,8 @@ def _ok_row(row) -> bool:
 
 
 def _ok_multi_rank(row) -> bool:
-    return row.status == "ok" and row.world_size > 1 and bool(row.sharded)
+    """Completed, sharded, and each parameter really split: over more than one rank."""
+    return row.status == "ok" and bool(row.sharded) and shards(row) > 1
 
 
 _SIZES = ("scenario", "status", "world_size", "sharded", "optimizer", "param_bytes", "row_bytes", "param_tensors")

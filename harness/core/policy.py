@@ -52,6 +52,20 @@ NOT_EXACT_UNDER_L2_CLIP = (
     "under L2 clipping every gradient is scaled by the global norm, which W ranks sum from partial sums "
     "in another order than one rank does, so it differs in the last bit and AdamW amplifies that; no "
     "correct sharded clipping is bitwise across world sizes (clip_inf, a maximum, is)")
+# bf16 (harness.train.features.BF16_POLICY): how its runs are held.
+# - World size 1 against the plain model under the same policy (bf16 copies of the parameters for forward
+#   and backward, fp32 master parameters and optimizer): bitwise, as every feature (ws1_exact).
+# - Replicated data against world size 1: bitwise too (cross_ws_replicated's 3e-8, grads_match_ws1), by
+#   arithmetic, not by tuning: every gradient element arrives as a bf16 value (8 significant bits), and a
+#   sum of W <= 8 such values needs at most 11, so the fp32 reduction is exact in any order and the mean
+#   (a division by a power of two) too.
+# - Split data against the full batch: the gradients of the per-rank halves differ from the full batch's in
+#   bf16's last bits, not fp32's, and nothing bounds that a priori. The bound is derived from the run itself:
+BF16_SPLIT = (
+    "bf16 compute moves a correct run away from the exact (fp32) trajectory by about the distance it moves "
+    "the plain model (its bf16 run against its fp32 run, measured in this run: the drift); a sharded bf16 run "
+    "and the bf16 plain model each lie within that distance of the fp32 trajectory, so within twice of each other")
+
 # feature -> why no correct implementation is bitwise across world sizes under it
 NOT_EXACT = {"clip": NOT_EXACT_UNDER_L2_CLIP}
 

@@ -23,15 +23,56 @@ REFERENCE_IMPL = "reference"
 #   clip_inf the same with the infinity norm (the largest |gradient element|)
 #   ac       activation checkpointing on every unit (non-reentrant): forward keeps no activations of
 #            a unit, backward runs its forward again
-FEATURES = ("plain", "accum", "no_sync", "clip", "clip_inf", "ac")
+#   ckpt     resumed: the plain steps up to ckpt_step(steps) were trained at world size `resume_from` and
+#            saved as a sharded checkpoint (parameters and optimizer state); this run loads it at its own
+#            world size and trains the remaining steps (the adapter's save_checkpoint / load_checkpoint)
+#   bf16     mixed precision: forward and backward in bf16 on bf16 copies of the parameters, fp32 master
+#            parameters, gradients reduced and stepped in fp32 (the adapter's wrap_mixed_precision)
+#   hsdp     hybrid sharding: HSDP_REPLICAS replicas of the model, each sharded over W / HSDP_REPLICAS
+#            ranks; gradients averaged over all W ranks (the adapter's wrap_hybrid)
+FEATURES = ("plain", "accum", "no_sync", "clip", "clip_inf", "ac", "ckpt", "bf16", "hsdp")
 ACCUM_MICRO_BATCHES = 2
 # feature -> (norm type, max norm): below the smallest pre-clip norm the default models reach in 10
 # steps under seeds 0-4 (L2 0.20, inf 0.033 on mlp), so clipping acts at every step (checked per run)
 CLIP = {"clip": (2.0, 0.1), "clip_inf": (float("inf"), 0.01)}
 # features that must leave every number bitwise as the plain step has it: compared with the plain reference
-NUMBERS_UNCHANGED = ("ac",)
-# the adapter method a feature needs beyond the protocol's required ones (harness/adapters/base.py)
-FEATURE_NEEDS = {"no_sync": "set_gradient_sync", "clip": "clip_grad_norm", "clip_inf": "clip_grad_norm"}
+NUMBERS_UNCHANGED = ("ac", "ckpt", "hsdp")
+# the adapter methods a feature needs beyond the protocol's required ones (harness/adapters/base.py)
+FEATURE_NEEDS = {"no_sync": ("set_gradient_sync",), "clip": ("clip_grad_norm",), "clip_inf": ("clip_grad_norm",),
+                 "ckpt": ("save_checkpoint", "load_checkpoint"), "bf16": ("wrap_mixed_precision",),
+                 "hsdp": ("wrap_hybrid",)}
+HSDP_REPLICAS = 2  # replicas of a hybrid mesh at W >= 2 (2 x 1 at W = 2, 2 x 2 at 4, 2 x 4 at 8)
+
+
+def ckpt_step(steps: int) -> int:
+    """The step after which a ckpt run's checkpoint is saved (and from which the loading run goes on)."""
+    return steps // 2
+
+
+def hsdp_mesh(world_size: int) -> tuple[int, int]:
+    """(replicas, shard size) of the hybrid mesh at `world_size`; rank = replica x shard size + shard index."""
+    replicas = HSDP_REPLICAS if world_size % HSDP_REPLICAS == 0 else 1
+    return replicas, world_size // replicas
+
+
+def shard_size(feature: str, world_size: int) -> int:
+    """Ranks one parameter is sharded over: all of them, or one replica's under hybrid sharding."""
+    return hsdp_mesh(world_size)[1] if feature == "hsdp" else world_size
+
+
+def resume_of(row) -> int:
+    """A table row's resume_from (0: trained from scratch; a row stored before ckpt existed has none)."""
+    value = getattr(row, "resume_from", 0)
+    try:
+        return 0 if value != value else int(value)  # NaN from a table stored before the column existed
+    except (TypeError, ValueError):
+        return 0
+
+
+def widest(row) -> int:
+    """The largest world size a row's trajectory was trained at: a resumed run's first steps were
+    trained where its checkpoint was saved, so it is held to the bounds of the wider of the two."""
+    return max(int(row.world_size), resume_of(row))
 
 
 def feature_of(row) -> str:
@@ -68,18 +109,19 @@ class Scenario:
     global_batch: int = 16
     backend: str = "gloo"  # "gloo" (CPU) | "nccl" (CUDA)
     feature: str = "plain"  # FEATURES
+    resume_from: int = 0  # ckpt: the world size its checkpoint was saved at (0: trained from scratch)
 
     @property
     def id(self) -> str:
         """Stable readable id, e.g. ``fsdp_impl-mlp-ws4-split-adamw`` (``...-adamw-accum`` with a feature)."""
         return scenario_id(self.impl, self.model, self.world_size, self.data_mode, self.optimizer, self.seed,
-                           self.feature)
+                           self.feature, self.resume_from)
 
     @classmethod
     def of_row(cls, row) -> "Scenario":
         """The scenario of a scenarios-table row."""
         return cls(row.impl, row.model, int(row.world_size), row.data_mode, row.optimizer, seed=int(row.seed),
-                   feature=feature_of(row))
+                   feature=feature_of(row), resume_from=resume_of(row))
 
     @property
     def device_type(self) -> str:
@@ -87,18 +129,35 @@ class Scenario:
 
     def reference(self) -> "Scenario":
         """The scenario whose trajectory this one is compared with: the plain model, full batch, doing
-        the same feature (the same micro-batches, ...); for a feature that must not change the numbers
-        at all (NUMBERS_UNCHANGED: activation checkpointing), the plain model doing the plain step."""
-        feature = "plain" if self.feature in NUMBERS_UNCHANGED else self.feature
-        return dataclasses.replace(self, impl=REFERENCE_IMPL, world_size=1, data_mode="replicated", feature=feature)
+        the same feature (the same micro-batches, the same mixed precision, ...); for a feature that must
+        not change the numbers at all (NUMBERS_UNCHANGED), the plain model doing the plain step. The
+        plain model in bf16 is itself compared with the plain model in fp32 (what bf16 alone does)."""
+        plain = self.feature in NUMBERS_UNCHANGED or (self.impl == REFERENCE_IMPL and self.feature == "bf16")
+        return dataclasses.replace(self, impl=REFERENCE_IMPL, world_size=1, data_mode="replicated",
+                                   feature="plain" if plain else self.feature, resume_from=0)
+
+    def saver(self) -> "Scenario | None":
+        """The run whose checkpoint a ckpt run resumes from: the same implementation's plain run at
+        `resume_from` ranks (it saves after ckpt_step(steps)); None for any other run."""
+        if self.feature != "ckpt":
+            return None
+        return dataclasses.replace(self, world_size=self.resume_from or self.world_size, feature="plain",
+                                   resume_from=0)
 
     def dependencies(self) -> list["Scenario"]:
-        """The runs this one's checks compare with: the reference and, for a sharded run at W > 1,
-        the same implementation at world size 1 in the same data mode."""
-        deps = [] if self.impl == REFERENCE_IMPL else [self.reference()]
-        if self.impl != REFERENCE_IMPL and self.world_size > 1:
-            deps.append(self.at_world_size(1))
-        return deps
+        """The runs this one's checks compare with: the reference, for a sharded run at W > 1 the same
+        implementation at world size 1 in the same data mode, and the run a checkpoint comes from."""
+        deps = [self.reference()] if self.reference() != self else []
+        if self.impl != REFERENCE_IMPL and (self.world_size > 1 or self.resume_from > 0):
+            deps.append(self.ws1())
+        return deps + ([self.saver()] if self.saver() is not None else [])
+
+    def ws1(self) -> "Scenario":
+        """The same implementation at world size 1, same data mode and feature: the cross-world-size
+        comparison; for a resumed run, the uninterrupted plain run (what it must go on like)."""
+        if self.feature == "ckpt":
+            return dataclasses.replace(self, world_size=1, feature="plain", resume_from=0)
+        return self.at_world_size(1)
 
     def at_world_size(self, world_size: int) -> "Scenario":
         return dataclasses.replace(self, world_size=world_size)
@@ -108,11 +167,13 @@ class Scenario:
 
 
 def scenario_id(impl: str, model: str, world_size: int, data_mode: str, optimizer: str | None = None,
-                seed: int = 0, feature: str = "plain") -> str:
-    """The one way ids are made: ``impl-model-wsW-mode[-optimizer][-feature][-seedN]``. Runs that train no
-    optimizer (the per-sample norms, measured on one backward) leave it out; the plain feature is left out."""
+                seed: int = 0, feature: str = "plain", resume_from: int = 0) -> str:
+    """The one way ids are made: ``impl-model-wsW-mode[-optimizer][-feature][-fromW][-seedN]``. Runs that
+    train no optimizer (the per-sample norms, measured on one backward) leave it out; the plain feature is
+    left out; ``-fromW`` names the world size a resumed (ckpt) run's checkpoint was saved at."""
     parts = [_slug(impl), _slug(model), f"ws{world_size}", data_mode] + ([optimizer] if optimizer else [])
     parts += [feature] if feature != "plain" else []
+    parts += [f"from{resume_from}"] if resume_from else []
     return "-".join(parts) + (f"-seed{seed}" if seed else "")
 
 
@@ -126,20 +187,35 @@ def build_matrix(
     global_batch=16, backend="gloo", features=("plain",),
 ) -> list[Scenario]:
     """Every combination, in a stable order, plus the runs they are compared with: the references
-    first, and each implementation at world size 1 where the world sizes leave it out."""
+    first, and each implementation at world size 1 where the world sizes leave it out. A ckpt cell
+    at W is one per other world size of the run that its checkpoint comes from (W itself when the
+    run has one world size)."""
     cells = [
         Scenario(impl, model, ws, mode, opt, steps=steps, seed=seed, lr=lr,
-                 global_batch=global_batch, backend=backend, feature=feature)
+                 global_batch=global_batch, backend=backend, feature=feature, resume_from=source)
         for seed, feature, impl, model, ws, mode, opt in itertools.product(
             seeds, features, impls, models, world_sizes, data_modes, optimizers)
+        for source in _sources(feature, ws, world_sizes)
     ]
     return with_dependencies(cells)
 
 
+def _sources(feature: str, world_size: int, world_sizes) -> list[int]:
+    """resume_from values of a cell: every other world size of the run for ckpt, else none (0)."""
+    if feature != "ckpt":
+        return [0]
+    return [w for w in world_sizes if w != world_size] or [world_size]
+
+
 def with_dependencies(cells: list[Scenario]) -> list[Scenario]:
-    """`cells` plus every run they depend on (`Scenario.dependencies`), references first."""
+    """`cells` plus every run they depend on (`Scenario.dependencies`, and theirs), references first."""
     have = set(cells)
-    deps = {d for c in cells for d in c.dependencies() if d not in have}
+    deps, todo = set(), list(cells)
+    while todo:
+        for d in todo.pop().dependencies():
+            if d not in have and d not in deps:
+                deps.add(d)
+                todo.append(d)
     refs = sorted((d for d in deps if d.impl == REFERENCE_IMPL), key=lambda s: s.id)
     ws1 = sorted((d for d in deps if d.impl != REFERENCE_IMPL), key=lambda s: s.id)
     return refs + ws1 + cells

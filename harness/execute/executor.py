@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from harness.adapters.base import AdapterError, missing_capability
 from harness.checks.numeric import run_checks, verdict_table
 from harness.core.environment import environment
 from harness.core.policy import Bounds
-from harness.core.scenario import FEATURE_NEEDS, Scenario
+from harness.core.scenario import FEATURE_NEEDS, Scenario, ckpt_step
 from harness.core.verdict import Verdict
 from harness.execute.worker import root_cause
 from harness.execute.world import RankFailed, WorldError, WorldHung, WorldPool
@@ -86,10 +87,29 @@ def unsupported(sc: Scenario) -> str | None:
     """Why `sc`'s adapter cannot run its feature, or None (plain scenarios need no look at the adapter)."""
     if sc.feature not in FEATURE_NEEDS:
         return None
+    adapter = _adapter(sc.impl)
+    return None if adapter is None else missing_capability(adapter, sc.feature)
+
+
+@functools.lru_cache(maxsize=None)
+def _adapter(impl: str):
+    """One adapter per implementation name, to look at its capabilities (None: it does not load, and
+    the scenario itself will fail with the adapter's own message)."""
     try:
-        return missing_capability(load_adapter(sc.impl), sc.feature)
+        return load_adapter(impl)
     except AdapterError:
-        return None  # the scenario itself will fail, with the adapter's own message
+        return None
+
+
+def payload_of(sc: Scenario, snapshot_dir, savers: set[Scenario]) -> dict:
+    """What the rank task gets: the scenario, where snapshots go, and for ckpt where the checkpoint is
+    saved (a saver: after which step) or read (a resumed run)."""
+    payload = {"scenario": dataclasses.asdict(sc), "snapshot_dir": str(snapshot_dir)}
+    if sc in savers:
+        payload["save_checkpoint_at"] = ckpt_step(sc.steps)
+    if sc.saver() is not None:
+        payload["checkpoint_of"] = sc.saver().id
+    return payload
 
 
 def failed_rank(e: WorldError) -> int | None:
@@ -104,12 +124,14 @@ def failed_rank(e: WorldError) -> int | None:
 def execute(scenarios: list[Scenario], *, snapshot_dir: str | Path, pool: ScenarioPool,
             progress: Progress | None = None) -> dict:
     """scenario id -> record, for the records this process collects. Worlds in ascending size, so that
-    each world is started once."""
+    each world is started once; runs resumed from a checkpoint come after every run (their savers
+    included), in ascending size again."""
     results: dict[str, dict] = {}
-    order = sorted(scenarios, key=lambda s: (s.backend, s.world_size))
+    order = sorted(scenarios, key=lambda s: (s.backend, s.saver() is not None, s.world_size))
+    savers = {s.saver() for s in scenarios if s.saver() is not None and not unsupported(s)}
     for i, sc in enumerate(order):
         t0 = time.perf_counter()
-        payload = {"scenario": dataclasses.asdict(sc), "snapshot_dir": str(snapshot_dir)}
+        payload = payload_of(sc, snapshot_dir, savers)
         why = unsupported(sc)
         record = {"unsupported": why} if why else pool.run_scenario(sc, payload)
         if record is not None:

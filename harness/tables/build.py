@@ -14,18 +14,14 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from harness.core.scenario import REFERENCE_IMPL, Scenario
+from harness.core.scenario import REFERENCE_IMPL, Scenario, ckpt_step
 from harness.tables.schema import columns
 
 
 def _scenario_fields(sc: Scenario) -> dict:
     return {"scenario": sc.id, "impl": sc.impl, "model": sc.model, "world_size": sc.world_size,
-            "data_mode": sc.data_mode, "optimizer": sc.optimizer, "seed": sc.seed, "feature": sc.feature}
-
-
-def ws1_of(sc: Scenario) -> Scenario:
-    """The same implementation at world size 1, same data mode: the cross-world-size comparison."""
-    return sc.at_world_size(1)
+            "data_mode": sc.data_mode, "optimizer": sc.optimizer, "seed": sc.seed, "feature": sc.feature,
+            "resume_from": sc.resume_from}
 
 
 class _Snapshots:
@@ -92,7 +88,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             continue
         r0 = res["ranks"][0]
         ref_id = sc.reference().id
-        ws1_id = ws1_of(sc).id if sc.impl != REFERENCE_IMPL else None
+        ws1_id = sc.ws1().id if sc.impl != REFERENCE_IMPL else None
         final, compared = {}, math.nan
         for rec in r0["steps"]:
             k = rec["step"]
@@ -117,6 +113,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                                "grad_diff_ws1": g1, "clip_norm": rec.get("clip_norm", math.nan)})
             final = {"final_loss": rec["loss"], "param_sum": sum(float(t.double().sum()) for t in cur.values()),
                      "max_diff_ref": mr, "max_diff_ws1": m1}
+        restore = _restore(sc, snaps, by_id)
         for rank_rec in res["ranks"]:
             for cat, b in rank_rec["memory"].items():
                 mem_rows.append({"scenario": sc.id, "rank": rank_rec["rank"], "category": cat, "bytes": b})
@@ -136,12 +133,26 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                           "root_bytes": r0.get("root_bytes", math.nan),
                           "row_bytes": r0.get("row_bytes", math.nan), "param_tensors": r0.get("param_tensors", math.nan),
                           "buffer_bytes": r0.get("buffer_bytes", math.nan),
-                          "params_compared": compared, "state_bytes": max(state), "peak_bytes": max(peak),
+                          "params_compared": compared, **restore, "state_bytes": max(state), "peak_bytes": max(peak),
                           "step_time_s": max(rr["step_time_s"] for rr in res["ranks"])})
     rows = {"steps": steps_rows, "params": param_rows, "scenarios": scen_rows, "memory": mem_rows,
             "comm": comm_rows, "coverage": cover_rows, "gathered": gathered_rows}
     return {name: pd.DataFrame(r, columns=columns(name)) for name, r in rows.items()}
 
+
+
+def _restore(sc: Scenario, snaps: _Snapshots, by_id: dict) -> dict:
+    """A resumed run: its parameters right after loading against its saver's at the saved step."""
+    saver = sc.saver()
+    if saver is None or not sc.resume_from:
+        return {}
+    step = ckpt_step(sc.steps)
+    mine = snaps.get(sc.id, step)
+    theirs = snaps.get(saver.id, step) if saver.id in by_id else None
+    if not mine or theirs is None:
+        return {}
+    name, worst = _worst(_diffs(mine, theirs))
+    return {"restore_diff": worst, "restore_param": name}
 
 
 def _coverage(sid: str, step: int, cur: dict, ref: dict) -> list[dict]:

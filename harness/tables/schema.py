@@ -36,14 +36,17 @@ class Table:
 #               largest_unit_bytes: the largest unit's full parameters; row_bytes: one dim-0 row of
 #               every parameter tensor, summed; param_tensors: their count; params_compared: the
 #               plain model's parameters whose names and shapes were held against full_params;
-#               buffer_bytes: the plain model's buffers; state_bytes: max over ranks of params +
+#               buffer_bytes: the plain model's buffers; restore_diff (ckpt, resumed runs): max |difference|
+#               between the parameters right after loading and the saver's at that step, restore_param
+#               where it is; state_bytes: max over ranks of params +
 #               grads + optimizer state held after the measured step (harness.measure.census, which
 #               also records buffers and other apart); peak_bytes: max over ranks
 #   memory      bytes on that rank: the peak by category during the measured step, and the state
 #               held after it (state_*)
 #   comm        rank 0, per training step averaged over the steps (harness.measure.comm)
 SCENARIO_IDS = ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed")
-FEATURE = ("feature",)  # after the ids; optional when reading: a run stored before features existed is plain
+# after the ids; optional when reading: a run stored before features existed is plain, trained from scratch
+FEATURE = ("feature", "resume_from")
 
 TABLES: dict[str, Table] = {t.name: t for t in (
     Table("steps", "scenario x step", SCENARIO_IDS + FEATURE + (
@@ -56,8 +59,8 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("scenarios", "scenario", SCENARIO_IDS + FEATURE + (
         "steps", "lr", "status", "error", "failed_rank", "final_loss", "param_sum", "max_diff_ref", "max_diff_ws1", "sharded",
         "param_bytes", "trainable_bytes", "param_elements", "trainable_elements", "largest_unit_bytes",
-        "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "buffer_bytes", "params_compared", "state_bytes",
-        "peak_bytes", "step_time_s"),
+        "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "buffer_bytes", "params_compared", "restore_diff",
+        "restore_param", "state_bytes", "peak_bytes", "step_time_s"),
           required=SCENARIO_IDS + ("steps", "lr", "status", "error", "final_loss", "param_sum", "max_diff_ref",
                                    "max_diff_ws1", "state_bytes", "peak_bytes", "step_time_s")),
     Table("memory", "scenario x rank x category", ("scenario", "rank", "category", "bytes"),

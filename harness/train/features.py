@@ -9,7 +9,45 @@ from typing import Callable
 
 import torch
 
-from harness.core.scenario import FEATURES, passes_per_step, reductions_per_step
+from harness.core.scenario import FEATURES, hsdp_mesh, passes_per_step, reductions_per_step
+
+# bf16: the dtypes of the mixed-precision policy every implementation (and the plain reference) is given
+BF16_POLICY = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+
+
+def wrap_for(feature: str, adapter, model, units, *, group, device):
+    """The adapter's wrap for the feature: under a mixed-precision policy (bf16), on a hybrid mesh
+    (hsdp), else plain ``wrap``."""
+    if feature == "bf16":
+        return adapter.wrap_mixed_precision(model, units, group=group, device=device, **BF16_POLICY)
+    if feature == "hsdp":
+        shard_group, replicate_group = hybrid_groups(group)
+        return adapter.wrap_hybrid(model, units, group=group, device=device, shard_group=shard_group,
+                                   replicate_group=replicate_group)
+    return adapter.wrap(model, units, group=group, device=device)
+
+
+_HYBRID: dict[tuple, tuple] = {}  # (group ranks, backend) -> this rank's (shard group, replicate group)
+
+
+def hybrid_groups(group):
+    """This rank's shard group and replicate group of the hybrid mesh over `group` (harness.core.scenario.
+    hsdp_mesh: rank = replica x shard size + index in its shard group). Made once per world and kept:
+    only the member ranks of each new group take part in making it (use_local_synchronization), so it
+    works as well inside a torchrun job whose other ranks sit this world size out."""
+    import torch.distributed as dist
+
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    ranks = [dist.get_global_rank(group, i) for i in range(size)]
+    key = (tuple(ranks), dist.get_backend(group))
+    if key not in _HYBRID:
+        replicas, shard = hsdp_mesh(size)
+        replica, index = divmod(rank, shard)
+        shard_ranks = ranks[replica * shard:(replica + 1) * shard]
+        replicate_ranks = ranks[index::shard]
+        _HYBRID[key] = tuple(dist.new_group(r, use_local_synchronization=True)
+                             for r in (shard_ranks, replicate_ranks))
+    return _HYBRID[key]
 
 
 def checkpoint_units(units: list[torch.nn.Module]) -> None:
@@ -57,7 +95,8 @@ def forward_backward(feature: str, spec, model, x: torch.Tensor, y: torch.Tensor
         if switched:
             set_sync(i == k - 1)
         mark("forward")
-        loss = spec.loss(mark("after_forward", model(xm)), ym)
+        out = mark("after_forward", model(xm))
+        loss = spec.loss(out.float() if feature == "bf16" else out, ym)  # the loss in fp32, as plain
         if k > 1:
             loss = loss / k
         mark("backward")

@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 
 from harness.adapters import load_adapter
-from harness.core.scenario import CLIP, Scenario
+from harness.core.scenario import CLIP, Scenario, shard_size
 from harness.measure import CommCounter, PeakMemory
 from harness.measure.census import Census
 from harness.measure.memory import local_tensor
 from harness.measure.timeline import UnitTimeline
+from harness.train.checkpointing import Checkpointing
 from harness.train.data import global_batch, local_slice
-from harness.train.features import checkpoint_units, forward_backward
+from harness.train.features import checkpoint_units, forward_backward, wrap_for
 from harness.train.models import get_model_spec
 from harness.train.user_models import check_batch, check_built
 
@@ -37,12 +38,13 @@ def train_scenario(ctx, payload: dict) -> dict:
         snap_dir.mkdir(parents=True, exist_ok=True)
     spec = get_model_spec(sc.model)
     adapter = load_adapter(sc.impl)
+    ckpt = Checkpointing(payload, snap_dir, ctx.rank)
     # what the process holds before the scenario is not the scenario's
     with Census(ctx.device) as census:
-        return _train(ctx, sc, spec, adapter, census, snap_dir)
+        return _train(ctx, sc, spec, adapter, census, snap_dir, ckpt)
 
 
-def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> dict:
+def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckpt: "Checkpointing") -> dict:
     device = ctx.device
     torch.manual_seed(sc.seed)
     model = spec.build()
@@ -53,20 +55,26 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> 
     timeline = UnitTimeline(model, units)  # found on the plain model, looked at while the wrapped one trains
     if sc.feature == "ac":
         checkpoint_units(units)
-    wrapped = adapter.wrap(model, units, group=ctx.group, device=device)
+    wrapped = wrap_for(sc.feature, adapter, model, units, group=ctx.group, device=device)
     optimizer = adapter.make_optimizer(wrapped, name=sc.optimizer, lr=sc.lr)
-    _snapshot(adapter, wrapped, snap_dir / "step0.pt", ctx.rank)
+    steps = ckpt.resume(adapter, wrapped, optimizer)  # the saver's records of the steps before (ckpt), else []
+    _snapshot(adapter, wrapped, snap_dir / f"step{len(steps)}.pt", ctx.rank)
+    ckpt.save_after(len(steps), adapter, wrapped, optimizer, steps)  # a checkpoint of the initial state
     sync = getattr(adapter, "set_gradient_sync", None)  # a capability (harness/adapters/base.py)
     set_sync = (lambda enabled: sync(wrapped, enabled)) if callable(sync) else None
+    start = len(steps)
+    # the ranks whose parts make up one copy of the model: every rank's shard, or one replica's (hsdp)
+    first_copy = ctx.rank < shard_size(sc.feature, ctx.world_size)
+    measured = max(MEASURED_STEP, start) + 1  # a resumed run measures its first step
 
-    steps, comm_totals, memory, times, gathered = [], {}, {}, [], []
-    for step in range(1, sc.steps + 1):
+    comm_totals, memory, times, gathered = {}, {}, [], []
+    for step in range(start + 1, sc.steps + 1):
         inputs, targets = global_batch(spec, sc.global_batch, step, sc.seed)
         check_batch(sc.model, (inputs, targets), sc.global_batch)
         x, y, idx = local_slice(inputs, targets, ctx.rank, ctx.world_size, sc.data_mode)
         x, y = x.to(device), y.to(device)
         batch = (inputs, targets, x, y, idx)  # the harness's own tensors, not the implementation's
-        measure_mem = step - 1 == MEASURED_STEP
+        measure_mem = step == measured
         counter = CommCounter()
         mem = None
         if measure_mem:  # the peak tracker also counts what the implementation holds outside model and optimizer
@@ -83,7 +91,7 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> 
             loss = forward_backward(sc.feature, spec, wrapped, x, y, mark, set_sync)
             adapter.after_backward(wrapped, optimizer)
             mark("after_backward")
-            grad_sq = _local_grad_sq(wrapped)  # before clipping: the norm the harness measures itself
+            grad_sq = _local_grad_sq(wrapped) if first_copy else 0.0  # before clipping: measured by the harness
             clip_norm = _clip(adapter, wrapped, sc.feature)
             mark("optimizer")
             optimizer.step()
@@ -99,7 +107,7 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> 
             memory["state_total"] = held["params"] + held["grads"] + held["optimizer_state"]
             gathered = timeline.records()
         if sc.data_mode == "replicated":
-            _save_grads(_optimizer_grads(optimizer, adapter.sharded or ctx.rank == 0), ctx,
+            _save_grads(_optimizer_grads(optimizer, first_copy and (adapter.sharded or ctx.rank == 0)), ctx,
                         snap_dir / f"step{step}.grads.pt")
         optimizer.zero_grad(set_to_none=True)
         for row in counter.summary():
@@ -109,8 +117,10 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path) -> 
         steps.append({"step": step, "loss": _global_loss(loss, sc, ctx),
                       "grad_norm": _global_grad_norm(grad_sq, adapter, ctx), "clip_norm": clip_norm})
         _snapshot(adapter, wrapped, snap_dir / f"step{step}.pt", ctx.rank)
+        ckpt.save_after(step, adapter, wrapped, optimizer, steps)
 
-    comm = [{"collective": c, "dtype": d, **{k: v / sc.steps for k, v in tot.items()}}
+    trained = max(1, sc.steps - start)  # the steps this run trained itself
+    comm = [{"collective": c, "dtype": d, **{k: v / trained for k, v in tot.items()}}
             for (c, d), tot in sorted(comm_totals.items())]
     return {"scenario": sc.id, "rank": ctx.rank, "steps": steps, "memory": memory, "comm": comm, "gathered": gathered,
             "sharded": bool(adapter.sharded), **sizes,

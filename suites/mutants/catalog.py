@@ -31,7 +31,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from suites.mutants.feature_mutants import AccumAveraged, ClipLocalNorm, SyncIgnored, SyncNeverRestored
+from suites.mutants.feature_mutants import (
+    AccumAveraged,
+    AcReducedTwice,
+    Bf16OptimizerStep,
+    CkptLastRankShifted,
+    CkptOptimizerStateShifted,
+    ClipLocalNorm,
+    ReplicasNotAveraged,
+    SyncIgnored,
+    SyncNeverRestored,
+)
 from suites.mutants.gradient_mutants import (
     AveragedTwice,
     Fp32Reduce,
@@ -100,7 +110,9 @@ prefetch_thread_gather, reduce_to_owners, gather_to_owners = PrefetchThreadGathe
 fp32_reduce, tie_broken, optimizer_delegated = Fp32Reduce, TieBroken, OptimizerDelegated
 grad_overwritten = GradOverwritten
 sync_ignored, sync_never_restored, accum_averaged = SyncIgnored, SyncNeverRestored, AccumAveraged
-clip_local_norm = ClipLocalNorm
+clip_local_norm, bf16_optimizer_step, ac_reduced_twice = ClipLocalNorm, Bf16OptimizerStep, AcReducedTwice
+replicas_not_averaged = ReplicasNotAveraged
+ckpt_last_rank_shifted, ckpt_optimizer_state_shifted = CkptLastRankShifted, CkptOptimizerStateShifted
 
 
 
@@ -188,6 +200,24 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("clip_local_norm", _spec("clip_local_norm"), "clip_acts",
            "gradients clipped by the norm of the rank's own shard instead of the global norm",
            features=("clip", "clip_inf"), optimizers=("adamw",)),
+    Mutant("bf16_optimizer_step", _spec("bf16_optimizer_step"), "ws1_exact",
+           "under the bf16 policy the optimizer steps bf16 master parameters (each update rounded to bf16)",
+           features=("bf16",), optimizers=("adamw",)),
+    # W = 1 reduces nothing (autograd accumulates into the shard itself)
+    Mutant("ac_reduced_twice", _spec("ac_reduced_twice"), "grads_match_ws1",
+           "under activation checkpointing the post-backward reduction runs again after the recomputation",
+           data_modes=("replicated",), features=("ac",), optimizers=("adamw",)),
+    # split data: with replicated data every replica's own mean is the global one
+    Mutant("replicas_not_averaged", _spec("replicas_not_averaged"), "split_matches_full_batch",
+           "hybrid sharding whose replicas never average their gradients: each trains on its own samples",
+           data_modes=("split",), features=("hsdp",), optimizers=("adamw",)),
+    # resumed after ckpt_step(3) = 1: the parameters right after loading are compared at step 1
+    Mutant("ckpt_last_rank_shifted", _spec("ckpt_last_rank_shifted"), "ckpt_restored",
+           "a checkpoint reloaded with the last rank's part one element late (another layout's tail padding)",
+           data_modes=("replicated",), features=("ckpt",), optimizers=("adamw",)),
+    Mutant("ckpt_optimizer_state_shifted", _spec("ckpt_optimizer_state_shifted"), "cross_ws_replicated",
+           "a checkpoint reloaded with the optimizer state one element off: the steps after resuming go wrong",
+           data_modes=("replicated",), features=("ckpt",), optimizers=("adamw",), at_steps=(2, 2)),
 )
 
 # Unmutated adapters run in the same matrix: the reference and these must pass every check.

@@ -77,8 +77,8 @@ class MutantAdapter(FsdpImplAdapter):
 
     name = "mutant"
 
-    def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
-        wrapped = super().wrap(model, units, group=group, device=device)
+    def _shard(self, model: nn.Module, units: list[nn.Module], device, **options) -> nn.Module:
+        wrapped = super()._shard(model, units, device, **options)  # every wrap (plain, mixed, hybrid) ends here
         self.mutate(wrapped)
         return wrapped
 

@@ -112,6 +112,12 @@ def test_the_built_in_adapters_declare_what_they_support():
     for name in ("reference", "fsdp_impl", "torch_fsdp2", "ddp"):
         for feature in ("no_sync", "clip", "clip_inf"):
             assert missing_capability(load_adapter(name), feature) is None, (name, feature)
+    for name in ("fsdp_impl", "torch_fsdp2"):  # everything
+        assert all(missing_capability(load_adapter(name), f) is None for f in ("ckpt", "bf16", "hsdp")), name
+    assert missing_capability(load_adapter("ddp"), "ckpt") is None  # a full checkpoint: DDP holds everything
+    assert "wrap_hybrid()" in missing_capability(load_adapter("ddp"), "hsdp")
+    assert missing_capability(load_adapter("reference"), "bf16") is None  # the plain model under the policy
+    assert "save_checkpoint() or load_checkpoint()" in missing_capability(load_adapter("torch_fsdp1"), "ckpt")
     assert missing_capability(load_adapter("torch_fsdp1"), "no_sync")
     assert "clip_grad_norm()" in missing_capability(load_adapter("torch_fsdp1"), "clip")
     assert all(missing_capability(load_adapter("torch_fsdp1"), f) is None for f in ("plain", "accum"))

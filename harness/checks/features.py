@@ -1,0 +1,69 @@
+"""Checks that only some features have: a checkpoint restores what was saved (ckpt), mixed precision
+acts at all (bf16). The per-step equivalence of every feature is checked by harness/checks/numeric.py."""
+
+from __future__ import annotations
+
+import math
+
+from harness.checks.numeric import Check, _fmt, _ok, judge, not_measured
+from harness.core.policy import Bounds
+from harness.core.scenario import REFERENCE_IMPL, Scenario, ckpt_step, feature_of, resume_of
+from harness.core.verdict import Verdict
+
+
+def ckpt_restored(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    """A resumed run's parameters right after loading are bitwise those its saver had when it saved
+    (at every world size: loading copies values, it computes nothing). Misplaced rows (padding, shard
+    offsets) show here, at the checkpoint's step; misplaced optimizer state shows in the steps after."""
+    out = []
+    for row in _ok(tables["scenarios"]).itertuples():
+        if resume_of(row) == 0:
+            continue
+        step, saver = ckpt_step(int(row.steps)), Scenario.of_row(row).saver().id
+        diff = getattr(row, "restore_diff", math.nan)
+        if diff is None or (isinstance(diff, float) and math.isnan(diff)):
+            out.append(not_measured("ckpt_restored", row, f"no parameters of {row.scenario} after loading, or of "
+                                    f"{saver} at step {step}", 0.0))
+            continue
+        passed = diff == 0
+        msg = (f"parameters after loading at {int(row.world_size)} ranks bitwise those saved at {resume_of(row)}"
+               if passed else f"parameters after loading differ from those saved by {saver}: max |diff| "
+               f"{_fmt(diff)} at step {step}")
+        out.append(judge("ckpt_restored", row, passed, diff, 0.0, msg, step=step,
+                         param=str(getattr(row, "restore_param", "") or "")))
+    return out
+
+
+def bf16_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    """The plain model under the bf16 policy trains differently from the plain model in fp32 at some
+    step: otherwise the policy did nothing, every bf16 comparison would be one of fp32 runs, and the
+    drift that derived bounds are built from would be zero."""
+    out = []
+    sc, steps = tables["scenarios"], tables["steps"]
+    for row in _ok(sc).itertuples():
+        if row.impl != REFERENCE_IMPL or feature_of(row) != "bf16":
+            continue
+        drift = steps[steps.scenario == row.scenario].max_diff_ref
+        if not len(drift) or drift.isna().all():
+            out.append(not_measured("bf16_acts", row, "no parameter difference to the plain fp32 model recorded"))
+            continue
+        worst = float(drift.max())
+        msg = (f"bf16 moves the plain model by up to {_fmt(worst)} from its fp32 run (the drift)" if worst > 0 else
+               "the plain model under the bf16 policy trains bitwise like in fp32: the policy did nothing")
+        out.append(judge("bf16_acts", row, worst > 0, worst, 0.0, msg))
+    return out
+
+
+def _resumed(row) -> bool:
+    return row.status == "ok" and resume_of(row) > 0
+
+
+def _bf16_reference(row) -> bool:
+    return row.status == "ok" and row.impl == REFERENCE_IMPL and feature_of(row) == "bf16"
+
+
+_ROW = ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed", "status")
+FEATURE_CHECKS = (
+    Check(ckpt_restored, _resumed, {"scenarios": _ROW + ("steps", "restore_diff")}),
+    Check(bf16_acts, _bf16_reference, {"scenarios": _ROW, "steps": ("scenario", "step", "max_diff_ref")}),
+)

@@ -1,0 +1,130 @@
+"""The features that change how a run is made: ckpt (resumed from a checkpoint saved at another world
+size), bf16 (mixed precision, a derived bound), hsdp (a replicate x shard mesh). Scenario arithmetic
+and checks on hand-made tables here; a small run through FSDP2 and fsdp_impl at the end."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from harness.checks import features as feature_checks
+from harness.checks import numeric
+from harness.core.scenario import Scenario, build_matrix, ckpt_step, hsdp_mesh
+from suites.unit.synthetic_tables import LOSSES, ZERO, check_tables
+
+
+def test_a_ckpt_cell_resumes_from_every_other_world_size_and_goes_on_like_the_uninterrupted_run():
+    cells = build_matrix(["fsdp_impl"], ["mlp"], [1, 2, 4], ["replicated"], ["adamw"], features=("ckpt",))
+    resumed = sorted((c.world_size, c.resume_from) for c in cells if c.feature == "ckpt")
+    assert resumed == [(1, 2), (1, 4), (2, 1), (2, 4), (4, 1), (4, 2)]
+    sc = next(c for c in cells if (c.world_size, c.resume_from) == (4, 2))
+    assert sc.id == "fsdp_impl-mlp-ws4-replicated-adamw-ckpt-from2"
+    assert {d.id for d in sc.dependencies()} == {
+        "reference-mlp-ws1-replicated-adamw",  # the plain model, uninterrupted
+        "fsdp_impl-mlp-ws1-replicated-adamw",  # the implementation at one rank, uninterrupted
+        "fsdp_impl-mlp-ws2-replicated-adamw"}  # the saver
+    assert all(d in cells for d in sc.dependencies())
+    one = build_matrix(["fsdp_impl"], ["mlp"], [2], ["split"], ["sgd"], features=("ckpt",))
+    assert [c.resume_from for c in one if c.feature == "ckpt"] == [2]  # one world size: saved and loaded there
+    assert ckpt_step(10) == 5 and ckpt_step(3) == 1
+
+
+def test_bf16_is_compared_with_the_plain_model_in_bf16_which_is_compared_with_fp32():
+    cells = build_matrix(["torch_fsdp2"], ["mlp"], [2], ["split"], ["adamw"], features=("bf16",))
+    sc = next(c for c in cells if c.world_size == 2)
+    assert sc.reference().id == "reference-mlp-ws1-replicated-adamw-bf16"
+    assert sc.reference().reference().id == "reference-mlp-ws1-replicated-adamw"
+    assert {c.id for c in cells if c.impl == "reference"} == {sc.reference().id, sc.reference().reference().id}
+
+
+def test_the_hybrid_mesh_has_two_replicas_wherever_the_world_divides():
+    assert [hsdp_mesh(w) for w in (1, 2, 3, 4, 8)] == [(1, 1), (2, 1), (1, 3), (2, 2), (2, 4)]
+    sc = Scenario("fsdp_impl", "mlp", 4, "replicated", "adamw", feature="hsdp")
+    assert sc.reference().feature == "plain"  # a layout: the numbers must be the plain step's
+
+
+def _with(tables, **columns_by_id):
+    """Set scenario columns: _with(t, feature={id: "ckpt"}, resume_from={id: 2})."""
+    sc = tables["scenarios"]
+    for col, values in columns_by_id.items():
+        sc[col] = [values.get(s, sc[col].iloc[i] if col in sc else None) for i, s in enumerate(sc.scenario)]
+    return tables
+
+
+def _resumed_tables(restore_diff):
+    loader = Scenario("fsdp_impl", "mlp", 1, "split", "adamw", steps=3, feature="ckpt", resume_from=2)
+    t = check_tables([(loader.reference(), LOSSES, ZERO, ZERO), (loader, LOSSES, ZERO, ZERO)])
+    return _with(t, feature={loader.id: "ckpt"}, resume_from={loader.id: 2},
+                 restore_diff={loader.id: restore_diff}), loader
+
+
+@pytest.mark.parametrize("diff, status", [(0.0, "pass"), (1e-7, "fail"), (math.nan, "fail")])
+def test_ckpt_restored_holds_the_loaded_parameters_bitwise_to_the_saved_ones(diff, status):
+    tables, loader = _resumed_tables(diff)
+    [v] = feature_checks.ckpt_restored(tables)
+    assert v.status == status and v.scenario == loader.id
+    if status == "fail":
+        assert ("could not be checked" in v.message) == math.isnan(diff)
+        assert v.step == (None if math.isnan(diff) else ckpt_step(3))
+
+
+def test_a_run_resumed_from_two_ranks_is_held_to_two_ranks_bounds_not_to_bitwise_one_rank():
+    """Its first steps were trained at two ranks on split data: not exact, so ws1_exact does not apply
+    to it, split_matches_full_batch does."""
+    tables, loader = _resumed_tables(0.0)
+    assert not [v for v in numeric.ws1_exact(tables) if v.scenario == loader.id]
+    [v] = [v for v in numeric.split_matches_full_batch(tables) if v.scenario == loader.id]
+    assert v.status == "pass"
+
+
+def _bf16_tables(drift, diff):
+    """The bf16 plain model `drift` from fp32 at every step; a sharded bf16 split run `diff` from it."""
+    sc = Scenario("torch_fsdp2", "mlp", 2, "split", "sgd", steps=3, feature="bf16")
+    bf16_ref, fp32_ref = sc.reference(), sc.reference().reference()
+    t = check_tables([(fp32_ref, LOSSES, ZERO, ZERO), (bf16_ref, LOSSES, [drift] * 3, ZERO),
+                      (sc, LOSSES, [diff] * 3, ZERO)])
+    return _with(t, feature={bf16_ref.id: "bf16", sc.id: "bf16"}), sc
+
+
+def test_bf16_split_bound_is_the_split_bound_plus_twice_the_plain_models_bf16_drift():
+    split = numeric.Bounds().split_bound("sgd", 1e-2, 3)
+    for diff, status in ((split + 1.9e-4, "pass"), (split + 2.1e-4, "fail")):
+        tables, sc = _bf16_tables(1e-4, diff)
+        [v] = [v for v in numeric.split_matches_full_batch(tables) if v.scenario == sc.id]
+        assert v.status == status, v.message
+        assert v.bound == pytest.approx(split + 2e-4) and "bf16 drift" in v.message
+
+
+def test_bf16_acts_fails_a_policy_that_changes_nothing():
+    for drift, status in ((1e-4, "pass"), (0.0, "fail")):
+        tables, sc = _bf16_tables(drift, 0.0)
+        [v] = feature_checks.bf16_acts(tables)
+        assert v.scenario == sc.reference().id and v.status == status
+
+
+class LoadsNothing:
+    """FSDP2 whose load_checkpoint does nothing: a resumed run starts from its fresh initial weights."""
+
+    def __new__(cls):
+        from harness.adapters.torch_fsdp2 import TorchFSDP2Adapter
+
+        adapter = TorchFSDP2Adapter()
+        adapter.name = "loads_nothing"
+        adapter.load_checkpoint = lambda wrapped, optimizer, path: None
+        return adapter
+
+
+def test_split_bf16_and_resumed_runs_pass_and_a_checkpoint_never_loaded_fails_where_it_was_loaded():
+    from harness.execute.executor import run_matrix
+
+    impls = ["fsdp_impl", "torch_fsdp2", f"{__name__}:LoadsNothing"]
+    cells = build_matrix(impls, ["mlp"], [1, 2], ["split"], ["sgd"], steps=3, features=("bf16", "ckpt"))
+    res = run_matrix(cells)
+    broken = [v for v in res.failed if "LoadsNothing" in v.scenario]
+    assert not [str(v) for v in res.failed if v not in broken]
+    restored = [v for v in broken if v.check == "ckpt_restored"]
+    assert {v.scenario for v in restored} == {c.id for c in cells if "LoadsNothing" in c.impl and c.resume_from}
+    assert all(v.step == ckpt_step(3) for v in restored)
+    bf16 = [v for v in res.verdicts if v.check == "split_matches_full_batch" and v.scenario.endswith("-bf16")]
+    assert len(bf16) == 3 and all(v.passed and "bf16 drift" in v.message for v in bf16)
