@@ -19,7 +19,6 @@ import pytest
 
 from fsdp_impl.checkpoint_format import atomic_save
 from fsdp_impl.sharding import ALIGN_ELEMENTS
-from harness.execute.world import World
 from harness.train.models import MLP_SIZES
 
 TASKS = "suites.unit.fsdp_worlds.checkpointing"
@@ -32,22 +31,6 @@ MODELS = {
 OPTIMIZERS = {"adamw": (0.02, ["exp_avg", "exp_avg_sq", "step"]), "sgd": (0.05, ["momentum_buffer"])}
 # loading world size -> the saving world sizes it resumes from: every pair among 1, 2, 4, and 8 <-> 3
 LOADS = {1: (1, 2, 4), 2: (1, 2, 4), 4: (1, 2, 4), 3: (8,), 8: (3,)}
-
-
-@pytest.fixture(scope="module")
-def world():
-    """world(n) -> a live World of n ranks, started on first use and kept for the module."""
-    live: dict[int, World] = {}
-
-    def get(n: int) -> World:
-        w = live.get(n)
-        if w is None or w.closed:  # a failed task kills its world; the next test gets a new one
-            w = live[n] = World(n, timeout_s=240)
-        return w
-
-    yield get
-    for w in live.values():
-        w.close()
 
 
 def run(world, n: int, task: str, payload) -> list:

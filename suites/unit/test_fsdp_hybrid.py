@@ -22,8 +22,6 @@ import math
 import numpy as np
 import pytest
 
-from harness.execute.world import World
-
 TASKS = "suites.unit.fsdp_worlds.hybrid"
 SPLIT_BOUND = 1e-6  # split data vs the full batch at W = 1, 3 SGD steps (fp32 rounding of local sums)
 
@@ -33,22 +31,6 @@ MESH_IDS = [f"{r}x{s}" for r, s in MESHES]
 
 
 # ----------------------------------------------------------------------------------- fixtures
-
-@pytest.fixture(scope="module")
-def world():
-    """world(n) -> a live World of n ranks, started on first use and kept for the module."""
-    live: dict[int, World] = {}
-
-    def get(n: int) -> World:
-        w = live.get(n)
-        if w is None or w.closed:  # a failed task kills its world; the next test gets a new one
-            w = live[n] = World(n, timeout_s=240)
-        return w
-
-    yield get
-    for w in live.values():
-        w.close()
-
 
 @pytest.fixture(scope="module")
 def plain(world):

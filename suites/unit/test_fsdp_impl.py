@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from fsdp_impl.sharding import ALIGN_ELEMENTS
-from harness.execute.world import World
 
 TASKS = "suites.unit.fsdp_worlds"  # a package: tasks are named "<module>:<function>" in it
 REPLICATED_BOUND = 3e-8  # max |param diff| across world sizes with replicated data (DESIGN.md)
@@ -24,22 +23,6 @@ SPLIT_BOUND = 1e-6  # split data vs full batch, 5 SGD steps at lr 0.05: fp32 rou
 
 
 # ----------------------------------------------------------------------------------- fixtures
-
-@pytest.fixture(scope="module")
-def world():
-    """world(n) -> a live World of n ranks, started on first use and kept for the module."""
-    live: dict[int, World] = {}
-
-    def get(n: int) -> World:
-        w = live.get(n)
-        if w is None or w.closed:  # a failed task kills its world; the next test gets a new one
-            w = live[n] = World(n, timeout_s=240)
-        return w
-
-    yield get
-    for w in live.values():
-        w.close()
-
 
 @pytest.fixture(scope="module")
 def plain(world):
