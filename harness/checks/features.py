@@ -1,14 +1,14 @@
 """Checks that only some features have: a checkpoint restores what was saved (ckpt), mixed precision
-acts at all (bf16). The per-step equivalence of every feature is checked by harness/checks/numeric.py."""
+acts at all (bf16), two factorisations of one global batch agree (accum, no_sync). The per-step equivalence of every feature is checked by harness/checks/numeric.py."""
 
 from __future__ import annotations
 
 import math
 
-from harness.checks.numeric import Check, _fmt, _ok, judge, not_measured
+from harness.checks.numeric import Check, _first_crossing, _fmt, _ok, judge, not_measured
 from harness.core.policy import Bounds
-from harness.core.scenario import REFERENCE_IMPL, Scenario, ckpt_step, feature_of, resume_of
-from harness.core.verdict import Verdict
+from harness.core.scenario import REFERENCE_IMPL, Scenario, ckpt_step, feature_of, passes_per_step, resume_of
+from harness.core.verdict import SKIP, Verdict
 
 
 def ckpt_restored(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
@@ -54,6 +54,38 @@ def bf16_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     return out
 
 
+def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    """Split data, k micro-batches at W ranks (accum, no_sync) against the same implementation's plain
+    step at W x k ranks: two factorisations (world size x local batch x micro-batches) of one global
+    batch, the same micro-batches, so the same training within the split tier's bound, at every step.
+    Both are also held to the full batch; this holds the implementation to itself, run against run."""
+    out = []
+    sc, steps = tables["scenarios"], tables["steps"]
+    done = set(_ok(sc).scenario)
+    for row in _ok(sc).itertuples():
+        twin = Scenario.of_row(row).factor_twin()
+        if twin is None:
+            continue
+        k = passes_per_step(feature_of(row))
+        if twin.id not in done:
+            why = "is not in this run" if twin.id not in set(sc.scenario) else "did not complete"
+            out.append(Verdict("factorisations_agree", row.scenario, SKIP, None, None, message=(
+                f"does not apply: its other factorisation, {twin.id} ({int(row.world_size) * k} ranks x 1 "
+                f"micro-batch), {why}")))
+            continue
+        bound = bounds.split_bound(row.optimizer, row.lr, int(row.steps))
+        at, worst = _first_crossing(steps, row.scenario, "max_diff_factor", bound)
+        msg = (f"{int(row.world_size)} ranks x {k} micro-batches vs {int(row.world_size) * k} ranks x 1: max |param "
+               f"diff| {_fmt(worst)} (bound {bound:.3g}, the split tier's)")
+        out.append(judge("factorisations_agree", row, at is None and not math.isnan(worst), worst, bound, msg, at=at))
+    return out
+
+
+def _factorised(row) -> bool:
+    return row.status == "ok" and row.data_mode == "split" and passes_per_step(feature_of(row)) > 1 \
+        and row.impl != REFERENCE_IMPL
+
+
 def _resumed(row) -> bool:
     return row.status == "ok" and resume_of(row) > 0
 
@@ -66,4 +98,6 @@ _ROW = ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "se
 FEATURE_CHECKS = (
     Check(ckpt_restored, _resumed, {"scenarios": _ROW + ("steps", "restore_diff")}),
     Check(bf16_acts, _bf16_reference, {"scenarios": _ROW, "steps": ("scenario", "step", "max_diff_ref")}),
+    Check(factorisations_agree, _factorised, {"scenarios": _ROW + ("steps", "lr"),
+                                              "steps": ("scenario", "step", "max_diff_factor", "worst_param_factor")}),
 )

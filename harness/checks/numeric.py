@@ -34,7 +34,7 @@ def _first_crossing(steps: pd.DataFrame, sid: str, col: str, bound: float | dict
     worst = float(rows[col].max()) if len(rows) else math.nan
     if rows[col].isna().any():
         worst = math.nan
-    param_col = "worst_param_ref" if col.endswith("ref") else "worst_param_ws1"
+    param_col = col.replace("max_diff", "worst_param")
     for _, r in rows.iterrows():
         v = r[col]
         crossed = (v != 0) if strict_zero else (v >= (bound[int(r.step)] if isinstance(bound, dict) else bound))

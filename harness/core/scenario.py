@@ -159,6 +159,15 @@ class Scenario:
             return dataclasses.replace(self, world_size=1, feature="plain", resume_from=0)
         return self.at_world_size(1)
 
+    def factor_twin(self) -> "Scenario | None":
+        """Split data with k micro-batches at W: the same implementation's plain step at W x k ranks
+        trains on the same micro-batches of the same global batch (W x local batch x k = the global
+        batch, the micro-batch of W x k ranks), so the two factorisations must agree. None otherwise."""
+        k = passes_per_step(self.feature)
+        if self.data_mode != "split" or k == 1 or self.impl == REFERENCE_IMPL:
+            return None
+        return dataclasses.replace(self, world_size=self.world_size * k, feature="plain", resume_from=0)
+
     def at_world_size(self, world_size: int) -> "Scenario":
         return dataclasses.replace(self, world_size=world_size)
 

@@ -105,12 +105,15 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                                    "sum": float(t.double().sum())})
             wr, mr = _worst(d_ref)
             w1, m1 = _worst(d_ws1)
+            twin = sc.factor_twin()
+            wt, mt = _worst(_diffs(cur, snaps.get(twin.id, k))) if twin is not None and twin.id in by_id else ("", math.nan)
             g1 = math.nan
             if ws1_id in by_id and ws1_id != sc.id and sc.data_mode == "replicated":
                 g1 = _grad_diff(snaps.grads_path(sc.id, k), snaps.grads_path(ws1_id, k))
             steps_rows.append({**base, "step": k, "loss": rec["loss"], "grad_norm": rec["grad_norm"],
                                "max_diff_ref": mr, "worst_param_ref": wr, "max_diff_ws1": m1, "worst_param_ws1": w1,
-                               "grad_diff_ws1": g1, "clip_norm": rec.get("clip_norm", math.nan)})
+                               "grad_diff_ws1": g1, "clip_norm": rec.get("clip_norm", math.nan),
+                               "max_diff_factor": mt, "worst_param_factor": wt})
             final = {"final_loss": rec["loss"], "param_sum": sum(float(t.double().sum()) for t in cur.values()),
                      "max_diff_ref": mr, "max_diff_ws1": m1}
         restore = _restore(sc, snaps, by_id)

@@ -31,6 +31,8 @@ class Table:
 #               clip_grad_norm returned it (NaN otherwise); grad_diff_ws1 (replicated data, W > 1): max |difference| between the sorted non-zero
 #               gradient values the optimizers applied at that step, over all ranks, and those at
 #               world size 1 (0: bitwise the same values; inf: a different count)
+#               max_diff_factor (split data, accum / no_sync at W): max |param diff| vs the same
+#               implementation's plain step at W x k ranks (the same micro-batches), worst_param_factor where
 #   params      the full, unsharded parameter under its module path
 #   scenarios   failed_rank: the rank a failure started on; param_bytes: the full parameters;
 #               largest_unit_bytes: the largest unit's full parameters; row_bytes: one dim-0 row of
@@ -51,7 +53,7 @@ FEATURE = ("feature", "resume_from")
 TABLES: dict[str, Table] = {t.name: t for t in (
     Table("steps", "scenario x step", SCENARIO_IDS + FEATURE + (
         "step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1",
-        "grad_diff_ws1", "clip_norm"),
+        "grad_diff_ws1", "clip_norm", "max_diff_factor", "worst_param_factor"),
           required=SCENARIO_IDS + ("step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1",
                                    "worst_param_ws1")),
     Table("params", "scenario x step x parameter", (

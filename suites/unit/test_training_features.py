@@ -96,6 +96,24 @@ def test_bf16_split_bound_is_the_split_bound_plus_twice_the_plain_models_bf16_dr
         assert v.bound == pytest.approx(split + 2e-4) and "bf16 drift" in v.message
 
 
+@pytest.mark.parametrize("diff, status", [(0.0, "pass"), (5e-6, "fail")])
+def test_two_factorisations_of_the_global_batch_must_agree_within_the_split_bound(diff, status):
+    sc = Scenario("fsdp_impl", "mlp", 1, "split", "sgd", steps=3, feature="no_sync")
+    twin = sc.factor_twin()
+    assert (twin.world_size, twin.feature) == (2, "plain")
+    tables = _with(check_tables([(sc.reference(), LOSSES, ZERO, ZERO), (sc, LOSSES, ZERO, ZERO),
+                                 (twin, LOSSES, ZERO, ZERO)]), feature={sc.id: "no_sync", twin.id: "plain"})
+    tables["steps"]["max_diff_factor"] = [diff if s == sc.id else math.nan for s in tables["steps"].scenario]
+    tables["steps"]["worst_param_factor"] = "fc2.weight"
+    [v] = feature_checks.factorisations_agree(tables)
+    assert v.scenario == sc.id and v.status == status  # the split bound for SGD, 3 steps: 3e-6
+    if status == "fail":
+        assert (v.step, v.param) == (1, "fc2.weight")
+    alone = {k: t[t.scenario != twin.id] if "scenario" in t else t for k, t in tables.items()}
+    [v] = feature_checks.factorisations_agree(alone)
+    assert v.status == "skip" and twin.id in v.message
+
+
 def test_bf16_acts_fails_a_policy_that_changes_nothing():
     for drift, status in ((1e-4, "pass"), (0.0, "fail")):
         tables, sc = _bf16_tables(drift, 0.0)
@@ -119,7 +137,7 @@ def test_split_bf16_and_resumed_runs_pass_and_a_checkpoint_never_loaded_fails_wh
     from harness.execute.executor import run_matrix
 
     impls = ["fsdp_impl", "torch_fsdp2", f"{__name__}:LoadsNothing"]
-    cells = build_matrix(impls, ["mlp"], [1, 2], ["split"], ["sgd"], steps=3, features=("bf16", "ckpt"))
+    cells = build_matrix(impls, ["mlp"], [1, 2], ["split"], ["sgd"], steps=3, features=("bf16", "ckpt", "no_sync"))
     res = run_matrix(cells)
     broken = [v for v in res.failed if "LoadsNothing" in v.scenario]
     assert not [str(v) for v in res.failed if v not in broken]
@@ -127,4 +145,9 @@ def test_split_bf16_and_resumed_runs_pass_and_a_checkpoint_never_loaded_fails_wh
     assert {v.scenario for v in restored} == {c.id for c in cells if "LoadsNothing" in c.impl and c.resume_from}
     assert all(v.step == ckpt_step(3) for v in restored)
     bf16 = [v for v in res.verdicts if v.check == "split_matches_full_batch" and v.scenario.endswith("-bf16")]
-    assert len(bf16) == 3 and all(v.passed and "bf16 drift" in v.message for v in bf16)
+    assert len(bf16) == 3 and all(v.status == "pass" and "bf16 drift" in v.message for v in bf16)
+    # one rank x 2 micro-batches against 2 ranks x 1, for each implementation; at 2 ranks the partner (4) is not run
+    factored = {v.scenario: v for v in res.verdicts if v.check == "factorisations_agree"}
+    assert {s for s, v in factored.items() if v.status == "pass"} == {c.id for c in cells if c.feature == "no_sync"
+                                                            and c.world_size == 1 and c.impl != "reference"}
+    assert all(v.status == "skip" and "not in this run" in v.message for v in factored.values() if v.status != "pass")
