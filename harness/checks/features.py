@@ -1,5 +1,6 @@
 """Checks that only some features have: a checkpoint restores what was saved (ckpt), mixed precision
-acts at all (bf16), two factorisations of one global batch agree (accum, no_sync). The per-step equivalence of every feature is checked by harness/checks/numeric.py."""
+acts at all (bf16), the replicas of a hybrid mesh hold the same parameters (hsdp), two factorisations
+of one global batch agree (accum, no_sync). The per-step equivalence of every feature is checked by harness/checks/numeric.py."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import math
 
 from harness.checks.numeric import Check, _first_crossing, _fmt, _ok, judge, not_measured
 from harness.core.policy import Bounds
-from harness.core.scenario import REFERENCE_IMPL, Scenario, ckpt_step, feature_of, passes_per_step, resume_of
+from harness.core.scenario import (
+    REFERENCE_IMPL,
+    Scenario,
+    ckpt_step,
+    feature_of,
+    passes_per_step,
+    resume_of,
+    shard_size,
+)
 from harness.core.verdict import SKIP, Verdict
 
 
@@ -81,6 +90,38 @@ def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     return out
 
 
+def replicas_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    """Hybrid sharding: after every step each rank's own parameter parts are bitwise those of the first
+    replica's rank with the same index (the replicas average the same gradient and step alike).
+    Read on every rank: the parameters the adapter reports may come from the first replica alone."""
+    out = []
+    sc, steps = tables["scenarios"], tables["steps"]
+    for row in _ok(sc).itertuples():
+        if not _hybrid(row):
+            continue
+        mine = steps[steps.scenario == row.scenario].sort_values("step")
+        if not len(mine) or mine.replicas_differ.isna().any():
+            out.append(not_measured("replicas_agree", row, "no comparison of the replicas' parameters recorded", 0.0))
+            continue
+        bad = mine[mine.replicas_differ > 0]
+        replicas = int(row.world_size) // shard_size("hsdp", int(row.world_size))
+        if not len(bad):
+            out.append(judge("replicas_agree", row, True, 0.0, 0.0,
+                             f"the {replicas} replicas hold bitwise the same parameters after every step"))
+            continue
+        first = bad.iloc[0]
+        out.append(judge("replicas_agree", row, False, float(bad.replicas_differ.max()), 0.0,
+                         f"{int(first.replicas_differ)} of {int(row.world_size)} ranks hold parameters that differ "
+                         f"from their first replica's after step {int(first.step)}", step=int(first.step),
+                         param="replica parameters"))
+    return out
+
+
+def _hybrid(row) -> bool:
+    return (row.status == "ok" and feature_of(row) == "hsdp"
+            and shard_size("hsdp", int(row.world_size)) < int(row.world_size))
+
+
 def _factorised(row) -> bool:
     return row.status == "ok" and row.data_mode == "split" and passes_per_step(feature_of(row)) > 1 \
         and row.impl != REFERENCE_IMPL
@@ -98,6 +139,7 @@ _ROW = ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "se
 FEATURE_CHECKS = (
     Check(ckpt_restored, _resumed, {"scenarios": _ROW + ("steps", "restore_diff")}),
     Check(bf16_acts, _bf16_reference, {"scenarios": _ROW, "steps": ("scenario", "step", "max_diff_ref")}),
+    Check(replicas_agree, _hybrid, {"scenarios": _ROW, "steps": ("scenario", "step", "replicas_differ")}),
     Check(factorisations_agree, _factorised, {"scenarios": _ROW + ("steps", "lr"),
                                               "steps": ("scenario", "step", "max_diff_factor", "worst_param_factor")}),
 )

@@ -114,6 +114,18 @@ def test_two_factorisations_of_the_global_batch_must_agree_within_the_split_boun
     assert v.status == "skip" and twin.id in v.message
 
 
+@pytest.mark.parametrize("differ, status", [(0.0, "pass"), (2.0, "fail"), (math.nan, "fail")])
+def test_replicas_agree_needs_every_rank_to_hold_its_first_replicas_parameters(differ, status):
+    sc = Scenario("fsdp_impl", "mlp", 4, "replicated", "adamw", steps=3, feature="hsdp")
+    tables = _with(check_tables([(sc, LOSSES, ZERO, ZERO)]), feature={sc.id: "hsdp"})
+    tables["steps"]["replicas_differ"] = [0.0, differ, 0.0]
+    [v] = feature_checks.replicas_agree(tables)
+    assert v.status == status
+    if status == "fail":
+        assert ("could not be checked" in v.message) == math.isnan(differ)
+        assert v.step == (None if math.isnan(differ) else 2)
+
+
 def test_bf16_acts_fails_a_policy_that_changes_nothing():
     for drift, status in ((1e-4, "pass"), (0.0, "fail")):
         tables, sc = _bf16_tables(drift, 0.0)
