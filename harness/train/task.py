@@ -56,7 +56,7 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
     timeline = UnitTimeline(model, units)  # found on the plain model, looked at while the wrapped one trains
     if sc.feature == "ac":
         checkpoint_units(units)
-    wrapped = wrap_for(sc.feature, adapter, model, units, group=ctx.group, device=device)
+    wrapped = wrap_for(sc.feature, adapter, model, units, ctx=ctx)
     optimizer = adapter.make_optimizer(wrapped, name=sc.optimizer, lr=sc.lr)
     steps = ckpt.resume(adapter, wrapped, optimizer)  # the saver's records of the steps before (ckpt), else []
     _snapshot(adapter, wrapped, snap_dir / f"step{len(steps)}.pt", ctx.rank)
