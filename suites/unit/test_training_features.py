@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
 import pytest
 
 from harness.checks import features as feature_checks
@@ -163,3 +164,18 @@ def test_split_bf16_and_resumed_runs_pass_and_a_checkpoint_never_loaded_fails_wh
     assert {s for s, v in factored.items() if v.status == "pass"} == {c.id for c in cells if c.feature == "no_sync"
                                                             and c.world_size == 1 and c.impl != "reference"}
     assert all(v.status == "skip" and "not in this run" in v.message for v in factored.values() if v.status != "pass")
+
+
+def test_the_report_groups_resumed_runs_by_the_world_size_their_checkpoint_came_from():
+    from harness.report.groups import _cells, _group_reference, _groups, _label
+
+    cells = build_matrix(["fsdp_impl"], ["mlp"], [1, 2, 4], ["replicated"], ["adamw"], features=("ckpt",))
+    rows = [dict(scenario=c.id, impl=c.impl, model=c.model, world_size=c.world_size, data_mode=c.data_mode,
+                 optimizer=c.optimizer, seed=c.seed, feature=c.feature, resume_from=c.resume_from) for c in cells]
+    groups = {_label(k): sorted(g.world_size) for k, g in _groups(_cells({"scenarios": pd.DataFrame(rows)}))}
+    assert groups == {"fsdp_impl · mlp · replicated · adamw": [1, 2, 4],
+                      "fsdp_impl · mlp · replicated · adamw · ckpt from 1": [2, 4],
+                      "fsdp_impl · mlp · replicated · adamw · ckpt from 2": [1, 4],
+                      "fsdp_impl · mlp · replicated · adamw · ckpt from 4": [1, 2]}
+    key = ("fsdp_impl", "mlp", "replicated", "adamw", "ckpt from 2", 0)
+    assert _group_reference(pd.DataFrame(rows), key) == "reference-mlp-ws1-replicated-adamw"
