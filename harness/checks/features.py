@@ -45,8 +45,7 @@ def ckpt_restored(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 
 def bf16_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """The plain model under the bf16 policy trains differently from the plain model in fp32 at some
-    step: otherwise the policy did nothing, every bf16 comparison would be one of fp32 runs, and the
-    drift that derived bounds are built from would be zero."""
+    step: otherwise the policy did nothing and every bf16 comparison would be one of fp32 runs."""
     out = []
     sc, steps = tables["scenarios"], tables["steps"]
     for row in _ok(sc).itertuples():
