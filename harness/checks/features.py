@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from harness.checks.numeric import Check, _first_crossing, _fmt, _ok, judge, not_measured
+from harness.checks.numeric import _ROW, Check, _first_crossing, _fmt, _ok, judge, not_measured
 from harness.core.policy import Bounds
 from harness.core.scenario import (
     REFERENCE_IMPL,
@@ -69,14 +69,14 @@ def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     Both are also held to the full batch; this holds the implementation to itself, run against run."""
     out = []
     sc, steps = tables["scenarios"], tables["steps"]
-    done = set(_ok(sc).scenario)
+    done, known = set(_ok(sc).scenario), set(sc.scenario)
     for row in _ok(sc).itertuples():
         twin = Scenario.of_row(row).factor_twin()
         if twin is None:
             continue
         k = passes_per_step(feature_of(row))
         if twin.id not in done:
-            why = "is not in this run" if twin.id not in set(sc.scenario) else "did not complete"
+            why = "is not in this run" if twin.id not in known else "did not complete"
             out.append(Verdict("factorisations_agree", row.scenario, SKIP, None, None, message=(
                 f"does not apply: its other factorisation, {twin.id} ({int(row.world_size) * k} ranks x 1 "
                 f"micro-batch), {why}")))
@@ -134,7 +134,6 @@ def _bf16_reference(row) -> bool:
     return row.status == "ok" and row.impl == REFERENCE_IMPL and feature_of(row) == "bf16"
 
 
-_ROW = ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed", "status")
 FEATURE_CHECKS = (
     Check(ckpt_restored, _resumed, {"scenarios": _ROW + ("steps", "restore_diff")}),
     Check(bf16_acts, _bf16_reference, {"scenarios": _ROW, "steps": ("scenario", "step", "max_diff_ref")}),

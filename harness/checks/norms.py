@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from harness.checks.numeric import Check, _fmt, _not_reference, _ok, _reference_id, judge, not_measured
+from harness.checks.numeric import _ROW, Check, _fmt, _not_reference, _ok, _reference_id, judge, not_measured
 from harness.core.policy import BF16_UNIT_ROUNDOFF, Bounds
 from harness.core.scenario import CLIP, REFERENCE_IMPL, Scenario, feature_of
 from harness.core.verdict import Verdict
@@ -98,7 +98,6 @@ def _clip_row(row) -> bool:
     return row.status == "ok" and Scenario.of_row(row).feature in CLIP
 
 
-_ROW = ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed", "status")
 NORM_CHECKS = (
     Check(grad_norm_matches, _not_reference, {"scenarios": _ROW, "steps": ("scenario", "step", "loss", "grad_norm")}),
     Check(clip_acts, _clip_row, {"scenarios": _ROW, "steps": ("scenario", "step", "clip_norm")}),

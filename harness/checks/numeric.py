@@ -26,10 +26,9 @@ class Crossing:
     value: float
 
 
-def _first_crossing(steps: pd.DataFrame, sid: str, col: str, bound: float | dict[int, float],
+def _first_crossing(steps: pd.DataFrame, sid: str, col: str, bound: float,
                     strict_zero: bool = False) -> tuple[Crossing | None, float]:
-    """(first crossing or None, worst value) for one scenario's `col` of the steps table; `bound` is
-    one number, or one per step (a derived bound that grows with the run)."""
+    """(first crossing or None, worst value) for one scenario's `col` of the steps table."""
     rows = steps[steps.scenario == sid].sort_values("step")
     worst = float(rows[col].max()) if len(rows) else math.nan
     if rows[col].isna().any():
@@ -37,7 +36,7 @@ def _first_crossing(steps: pd.DataFrame, sid: str, col: str, bound: float | dict
     param_col = col.replace("max_diff", "worst_param")
     for _, r in rows.iterrows():
         v = r[col]
-        crossed = (v != 0) if strict_zero else (v >= (bound[int(r.step)] if isinstance(bound, dict) else bound))
+        crossed = (v != 0) if strict_zero else (v >= bound)
         if math.isnan(v) or crossed:
             return Crossing(int(r.step), str(r[param_col]), float(v)), worst
     return None, worst
