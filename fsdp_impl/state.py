@@ -1,4 +1,28 @@
-"""Per-unit state: the hooks that drive each FlatParamHandle through a training step."""
+"""Per-unit state: the hooks that drive a unit's ParamGroup through a training step.
+
+    pre-forward    unshard (all-gather); cast floating inputs to param_dtype; wrap the inputs that
+                   require grad in PostBackward, whose backward runs once autograd has computed the
+                   gradients of the unit's inputs, i.e. after the unit's own backward
+    post-forward   reshard (reshard_after_forward, or always under no_grad); hook the outputs
+    pre-backward   (the first output gradient of this backward) unshard again; queue the final callback
+    post-backward  (PostBackward, once per forward call with grad-requiring inputs; the last one)
+                   reduce the gradients, reshard
+    final callback (end of the whole backward) reduce and reshard whatever is left: units whose
+                   inputs need no gradient (token ids), parameters whose gradient came late
+
+[Note: when a unit's gradient is complete] Autograd runs every AccumulateGrad node as soon as it is
+ready, before any other ready node, so by the time the gradient w.r.t. a unit's inputs has been
+computed (PostBackward's backward), every parameter gradient of that call has been accumulated.
+A unit called k times in one forward gets k PostBackward nodes and reduces at the last of them.
+A call whose inputs need no gradient cannot be tracked that way: then the unit waits for the final
+callback. The reduction runs once per backward either way: it releases the gradients it reduces.
+
+[Note: recomputation] Activation checkpointing recomputes a forward inside backward. Where it runs
+inside the unit's call (the hooks stay outside) the hooks do not run again. Where it runs around
+the unit's call, the pre-forward hook sees a backward in progress: it only makes sure the
+parameters are gathered, registers nothing and counts nothing, and the post-forward hook does not
+reshard (the backward still needs them).
+"""
 
 from __future__ import annotations
 
@@ -7,38 +31,47 @@ from enum import Enum, auto
 import torch
 from torch import nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .handle import FlatParamHandle
+from .group import ParamGroup
 
 
 class TrainingState(Enum):
     IDLE = auto()  # between steps, or forward done with no backward pending
     FORWARD = auto()  # inside the unit's forward
     PRE_BACKWARD = auto()  # backward has reached the unit's outputs; parameters gathered again
-    BACKWARD_DONE = auto()  # the final callback of this backward has run
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 class UnitState:
     """Attached to each module passed to fully_shard as ``module._fsdp_state``."""
 
-    def __init__(self, module: nn.Module, handles: list[FlatParamHandle], reshard_after_forward: bool,
+    def __init__(self, module: nn.Module, params: ParamGroup, reshard_after_forward: bool,
                  param_dtype: torch.dtype | None):
         self.module = module
-        self.handles = handles
+        self.params = params
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
         self.training_state = TrainingState.IDLE
         self._callback_queued = False
+        self._pending_calls = 0  # forward calls whose PostBackward has not run yet
+        self._untracked_call = False  # a forward call with no input requiring grad (only the callback sees it)
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
 
+    # -- forward --------------------------------------------------------------------------------
     def _pre_forward(self, module, args, kwargs):
-        self.training_state = TrainingState.FORWARD
-        for h in self.handles:
-            h.unshard()
+        self.params.unshard()
         if self.param_dtype is not None:
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
+        if _in_backward():  # a recomputation (see the note)
+            return args, kwargs
+        self.training_state = TrainingState.FORWARD
+        if torch.is_grad_enabled() and self.params.params:
+            args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
     def _cast_input(self, x):
@@ -46,30 +79,68 @@ class UnitState:
             return x.to(self.param_dtype)
         return x
 
+    def _register_post_backward(self, args, kwargs):
+        flat, spec = tree_flatten((args, kwargs))
+        where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not where:
+            self._untracked_call = True
+            return args, kwargs
+        for i, t in zip(where, PostBackward.apply(self, *[flat[i] for i in where])):
+            flat[i] = t
+        self._pending_calls += 1
+        return tree_unflatten(flat, spec)
+
     def _post_forward(self, module, args, output):
+        if _in_backward():
+            return output
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward)
         if self.reshard_after_forward or not torch.is_grad_enabled():
-            for h in self.handles:
-                h.reshard()
+            self.params.reshard()
         self.training_state = TrainingState.IDLE
         return output
 
+    # -- backward -------------------------------------------------------------------------------
     def _pre_backward(self, grad):
         if self.training_state is not TrainingState.PRE_BACKWARD:
             self.training_state = TrainingState.PRE_BACKWARD
-            for h in self.handles:
-                h.unshard_for_backward()
+            self.params.unshard()
             if not self._callback_queued:
                 self._callback_queued = True
                 Variable._execution_engine.queue_callback(self._final_callback)
         return grad
 
+    def _post_backward(self) -> None:
+        """PostBackward of one forward call ran: at the last tracked call, reduce and reshard."""
+        self._pending_calls = max(self._pending_calls - 1, 0)
+        if self._pending_calls == 0 and not self._untracked_call:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self.params.sync_grads:
+            self.params.reduce_grads()
+        self.params.reshard()
+
     def _final_callback(self) -> None:
-        # handles whose parameters got no gradient in this backward still hold full parameters
-        for h in self.handles:
-            h.reshard()
+        self._finish()  # what is left: untracked calls, late gradients; a no-op after _post_backward
         self._callback_queued = False
-        self.training_state = TrainingState.BACKWARD_DONE
+        self._pending_calls = 0
+        self._untracked_call = False
+        self.training_state = TrainingState.IDLE
+
+
+class PostBackward(torch.autograd.Function):
+    """Identity on the unit's grad-requiring inputs; its backward tells the unit that autograd is
+    done with the call (see [Note: when a unit's gradient is complete])."""
+
+    @staticmethod
+    def forward(ctx, state: UnitState, *inputs: torch.Tensor):
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.state._post_backward()
+        return (None, *grads)
