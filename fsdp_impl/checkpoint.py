@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
 from .api import units
@@ -64,7 +66,11 @@ def save_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, pat
     state: dict = {"model": module.state_dict()}
     if optimizer is not None:
         state["optim"] = _optimizer_state(optimizer, names)
-    _together(group, context, lambda: dcp.save(state, checkpoint_id=path, process_group=group))
+    # values every rank holds whole (Adam's step, hyper-parameters, parameters outside every unit)
+    # go to the lowest rank's file, not spread over all: a load then opens rank 0's file and the
+    # files holding its own rows, not every file
+    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    _together(group, context, lambda: dcp.save(state, checkpoint_id=path, process_group=group, planner=planner))
 
     def finish() -> None:
         if rank == 0:  # every rank's files exist: the checkpoint is complete once fsdp_impl.json does
@@ -218,8 +224,8 @@ def _check_model(info: dict, module, path: str) -> None:
     parts = []
     if only_saved or only_here:
         parts.append(f"only in the checkpoint: {_short(only_saved) or 'none'}; only here: {_short(only_here) or 'none'}")
-    for n in sorted(set(saved) & set(here)):
-        if saved[n] != here[n]:
+    for n in here:  # the first in the model's order
+        if n in saved and saved[n] != here[n]:
             parts.append(f"'{n}' is {tuple(here[n][0])} {here[n][1]} here but {tuple(saved[n][0])} {saved[n][1]} "
                          f"in the checkpoint")
             break
@@ -266,13 +272,14 @@ def _together(group, context: str, fn):
     """fn() on this rank, then _agree on the outcome: fn's result, or every rank raises."""
     try:
         result, error = fn(), None
-    except Exception as exc:  # any rank's failure is every rank's: no rank may go on alone (or wait)
+    except (Exception, CheckpointException) as exc:  # any rank's failure is every rank's (DCP's
+        # CheckpointException derives from BaseException): no rank may go on alone, or wait
         result, error = None, exc
     _agree(error, group, context)
     return result
 
 
-def _agree(error: Exception | None, group, context: str) -> None:
+def _agree(error: BaseException | None, group, context: str) -> None:
     """Every rank learns whether any rank failed (one all-gather: a barrier too); if one did, every
     rank raises the same one-line ValueError, the first failing rank's. Our own refusals (a
     ValueError starting with 'save_sharded:' / 'load_sharded:') keep their text; anything else
@@ -280,7 +287,12 @@ def _agree(error: Exception | None, group, context: str) -> None:
     message = None
     if error is not None:
         own = isinstance(error, ValueError) and str(error).startswith(context.split(":")[0] + ":")
-        message = " ".join((str(error) if own else f"{context}: {type(error).__name__}: {error}").split())
+        if isinstance(error, CheckpointException) and error.failures:  # DCP: the first failing rank's error
+            rank, (cause, _) = min(error.failures.items(), key=lambda kv: kv[0])
+            text = f"{context}: rank {rank}: {type(cause).__name__}: {cause}"
+        else:
+            text = str(error) if own else f"{context}: {type(error).__name__}: {error}"
+        message = " ".join(text.split())
     messages = [message]
     if dist.get_world_size(group) > 1:
         messages = [None] * dist.get_world_size(group)
