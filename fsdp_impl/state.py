@@ -61,6 +61,12 @@ class UnitState:
         self._untracked_call = False  # a forward call with no input requiring grad (only the callback sees it)
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
+        # state_dict() / load_state_dict() see the sharded DTensors, whenever they are called
+        module.register_state_dict_pre_hook(self._to_sharded)
+        module.register_load_state_dict_pre_hook(self._to_sharded)
+
+    def _to_sharded(self, *args, **kwargs) -> None:
+        self.params.reshard()
 
     # -- forward --------------------------------------------------------------------------------
     def _pre_forward(self, module, args, kwargs):

@@ -317,11 +317,13 @@ def test_reshard_after_forward_controls_what_stays_gathered(world):
     assert set(on["after_forward"]) == {"<root>", "embed", "blocks.0", "blocks.1"}
     for unit, handles in on["after_forward"].items():
         assert handles == [("SHARDED", 0)] * len(handles), unit
-    for unit, handles in off["after_forward"].items():
+    for unit, handles in off["after_forward"].items():  # (before state_dict() resharded them)
         assert all(state == "UNSHARDED" and nbytes > 0 for state, nbytes in handles), unit
-    for after in (on["after_backward"], off["after_backward"]):
-        for unit, handles in after.items():
+    for got in (on, off):
+        for unit, handles in got["after_backward"].items():
             assert handles == [("SHARDED", 0)] * len(handles), unit
+        # state_dict() mid-step still gives the sharded DTensors; the backward after it gathers again
+        assert got["state_dict_types"] == ["DTensor"] and got["grads"] == ["DTensor"]
 
 
 def test_reshard_after_forward_false_trains_like_plain(world, plain):

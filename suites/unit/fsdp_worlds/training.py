@@ -106,7 +106,8 @@ def mixed_precision(ctx, p: dict) -> dict:
 
 def handle_states_after_forward(ctx, p: dict) -> dict:
     """Per unit, after one training forward (before backward): each parameter's state and the bytes
-    its unsharded storage holds. Then the same after backward."""
+    its unsharded storage holds; what state_dict() gives then (it reshards); the same after
+    backward, and the gradients' types."""
     model, spec = build(p, ctx)
     x, y = local_batch(spec, p, 1, ctx)
 
@@ -116,8 +117,11 @@ def handle_states_after_forward(ctx, p: dict) -> dict:
 
     loss = spec.loss(model(x), y)
     after_forward = snapshot()
-    loss.backward()
-    return {"after_forward": after_forward, "after_backward": snapshot()}
+    names = {n for n, _ in model.named_parameters()}
+    in_state_dict = sorted({type(v).__name__ for k, v in model.state_dict().items() if k in names})
+    loss.backward()  # after state_dict() resharded every unit: backward gathers them again
+    return {"after_forward": after_forward, "after_backward": snapshot(), "state_dict_types": in_state_dict,
+            "grads": sorted({type(q.grad).__name__ for q in model.parameters()})}
 
 
 def grad_accumulation(ctx, p: dict) -> dict:
