@@ -340,6 +340,18 @@ def test_a_unit_called_twice_in_one_forward(world, reshard):
         assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_checkpoint_around_the_unit_call_recomputes_without_reducing_twice(world, n):
+    """The recomputation runs the unit's hooks again inside backward: they gather (already done)
+    and register nothing, so each unit reduces once per step (2 units x 3 steps)."""
+    ref = run(world, 1, "training:checkpoint_around_unit", {"wrap": False})[0]
+    for got in run(world, n, "training:checkpoint_around_unit", {"wrap": True}):
+        assert got["reductions"] == 6
+        if n == 1:
+            assert_bitwise(got["params"], ref["params"])
+        assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
+
+
 def test_gradient_accumulation_over_two_backwards(world):
     got = run(world, 2, "training:grad_accumulation", {"model": "mlp", "batch": 8})[0]
     whole = got["plain_whole"]

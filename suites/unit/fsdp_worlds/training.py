@@ -247,3 +247,44 @@ def clipped(ctx, p: dict) -> dict:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), p["max_norm"], p["norm_type"])
             out["plain"] = (float(norm), {n: to_numpy(q.grad) for n, q in model.named_parameters()})
     return out
+
+
+class CheckpointAroundUnit(nn.Module):
+    """``inner`` (its own unit) runs under a non-reentrant activation checkpoint that wraps the
+    unit's whole call, hooks included (as ``checkpoint(module, x)`` does): the recomputation in
+    backward calls the unit again while the backward is running."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.inner, self.out = nn.Linear(6, 7), nn.Linear(7, 7), nn.Linear(7, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.pre(x))
+        return self.out(torch.tanh(checkpoint(self.inner, h, use_reentrant=False)))
+
+
+def checkpoint_around_unit(ctx, p: dict) -> dict:
+    """Three SGD steps of CheckpointAroundUnit (plain or sharded); with ``wrap`` the gradient
+    reductions per step are counted."""
+    torch.manual_seed(0)
+    model = CheckpointAroundUnit()
+    if p["wrap"]:
+        fully_shard(model.inner, process_group=ctx.group)
+        fully_shard(model, process_group=ctx.group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    calls = []
+    real = fsdp_group.reduce_scatter_mean
+
+    def count(*a):
+        calls.append(1)
+        return real(*a)
+
+    with patched(fsdp_group, "reduce_scatter_mean", count):
+        for _ in range(3):
+            model(torch.randn(4, 6, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return {"params": named_full(model, p["wrap"]), "reductions": len(calls)}
