@@ -1,4 +1,9 @@
-"""Stateless collectives on flat buffers. The math (sum, divide) is kept apart from the wiring."""
+"""Stateless collectives on flat buffers. The math (sum, divide) is kept apart from the wiring.
+
+A unit's gradient reaches them as ONE flat buffer of W equal chunks, chunk r holding every
+parameter's rows for rank r (group.py builds it with ``torch._chunk_cat``); what comes back is this
+rank's chunk, reduced.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group) -> None:
 
 
 def reduce_scatter_mean(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype) -> torch.Tensor:
-    """This rank's shard of the mean over ranks of `full_grad` (1D, padded), accumulated in `reduce_dtype`.
+    """This rank's chunk of the mean over ranks of `full_grad` (1D, W equal chunks), accumulated in `reduce_dtype`.
 
     The reduce-scatter is an all-to-all exchange in the gradient's own dtype (each rank receives
     every rank's copy of its own shard: (W-1)/W of the buffer on the wire, as a ring reduce-scatter)
