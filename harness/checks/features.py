@@ -1,13 +1,22 @@
 """Checks that only some features have: a checkpoint restores what was saved (ckpt), mixed precision
-acts at all (bf16), two factorisations of one global batch agree (accum, no_sync). The per-step equivalence of every feature is checked by harness/checks/numeric.py."""
+acts at all (bf16), the replicas of a hybrid mesh hold the same parameters (hsdp), two factorisations
+of one global batch agree (accum, no_sync). The per-step equivalence of every feature is checked by harness/checks/numeric.py."""
 
 from __future__ import annotations
 
 import math
 
-from harness.checks.numeric import Check, _first_crossing, _fmt, _ok, judge, not_measured
+from harness.checks.numeric import _ROW, Check, _first_crossing, _fmt, _ok, judge, not_measured
 from harness.core.policy import Bounds
-from harness.core.scenario import REFERENCE_IMPL, Scenario, ckpt_step, feature_of, passes_per_step, resume_of
+from harness.core.scenario import (
+    REFERENCE_IMPL,
+    Scenario,
+    ckpt_step,
+    feature_of,
+    passes_per_step,
+    resume_of,
+    shard_size,
+)
 from harness.core.verdict import SKIP, Verdict
 
 
@@ -36,8 +45,7 @@ def ckpt_restored(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 
 def bf16_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """The plain model under the bf16 policy trains differently from the plain model in fp32 at some
-    step: otherwise the policy did nothing, every bf16 comparison would be one of fp32 runs, and the
-    drift that derived bounds are built from would be zero."""
+    step: otherwise the policy did nothing and every bf16 comparison would be one of fp32 runs."""
     out = []
     sc, steps = tables["scenarios"], tables["steps"]
     for row in _ok(sc).itertuples():
@@ -61,14 +69,14 @@ def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     Both are also held to the full batch; this holds the implementation to itself, run against run."""
     out = []
     sc, steps = tables["scenarios"], tables["steps"]
-    done = set(_ok(sc).scenario)
+    done, known = set(_ok(sc).scenario), set(sc.scenario)
     for row in _ok(sc).itertuples():
         twin = Scenario.of_row(row).factor_twin()
         if twin is None:
             continue
         k = passes_per_step(feature_of(row))
         if twin.id not in done:
-            why = "is not in this run" if twin.id not in set(sc.scenario) else "did not complete"
+            why = "is not in this run" if twin.id not in known else "did not complete"
             out.append(Verdict("factorisations_agree", row.scenario, SKIP, None, None, message=(
                 f"does not apply: its other factorisation, {twin.id} ({int(row.world_size) * k} ranks x 1 "
                 f"micro-batch), {why}")))
@@ -79,6 +87,38 @@ def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                f"diff| {_fmt(worst)} (bound {bound:.3g}, the split tier's)")
         out.append(judge("factorisations_agree", row, at is None and not math.isnan(worst), worst, bound, msg, at=at))
     return out
+
+
+def replicas_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    """Hybrid sharding: after every step each rank's own parameter parts are bitwise those of the first
+    replica's rank with the same index (the replicas average the same gradient and step alike).
+    Read on every rank: the parameters the adapter reports may come from the first replica alone."""
+    out = []
+    sc, steps = tables["scenarios"], tables["steps"]
+    for row in _ok(sc).itertuples():
+        if not _hybrid(row):
+            continue
+        mine = steps[steps.scenario == row.scenario].sort_values("step")
+        if not len(mine) or mine.replicas_differ.isna().any():
+            out.append(not_measured("replicas_agree", row, "no comparison of the replicas' parameters recorded", 0.0))
+            continue
+        bad = mine[mine.replicas_differ > 0]
+        replicas = int(row.world_size) // shard_size("hsdp", int(row.world_size))
+        if not len(bad):
+            out.append(judge("replicas_agree", row, True, 0.0, 0.0,
+                             f"the {replicas} replicas hold bitwise the same parameters after every step"))
+            continue
+        first = bad.iloc[0]
+        out.append(judge("replicas_agree", row, False, float(bad.replicas_differ.max()), 0.0,
+                         f"{int(first.replicas_differ)} of {int(row.world_size)} ranks hold parameters that differ "
+                         f"from their first replica's after step {int(first.step)}", step=int(first.step),
+                         param="replica parameters"))
+    return out
+
+
+def _hybrid(row) -> bool:
+    return (row.status == "ok" and feature_of(row) == "hsdp"
+            and shard_size("hsdp", int(row.world_size)) < int(row.world_size))
 
 
 def _factorised(row) -> bool:
@@ -94,10 +134,10 @@ def _bf16_reference(row) -> bool:
     return row.status == "ok" and row.impl == REFERENCE_IMPL and feature_of(row) == "bf16"
 
 
-_ROW = ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed", "status")
 FEATURE_CHECKS = (
     Check(ckpt_restored, _resumed, {"scenarios": _ROW + ("steps", "restore_diff")}),
     Check(bf16_acts, _bf16_reference, {"scenarios": _ROW, "steps": ("scenario", "step", "max_diff_ref")}),
+    Check(replicas_agree, _hybrid, {"scenarios": _ROW, "steps": ("scenario", "step", "replicas_differ")}),
     Check(factorisations_agree, _factorised, {"scenarios": _ROW + ("steps", "lr"),
                                               "steps": ("scenario", "step", "max_diff_factor", "worst_param_factor")}),
 )

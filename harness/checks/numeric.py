@@ -26,10 +26,9 @@ class Crossing:
     value: float
 
 
-def _first_crossing(steps: pd.DataFrame, sid: str, col: str, bound: float | dict[int, float],
+def _first_crossing(steps: pd.DataFrame, sid: str, col: str, bound: float,
                     strict_zero: bool = False) -> tuple[Crossing | None, float]:
-    """(first crossing or None, worst value) for one scenario's `col` of the steps table; `bound` is
-    one number, or one per step (a derived bound that grows with the run)."""
+    """(first crossing or None, worst value) for one scenario's `col` of the steps table."""
     rows = steps[steps.scenario == sid].sort_values("step")
     worst = float(rows[col].max()) if len(rows) else math.nan
     if rows[col].isna().any():
@@ -37,7 +36,7 @@ def _first_crossing(steps: pd.DataFrame, sid: str, col: str, bound: float | dict
     param_col = col.replace("max_diff", "worst_param")
     for _, r in rows.iterrows():
         v = r[col]
-        crossed = (v != 0) if strict_zero else (v >= (bound[int(r.step)] if isinstance(bound, dict) else bound))
+        crossed = (v != 0) if strict_zero else (v >= bound)
         if math.isnan(v) or crossed:
             return Crossing(int(r.step), str(r[param_col]), float(v)), worst
     return None, worst
@@ -159,32 +158,17 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
     out = []
     sc, steps = tables["scenarios"], tables["steps"]
     for row in _ok(sc)[lambda d: (_widest(d) > 1) & (d.data_mode == "split")].itertuples():
+        if feature_of(row) == "bf16":
+            out.append(Verdict("split_matches_full_batch", row.scenario, SKIP, None, None,
+                               message=f"does not apply: {BF16_SPLIT}"))
+            continue
         bound = bounds.split_bound(row.optimizer, row.lr, int(row.steps))
         why = f"{bound / (row.lr * row.steps):g} x lr x steps"
-        if feature_of(row) == "bf16":
-            bound, why = _bf16_bound(steps, row, bound, why)
         at, worst = _first_crossing(steps, row.scenario, "max_diff_ref", bound)
-        shown = max(bound.values()) if isinstance(bound, dict) else bound
-        if isinstance(bound, dict):
-            shown = bound[at.step] if at is not None else shown
-        msg = f"max |param diff| vs full-batch training = {_fmt(worst)} (bound {shown:.3g} = {why})"
-        out.append(judge("split_matches_full_batch", row, at is None and not math.isnan(worst), worst, shown,
+        msg = f"max |param diff| vs full-batch training = {_fmt(worst)} (bound {bound:.3g} = {why})"
+        out.append(judge("split_matches_full_batch", row, at is None and not math.isnan(worst), worst, bound,
                             msg, at=at))
     return out
-
-
-def _bf16_drift(steps: pd.DataFrame, row) -> dict[int, float]:
-    """Step -> the largest |param diff| up to that step between the plain model in bf16 and in fp32
-    (the bf16 reference's max_diff_ref): how far bf16 compute alone moves a correct run."""
-    ref = steps[steps.scenario == _reference_id(row)].sort_values("step")
-    return dict(zip(ref.step.astype(int), ref.max_diff_ref.cummax()))
-
-
-def _bf16_bound(steps: pd.DataFrame, row, split: float, why: str) -> tuple[dict[int, float], str]:
-    """Split data under bf16, per step: the split tier's bound plus twice the bf16 drift (BF16_SPLIT)."""
-    drift = _bf16_drift(steps, row)
-    return ({k: split + 2 * d for k, d in drift.items()},
-            f"{why} + 2 x the bf16 drift of the plain model up to that step: {BF16_SPLIT}")
 
 
 def converges(tables, bounds: Bounds = Bounds()) -> list[Verdict]:

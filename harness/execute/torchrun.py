@@ -151,6 +151,7 @@ class TorchrunPool:
         self.store, self.rank, self.backend, self.device = store, rank, backend, device
         self.timeout_s = timeout_s
         self.groups: dict[int, object] = {}
+        self.hybrid: dict[int, tuple | None] = {}  # w -> this rank's hybrid groups (feature hsdp)
         self.worlds_started = 0  # subgroups built: a torchrun job's "worlds"
         self._scenarios_run = 0
         self.aborted = ""
@@ -165,11 +166,21 @@ class TorchrunPool:
             self.worlds_started += 1
         return self.groups[w]
 
+    def hybrid_groups(self, w: int) -> None:
+        """The hybrid mesh's groups over ranks 0..w-1 (feature hsdp), made by every rank of the job in
+        the same order, as the subgroups are; ranks below w keep theirs for the RankContext."""
+        if w not in self.hybrid:
+            from harness.train.features import make_hybrid_groups
+
+            self.hybrid[w] = make_hybrid_groups(list(range(w)), self.rank, lambda members: dist.new_group(
+                ranks=members, backend=self.backend, timeout=timedelta(seconds=self.timeout_s)))
+
     def drop_group(self, w: int) -> None:
         """Destroy the subgroup for w. If nothing else holds it any more, its gloo connections
         close and peers blocked in a collective with this rank fail at once ("Connection closed by
         peer"); an implementation that keeps it alive (fsdp_impl's handles do, through autograd
         hooks of the failed step) leaves the peers to fail at the subgroup timeout instead."""
+        self.hybrid.pop(w, None)  # made again, by every rank, when a scenario needs them
         group = self.groups.pop(w, None)
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             return
@@ -191,6 +202,8 @@ class TorchrunPool:
         w, key = sc.world_size, f"{i}/"
         started = time.monotonic()
         self.group(w)  # every rank, in the same order; no reference kept here (see drop_group)
+        if sc.feature == "hsdp":
+            self.hybrid_groups(w)  # every rank of the job takes part in making them
         if self.rank < w:
             outcome = self._train(key, w, payload)
             self.store.set(f"{key}out/{self.rank}", pickle.dumps(outcome))
@@ -213,7 +226,7 @@ class TorchrunPool:
                                     name="fsdp-harness-watchdog", daemon=True)
         watchdog.start()
         try:
-            ctx = RankContext(self.rank, w, self.group(w), self.device, self.backend)
+            ctx = RankContext(self.rank, w, self.group(w), self.device, self.backend, self.hybrid.get(w))
             return ("ok", train_scenario(ctx, payload))
         except Exception:
             return ("error", traceback.format_exc())

@@ -34,6 +34,9 @@ class RankContext:
     group: dist.ProcessGroup
     device: torch.device
     backend: str
+    # this rank's (shard group, replicate group) of the hybrid mesh (feature hsdp), where the pool
+    # made them; None: harness.train.features.hybrid_groups makes them from the world's group
+    hybrid: tuple | None = None
 
 
 def setup_process() -> None:

@@ -14,6 +14,7 @@ from harness.core.verdict import Verdict
 from harness.tables.store import rank_bytes
 
 GROUP = ["impl", "model", "data_mode", "optimizer", "feature", "seed"]
+RESUMED = " from "  # a resumed (ckpt) group's feature reads "ckpt from 8": its checkpoints were saved at 8 ranks
 
 
 def _t(tables: dict, name: str) -> pd.DataFrame:
@@ -44,6 +45,9 @@ def _cells(tables: dict) -> pd.DataFrame:
     cells = scen if len(scen) else steps.drop_duplicates("scenario")[cols] if len(steps) else pd.DataFrame(columns=cols)
     if "feature" not in cells:  # a run stored before features existed
         cells = cells.assign(feature="plain")
+    if "resume_from" in cells:  # resumed runs: one group per world size their checkpoint came from
+        resumed = pd.to_numeric(cells["resume_from"], errors="coerce").fillna(0).astype(int)
+        cells = cells.assign(feature=[f if r == 0 else f"{f}{RESUMED}{r}" for f, r in zip(cells["feature"], resumed)])
     return cells
 
 
@@ -58,6 +62,7 @@ def _groups(cells: pd.DataFrame):
 def _group_reference(cells: pd.DataFrame, key: tuple) -> str | None:
     """The id of the run a group is compared with (`Scenario.reference`), if the run has it."""
     impl, model, mode, opt, feature, seed = key
+    feature = feature.split(RESUMED)[0]
     ref = Scenario(impl, model, 1, mode, opt, seed=int(seed), feature=feature).reference().id
     return ref if (cells["scenario"] == ref).any() else None
 

@@ -113,7 +113,8 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             steps_rows.append({**base, "step": k, "loss": rec["loss"], "grad_norm": rec["grad_norm"],
                                "max_diff_ref": mr, "worst_param_ref": wr, "max_diff_ws1": m1, "worst_param_ws1": w1,
                                "grad_diff_ws1": g1, "clip_norm": rec.get("clip_norm", math.nan),
-                               "max_diff_factor": mt, "worst_param_factor": wt})
+                               "max_diff_factor": mt, "worst_param_factor": wt,
+                               "replicas_differ": rec.get("replicas_differ", math.nan)})
             final = {"final_loss": rec["loss"], "param_sum": sum(float(t.double().sum()) for t in cur.values()),
                      "max_diff_ref": mr, "max_diff_ws1": m1}
         restore = _restore(sc, snaps, by_id)

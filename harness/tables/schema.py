@@ -33,6 +33,8 @@ class Table:
 #               world size 1 (0: bitwise the same values; inf: a different count)
 #               max_diff_factor (split data, accum / no_sync at W): max |param diff| vs the same
 #               implementation's plain step at W x k ranks (the same micro-batches), worst_param_factor where
+#               replicas_differ (hsdp, W > 2): ranks whose own parameter parts differ bit for bit from the
+#               first replica's rank with the same index after the step (0 when the replicas agree)
 #   params      the full, unsharded parameter under its module path
 #   scenarios   failed_rank: the rank a failure started on; param_bytes: the full parameters;
 #               largest_unit_bytes: the largest unit's full parameters; row_bytes: one dim-0 row of
@@ -53,7 +55,7 @@ FEATURE = ("feature", "resume_from")
 TABLES: dict[str, Table] = {t.name: t for t in (
     Table("steps", "scenario x step", SCENARIO_IDS + FEATURE + (
         "step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1",
-        "grad_diff_ws1", "clip_norm", "max_diff_factor", "worst_param_factor"),
+        "grad_diff_ws1", "clip_norm", "max_diff_factor", "worst_param_factor", "replicas_differ"),
           required=SCENARIO_IDS + ("step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1",
                                    "worst_param_ws1")),
     Table("params", "scenario x step x parameter", (

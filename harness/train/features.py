@@ -15,38 +15,53 @@ from harness.core.scenario import FEATURES, hsdp_mesh, passes_per_step, reductio
 BF16_POLICY = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
 
 
-def wrap_for(feature: str, adapter, model, units, *, group, device):
+def wrap_for(feature: str, adapter, model, units, *, ctx):
     """The adapter's wrap for the feature: under a mixed-precision policy (bf16), on a hybrid mesh
-    (hsdp), else plain ``wrap``."""
+    (hsdp), else plain ``wrap``. `ctx`: the rank's RankContext (harness.execute.worker)."""
+    group, device = ctx.group, ctx.device
     if feature == "bf16":
         return adapter.wrap_mixed_precision(model, units, group=group, device=device, **BF16_POLICY)
     if feature == "hsdp":
-        shard_group, replicate_group = hybrid_groups(group)
+        shard_group, replicate_group = ctx.hybrid or hybrid_groups(group)
         return adapter.wrap_hybrid(model, units, group=group, device=device, shard_group=shard_group,
                                    replicate_group=replicate_group)
     return adapter.wrap(model, units, group=group, device=device)
 
 
-_HYBRID: dict[tuple, tuple] = {}  # (group ranks, backend) -> this rank's (shard group, replicate group)
+def hybrid_layout(world_size: int) -> list[list[int]]:
+    """Every group of the hybrid mesh over ranks 0..W-1 (harness.core.scenario.hsdp_mesh: rank =
+    replica x shard size + index in its shard group): the shard groups, then the replicate groups."""
+    replicas, shard = hsdp_mesh(world_size)
+    return ([list(range(r * shard, (r + 1) * shard)) for r in range(replicas)]
+            + [list(range(i, world_size, shard)) for i in range(shard)])
+
+
+def make_hybrid_groups(ranks: list[int], rank: int, new_group) -> tuple | None:
+    """Make every group of the hybrid mesh over `ranks` (the global ranks of a world, in its order) with
+    `new_group(global ranks)`, and return this rank's (shard group, replicate group). Every process
+    that `new_group` needs calls this, in the same order (torch names a group by a count of the groups
+    made before it, so ranks that make groups apart from each other do not find each other)."""
+    made = [new_group([ranks[i] for i in members]) for members in hybrid_layout(len(ranks))]
+    if rank >= len(ranks):  # a torchrun rank that sits this world size out: it only helped make them
+        return None
+    replicas, shard = hsdp_mesh(len(ranks))
+    replica, index = divmod(rank, shard)
+    return made[replica], made[replicas + index]
+
+
+_HYBRID: dict[tuple, tuple] = {}  # (world ranks, backend) -> this rank's (shard group, replicate group)
 
 
 def hybrid_groups(group):
-    """This rank's shard group and replicate group of the hybrid mesh over `group` (harness.core.scenario.
-    hsdp_mesh: rank = replica x shard size + index in its shard group). Made once per world and kept:
-    only the member ranks of each new group take part in making it (use_local_synchronization), so it
-    works as well inside a torchrun job whose other ranks sit this world size out."""
+    """This rank's hybrid groups in a world whose processes all run the scenario (a forkserver world:
+    `group` is its WORLD), made once and kept. A torchrun job makes them itself (every rank of the
+    job must take part) and hands them over in the RankContext."""
     import torch.distributed as dist
 
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    ranks = [dist.get_global_rank(group, i) for i in range(size)]
+    ranks = [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))]
     key = (tuple(ranks), dist.get_backend(group))
     if key not in _HYBRID:
-        replicas, shard = hsdp_mesh(size)
-        replica, index = divmod(rank, shard)
-        shard_ranks = ranks[replica * shard:(replica + 1) * shard]
-        replicate_ranks = ranks[index::shard]
-        _HYBRID[key] = tuple(dist.new_group(r, use_local_synchronization=True)
-                             for r in (shard_ranks, replicate_ranks))
+        _HYBRID[key] = make_hybrid_groups(ranks, dist.get_rank(group), lambda members: dist.new_group(members))
     return _HYBRID[key]
 
 

@@ -8,6 +8,7 @@ process that trains and measures ever holds the reference model.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import time
 from pathlib import Path
@@ -55,7 +56,7 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
     timeline = UnitTimeline(model, units)  # found on the plain model, looked at while the wrapped one trains
     if sc.feature == "ac":
         checkpoint_units(units)
-    wrapped = wrap_for(sc.feature, adapter, model, units, group=ctx.group, device=device)
+    wrapped = wrap_for(sc.feature, adapter, model, units, ctx=ctx)
     optimizer = adapter.make_optimizer(wrapped, name=sc.optimizer, lr=sc.lr)
     steps = ckpt.resume(adapter, wrapped, optimizer)  # the saver's records of the steps before (ckpt), else []
     _snapshot(adapter, wrapped, snap_dir / f"step{len(steps)}.pt", ctx.rank)
@@ -115,7 +116,8 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
             for k in tot:
                 tot[k] += row[k]
         steps.append({"step": step, "loss": _global_loss(loss, sc, ctx),
-                      "grad_norm": _global_grad_norm(grad_sq, adapter, ctx), "clip_norm": clip_norm})
+                      "grad_norm": _global_grad_norm(grad_sq, adapter, ctx), "clip_norm": clip_norm,
+                      "replicas_differ": _replicas_differ(wrapped, sc, ctx)})
         _snapshot(adapter, wrapped, snap_dir / f"step{step}.pt", ctx.rank)
         ckpt.save_after(step, adapter, wrapped, optimizer, steps)
 
@@ -190,6 +192,22 @@ def _save_grads(local: torch.Tensor, ctx, path: Path) -> None:
     if ctx.rank == 0:
         values = torch.cat(parts)
         torch.save(torch.sort(values[values != 0]).values, path)
+
+
+def _replicas_differ(wrapped, sc: Scenario, ctx) -> float:
+    """Hybrid sharding: how many ranks hold parameters (their own parts, as they hold them) that differ
+    bit for bit from the first replica's rank with the same index, which must hold the same; NaN for
+    any other feature. Read from every rank, so a replica that drifts shows even when the parameters
+    the adapter reports come from the first replica alone."""
+    shard = shard_size(sc.feature, ctx.world_size)
+    if sc.feature != "hsdp" or shard == ctx.world_size:
+        return math.nan
+    digest = hashlib.blake2b(digest_size=16)
+    for p in wrapped.parameters():
+        digest.update(local_tensor(p).detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    every = [None] * ctx.world_size
+    dist.all_gather_object(every, digest.hexdigest(), group=ctx.group)
+    return float(sum(every[r] != every[r % shard] for r in range(ctx.world_size)))
 
 
 def _local_grad_sq(model) -> float:

@@ -77,13 +77,19 @@ def test_under_torchrun_a_scenario_larger_than_the_job_is_one_clear_error(monkey
 
 
 def test_torchrun_cli_smoke_writes_one_report_from_rank_0(tmp_path):
+    """Also the features that make groups (hsdp: every rank of the job makes them, in one order) and
+    that order runs (ckpt: resumed runs after their savers)."""
     report = tmp_path / "r.md"
     proc = start([*TORCHRUN, "-m", "harness", "run", "--world-sizes", "1,2", "--impl", "fsdp_impl",
-                  "--models", "mlp", "--optimizers", "adamw", "--steps", "3", "--report", str(report)])
+                  "--models", "mlp", "--optimizers", "adamw", "--steps", "3", "--features", "plain,hsdp,ckpt",
+                  "--report", str(report)])
     try:
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stdout + stderr
-        assert report.exists() and "fsdp_impl-mlp-ws2-replicated-adamw" in report.read_text()
+        text = report.read_text() if report.exists() else ""
+        for sid in ("fsdp_impl-mlp-ws2-replicated-adamw", "fsdp_impl-mlp-ws2-split-adamw-hsdp",
+                    "fsdp_impl-mlp-ws1-split-adamw-ckpt-from2"):
+            assert sid in text, sid
         # one job, one run: the summary comes from rank 0 only
         assert len(re.findall(r"^\d+ passed, \d+ failed", stderr, flags=re.M)) == 1, stderr
         assert wait_session_empty(proc.pid, 10) == []

@@ -1,6 +1,8 @@
-"""Fixtures the fsdp_impl world tests share (test_fsdp_impl.py, test_fsdp_hybrid.py, test_fsdp_checkpoint.py)."""
+"""What the fsdp_impl world tests share (test_fsdp_impl.py, test_fsdp_hybrid.py, test_fsdp_checkpoint.py)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -21,3 +23,16 @@ def world():
     yield get
     for w in live.values():
         w.close()
+
+
+def plain_runs(world, task: str):
+    """run(payload) -> rank 0's result of `task` training the PLAIN model at world size 1 (cached per payload)."""
+    cache: dict[str, dict] = {}
+
+    def run(payload: dict) -> dict:
+        key = json.dumps(payload, sort_keys=True)
+        if key not in cache:
+            cache[key] = world(1).call(task, {**payload, "wrap": False})[0]
+        return cache[key]
+
+    return run

@@ -16,11 +16,12 @@ split-data HSDP is bitwise the flat (non-hybrid) fsdp_impl at the same W.
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
 import pytest
+
+from suites.unit.conftest import plain_runs
 
 TASKS = "suites.unit.fsdp_worlds.hybrid"
 SPLIT_BOUND = 1e-6  # split data vs the full batch at W = 1, 3 SGD steps (fp32 rounding of local sums)
@@ -35,15 +36,7 @@ MESH_IDS = [f"{r}x{s}" for r, s in MESHES]
 @pytest.fixture(scope="module")
 def plain(world):
     """plain(payload) -> the PLAIN model trained at world size 1 (cached per payload)."""
-    cache: dict[str, dict] = {}
-
-    def run(payload: dict) -> dict:
-        key = json.dumps(payload, sort_keys=True)
-        if key not in cache:
-            cache[key] = world(1).call(f"{TASKS}:train", {**payload, "wrap": False})[0]
-        return cache[key]
-
-    return run
+    return plain_runs(world, f"{TASKS}:train")
 
 
 def run(world, replicas: int, shards: int, task: str, payload=None) -> list:

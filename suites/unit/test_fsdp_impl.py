@@ -9,13 +9,13 @@ at the end shows that the cross-world-size comparison used throughout can fail.
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
 import pytest
 
 from fsdp_impl.sharding import chunk_rows, row_range
+from suites.unit.conftest import plain_runs
 
 TASKS = "suites.unit.fsdp_worlds"  # a package: tasks are named "<module>:<function>" in it
 REPLICATED_BOUND = 3e-8  # max |param diff| across world sizes with replicated data (DESIGN.md)
@@ -27,15 +27,7 @@ SPLIT_BOUND = 1e-6  # split data vs full batch, 5 SGD steps at lr 0.05: fp32 rou
 @pytest.fixture(scope="module")
 def plain(world):
     """plain(payload) -> rank 0's result of training the PLAIN model (cached per payload)."""
-    cache: dict[str, dict] = {}
-
-    def run(payload: dict) -> dict:
-        key = json.dumps(payload, sort_keys=True)
-        if key not in cache:
-            cache[key] = world(1).call(f"{TASKS}.training:train", {**payload, "wrap": False})[0]
-        return cache[key]
-
-    return run
+    return plain_runs(world, f"{TASKS}.training:train")
 
 
 def run(world, n: int, task: str, payload=None) -> list:

@@ -17,7 +17,6 @@ from torch.distributed.tensor import Shard
 
 from fsdp_impl.sharding import chunk_rows, local_rows, padded_rows, row_range
 
-
 # ------------------------------------------------------------------------ brute-force model
 
 def brute_owners(rows: int, world: int) -> tuple[list[int], int]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
