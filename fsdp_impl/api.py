@@ -66,8 +66,10 @@ def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None, 
     _broadcast_buffers(module, group)
     if replicate_group is not None:  # then every replica takes its rank 0's, which now holds rank 0's
         _broadcast_buffers(module, replicate_group)
-    module._fsdp_state = UnitState(module, ParamGroup(params, group, replicate_group, mp), reshard_after_forward,
-                                   mp.param_dtype)
+    state = UnitState(module, ParamGroup(params, group, replicate_group, mp), reshard_after_forward, mp.param_dtype)
+    for _, unit in units(module):  # the units already under `module` prefetch in its forward order
+        unit.schedule = state.schedule
+    module._fsdp_state = state
     return module
 
 

@@ -11,12 +11,14 @@ import torch
 import torch.distributed as dist
 
 
-def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group) -> None:
-    """Fill `out` (1D, padded, shard.numel() x W) with every rank's `shard`, in rank order."""
+def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
+    """Fill `out` (1D, padded, shard.numel() x W) with every rank's `shard`, in rank order.
+    With `async_op` the collective is only issued: the returned work's ``wait()`` completes it
+    (None at world size 1, where the copy is done at once); `shard` must stay alive until then."""
     if dist.get_world_size(group) == 1:
         out.copy_(shard)
-        return
-    dist.all_gather_single(out, shard.contiguous(), group=group)
+        return None
+    return dist.all_gather_single(out, shard.contiguous(), group=group, async_op=async_op)
 
 
 def reduce_scatter_mean(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
     unshard       copy every parameter's padded shard into one flat buffer (cast to param_dtype),
                   ONE all-gather of it over the shard group, copy each rank's rows out into each
-                  unsharded parameter (``split_with_sizes_copy``); the modules point at them
+                  unsharded parameter (``split_with_sizes_copy``); the modules point at them.
+                  Asynchronous for prefetching: ``unshard(async_op=True)`` issues the all-gather,
+                  ``wait_unshard`` waits for it and does the copy-out
     reshard       the modules point at the sharded DTensors again; the unsharded storage is freed
     reduce_grads  the unsharded gradients, each cut into W chunks of c rows (zero rows padding the
                   last), laid out chunk by chunk in ONE buffer (``torch._chunk_cat``): chunk r
@@ -38,12 +40,18 @@ class ParamGroup:
         self.mp = mp
         self.state = ShardState.SHARDED
         self.sync_grads = True  # False: keep the unsharded gradients unreduced between backward passes
+        self._pending: list | None = None  # an issued, not yet completed unshard (prefetch)
 
     # -- unshard / reshard ----------------------------------------------------------------------
-    def unshard(self) -> None:
-        """Gather every parameter of the unit (collective) and point the modules at the result."""
-        if self.state is ShardState.UNSHARDED:
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather every parameter of the unit (collective) and point the modules at the result.
+        With `async_op` (prefetching) the all-gathers are only issued; ``wait_unshard`` (or any
+        later ``unshard`` / ``reshard``) completes them: until then the modules keep their shards."""
+        if self.state is ShardState.UNSHARDED or self._pending is not None:
+            if not async_op:
+                self.wait_unshard()
             return
+        self._pending = []
         for dtype, params in _buckets(self.params, lambda p: p.param_dtype):
             sizes = [p.shard_numel for p in params]
             total = sum(sizes)
@@ -51,21 +59,42 @@ class ParamGroup:
             with torch.no_grad():
                 torch._foreach_copy_(list(send.split(sizes)), [p.padded for p in params])
             if self.world_size == 1:
-                received = send
+                received, work = send, None
             else:
                 received = torch.empty(self.world_size * total, dtype=dtype, device=send.device)
-                all_gather_flat(received, send, self.group)  # rank r's flat shards at [r * total, ...)
+                # rank r's flat shards at [r * total, ...)
+                work = all_gather_flat(received, send, self.group, async_op=True)
+            self._pending.append((params, sizes, send, received, work))
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        """Complete an issued unshard: wait for its all-gathers, copy each rank's rows out into the
+        unsharded parameters, point the modules at them. A no-op when none is in flight."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        for params, sizes, _send, received, work in pending:
+            if work is not None:
+                work.wait()
             outs = [p.alloc_unsharded() for p in params]  # each (W, c x row)
             # the unsharded parameters keep their version: autograd saved them in forward, and
             # refilling the same storage for backward is no change to what it saved
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
-                torch.split_with_sizes_copy(received.view(self.world_size, total), sizes, dim=1, out=outs)
+                torch.split_with_sizes_copy(received.view(self.world_size, -1), sizes, dim=1, out=outs)
         for p in self.params:
             p.to_unsharded()
         self.state = ShardState.UNSHARDED
 
+    @property
+    def gathering(self) -> bool:
+        """True between an asynchronous unshard and its completion."""
+        return self._pending is not None
+
     def reshard(self) -> None:
-        """Free the unsharded parameters; only this rank's shards stay."""
+        """Free the unsharded parameters; only this rank's shards stay. An unshard still in flight
+        (a prefetch nobody used) is completed first: its collectives were issued on every rank."""
+        self.wait_unshard()
         if self.state is ShardState.SHARDED:
             return
         for p in self.params:

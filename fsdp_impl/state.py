@@ -22,6 +22,16 @@ inside the unit's call (the hooks stay outside) the hooks do not run again. Wher
 the unit's call, the pre-forward hook sees a backward in progress: it only makes sure the
 parameters are gathered, registers nothing and counts nothing, and the post-forward hook does not
 reshard (the backward still needs them).
+
+[Note: prefetching] The units of one root share a Schedule: the order in which their forwards
+began in the root's last forward call. Each unit's pre-forward issues the all-gather of the unit
+after it in that order (asynchronously) before its own forward computes, and each unit's
+pre-backward issues the all-gather of the unit before it, whose backward comes next. So a unit
+computes while the next one's parameters travel, and at most two units are unsharded at once
+besides those whose forward encloses them (the root). The first forward has no recorded order
+and so no prefetching. A prefetched unit that is never used in a backward is resharded by the
+final callback, which its prefetch queues. Every rank issues the same collectives in the same
+order: the order is the model's, not the data's.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .group import ParamGroup
+from .param import ShardState
 
 
 class TrainingState(Enum):
@@ -46,6 +57,49 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class Schedule:
+    """The forward order of the units under one root (see [Note: prefetching])."""
+
+    def __init__(self, root: UnitState):
+        self.root = root
+        self.order: list[UnitState] = []  # forward calls of the root's last complete forward, in order
+        self._first: dict[int, int] = {}  # id(unit) -> index of its first call in `order`
+        self._recording: list[UnitState] | None = None  # while the root's forward runs
+        self._prefetched: list[UnitState] = []  # gathered ahead in this forward, not yet started
+
+    def started(self, unit: UnitState) -> UnitState | None:
+        """`unit`'s forward begins; returns the unit whose forward came next last time."""
+        if unit is self.root:
+            self._recording = []
+        if self._recording is None:  # a unit called outside its root's forward
+            return None
+        if unit in self._prefetched:
+            self._prefetched.remove(unit)
+        i = len(self._recording)
+        self._recording.append(unit)
+        return self.order[i + 1] if i + 1 < len(self.order) and self.order[i] is unit else None
+
+    def prefetched(self, unit: UnitState) -> None:
+        self._prefetched.append(unit)
+
+    def finished(self, unit: UnitState) -> None:
+        """`unit`'s forward ended; at the root's, the order is kept and unused prefetches freed."""
+        if unit is not self.root or self._recording is None:
+            return
+        self.order, self._recording = self._recording, None
+        self._first = {}
+        for i, u in enumerate(self.order):
+            self._first.setdefault(id(u), i)
+        for u in self._prefetched:  # this forward took another path than the last one
+            u.params.reshard()
+        self._prefetched = []
+
+    def before(self, unit: UnitState) -> UnitState | None:
+        """The unit whose forward came just before `unit`'s (first) one: its backward comes next."""
+        i = self._first.get(id(unit))
+        return self.order[i - 1] if i else None
+
+
 class UnitState:
     """Attached to each module passed to fully_shard as ``module._fsdp_state``."""
 
@@ -55,6 +109,7 @@ class UnitState:
         self.params = params
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
+        self.schedule = Schedule(self)  # until a fully_shard of an ancestor adopts this unit
         self.training_state = TrainingState.IDLE
         self._callback_queued = False
         self._pending_calls = 0  # forward calls whose PostBackward has not run yet
@@ -75,6 +130,9 @@ class UnitState:
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         if _in_backward():  # a recomputation (see the note)
             return args, kwargs
+        nxt = self.schedule.started(self)
+        if _prefetch(nxt):
+            self.schedule.prefetched(nxt)
         self.training_state = TrainingState.FORWARD
         if torch.is_grad_enabled() and self.params.params:
             args, kwargs = self._register_post_backward(args, kwargs)
@@ -105,6 +163,7 @@ class UnitState:
                     t.register_hook(self._pre_backward)
         if self.reshard_after_forward or not torch.is_grad_enabled():
             self.params.reshard()
+        self.schedule.finished(self)
         self.training_state = TrainingState.IDLE
         return output
 
@@ -113,10 +172,17 @@ class UnitState:
         if self.training_state is not TrainingState.PRE_BACKWARD:
             self.training_state = TrainingState.PRE_BACKWARD
             self.params.unshard()
-            if not self._callback_queued:
-                self._callback_queued = True
-                Variable._execution_engine.queue_callback(self._final_callback)
+            self._queue_final_callback()
+            nxt = self.schedule.before(self)
+            if nxt is not None and nxt.training_state is not TrainingState.PRE_BACKWARD:
+                if _prefetch(nxt):
+                    nxt._queue_final_callback()  # reshards it should its backward never come
         return grad
+
+    def _queue_final_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._final_callback)
 
     def _post_backward(self) -> None:
         """PostBackward of one forward call ran: at the last tracked call, reduce and reshard."""
@@ -135,6 +201,14 @@ class UnitState:
         self._pending_calls = 0
         self._untracked_call = False
         self.training_state = TrainingState.IDLE
+
+
+def _prefetch(unit: UnitState | None) -> bool:
+    """Issue `unit`'s all-gather unless its parameters are gathered or on their way."""
+    if unit is None or unit.params.state is not ShardState.SHARDED or unit.params.gathering:
+        return False
+    unit.params.unshard(async_op=True)
+    return True
 
 
 class PostBackward(torch.autograd.Function):
