@@ -379,13 +379,16 @@ def test_garbage_in_the_padding_rows_never_reaches_a_parameter(world, plain, n):
         assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
 
 
+@pytest.mark.parametrize("via", ["fsdp_impl", "torch"])
 @pytest.mark.parametrize("n", [1, 2, 4])
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
-def test_clip_grad_norm_clips_by_the_global_norm(world, n, norm_type):
+def test_clip_grad_norm_clips_by_the_global_norm(world, n, norm_type, via):
     """The norm over every rank's shard (not a rank's own), the same coefficient on every rank: the
     gradients match torch's clipping of the plain model; bitwise at one rank, and for the infinity
-    norm (a maximum) at any world size."""
-    got = run(world, n, "training:clipped", {"model": "tinylm_tied", "max_norm": 0.05, "norm_type": norm_type})
+    norm (a maximum) at any world size. fsdp_impl.clip_grad_norm_ (one all-reduce) and torch's own
+    clip_grad_norm_ on the DTensor gradients alike."""
+    got = run(world, n, "training:clipped", {"model": "tinylm_tied", "max_norm": 0.05, "norm_type": norm_type,
+                                             "via": via})
     norms = {g["fsdp"][0] for g in got}
     assert len(norms) == 1, norms  # every rank reports the same global norm
     (norm, grads), (plain_norm, plain_grads) = got[0]["fsdp"], got[0]["plain"]

@@ -10,6 +10,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import fsdp_impl.group as fsdp_group
 from fsdp_impl import clip_grad_norm_, fully_shard, set_requires_gradient_sync
@@ -231,15 +232,20 @@ def padding_garbage(ctx, p: dict) -> dict:
 
 
 def clipped(ctx, p: dict) -> dict:
-    """The global norm fsdp_impl.clip_grad_norm_ reports and the gradients it leaves, for the sharded
-    model and for the plain model clipped by torch, on the same batch (replicated data)."""
+    """The global norm fsdp_impl.clip_grad_norm_ (``via: torch``: torch's own clip_grad_norm_ on the
+    DTensor gradients) reports and the gradients it leaves, for the sharded model and for the plain
+    model clipped by torch, on the same batch (replicated data)."""
     spec = get_model_spec(p["model"])
     x, y = spec.make_batch(p.get("batch", 8), 1, 0)
     out = {}
     for wrapped in (True, False):
         model, _ = build({**p, "wrap": wrapped}, ctx)
         spec.loss(model(x), y).backward()
-        if wrapped:
+        if wrapped and p.get("via") == "torch":  # torch's own function on the DTensor gradients
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), p["max_norm"], p["norm_type"])
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            out["fsdp"] = (float(norm), full_grads(model))
+        elif wrapped:
             norm = clip_grad_norm_(model, p["max_norm"], p["norm_type"])
             out["fsdp"] = (float(norm), full_grads(model))
         else:
