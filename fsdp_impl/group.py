@@ -82,6 +82,10 @@ class ParamGroup:
             # refilling the same storage for backward is no change to what it saved
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
                 torch.split_with_sizes_copy(received.view(self.world_size, -1), sizes, dim=1, out=outs)
+            # freed now, not when the backend lets go of its work: gloo's thread may still hold it
+            # after wait() returns, and the next unit's gather would then find this one's buffers
+            for buffer in (received, _send):
+                buffer.untyped_storage().resize_(0)
         for p in self.params:
             p.to_unsharded()
         self.state = ShardState.UNSHARDED
