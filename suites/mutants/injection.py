@@ -37,11 +37,6 @@ def _units(wrapped: nn.Module):
     return list(units(wrapped))
 
 
-def _handles(wrapped: nn.Module):
-    """(unit prefix, FlatParamHandle) for every handle of every unit (the flat design's; gone)."""
-    return [(prefix, h) for prefix, state in _units(wrapped) for h in state.handles]
-
-
 def _groups(wrapped: nn.Module):
     """(unit prefix, ParamGroup) of every unit that holds parameters."""
     return [(prefix, state.params) for prefix, state in _units(wrapped) if state.params.params]
