@@ -105,6 +105,8 @@ class PaddingInView(MutantAdapter):
 
             def gather_read_packed(out, shard, group, *args, g=g, **kwargs):
                 done = gather(out, shard, group, *args, **kwargs)
+                if done is not None:  # an asynchronous gather (a prefetch): its output is there only now
+                    done.wait()
                 rows = out.view(g.world_size, -1)  # rank r's padded shards, parameter after parameter
                 for r in range(g.world_size):
                     sent = rows[r].clone()
