@@ -1,9 +1,14 @@
 """fsdp_impl against PyTorch FSDP2 (torch.distributed.fsdp.fully_shard): step time and peak memory.
 
     python -m harness.bench.fsdp_vs_fsdp2 --world-sizes 1,2,4,8 --model tinylm --steps 20
+    python -m harness.bench.fsdp_vs_fsdp2 --world-sizes 1,2,4 --model tinylm,lm_50m --steps 5 --warmup 2 \
+        --global-batch 4
 
-For each world size ONE world runs every implementation on the same seeded model, the same
-optimizer and the same data (each rank its split of the same global batch):
+``--model`` takes a comma-separated list of zoo models (``lm_50m``: ~55M parameters, the size at
+which sharding costs show; ``tinylm``: ~30K, where per-call overheads dominate); one table per model,
+with its parameter count. For each world size ONE world (started once, reused for every model) runs
+every implementation on the same seeded model, the same optimizer and the same data (each rank its
+split of the same global batch):
 
   memory  each implementation alone (built, warmed up, one step under ``PeakMemory``, freed), so
           no other model's tensors share the window; the figure is the max over ranks of the peak
@@ -30,6 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from harness import options as opt
 from harness.adapters import load_adapter
 from harness.adapters.fsdp_impl import FsdpImplAdapter
 from harness.execute.world import World
@@ -137,9 +143,13 @@ def summarize(per_rank: list[dict]) -> dict[str, dict]:
     return out
 
 
+COLUMNS = ("world size", "variant", "fsdp_impl step ms", "fsdp2 step ms", "ratio",
+           "fsdp_impl peak bytes", "fsdp2 peak bytes", "ratio")
+
+
 def table(results: dict[int, dict[str, dict]]) -> str:
-    head = ["world size", "variant", "fsdp_impl step ms", "fsdp2 step ms", "ratio",
-            "fsdp_impl peak bytes", "fsdp2 peak bytes", "ratio"]
+    """One markdown table: a row per (world size, fsdp_impl variant), each against FSDP2's figures."""
+    head = list(COLUMNS)
     rows = []
     for w, res in results.items():
         ref = res[FSDP2]
@@ -153,6 +163,7 @@ def table(results: dict[int, dict[str, dict]]) -> str:
     return "\n".join([line(head), sep] + [line(r) for r in rows])
 
 
+
 def _world_sizes(text: str) -> list[int]:
     try:
         sizes = [int(s) for s in text.split(",") if s.strip()]
@@ -163,10 +174,41 @@ def _world_sizes(text: str) -> list[int]:
     return sizes
 
 
-def main(argv: list[str] | None = None) -> None:
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for row in f:
+                if row.startswith("model name"):
+                    return row.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line(backend: str) -> str:
+    """The machine the figures come from: CPU (and its kernels' capability), torch, GPU if used."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    text = (f"# machine: {_cpu_name()} ({cap}), {cpus} CPUs usable, torch {torch.__version__}, "
+            f"python {platform.python_version()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
+            f"intra-op threads {torch.get_num_threads()}")
+    if backend == "nccl" and torch.cuda.is_available():
+        text += f", GPU {torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
+    return text
+
+
+def _n_params(name: str) -> int:
+    with torch.device("meta"):
+        model = get_model_spec(name).build()
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[int, dict[str, dict]]]:
+    """Runs the benchmark, prints its tables; returns {model: {world size: summarize(...)}}."""
     ap = argparse.ArgumentParser(prog="python -m harness.bench.fsdp_vs_fsdp2", description=__doc__.split("\n")[0])
     ap.add_argument("--world-sizes", type=_world_sizes, default=[1, 2, 4, 8])
-    ap.add_argument("--model", default="tinylm")
+    ap.add_argument("--model", type=opt.models, default=("tinylm",),
+                    help="comma-separated zoo models, e.g. tinylm,lm_50m; one table each")
     ap.add_argument("--steps", type=int, default=20, help="measured steps (after the warm-up)")
     ap.add_argument("--warmup", type=int, default=3, help="steps run before measuring (not timed)")
     ap.add_argument("--global-batch", type=int, default=16, help="split over the ranks; divisible by each W")
@@ -175,33 +217,42 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backend", default="gloo")
-    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per world")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per world and model")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 1:
         ap.error("--steps and --warmup must be >= 1")
-    get_model_spec(args.model)  # unknown names fail here, in one line
-    payload = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "seed": args.seed,
+    if args.data_mode == "split" and any(args.global_batch % w for w in args.world_sizes):
+        ap.error(f"--global-batch {args.global_batch} must be divisible by every world size {args.world_sizes}")
+    models = list(dict.fromkeys(args.model))
+    n_params = {m: _n_params(m) for m in models}  # unknown names fail here, before any world starts
+    payload = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed,
                "global_batch": args.global_batch, "data_mode": args.data_mode,
                "optimizer": args.optimizer, "lr": args.lr, "impls": list(IMPLS)}
-    print(f"# fsdp_impl vs FSDP2: model={args.model} optimizer={args.optimizer} "
-          f"global_batch={args.global_batch} ({args.data_mode}) steps={args.steps} (+{args.warmup} warm-up) "
-          f"backend={args.backend}")
-    print(f"# torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} CPUs, "
-          f"load average at start {os.getloadavg()[0]:.1f}")
-    results: dict[int, dict[str, dict]] = {}
+    print(f"# fsdp_impl vs FSDP2: models {', '.join(f'{m} ({n_params[m]:,} parameters)' for m in models)}; "
+          f"optimizer={args.optimizer} global_batch={args.global_batch} ({args.data_mode}) "
+          f"steps={args.steps} (+{args.warmup} warm-up) backend={args.backend}")
+    print(machine_line(args.backend))
+    print(f"# load average at start {os.getloadavg()[0]:.1f}", flush=True)
+    t_all = time.perf_counter()
+    results: dict[str, dict[int, dict[str, dict]]] = {m: {} for m in models}
     for w in args.world_sizes:
-        t0 = time.perf_counter()
         with World(w, args.backend, timeout_s=args.timeout) as world:
-            results[w] = summarize(world.call(TASK, payload))
-        losses = ", ".join(f"{k} {v['final_loss']:.4f}" for k, v in results[w].items())
-        print(f"# W={w}: {time.perf_counter() - t0:.1f} s; final loss {losses}", flush=True)
+            for m in models:
+                t0 = time.perf_counter()
+                res = results[m][w] = summarize(world.call(TASK, {**payload, "model": m}))
+                losses = ", ".join(f"{k} {v['final_loss']:.4f}" for k, v in res.items())
+                print(f"# W={w} {m}: {time.perf_counter() - t0:.1f} s; final loss {losses}", flush=True)
+    for m in models:
+        print()
+        print(f"## {m}: {n_params[m]:,} parameters")
+        print()
+        print(table(results[m]))
     print()
-    print(table(results))
-    print()
-    print("ratio = fsdp_impl / fsdp2. Step time: median over measured steps of the slowest rank. Peak: "
-          "max over ranks of the peak bytes tracked over one step (PeakMemory; CPU: tensors seen by the "
-          "tracker, CUDA: max_memory_allocated).")
-    print(f"# load average at end {os.getloadavg()[0]:.1f}")
+    print("ratio = fsdp_impl / fsdp2 (<= 1: fsdp_impl as fast / as light). Step time: median over measured steps "
+          "of the slowest rank. Peak: max over ranks of the peak bytes tracked over one step (PeakMemory; CPU: "
+          "tensors seen by the tracker, CUDA: max_memory_allocated).")
+    print(f"# wall {time.perf_counter() - t_all:.1f} s; load average at end {os.getloadavg()[0]:.1f}")
+    return results
 
 
 if __name__ == "__main__":
