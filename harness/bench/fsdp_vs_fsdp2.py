@@ -15,7 +15,12 @@ split of the same global batch):
   time    all implementations built side by side and stepped in turn, step by step (interleaved,
           so a change of load on a shared machine hits all of them alike); a barrier starts every
           timed step on all ranks together; a step's time is the slowest rank's; the figure is the
-          median over the measured steps; warm-up steps are not measured
+          median over the measured steps; warm-up steps are not measured. Beside the ratio of the
+          medians: the range (min-max) of the per-step ratios (step i of fsdp_impl over step i of
+          FSDP2, run back to back), which shows how much the machine's load moved the figure, and
+          the ratio of CPU time (the process's CPU seconds in a step, the most over ranks, median
+          over steps), which load inflates less than wall time but which misses time spent waiting
+          on a collective
 
 Rows: ``fsdp_impl`` (its default policy: gradient shards summed in float64) and
 ``fsdp_impl[reduce fp32]`` (``MixedPrecisionPolicy(reduce_dtype=torch.float32)``), each against the
@@ -98,7 +103,7 @@ def _sync(ctx) -> None:
 
 
 def bench_rank(ctx, p: dict) -> dict:
-    """Runs on every rank: {label: {"peak", "state", "times_s", "losses"}}."""
+    """Runs on every rank: {label: {"peak", "state", "times_s", "cpu_s", "losses"}}."""
     out: dict[str, dict] = {label: {} for label in p["impls"]}
     # memory: one implementation alive at a time
     for label in p["impls"]:
@@ -116,35 +121,40 @@ def bench_rank(ctx, p: dict) -> dict:
     # time: all alive, stepped in turn
     runs = {label: _build(label, p, ctx) for label in p["impls"]}
     for label in p["impls"]:
-        out[label]["times_s"], out[label]["losses"] = [], []
+        out[label]["times_s"], out[label]["cpu_s"], out[label]["losses"] = [], [], []
     for step in range(1, p["warmup"] + p["steps"] + 1):
         for label, (spec, adapter, wrapped, optimizer) in runs.items():
             x, y = _batch(spec, p, step, ctx)
             dist.barrier(group=ctx.group)
             _sync(ctx)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             loss = _step(spec, adapter, wrapped, optimizer, x, y)
             _sync(ctx)
             if step > p["warmup"]:
                 out[label]["times_s"].append(time.perf_counter() - t0)
+                out[label]["cpu_s"].append(time.process_time() - c0)
                 out[label]["losses"].append(loss)
     return out
 
 
 def summarize(per_rank: list[dict]) -> dict[str, dict]:
-    """Per implementation: median over steps of the slowest rank's time (ms), max peak bytes."""
+    """Per implementation: median over steps of the slowest rank's time (ms) and the steps' times
+    ("step_ms"), the same of CPU time ("cpu_ms"), max peak bytes."""
     out = {}
     for label in per_rank[0]:
-        times = [max(r[label]["times_s"][i] for r in per_rank) for i in range(len(per_rank[0][label]["times_s"]))]
-        out[label] = {"ms": 1e3 * statistics.median(times),
+        steps = range(len(per_rank[0][label]["times_s"]))
+        times = [max(r[label]["times_s"][i] for r in per_rank) for i in steps]
+        cpu = [max(r[label]["cpu_s"][i] for r in per_rank) for i in steps]
+        out[label] = {"ms": 1e3 * statistics.median(times), "step_ms": [1e3 * t for t in times],
+                      "cpu_ms": 1e3 * statistics.median(cpu),
                       "peak": max(r[label]["peak"] for r in per_rank),
                       "state": max(r[label]["state"] for r in per_rank),
                       "final_loss": per_rank[0][label]["losses"][-1]}
     return out
 
 
-COLUMNS = ("world size", "variant", "fsdp_impl step ms", "fsdp2 step ms", "ratio",
-           "fsdp_impl peak bytes", "fsdp2 peak bytes", "ratio")
+COLUMNS = ("world size", "variant", "fsdp_impl step ms", "fsdp2 step ms", "ratio", "per-step ratios",
+           "cpu ratio", "fsdp_impl peak bytes", "fsdp2 peak bytes", "ratio")
 
 
 def table(results: dict[int, dict[str, dict]]) -> str:
@@ -155,7 +165,9 @@ def table(results: dict[int, dict[str, dict]]) -> str:
         ref = res[FSDP2]
         for label in (lab for lab in res if lab != FSDP2):
             mine = res[label]
+            paired = [a / b for a, b in zip(mine["step_ms"], ref["step_ms"])]
             rows.append([str(w), label, f"{mine['ms']:.2f}", f"{ref['ms']:.2f}", f"{mine['ms'] / ref['ms']:.2f}",
+                         f"{min(paired):.2f}-{max(paired):.2f}", f"{mine['cpu_ms'] / ref['cpu_ms']:.2f}",
                          f"{mine['peak']:,}", f"{ref['peak']:,}", f"{mine['peak'] / ref['peak']:.2f}"])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     line = lambda cells: "| " + " | ".join(c.rjust(n) for c, n in zip(cells, widths)) + " |"  # noqa: E731
@@ -249,8 +261,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[int, dict[str, dict]]]
         print(table(results[m]))
     print()
     print("ratio = fsdp_impl / fsdp2 (<= 1: fsdp_impl as fast / as light). Step time: median over measured steps "
-          "of the slowest rank. Peak: max over ranks of the peak bytes tracked over one step (PeakMemory; CPU: "
-          "tensors seen by the tracker, CUDA: max_memory_allocated).")
+          "of the slowest rank; per-step ratios: min-max over the measured steps of step i / step i (the spread "
+          "shows the machine's load); cpu ratio: of the median CPU time of a step (process CPU seconds, the most "
+          "over ranks). Peak: max over ranks of the peak bytes tracked over one step (PeakMemory; CPU: tensors "
+          "seen by the tracker, CUDA: max_memory_allocated).")
     print(f"# wall {time.perf_counter() - t_all:.1f} s; load average at end {os.getloadavg()[0]:.1f}")
     return results
 

@@ -42,10 +42,15 @@ def check_output(text: str, models=MODELS, world_sizes=WORLD_SIZES) -> dict[str,
         assert len(rows) == len(lines) - 2, f"{model}: a repeated row"
         assert sorted(rows) == sorted((w, v) for w in world_sizes for v in VARIANTS), f"{model}: rows {sorted(rows)}"
         for key, cells in rows.items():
-            mine_ms, ref_ms, r_ms, mine_peak, ref_peak, r_peak = map(_number, cells[2:])
-            for x in (mine_ms, ref_ms, r_ms, mine_peak, ref_peak, r_peak):
+            lo, hi = (_number(c) for c in cells[5].split("-"))
+            mine_ms, ref_ms, r_ms, r_cpu, mine_peak, ref_peak, r_peak = map(_number, cells[2:5] + cells[6:])
+            for x in (mine_ms, ref_ms, r_ms, lo, hi, r_cpu, mine_peak, ref_peak, r_peak):
                 assert math.isfinite(x) and x > 0, f"{model} {key}: {cells}"
-            assert r_ms == pytest.approx(mine_ms / ref_ms, abs=0.006), f"{model} {key}: time ratio {cells}"
+            # the times are printed to 0.01 ms, every ratio to 0.01: what rounding can account for, no more
+            slack = 0.0051 + mine_ms / ref_ms * (0.0051 / mine_ms + 0.0051 / ref_ms)
+            assert r_ms == pytest.approx(mine_ms / ref_ms, abs=slack), f"{model} {key}: time ratio {cells}"
+            # every step_i / ref_step_i in [lo, hi] bounds the ratio of the medians too
+            assert lo - 0.011 <= r_ms <= hi + 0.011, f"{model} {key}: time ratio outside the per-step range {cells}"
             assert r_peak == pytest.approx(mine_peak / ref_peak, abs=0.006), f"{model} {key}: peak ratio {cells}"
         out[model] = rows
     return out
@@ -65,28 +70,32 @@ def test_benchmark_prints_one_complete_table_per_model(capsys):
             assert all(math.isfinite(v["final_loss"]) for v in res.values())
             for variant in VARIANTS:
                 assert tables[model][(w, variant)][2] == f"{res[variant]['ms']:.2f}"
-                assert _number(tables[model][(w, variant)][6]) == res[bench.FSDP2]["peak"]
+                assert _number(tables[model][(w, variant)][bench.COLUMNS.index("fsdp2 peak bytes")]) == res[bench.FSDP2]["peak"]
 
 
 GOOD = """# machine: Some CPU (AVX2), 2 CPUs usable, torch 2.0, python 3.11
 
 ## mlp: 1,000 parameters
 
-| world size | variant | fsdp_impl step ms | fsdp2 step ms | ratio | fsdp_impl peak bytes | fsdp2 peak bytes | ratio |
-|---|---|---|---|---|---|---|---|
-| 1 | fsdp_impl | 2.00 | 4.00 | 0.50 | 100 | 200 | 0.50 |
-| 1 | fsdp_impl[reduce fp32] | 2.00 | 4.00 | 0.50 | 100 | 200 | 0.50 |
-| 2 | fsdp_impl | 2.00 | 4.00 | 0.50 | 100 | 200 | 0.50 |
-| 2 | fsdp_impl[reduce fp32] | 2.00 | 4.00 | 0.50 | 100 | 200 | 0.50 |
+| world size | variant | fsdp_impl step ms | fsdp2 step ms | ratio | per-step ratios | cpu ratio | fsdp_impl peak bytes \
+| fsdp2 peak bytes | ratio |
+|---|---|---|---|---|---|---|---|---|---|
+| 1 | fsdp_impl | 2.00 | 4.00 | 0.50 | 0.40-0.60 | 0.70 | 100 | 200 | 0.50 |
+| 1 | fsdp_impl[reduce fp32] | 2.00 | 4.00 | 0.50 | 0.40-0.60 | 0.70 | 100 | 200 | 0.50 |
+| 2 | fsdp_impl | 2.00 | 4.00 | 0.50 | 0.40-0.60 | 0.70 | 100 | 200 | 0.50 |
+| 2 | fsdp_impl[reduce fp32] | 2.00 | 4.00 | 0.50 | 0.40-0.60 | 0.70 | 100 | 200 | 0.50 |
 """
 
 
 @pytest.mark.parametrize("broken", [
-    lambda t: t.replace("| 2 | fsdp_impl[reduce fp32] | 2.00 | 4.00 | 0.50 | 100 | 200 | 0.50 |\n", ""),  # row gone
+    lambda t: t.replace("| 2 | fsdp_impl[reduce fp32] | 2.00 | 4.00 | 0.50 | 0.40-0.60 | 0.70 | 100 | 200 | 0.50 |\n",
+                        ""),  # a row gone
     lambda t: t.replace("| 1 | fsdp_impl | 2.00 | 4.00 | 0.50 |", "| 1 | fsdp_impl | 2.00 | 0.00 | inf |"),
     lambda t: t.replace("| 2 | fsdp_impl | 2.00 | 4.00 | 0.50 |", "| 2 | fsdp_impl | 2.00 | 4.00 | nan |"),
     lambda t: t.replace("| 1 | fsdp_impl | 2.00 | 4.00 | 0.50 |", "| 1 | fsdp_impl | 2.00 | 4.00 | 0.70 |"),
     lambda t: t.replace(" | fsdp2 peak bytes", ""),  # a column gone
+    lambda t: t.replace("| 0.40-0.60 | 0.70 | 100 |", "| 0.52-0.60 | 0.70 | 100 |", 1),  # ratio outside the range
+    lambda t: t.replace("| 0.40-0.60 | 0.70 | 100 |", "| 0.40-0.60 | inf | 100 |", 1),
     lambda t: t.replace("# machine:", "#"),
     lambda t: t.replace("## mlp: 1,000 parameters", "## mlp"),
 ])
