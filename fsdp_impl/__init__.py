@@ -7,8 +7,13 @@
     full_state_dict(module) / load_full_state_dict(module, state_dict)
     materialize_meta(module, device)            # after building on "meta" and sharding
     MixedPrecisionPolicy(param_dtype, reduce_dtype)
-    save_sharded(module, optimizer, path)       # each rank writes its shards (collective)
+    save_sharded(module, optimizer, path)       # each rank writes its rows (collective; torch.distributed.checkpoint)
     load_sharded(module, optimizer, path)       # at any world size: reshards parameters and optimizer state
+
+Per-parameter sharding: after ``fully_shard`` every parameter is, under its original name, a DTensor
+sharded Shard(0) over the shard group's DeviceMesh (param.py); a unit's parameters move together,
+one all-gather and one gradient reduction per unit (group.py), driven by module and autograd hooks
+(state.py). ``model.state_dict()`` gives the DTensors without communication.
 
 Hybrid sharding (HSDP, R replicas x S shards): ``shard, rep = hybrid_groups(R)`` once, then
 ``fully_shard(unit, process_group=shard, replicate_group=rep)``; gathers stay within the shard

@@ -7,10 +7,13 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from .handle import FlatParamHandle, Owner
-from .mesh import check_hybrid_layout
+from .collectives import all_gather_flat
+from .group import ParamGroup
+from .mesh import check_hybrid_layout, device_for
 from .mixed_precision import MixedPrecisionPolicy
+from .param import Owner, ShardedParam
 from .state import UnitState
 
 
@@ -18,15 +21,19 @@ def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None, 
                 mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Shard `module`'s parameters (those not already in a sharded submodule) across `process_group`.
 
-    Apply bottom-up: each block first, then the root. Afterwards ``module.parameters()`` yields this
-    rank's 1D shards (one per dtype x requires_grad group), so a stock torch.optim optimizer works
-    unchanged and its state is sharded too. Gradients are averaged over the group. Returns `module`.
+    Apply bottom-up: each block first, then the root. Afterwards every parameter is, under its
+    original name, an ``nn.Parameter`` holding a DTensor sharded ``Shard(0)`` over the shard
+    group's DeviceMesh (this rank's rows of dim 0; a rank may hold none), so a stock torch.optim
+    optimizer works unchanged, with parameter groups, and its state is sharded too; and
+    ``module.state_dict()`` gives those DTensors without communication, for
+    ``torch.distributed.checkpoint``. Gradients are averaged over the group. Returns `module`.
 
     Hybrid sharding (HSDP): `replicate_group` (default None: no replication) holds the ranks that
     keep the SAME shard, one per replica: the ranks at the same position in their shard groups
     (``hybrid_groups`` builds both; ``check_hybrid_layout`` refuses others, collectively). Parameters
     are gathered within `process_group` only; after backward each gradient is summed over the shard
-    group, then across the replicas, and divided once: the mean over all R x S ranks.
+    group, then across the replicas, and divided once: the mean over all R x S ranks. The DTensors
+    live on the shard group's mesh: every replica holds its own copy of the same shards.
     """
     if getattr(module, "_fsdp_state", None) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
@@ -40,30 +47,38 @@ def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None, 
         check_hybrid_layout(group, replicate_group)
     mp = mp_policy or MixedPrecisionPolicy()
 
-    groups: dict[tuple, OrderedDict[int, tuple[nn.Parameter, list[Owner]]]] = {}
+    entries: OrderedDict[int, tuple[nn.Parameter, list[Owner]]] = OrderedDict()
     for prefix, sub in module.named_modules():
         for name, p in sub._parameters.items():
-            if p is None or getattr(p, "_fsdp_shard", False):
-                continue  # a sharded child's flat parameter
+            if p is None or getattr(p, "_fsdp_managed", False):
+                continue  # a sharded child's parameter
             fqn = f"{prefix}.{name}" if prefix else name
             if getattr(p, "_fsdp_claimed", False):
                 raise ValueError(f"parameter '{fqn}' is shared with a module already passed to fully_shard; "
                                  f"tied parameters must live in one unit: shard their common ancestor instead")
-            key = (p.requires_grad, p.dtype, p.device)
-            groups.setdefault(key, OrderedDict()).setdefault(id(p), (p, []))[1].append(Owner(sub, name, fqn))
+            entries.setdefault(id(p), (p, []))[1].append(Owner(sub, name, fqn))
 
-    handles = [FlatParamHandle(list(entries.values()), group, mp, replicate_group) for entries in groups.values()]
-    for h in handles:
-        for owners in h.owners:
-            for o in owners:
-                setattr(o.module._parameters.pop(o.name), "_fsdp_claimed", True)
-    for i, h in enumerate(handles):
-        module.register_parameter(f"_fsdp_flat_param{i}", h.shard)
+    mesh = _mesh(group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    params = [ShardedParam(p, owners, mesh, rank, world, mp.param_dtype) for p, owners in entries.values()]
+    for p, _ in entries.values():
+        p._fsdp_claimed = True  # the original, still held by any module outside this unit
     _broadcast_buffers(module, group)
     if replicate_group is not None:  # then every replica takes its rank 0's, which now holds rank 0's
         _broadcast_buffers(module, replicate_group)
-    module._fsdp_state = UnitState(module, handles, reshard_after_forward, mp.param_dtype)
+    state = UnitState(module, ParamGroup(params, group, replicate_group, mp), reshard_after_forward, mp.param_dtype)
+    for _, unit in units(module):  # the units already under `module` prefetch in its forward order
+        unit.schedule = state.schedule
+    module._fsdp_state = state
     return module
+
+
+def _mesh(group) -> DeviceMesh:
+    """The 1D DeviceMesh of the shard group (made from the group itself: no new communicator)."""
+    mesh = DeviceMesh.from_group(group, device_for(group).type)
+    if mesh.get_local_rank() != dist.get_rank(group):  # DTensor's coordinate must be the group rank
+        raise ValueError("fully_shard: the process group's rank order does not match its DeviceMesh")
+    return mesh
 
 
 def _broadcast_buffers(module: nn.Module, group) -> None:
@@ -86,59 +101,63 @@ def units(module: nn.Module):
             yield prefix, state
 
 
+def sharded_params(module: nn.Module):
+    """(full name under `module`, ShardedParam) for every sharded parameter, unit by unit."""
+    for prefix, state in units(module):
+        for p in state.params.params:
+            yield _join(prefix, p.fqn), p
+
+
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
     """Switch the gradient reduction of every unit under `module` off (False) or back on (True), as
     FSDP2's method of the same name does. While it is off, each unit keeps its full, unreduced
-    gradient between backward passes and later ones add to it; the first backward with it on reduces
-    the sum once. Gradient accumulation over k micro-batches: off for the first k - 1, on for the last.
-    Under HSDP both reductions (over the shard group and across replicas) are skipped while it is off."""
+    gradients between backward passes and later ones add to them; the first backward with it on
+    reduces the sum once. Gradient accumulation over k micro-batches: off for the first k - 1, on
+    for the last. Under HSDP both reductions (over the shard group and across replicas) are skipped."""
     for _, state in units(module):
-        for h in state.handles:
-            h.sync_grads = bool(requires_gradient_sync)
+        state.params.sync_grads = bool(requires_gradient_sync)
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) parameters under the names they had in the unwrapped module (collective over
-    the shard group; under HSDP every replica gathers its own, identical, copy).
+    the shard group, one all-gather per parameter; under HSDP every replica gathers its own,
+    identical, copy), in the sharded (master) dtype.
 
     Tied parameters appear once, under the first name, as ``named_parameters()`` gives them.
     Parameters outside any unit are included as they are.
     """
     out: dict[str, torch.Tensor] = {}
     for prefix, state in units(module):
-        for h in state.handles:
-            flat = h.gather_full()
-            for slot in h.layout.slots:
-                out[_join(prefix, slot.fqn)] = flat[slot.offset:slot.end].view(slot.shape).clone()
-    for name, p in module.named_parameters():
-        if not getattr(p, "_fsdp_shard", False):
-            out[name] = p.detach().clone()
+        for p in state.params.params:
+            with torch.no_grad():
+                full = torch.empty(p.world_size * p.shard_numel, dtype=p.dtype, device=p.device)
+                all_gather_flat(full, p.padded, state.params.group)
+                out[_join(prefix, p.fqn)] = full[:p.shape.numel()].view(p.shape).clone()
+    for name, q in module.named_parameters():
+        if not getattr(q, "_fsdp_managed", False):
+            out[name] = q.detach().clone()
     return out
 
 
 def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """Copy full parameters (as full_state_dict returns them) into this rank's shards. No collective."""
     expected = set()
-    for prefix, state in units(module):
-        for h in state.handles:
-            for slot in h.layout.slots:
-                name = _join(prefix, slot.fqn)
-                expected.add(name)
-                if name not in state_dict:
-                    raise KeyError(f"missing parameter '{name}' in the state dict")
-                value = state_dict[name]
-                if tuple(value.shape) != slot.shape:
-                    raise ValueError(f"'{name}': shape {tuple(value.shape)} != expected {slot.shape}")
-                h.load_full(slot, value)
-    unexpected = [k for k in state_dict if k not in expected and "_fsdp_flat_param" not in k]
-    plain = dict(module.named_parameters())
-    unexpected = [k for k in unexpected if k not in plain]
+    for name, p in sharded_params(module):
+        expected.add(name)
+        if name not in state_dict:
+            raise KeyError(f"missing parameter '{name}' in the state dict")
+        value = state_dict[name]
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError(f"'{name}': shape {tuple(value.shape)} != expected {tuple(p.shape)}")
+        p.load_full_(value)
+    plain = {n: q for n, q in module.named_parameters() if not getattr(q, "_fsdp_managed", False)}
+    unexpected = [k for k in state_dict if k not in expected and k not in plain]
     if unexpected:
         raise KeyError(f"unexpected parameters in the state dict: {unexpected[:5]}")
     with torch.no_grad():
-        for k in state_dict:
-            if k in plain and not getattr(plain[k], "_fsdp_shard", False):
-                plain[k].copy_(state_dict[k])
+        for k, q in plain.items():
+            if k in state_dict:
+                q.copy_(state_dict[k])
 
 
 def _join(prefix: str, name: str) -> str:

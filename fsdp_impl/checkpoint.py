@@ -1,155 +1,298 @@
-"""Sharded checkpoints: every rank saves its own shards; any world size loads them back.
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP): every rank writes its own rows;
+any world size loads them back.
 
     save_sharded(module, optimizer, path)   # collective: every rank of the module's group calls it
     load_sharded(module, optimizer, path)   # collective, at the same, a smaller or a larger world size
 
-Why it reshards: a flat layout's slot offsets depend only on the parameter shapes (alignment),
-never on the world size; only the shard boundaries and the tail padding do. So the unpadded flat
-coordinates [0, used_numel) of a handle mean the same at every world size, and a rank rebuilds its
-new range [lo, hi) from the saved shards that overlap it (saved rank r held [r*s, (r+1)*s), s =
-ceil(used_numel / W_saved)). Optimizer state shaped like the shard (exp_avg, exp_avg_sq,
-momentum_buffer) is cut and rebuilt the same way; 0-dim and non-tensor state (Adam's step) is
-copied; the param_groups' hyper-parameters are restored as Optimizer.load_state_dict does.
-Parameters outside every unit are whole on every rank: rank 0 saves them (and their state) whole.
+Why DCP: ``module.state_dict()`` already gives every sharded parameter as a DTensor (Shard(0) over
+the shard group's mesh), and the optimizer's state shaped like a parameter is a DTensor alike
+(torch's optimizers make it with ``zeros_like``). DCP records each DTensor's global shape and this
+rank's rows, and a load at another world size reads exactly the rows the new layout puts on each
+rank (from the files that hold them, nothing gathered). What fsdp_impl adds is the optimizer state
+by parameter NAME (``{"state": {fqn: {...}}, "param_groups": ...}``, so that it does not depend on
+the optimizer's numbering), checks that refuse a checkpoint that does not fit in one line on every
+rank, before anything changes, and a marker written last.
 
-Files under `path` (format in checkpoint_format.py): one ``shard-RRRRR-of-WWWWW.pt`` per saved
-rank, ``plain.pt`` when there are parameters outside every unit, and ``meta.pt`` (rank 0), written
-last: a checkpoint without meta.pt is incomplete. Every file is written under a temporary name
-and renamed, and carries the save's id, so a crash never leaves a file that looks complete and
-files of two saves are never mixed. Nothing is gathered: a rank holds its own shards only, and
-at load reads (memory-mapped) only the saved files that overlap its range. The one collective of a
-load is the ranks' agreement that every rank read its part: a refusal is every rank's.
+Files under `path`: DCP's own (``.metadata`` and one ``__<rank>_0.distcp`` per saving rank) and
+``fsdp_impl.json`` (rank 0, written last, after every rank's files: a checkpoint without it is
+incomplete): the format, the saving world size, every parameter's name, shape and dtype, and the
+optimizer's type, parameter groups (by name) and state keys. It is what the checks read, locally,
+so every rank decides alike without communicating.
+
+The same checkpoint is an ordinary DCP checkpoint: ``dcp.load`` into ``{"model": module.state_dict()}``
+of a model sharded at any world size (fsdp_impl, or FSDP2) reads the parameters.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
-import uuid
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.tensor import DTensor
 
-from . import checkpoint_format as fmt
 from .api import units
 
+FORMAT = "fsdp_impl-dcp-1"
+INFO = "fsdp_impl.json"
+
+
+# ------------------------------------------------------------------------------------- save
 
 def save_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> None:
-    """Write this rank's shards of `module` (and of `optimizer`'s state, if given) under directory
-    `path`. Collective over the module's process group; returns once every rank's files exist.
+    """Write this rank's rows of `module`'s parameters and buffers (and of `optimizer`'s state, if
+    given) under directory `path`. Collective over the module's process group; returns once every
+    rank's files exist and the checkpoint is complete.
 
-    Each step (the directory, every rank's files, then meta.pt from rank 0) ends with the ranks'
+    Each step (the directory, DCP's save, then fsdp_impl.json from rank 0) ends with the ranks'
     agreement (_together: an all-gather of the outcome, a barrier too): a rank that cannot write
-    makes every rank raise the same one-line ValueError, and no meta.pt is written then.
+    makes every rank raise the same one-line ValueError, and no fsdp_impl.json is written then.
     """
     path = os.fspath(path)
-    handles, group = _handles(module, "save_sharded")
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    group = _checkpoint_group(module, "save_sharded")
+    rank = dist.get_rank(group)
     names = _param_names(module)
-    held = _optimizer_index(module, optimizer, names, "save_sharded") if optimizer is not None else set()
-    save_id = _broadcast_id(group)
+    if optimizer is not None:
+        _optimizer_index(module, optimizer, names, "save_sharded")
     context = f"save_sharded: cannot write the checkpoint at {path}"
     _together(group, context, lambda: _prepare(path, rank))
-    shard_file, plain = _together(group, context, lambda: _write(module, optimizer, path, handles, held, save_id))
+    _reshard(module)
+    state: dict = {"model": module.state_dict()}
+    if optimizer is not None:
+        state["optim"] = _optimizer_state(optimizer, names)
+    # values every rank holds whole (Adam's step, hyper-parameters, parameters outside every unit)
+    # go to the lowest rank's file, not spread over all: a load then opens rank 0's file and the
+    # files holding its own rows, not every file
+    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    _together(group, context, lambda: dcp.save(state, checkpoint_id=path, process_group=group, planner=planner))
 
     def finish() -> None:
-        if rank == 0:  # every rank's files exist: the checkpoint is complete once meta.pt does
-            fmt.atomic_save(fmt.meta_file(save_id, world, shard_file, plain, optimizer, names),
-                            os.path.join(path, fmt.META))
+        if rank == 0:  # every rank's files exist: the checkpoint is complete once fsdp_impl.json does
+            _atomic_write(os.path.join(path, INFO), json.dumps(_info(module, optimizer, names, group)))
 
     _together(group, context, finish)
 
 
 def _prepare(path: str, rank: int) -> None:
     os.makedirs(path, exist_ok=True)
-    if rank == 0:  # an older save here is incomplete from now on (its meta.pt goes first)
-        fmt.remove_if_present(os.path.join(path, fmt.META))
+    if rank == 0:  # an older save here is incomplete from now on (its marker goes first)
+        try:
+            os.remove(os.path.join(path, INFO))
+        except FileNotFoundError:
+            pass
 
 
-def _write(module, optimizer, path: str, handles: list, held: set, save_id: str) -> tuple[dict, list]:
-    """This rank's shard file (and, on rank 0, plain.pt): (the shard file's content, the
-    parameters outside every unit)."""
-    h0 = handles[0][3]
-    rank, world = h0.rank, h0.world_size
-    shard_file = {"format": fmt.FORMAT, "save_id": save_id, "world_size": world, "rank": rank, "handles": {}}
-    for name, prefix, index, h in handles:
-        state = optimizer.state.get(h.shard, {}) if h.shard in held else None  # None: not in the optimizer
-        shard_file["handles"][name] = fmt.shard_entry(prefix, index, h, name, state)
-    fmt.atomic_save(shard_file, os.path.join(path, fmt.shard_name(rank, world)))
-    plain = [(n, p) for n, p in module.named_parameters() if not getattr(p, "_fsdp_shard", False)]
-    if rank == 0 and plain:
-        fmt.atomic_save(fmt.plain_file(save_id, plain, optimizer, held), os.path.join(path, fmt.PLAIN))
-    return shard_file, plain
+def _optimizer_state(optimizer, names: dict[int, str]) -> dict:
+    """The optimizer's state by parameter name, its groups' hyper-parameters as one bytes leaf (DCP
+    keeps it whole: one value, whatever types the hyper-parameters have)."""
+    state = {names[id(p)]: dict(s) for p, s in optimizer.state.items() if s}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    buffer = io.BytesIO()
+    torch.save(groups, buffer)
+    return {"state": state, "param_groups": buffer.getvalue()}
 
+
+def _info(module, optimizer, names: dict[int, str], group) -> dict:
+    params = {n: [list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in module.named_parameters()}
+    opt = None
+    if optimizer is not None:
+        opt = {"type": type(optimizer).__name__,
+               "param_groups": [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups],
+               "state": {names[id(p)]: sorted(s) for p, s in optimizer.state.items() if s}}
+    return {"format": FORMAT, "world_size": dist.get_world_size(group), "params": params, "optimizer": opt}
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# ------------------------------------------------------------------------------------- load
 
 def load_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> None:
-    """Fill `module`'s shards (and `optimizer`'s state and hyper-parameters, if given) from the
-    checkpoint under `path`, saved at any world size. Collective over the module's process group.
+    """Fill `module`'s parameters and buffers (and `optimizer`'s state and hyper-parameters, if given)
+    from the checkpoint under `path`, saved at any world size. Collective over the module's group.
 
-    Every rank first reads what it needs (checks, then its pieces of the overlapping saved files);
-    the ranks then agree (one all-gather of their outcome) and only then does anything change. A
-    checkpoint that does not fit, or that one rank cannot read, raises the same one-line ValueError
-    on every rank and leaves the model and the optimizer as they were.
+    First every rank checks the checkpoint against `module` and `optimizer` (locally, from
+    fsdp_impl.json and DCP's metadata; the ranks then agree); then DCP reads this rank's rows into
+    fresh tensors (the ranks agree again); only then does anything change. A checkpoint that does
+    not fit, or that one rank cannot read, raises the same one-line ValueError on every rank and
+    leaves the model and the optimizer as they were.
     """
     path = os.fspath(path)
-    handles, group = _handles(module, "load_sharded")
+    group = _checkpoint_group(module, "load_sharded")
     names = _param_names(module)
-    values, state, plain = _together(group, f"load_sharded: cannot read the checkpoint at {path}",
-                                     lambda: _read(module, optimizer, path, handles, names))
-    params = dict(module.named_parameters())
+    context = f"load_sharded: cannot read the checkpoint at {path}"
+    _reshard(module)
+    target = _together(group, context, lambda: _plan_load(module, optimizer, path, names))
+    _together(group, context, lambda: dcp.load(target, checkpoint_id=path, process_group=group))
+    live = module.state_dict()
     with torch.no_grad():
-        for (_, _, _, h), value in zip(handles, values):
-            h.reshard()  # a gathered copy (mid-step) would be stale: the next forward gathers anew
-            h.shard.copy_(value)
-        for n, value in plain["params"].items():
-            params[n].copy_(value)
+        for k, value in target["model"].items():
+            _local(live[k]).copy_(_local(value))
     if optimizer is not None:
-        _load_optimizer(optimizer, state, names)
+        _load_optimizer(optimizer, target["optim"], names)
 
 
-def _read(module, optimizer, path: str, handles: list, names: dict[int, str]):
-    """Check the checkpoint against `module` (and `optimizer`), and read this rank's part of it:
-    (the new shard of every handle, in order; the optimizer's state and saved param groups, or
-    None; the parameters outside every unit and their state). Changes nothing."""
-    meta = fmt.read_meta(path)
-    fmt.check_layout(meta, handles, module, path)
+def _plan_load(module, optimizer, path: str, names: dict[int, str]) -> dict:
+    """Check the checkpoint against `module` (and `optimizer`); the tensors DCP is to fill: fresh
+    ones shaped like this rank's (DTensors where the live ones are). Changes nothing."""
+    info = _read_info(path)
+    _check_model(info, module, path)
+    _check_files(info, path)
+    target = {"model": {k: torch.empty_like(v) for k, v in module.state_dict().items()}}
     if optimizer is not None:
         _optimizer_index(module, optimizer, names, "load_sharded")
-        fmt.check_optimizer(meta, optimizer, names, path)
-    fmt.check_files_exist(meta, path)
-    reader = fmt.ShardReader(path, meta)
-    saved = {h["name"]: h for u in meta["units"] for h in u["handles"]}
-    values, state = [], {}
-    for name, _, _, h in handles:
-        value, opt_state = reader.rebuild(saved[name], h, want_state=optimizer is not None)
-        values.append(value)
-        if opt_state is not None:
-            state[name] = opt_state
-    plain = reader.plain()
-    state.update(plain["state"])
-    reader.close()
-    return values, (None if optimizer is None else (state, meta["optimizer"])), plain
+        _check_optimizer(info, optimizer, names, path)
+        params = {n: p for n, p in module.named_parameters()}
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        state = {}
+        for fqn, keys in info["optimizer"]["state"].items():
+            state[fqn] = {k: _state_target(metadata.get(f"optim.state.{fqn}.{k}"), params[fqn]) for k in keys}
+        target["optim"] = {"state": state, "param_groups": b""}
+    return target
 
+
+def _state_target(meta, param: torch.Tensor):
+    """What DCP fills for one optimizer state value: a DTensor like the parameter where the saved
+    value has its shape (exp_avg, momentum_buffer), a plain tensor otherwise (Adam's step), None
+    for a value that is not a tensor (DCP replaces it)."""
+    size = getattr(meta, "size", None)
+    if size is None:
+        return None
+    dtype = meta.properties.dtype
+    if tuple(size) == tuple(param.shape) and isinstance(param, DTensor):
+        return torch.empty_like(param, dtype=dtype)
+    return torch.empty(tuple(size), dtype=dtype)
+
+
+def _load_optimizer(optimizer, loaded: dict, names: dict[int, str]) -> None:
+    """Through torch's Optimizer.load_state_dict (hyper-parameters, hooks, casts), with the saved
+    state and groups numbered as this optimizer lists its parameters (_check_optimizer matched the names)."""
+    saved_groups = torch.load(io.BytesIO(loaded["param_groups"]), weights_only=True)
+    states, groups, index = {}, [], 0
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        ids = []
+        for p in group["params"]:
+            name = names[id(p)]
+            if name in loaded["state"]:
+                states[index] = loaded["state"][name]
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+    optimizer.load_state_dict({"state": states, "param_groups": groups})
+
+
+# ----------------------------------------------------------------------------------- checks
+
+def _read_info(path: str) -> dict:
+    f = os.path.join(path, INFO)
+    if not os.path.exists(f):
+        raise ValueError(f"load_sharded: no complete checkpoint at {path} ({INFO} is missing)")
+    with open(f) as fh:
+        info = json.load(fh)
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise ValueError(f"load_sharded: {f} is not an fsdp_impl checkpoint description ({FORMAT})")
+    return info
+
+
+def _short(items) -> str:
+    items = sorted(items)
+    return ", ".join(repr(i) for i in items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
+
+
+def _check_model(info: dict, module, path: str) -> None:
+    """The same parameters (names, shapes, dtypes) as saved: else one ValueError naming the differences."""
+    here = {n: [list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in module.named_parameters()}
+    saved = info["params"]
+    if here == saved:
+        return
+    only_saved, only_here = set(saved) - set(here), set(here) - set(saved)
+    parts = []
+    if only_saved or only_here:
+        parts.append(f"only in the checkpoint: {_short(only_saved) or 'none'}; only here: {_short(only_here) or 'none'}")
+    for n in here:  # the first in the model's order
+        if n in saved and saved[n] != here[n]:
+            parts.append(f"'{n}' is {tuple(here[n][0])} {here[n][1]} here but {tuple(saved[n][0])} {saved[n][1]} "
+                         f"in the checkpoint")
+            break
+    raise ValueError(f"load_sharded: a different model: parameters differ from the checkpoint at {path} "
+                     f"({'; '.join(parts)})")
+
+
+def _check_files(info: dict, path: str) -> None:
+    """Every file DCP's metadata refers to is there: checked by every rank alike."""
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise ValueError(f"load_sharded: the checkpoint at {path} has no DCP .metadata")
+    meta = dcp.FileSystemReader(path).read_metadata()
+    files = {getattr(s, "relative_path", None) for s in (meta.storage_data or {}).values()}
+    missing = [f for f in files if f and not os.path.exists(os.path.join(path, f))]
+    if missing:
+        raise ValueError(f"load_sharded: the checkpoint at {path} (saved by {info['world_size']} ranks) is "
+                         f"missing {_short(missing)}")
+
+
+def _check_optimizer(info: dict, optimizer, names: dict[int, str], path: str) -> None:
+    """The checkpoint holds optimizer state of the same type, in as many groups, over the same parameters."""
+    saved = info["optimizer"]
+    if saved is None:
+        raise ValueError(f"load_sharded: the checkpoint at {path} holds no optimizer state "
+                         f"(saved with optimizer=None); pass optimizer=None to load the parameters only")
+    kind = type(optimizer).__name__
+    if saved["type"] != kind:
+        raise ValueError(f"load_sharded: the checkpoint at {path} holds the state of a {saved['type']} "
+                         f"optimizer, not of a {kind}")
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"load_sharded: the optimizer has {len(optimizer.param_groups)} param group(s), "
+                         f"the checkpoint at {path} {len(saved['param_groups'])}")
+    for g, (group, theirs) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
+        mine = [names[id(p)] for p in group["params"]]
+        if sorted(mine) != sorted(theirs):
+            diff = set(mine) ^ set(theirs)
+            raise ValueError(f"load_sharded: optimizer param group {g} holds other parameters than in the "
+                             f"checkpoint at {path}: {_short(diff) or 'a parameter listed twice'}")
+
+
+# ------------------------------------------------------------------------------ agreement
 
 def _together(group, context: str, fn):
     """fn() on this rank, then _agree on the outcome: fn's result, or every rank raises."""
     try:
         result, error = fn(), None
-    except Exception as exc:  # any rank's failure is every rank's: no rank may go on alone (or wait)
+    except (Exception, CheckpointException) as exc:  # any rank's failure is every rank's (DCP's
+        # CheckpointException derives from BaseException): no rank may go on alone, or wait
         result, error = None, exc
     _agree(error, group, context)
     return result
 
 
-def _agree(error: Exception | None, group, context: str) -> None:
+def _agree(error: BaseException | None, group, context: str) -> None:
     """Every rank learns whether any rank failed (one all-gather: a barrier too); if one did, every
     rank raises the same one-line ValueError, the first failing rank's. Our own refusals (a
     ValueError starting with 'save_sharded:' / 'load_sharded:') keep their text; anything else
-    (OSError, a corrupt file) is prefixed with `context`."""
+    (OSError, DCP's CheckpointException, a corrupt file) is prefixed with `context`."""
     message = None
     if error is not None:
         own = isinstance(error, ValueError) and str(error).startswith(context.split(":")[0] + ":")
-        message = " ".join((str(error) if own else f"{context}: {type(error).__name__}: {error}").split())
+        if isinstance(error, CheckpointException) and error.failures:  # DCP: the first failing rank's error
+            rank, (cause, _) = min(error.failures.items(), key=lambda kv: kv[0])
+            text = f"{context}: rank {rank}: {type(cause).__name__}: {cause}"
+        else:
+            text = str(error) if own else f"{context}: {type(error).__name__}: {error}"
+        message = " ".join(text.split())
     messages = [message]
     if dist.get_world_size(group) > 1:
         messages = [None] * dist.get_world_size(group)
@@ -161,29 +304,43 @@ def _agree(error: Exception | None, group, context: str) -> None:
 
 # -------------------------------------------------------------------------------- helpers
 
-def _handles(module: nn.Module, who: str) -> tuple[list[tuple[str, str, int, object]], object]:
-    """(parameter name of the shard, unit prefix, handle index, handle) for every handle, and the
-    one process group they share."""
-    out, group = [], None
+def _checkpoint_group(module: nn.Module, who: str):
+    """The group every rank holding a part of `module` is in: the units' shard group, or under HSDP
+    the whole job (the replicas write the same rows; DCP keeps one copy)."""
+    group, hybrid = None, False
     for prefix, state in units(module):
-        for i, h in enumerate(state.handles):
-            name = f"{prefix}._fsdp_flat_param{i}" if prefix else f"_fsdp_flat_param{i}"
-            out.append((name, prefix, i, h))
-            if getattr(h, "replicate_group", None) is not None:
-                raise ValueError(f"{who}: unit '{prefix}' is hybrid-sharded (a replicate group); sharded "
-                                 f"checkpoints of hybrid meshes are not supported yet")
-            if group is None:
-                group = h.group
-            elif h.group is not group:
-                raise ValueError(f"{who}: unit '{prefix}' uses another process group than the first unit; "
-                                 f"one group per model is supported")
+        if not state.params.params:
+            continue
+        hybrid = hybrid or state.params.replicate_group is not None
+        if group is None:
+            group = state.params.group
+        elif state.params.group is not group:
+            raise ValueError(f"{who}: unit '{prefix}' uses another process group than the first unit; "
+                             f"one group per model is supported")
     if group is None:
         raise ValueError(f"{who}: no fully_shard unit with parameters under this {type(module).__name__}")
-    return out, group
+    if hybrid:
+        replicas = next(s.params.replicate_group for _, s in units(module) if s.params.replicate_group is not None)
+        if dist.get_world_size(group) * dist.get_world_size(replicate_group := replicas) != dist.get_world_size():
+            raise ValueError(f"{who}: a hybrid-sharded model over part of the job is not supported "
+                             f"(its {dist.get_world_size(group)} x {dist.get_world_size(replicate_group)} ranks "
+                             f"are not the whole job)")
+        return dist.group.WORLD
+    return group
+
+
+def _reshard(module: nn.Module) -> None:
+    """Every unit's modules point at the sharded DTensors (a gathered copy mid-step would be stale)."""
+    for _, state in units(module):
+        state.params.reshard()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _param_names(module: nn.Module) -> dict[int, str]:
-    """id(parameter) -> its name in module.named_parameters() (a shard: '<unit>._fsdp_flat_param<i>')."""
+    """id(parameter) -> its name in module.named_parameters() (the original names; a tie: the first)."""
     return {id(p): n for n, p in module.named_parameters()}
 
 
@@ -197,28 +354,3 @@ def _optimizer_index(module, optimizer, names: dict[int, str], who: str) -> set:
                                  f"{tuple(p.shape)} that is not a parameter of this {type(module).__name__}")
             held.add(p)
     return held
-
-
-def _load_optimizer(optimizer, read: tuple[dict[str, dict], dict], names: dict[int, str]) -> None:
-    """Through torch's Optimizer.load_state_dict (hyper-parameters, hooks, casts), with the saved
-    groups' parameters numbered as this optimizer lists them (check_optimizer matched the names)."""
-    state, saved = read
-    groups, states, index = [], {}, 0
-    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
-        ids = []
-        for p in group["params"]:
-            name = names[id(p)]
-            if name in state:
-                states[index] = state[name]
-            ids.append(index)
-            index += 1
-        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
-    optimizer.load_state_dict({"state": states, "param_groups": groups})
-
-
-def _broadcast_id(group) -> str:
-    """A fresh id chosen by rank 0 of the group, the same on every rank."""
-    box = [uuid.uuid4().hex if dist.get_rank(group) == 0 else None]
-    if dist.get_world_size(group) > 1:
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]

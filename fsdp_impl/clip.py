@@ -11,7 +11,7 @@ parameter split over ranks contributes partial sums of squares (in float64, summ
 the all-reduce): the norm is right to float32 rounding, but it is not bitwise the W = 1 value,
 since the sum runs in another order. The infinity norm is a maximum and is exact at any W.
 
-Under HSDP the reduction runs over the shard group only (``h.group``): the S ranks of a shard
+Under HSDP the reduction runs over the shard group only: the S ranks of a shard
 group hold the whole model between them, and the replicas hold the same shards (their gradients
 were all-reduced, bitwise equal), so each replica computes the same global norm on its own;
 summing over all R x S ranks would count every element R times (norm off by sqrt(R)).
@@ -24,6 +24,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .api import units
 
@@ -34,26 +35,29 @@ def all_reduce_norm(value: torch.Tensor, op, group) -> None:
         dist.all_reduce(value, op=op, group=group)
 
 
-def _local_parts(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor], object]:
-    """(this rank's gradient part of every original parameter, in the order the unwrapped model lists
-    them; every gradient tensor to scale; the shard group). Parts are views into the shard
-    gradients, padding left out. The order is torch's, so that at one rank the norm of the
-    per-parameter norms is summed exactly as torch sums it."""
-    position = {id(m): i for i, m in enumerate(module.modules())}
-    keyed, grads, group = [], [], None
-    for _, state in units(module):
-        for h in state.handles:
-            group = h.group
-            if h.shard.grad is None:
-                continue
-            grads.append(h.shard.grad)
-            lo = h.layout.rank_range(h.rank)[0]
-            for i, (slot, owners) in enumerate(zip(h.layout.slots, h.owners)):
-                span = h.layout.overlap(slot, h.rank)
-                if span is not None:
-                    keyed.append(((position[id(owners[0].module)], i), h.shard.grad[span[0] - lo:span[1] - lo]))
-    keyed.sort(key=lambda kv: kv[0])
-    return [t for _, t in keyed], grads, group
+def _local_parts(module: nn.Module, norm_type: float) -> tuple[list[torch.Tensor], list[torch.Tensor], object]:
+    """(what this rank counts in the norm, in the order ``module.parameters()`` lists them; every
+    gradient tensor to scale; the shard group). A sharded parameter counts its rows (its DTensor
+    gradient's local tensor, maybe empty); a parameter outside every unit is whole on every rank,
+    so for norm 2 rank 0 alone counts it. The sharded parameters sit under the original names, so at
+    one rank the norm of the per-parameter norms is summed exactly as torch sums it on the plain model."""
+    group = next((state.params.group for _, state in units(module)), None)
+    if group is None:
+        raise ValueError("clip_grad_norm_: no fully_shard unit under this module")
+    counts_plain = norm_type == math.inf or dist.get_rank(group) == 0
+    own, grads = [], []
+    for q in module.parameters():
+        if q.grad is None:
+            continue
+        if getattr(q, "_fsdp_managed", False):
+            local = q.grad._local_tensor if isinstance(q.grad, DTensor) else q.grad
+            own.append(local)
+            grads.append(local)
+        else:
+            grads.append(q.grad)
+            if counts_plain:
+                own.append(q.grad)
+    return own, grads, group
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -65,15 +69,10 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     norm_type = float(norm_type)
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"clip_grad_norm_: norm_type {norm_type} is not supported (2 or inf)")
-    parts, grads, group = _local_parts(module)
-    plain = [p.grad for p in module.parameters() if not getattr(p, "_fsdp_shard", False) and p.grad is not None]
-    if group is None:
-        raise ValueError("clip_grad_norm_: no fully_shard unit under this module")
+    own, grads, group = _local_parts(module, norm_type)
     world = dist.get_world_size(group)
-    dtype = next((g.dtype for g in grads + plain), torch.float32)
-    device = next((g.device for g in grads + plain), torch.device("cpu"))
-    # a parameter outside every unit is whole on every rank: counted by rank 0 alone for norm 2
-    own = parts + (plain if norm_type == math.inf or dist.get_rank(group) == 0 else [])
+    dtype = next((g.dtype for g in grads), torch.float32)
+    device = next((g.device for g in grads), torch.device("cpu"))
     if world == 1:  # torch's computation on the whole parameters: per-parameter norms, then their norm
         norms = torch._foreach_norm(own, norm_type) if own else []
         total = (torch.linalg.vector_norm(torch.stack(list(norms)), norm_type) if norms
@@ -87,7 +86,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         all_reduce_norm(sq, dist.ReduceOp.SUM, group)
         total = sq.sqrt().to(dtype)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if grads + plain:
+    if grads:
         with torch.no_grad():
-            torch._foreach_mul_(grads + plain, coef)
+            torch._foreach_mul_(grads, coef)
     return total

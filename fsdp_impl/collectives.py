@@ -1,4 +1,9 @@
-"""Stateless collectives on flat buffers. The math (sum, divide) is kept apart from the wiring."""
+"""Stateless collectives on flat buffers. The math (sum, divide) is kept apart from the wiring.
+
+A unit's gradient reaches them as ONE flat buffer of W equal chunks, chunk r holding every
+parameter's rows for rank r (group.py builds it with ``torch._chunk_cat``); what comes back is this
+rank's chunk, reduced.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +11,18 @@ import torch
 import torch.distributed as dist
 
 
-def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group) -> None:
-    """Fill `out` (1D, padded, shard.numel() x W) with every rank's `shard`, in rank order."""
+def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
+    """Fill `out` (1D, padded, shard.numel() x W) with every rank's `shard`, in rank order.
+    With `async_op` the collective is only issued: the returned work's ``wait()`` completes it
+    (None at world size 1, where the copy is done at once); `shard` must stay alive until then."""
     if dist.get_world_size(group) == 1:
         out.copy_(shard)
-        return
-    dist.all_gather_single(out, shard.contiguous(), group=group)
+        return None
+    return dist.all_gather_single(out, shard.contiguous(), group=group, async_op=async_op)
 
 
 def reduce_scatter_mean(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype) -> torch.Tensor:
-    """This rank's shard of the mean over ranks of `full_grad` (1D, padded), accumulated in `reduce_dtype`.
+    """This rank's chunk of the mean over ranks of `full_grad` (1D, W equal chunks), accumulated in `reduce_dtype`.
 
     The reduce-scatter is an all-to-all exchange in the gradient's own dtype (each rank receives
     every rank's copy of its own shard: (W-1)/W of the buffer on the wire, as a ring reduce-scatter)

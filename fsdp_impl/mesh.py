@@ -68,7 +68,7 @@ def check_hybrid_layout(shard_group, replicate_group) -> None:
     ranks raise together instead of leaving the others waiting in a later collective."""
     me = dist.get_rank()
     shared = set(dist.get_process_group_ranks(shard_group)) & set(dist.get_process_group_ranks(replicate_group))
-    device = _device_for(replicate_group)
+    device = device_for(replicate_group)
     mine = torch.tensor([dist.get_world_size(shard_group), dist.get_rank(shard_group)], device=device)
     every = torch.empty(2 * dist.get_world_size(replicate_group), dtype=mine.dtype, device=device)
     dist.all_gather_single(every, mine, group=replicate_group)
@@ -88,7 +88,7 @@ def check_hybrid_layout(shard_group, replicate_group) -> None:
                          f"{fault or 'another rank found a fault'} (hybrid_groups builds them)")
 
 
-def _device_for(group) -> torch.device:
+def device_for(group) -> torch.device:
     """Where this group's collectives take tensors: the current CUDA device under NCCL, else CPU."""
     if "nccl" in str(dist.get_backend(group)).lower():
         return torch.device("cuda", torch.cuda.current_device())

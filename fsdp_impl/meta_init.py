@@ -1,7 +1,7 @@
 """Materialize a model that was built on the meta device and then sharded.
 
 Each rank replays initialization module by module, in ``module.modules()`` order, at full size
-(one module's parameters at a time), and keeps only its own slice. Eager construction runs the
+(one module's parameters at a time), and keeps only its own rows of each. Eager construction runs the
 same ``reset_parameters()`` calls in the same order, so with the same seed the full parameters
 are bitwise identical to an eagerly built model on every rank.
 
@@ -19,15 +19,16 @@ from .api import units
 
 
 def materialize_meta(module: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+    """Give every sharded parameter of `module` real storage on `device` and fill it as an eager
+    build would have. Make the optimizer afterwards: the sharded parameters are new objects."""
     device = torch.device(device)
-    index: dict[int, list] = {}  # id(submodule) -> [(attr name, handle, slot, first owner?)]
+    index: dict[int, list] = {}  # id(submodule) -> [(attribute name, ShardedParam, first owner?)]
     for _, state in units(module):
-        for h in state.handles:
-            h.device = device
-            _replace_shard(state.module, h, torch.zeros(h.layout.shard_numel, dtype=h.dtype, device=device))
-            for slot, owners in zip(h.layout.slots, h.owners):
-                for i, o in enumerate(owners):
-                    index.setdefault(id(o.module), []).append((o.name, h, slot, i == 0))
+        state.params.reshard()
+        for p in state.params.params:
+            p.replace_padded(torch.zeros(p.shard_numel, dtype=p.dtype, device=device))
+            for i, o in enumerate(p.owners):
+                index.setdefault(id(o.module), []).append((o.name, p, i == 0))
     for prefix, sub in module.named_modules():
         entries = index.get(id(sub), [])
         if entries:
@@ -36,36 +37,23 @@ def materialize_meta(module: nn.Module, device: torch.device | str = "cpu") -> n
     return module
 
 
-def _replace_shard(unit: nn.Module, h, value: torch.Tensor) -> None:
-    """Give the handle a new shard Parameter on the real device, registered under the same name.
-
-    (``shard.data = value`` cannot move a meta tensor to another device: set_data rejects it.)
-    """
-    names = [n for n, p in unit._parameters.items() if p is h.shard]
-    fresh = nn.Parameter(value, requires_grad=h.requires_grad)
-    fresh._fsdp_shard = True
-    h.shard = fresh
-    for n in names:
-        unit._parameters[n] = fresh
-
-
 def _replay(prefix: str, sub: nn.Module, entries, device) -> None:
+    """Run `sub`'s reset_parameters() on full-size stand-ins, keep this rank's rows of each."""
     reset = getattr(sub, "reset_parameters", None)
     if reset is None:
         raise TypeError(f"module '{prefix or type(sub).__name__}' holds parameters but has no "
                         f"reset_parameters(); it cannot be initialized from the meta device")
-    saved = {name: sub.__dict__.pop(name, None) for name, *_ in entries}  # views left by a forward
-    for name, h, slot, _ in entries:
-        sub._parameters[name] = nn.Parameter(torch.empty(slot.shape, dtype=h.dtype, device=device))
-    with torch.no_grad():
-        reset()
-    for name, h, slot, first in entries:
-        value = sub._parameters.pop(name)
-        if first:
-            h.load_full(slot, value)
-    for name, v in saved.items():
-        if v is not None:
-            sub.__dict__[name] = v
+    sharded = {name: sub._parameters[name] for name, *_ in entries}
+    for name, p, _ in entries:
+        sub._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device))
+    try:
+        with torch.no_grad():
+            reset()
+        for name, p, first in entries:
+            if first:
+                p.load_full_(sub._parameters[name])
+    finally:
+        sub._parameters.update(sharded)
 
 
 def _materialize_buffers(prefix: str, sub: nn.Module, device) -> None:

@@ -195,19 +195,18 @@ def _scale_output_grad(out: Tensor, per_sample: Tensor) -> None:
 def _trainable_owners(model: nn.Module) -> dict[nn.Module, list[tuple[str, object]]]:
     """module -> [(attribute name, key identifying the parameter)] for every trainable parameter.
 
-    Sharded parameters are attributes (views of the gathered flat buffer) named by the handles;
-    the key is (handle, slot), shared by all owners of a tied parameter. Unsharded parameters
-    are found in ``_parameters`` and keyed by identity."""
+    Sharded parameters are keyed by their ShardedParam, shared by all owners of a tied parameter
+    (during forward and backward the owners point at its unsharded parameter). Unsharded
+    parameters are found in ``_parameters`` and keyed by identity."""
     owners: dict[nn.Module, list[tuple[str, object]]] = defaultdict(list)
     for _, state in units(model):
-        for h in state.handles:
-            if h.requires_grad:
-                for i, slot_owners in enumerate(h.owners):
-                    for o in slot_owners:
-                        owners[o.module].append((o.name, (id(h), i)))
+        for p in state.params.params:
+            if p.requires_grad:
+                for o in p.owners:
+                    owners[o.module].append((o.name, id(p)))
     for m in model.modules():
         for name, p in m._parameters.items():
-            if p is not None and p.requires_grad and not getattr(p, "_fsdp_shard", False):
+            if p is not None and p.requires_grad and not getattr(p, "_fsdp_managed", False):
                 owners[m].append((name, id(p)))
     return dict(owners)
 

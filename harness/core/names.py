@@ -6,7 +6,7 @@
 
 BUILTIN_ADAPTERS = ("reference", "fsdp_impl", "torch_fsdp2", "torch_fsdp2_fp64reduce", "torch_fsdp1", "ddp")
 ADAPTER_FORMS = "'cs336:<module>', or 'package.module:object'"
-MODELS = ("mlp", "mlp_frozen", "tinylm", "tinylm_tied", "gpt2_medium")
+MODELS = ("mlp", "mlp_frozen", "tinylm", "tinylm_tied", "gpt2_medium", "lm_50m")
 # Hugging Face transformers models (optional extra `pip install -e .[hf]`): harness.train.hf_models.HF_SPECS
 HF_PREFIX = "hf:"
 HF_MODELS = ("hf:gpt2", "hf:llama")

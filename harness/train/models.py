@@ -279,6 +279,10 @@ TINYLM = LMConfig()
 # GPT-2-medium scale (~355M parameters, tied like GPT-2). For memory planning: build on meta.
 GPT2_MEDIUM = LMConfig(vocab=50257, d_model=1024, n_heads=16, n_layers=24, d_ff=2752,
                        seq_len=32, context=1024, tied=True)
+# ~55M parameters (54,735,360), untied, short sequences: the smallest zoo LM whose step is dominated
+# by real matmuls and whose parameters (and AdamW state, ~0.9 GB at W=1) are big enough that
+# sharding costs show; small enough to train a few steps on a 2-core CPU (harness/bench).
+LM_50M = LMConfig(vocab=16384, d_model=512, n_heads=8, n_layers=12, d_ff=1376, seq_len=32, context=32)
 
 MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec("mlp", MLP, _mlp_batch, F.mse_loss, lambda m: list(m.layers)),
@@ -286,6 +290,7 @@ MODELS: dict[str, ModelSpec] = {
     "tinylm": _lm_spec("tinylm", TINYLM),
     "tinylm_tied": _lm_spec("tinylm_tied", LMConfig(tied=True)),
     "gpt2_medium": _lm_spec("gpt2_medium", GPT2_MEDIUM),
+    "lm_50m": _lm_spec("lm_50m", LM_50M),
 }
 
 

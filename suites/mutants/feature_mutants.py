@@ -10,8 +10,9 @@ misplaced on reload.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from suites.mutants.injection import MutantAdapter, _handles, _rebind, _units, _with_globals
+from suites.mutants.injection import MutantAdapter, _around, _groups, _params, _rebind, _units, _with_globals
 
 
 class SyncIgnored(MutantAdapter):
@@ -26,7 +27,9 @@ class SyncIgnored(MutantAdapter):
 
 class SyncNeverRestored(MutantAdapter):
     """The switch turns the reduction off and never back on: the accumulated gradient is never
-    reduced, so the sharded parameters get no gradient at all."""
+    reduced, so the sharded parameters get no gradient at all. At every world size, W = 1 included
+    (its gradient too reaches the sharded parameter only through the reduction): W = 1 leaves the
+    plain model at step 1 (ws1_exact), and replicated W > 1 runs equal the faulty W = 1 run."""
 
     name = "mutant:sync_never_restored"
 
@@ -37,26 +40,42 @@ class SyncNeverRestored(MutantAdapter):
 
 class AccumAveraged(MutantAdapter):
     """The gradient accumulated over unreduced micro-batches is divided by their count before it is
-    reduced, as if each micro-batch's loss were not already scaled: the step's gradient is 1/k of it."""
+    reduced, as if each micro-batch's loss were not already scaled: the step's gradient is 1/k of it.
+    Each unit counts its backward passes (its pre-backward hook, once per backward) and divides its
+    unsharded gradients by that count when it reduces them."""
 
     name = "mutant:accum_averaged"
 
     def mutate(self, wrapped):
-        for _, h in _handles(wrapped):
-            def post_backward(full, h=h, product=type(h)._post_backward):
-                h.passes = getattr(h, "passes", 0) + 1
-                if h.sync_grads:
-                    if full.grad is not None:
-                        full.grad.div_(h.passes)
-                    h.passes = 0
-                product(h, full)
+        from fsdp_impl.state import TrainingState
 
-            h._post_backward = post_backward
+        for _, state in _units(wrapped):
+            g = state.params
+            if not g.params:
+                continue
+            passes = {"n": 0}  # backward passes since the unit last reduced
+
+            def pre_backward(product, grad, state=state, passes=passes):
+                if state.training_state is not TrainingState.PRE_BACKWARD:  # the first hook of this backward
+                    passes["n"] += 1
+                return product(grad)
+
+            def reduce_averaged(product, g=g, passes=passes):
+                if passes["n"] > 1:
+                    with torch.no_grad():
+                        for p in g.params:
+                            if p.unsharded_grad() is not None:
+                                p.unsharded.grad.div_(passes["n"])
+                passes["n"] = 0
+                product()
+
+            _around(state, "_pre_backward", pre_backward)  # registered on the outputs at each forward
+            _around(g, "reduce_grads", reduce_averaged)
 
 
 class ClipLocalNorm(MutantAdapter):
     """Gradient clipping by the norm of the rank's own shard, not the global norm (as
-    ``torch.nn.utils.clip_grad_norm_`` computes on flat shards): off by about sqrt(W) for L2, and each
+    ``torch.nn.utils.clip_grad_norm_`` computes on the shards' local tensors): off by about sqrt(W) for L2, and each
     rank scales by a coefficient of its own."""
 
     name = "mutant:clip_local_norm"
@@ -109,15 +128,18 @@ class AcReducedTwice(MutantAdapter):
         for _, state in _units(wrapped):
             if "forward" not in vars(state.module):  # checkpointing replaces the unit's forward (features.py)
                 continue
-            for h in state.handles:
-                def post_backward(full, h=h, product=type(h)._post_backward):
-                    grad = full.grad.clone() if h.sync_grads and full.grad is not None else None
-                    product(h, full)
-                    if grad is not None:
-                        full.grad = grad
-                        product(h, full)  # the same reduction again, added to the shard's gradient
+            g = state.params
 
-                h._post_backward = post_backward
+            def reduce_twice(product, g=g):
+                grads = {id(p): p.unsharded.grad.clone() for p in g.params if p.unsharded_grad() is not None}
+                product()
+                if grads:
+                    for p in g.params:
+                        if id(p) in grads:
+                            p.unsharded.grad = grads[id(p)]
+                    product()  # the same reduction again, added to the sharded gradient
+
+            _around(g, "reduce_grads", reduce_twice)
 
 
 class ReplicasNotAveraged(MutantAdapter):
@@ -133,13 +155,14 @@ class ReplicasNotAveraged(MutantAdapter):
         def shard_group_only(full_grad, shard_group, replicate_group, reduce_dtype):
             return reduce_scatter_mean(full_grad, shard_group, reduce_dtype)
 
-        for _, h in _handles(wrapped):
-            _rebind(h, "_post_backward", hybrid_reduce_mean=shard_group_only)
+        for _, g in _groups(wrapped):
+            _rebind(g, "reduce_grads", hybrid_reduce_mean=shard_group_only)
 
 
 class CkptLastRankShifted(MutantAdapter):
     """A checkpoint reloaded with the last rank's part one element late, as when the tail padding of
-    the saved layout is not the one of the loading layout: every value on the last rank is misplaced."""
+    the saved layout is not the one of the loading layout: on the last rank, each parameter's rows
+    (the rows before its padding) are read one element late, so every value there is misplaced."""
 
     name = "mutant:ckpt_last_rank_shifted"
 
@@ -147,26 +170,27 @@ class CkptLastRankShifted(MutantAdapter):
         import torch.distributed as dist
 
         super().load_checkpoint(wrapped, optimizer, path)
-        for _, h in _handles(wrapped):
-            if h.rank != h.world_size - 1:
+        for _, p in _params(wrapped):
+            if p.rank != p.world_size - 1 or not p.local_numel:
                 continue
-            lo = h.layout.rank_range(h.rank)[0]
-            n = max(0, min(h.layout.shard_numel, h.layout.used_numel - lo))  # this rank's non-padding part
+            own = p.padded[:p.local_numel]  # this rank's rows, before the padding
             with torch.no_grad():
-                h.shard[:n].copy_(torch.roll(h.shard[:n].clone(), 1))
-        dist.barrier(group=_handles(wrapped)[0][1].group)
+                own.copy_(torch.roll(own.clone(), 1))
+        dist.barrier(group=_groups(wrapped)[0][1].group)
 
 
 class CkptOptimizerStateShifted(MutantAdapter):
-    """A checkpoint reloaded with the parameters in place but the optimizer state one element off (the
-    state cut at the offsets of another layout): the first steps after resuming go wrong."""
+    """A checkpoint reloaded with the parameters in place but the optimizer state one element off (each
+    rank's part of every state tensor shaped like its parameter read one element late, as when it is
+    cut at the offsets of another layout): the first steps after resuming go wrong."""
 
     name = "mutant:ckpt_optimizer_state_shifted"
 
     def load_checkpoint(self, wrapped, optimizer, path):
         super().load_checkpoint(wrapped, optimizer, path)
         with torch.no_grad():
-            for state in optimizer.state.values():
+            for param, state in optimizer.state.items():
                 for value in state.values():
-                    if torch.is_tensor(value) and value.dim() == 1:
-                        value.copy_(torch.roll(value.clone(), 1))
+                    if isinstance(value, DTensor) and value.shape == param.shape:
+                        local = value._local_tensor.view(-1)
+                        local.copy_(torch.roll(local.clone(), 1))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from suites.mutants.injection import MutantAdapter, ReductionReplaced, _collectives, _handles, _rebind
+from suites.mutants.injection import MutantAdapter, ReductionReplaced, _around, _groups, _params, _units
 
 
 class GradSummed(ReductionReplaced):
@@ -52,56 +52,70 @@ class Fp32Reduce(ReductionReplaced):
 
 class TiedReducedTwice(MutantAdapter):
     """A tied parameter's gradient counted once per owner (embedding and head each reduce the
-    slot's accumulated gradient), so it is doubled."""
+    parameter's accumulated gradient), so it is doubled: its unsharded gradient is scaled by the
+    number of owners before the unit's reduction."""
 
     name = "mutant:tied_reduced_twice"
 
     def mutate(self, wrapped):
-        mean = _collectives().reduce_scatter_mean
-        for _, h in _handles(wrapped):
-            tied = [(slot, len(owners)) for slot, owners in zip(h.layout.slots, h.owners) if len(owners) > 1]
+        for _, g in _groups(wrapped):
+            tied = [p for p in g.params if len(p.owners) > 1]
             if not tied:
                 continue
 
-            def reduce_per_owner(full_grad, group, reduce_dtype, tied=tied):
-                g = full_grad.clone()
-                for slot, n_owners in tied:
-                    g[slot.offset:slot.end] *= n_owners
-                return mean(g, group, reduce_dtype)
+            def reduce_per_owner(product, tied=tied):
+                for p in tied:
+                    if p.unsharded_grad() is not None:
+                        p.unsharded.grad.mul_(len(p.owners))
+                return product()
 
-            _rebind(h, "_post_backward", reduce_scatter_mean=reduce_per_owner)
+            _around(g, "reduce_grads", reduce_per_owner)
 
 
 class GradsNotCleared(MutantAdapter):
-    """The unsharded gradient is never cleared: autograd adds each step's gradient to the previous
-    ones in the full buffer, so step k reduces the sum of steps 1..k (``optimizer.zero_grad``
-    clears only the shard's .grad, which hides it at world size 1)."""
+    """The unsharded gradient is never released: after a backward, each unsharded parameter keeps the
+    gradient it reduced, autograd adds the next step's gradient to it, so step k reduces the sum of
+    steps 1..k (``optimizer.zero_grad`` clears only the sharded .grad). Every world size, W = 1
+    included: its gradient too reaches the sharded parameter through the unsharded one and the
+    reduction. (The gradient is put back at the end of the backward, the unit's final callback: one
+    reduction per backward, as in the product.)"""
 
     name = "mutant:grads_not_cleared"
 
     def mutate(self, wrapped):
-        for _, h in _handles(wrapped):
-            product = h._post_backward  # bound before the first forward registers it as the hook
+        for _, state in _units(wrapped):
+            g = state.params
+            if not g.params:
+                continue
+            kept: dict = {}  # id(ShardedParam) -> the gradient it reduced in this backward
 
-            def post_backward(full, product=product):
-                kept = full.grad.detach().clone()
-                product(full)
-                full.grad = kept
+            def reduce_and_keep(product, g=g, kept=kept):
+                kept.update({id(p): p.unsharded.grad.detach().clone() for p in g.params
+                             if p.unsharded_grad() is not None})
+                product()
 
-            h._post_backward = post_backward
+            def end_of_backward(product, g=g, kept=kept):
+                product()
+                for p in g.params:
+                    if id(p) in kept:
+                        p.unsharded.grad = kept.pop(id(p))
+
+            _around(g, "reduce_grads", reduce_and_keep)
+            _around(state, "_final_callback", end_of_backward)  # queued by the pre-backward hook
 
 
 class FrozenUpdated(MutantAdapter):
-    """Frozen parameters get gradients and are updated: the handle of the requires_grad=False
-    group is treated as trainable (its gathered buffer requires grad, its gradient is reduced
-    into the shard's .grad, and the optimizer, which lists every shard, steps it)."""
+    """Frozen parameters get gradients and are updated: the requires_grad=False parameters are
+    treated as trainable (their unsharded parameter requires grad, their gradient is reduced into
+    the sharded .grad, and the optimizer, which lists every parameter, steps them)."""
 
     name = "mutant:frozen_updated"
 
     def mutate(self, wrapped):
-        for _, h in _handles(wrapped):
-            if not h.requires_grad:
-                h.requires_grad = True
+        for _, p in _params(wrapped):
+            if not p.requires_grad:
+                p.requires_grad = True  # read when the unsharded parameter is made (the first unshard)
+                p.sharded.requires_grad_(True)
 
 
 def frozen_probe_task(ctx, p: dict) -> dict:
@@ -130,15 +144,15 @@ def frozen_probe_task(ctx, p: dict) -> dict:
 
 
 class GradOverwritten(MutantAdapter):
-    """The reduced gradient is written over the shard's ``.grad`` instead of added to it: whatever an
-    earlier backward of the same step left there (gradient accumulation) is lost."""
+    """The reduced gradient is written over the sharded parameter's ``.grad`` instead of added to it:
+    whatever an earlier backward of the same step left there (gradient accumulation) is lost."""
 
     name = "mutant:grad_overwritten"
 
     def mutate(self, wrapped):
-        for _, h in _handles(wrapped):
-            def post_backward(full, h=h, product=type(h)._post_backward):
-                h.shard.grad = None  # forget what earlier micro-batches reduced
-                product(h, full)
+        for _, p in _params(wrapped):
+            def overwrite(product, padded_grad, p=p):
+                p.sharded.grad = None  # forget what earlier micro-batches reduced
+                product(padded_grad)
 
-            h._post_backward = post_backward
+            _around(p, "add_reduced_grad", overwrite)

@@ -15,7 +15,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from suites.mutants.injection import MutantAdapter, ReductionReplaced, _collectives, _handles
+from suites.mutants.injection import MutantAdapter, ReductionReplaced, _around, _collectives, _groups, _params
 
 
 class ParamLeftOut(MutantAdapter):
@@ -31,33 +31,33 @@ class ParamLeftOut(MutantAdapter):
 
 class UnitBufferKept(MutantAdapter):
     """Each unit keeps a copy of its gathered parameters when it reshards (a cache that is never
-    read): a full-size buffer per unit between steps, held in the handle, not in any parameter,
-    gradient or optimizer state (memory only)."""
+    read): a full-size buffer per unit between steps, held in the unit's ParamGroup, not in any
+    parameter, gradient or optimizer state (memory only)."""
 
     name = "mutant:unit_buffer_kept"
 
     def mutate(self, wrapped):
-        for _, h in _handles(wrapped):
-            reshard = h.reshard
+        for _, g in _groups(wrapped):
+            def keep_then_reshard(product, g=g):
+                full = [p.unsharded.detach().clone() for p in g.params
+                        if p.unsharded is not None and p.unsharded_nbytes()]
+                if full:
+                    g.cache = full
+                product()
 
-            def keep_then_reshard(h=h, reshard=reshard):
-                if h.full is not None and h.full.untyped_storage().nbytes():
-                    h.cache = h.full.detach().clone()
-                reshard()
-
-            h.reshard = keep_then_reshard
+            _around(g, "reshard", keep_then_reshard)
 
 
 class OptimizerShadowState(MutantAdapter):
-    """The optimizer keeps a full-size (W x the shard) copy of each parameter's state in its own
+    """The optimizer keeps a full-size (W x the padded shard) copy of each parameter's state in its own
     attribute, outside `optimizer.state`, where no adapter-reported figure looks (memory only)."""
 
     name = "mutant:optimizer_shadow_state"
 
     def make_optimizer(self, wrapped, *, name, lr):
         opt = super().make_optimizer(wrapped, name=name, lr=lr)
-        opt.shadow = [torch.zeros(h.layout.padded_numel, dtype=h.dtype, device=h.device)
-                      for _, h in _handles(wrapped) if h.requires_grad]
+        opt.shadow = [torch.zeros(p.world_size * p.shard_numel, dtype=p.dtype, device=p.device)
+                      for _, p in _params(wrapped) if p.requires_grad]
         return opt
 
 
@@ -69,13 +69,14 @@ class PrefetchThreadGather(MutantAdapter):
 
     def mutate(self, wrapped):
         all_gather_flat = _collectives().all_gather_flat
-        _, h = _handles(wrapped)[0]
+        _, g = _groups(wrapped)[0]
 
         def prefetch(module, args):
-            if h.world_size == 1:
+            if g.world_size == 1:
                 return
-            out = torch.empty(h.layout.padded_numel, dtype=h.param_dtype, device=h.device)
-            t = threading.Thread(target=all_gather_flat, args=(out, h.shard.detach().to(h.param_dtype), h.group))
+            send = torch.cat([p.padded.detach().to(p.param_dtype) for p in g.params])
+            out = torch.empty(g.world_size * send.numel(), dtype=send.dtype, device=send.device)
+            t = threading.Thread(target=all_gather_flat, args=(out, send, g.group))
             t.start()
             t.join()
 

@@ -3,12 +3,18 @@
 Worker processes are reused for many scenarios, so a mutant never patches a class or a module.
 Faults are injected in three ways:
 
-- ``_rebind(handle, "_post_backward", reduce_scatter_mean=f)``: the product's own method, bound
-  to this handle only, with one module-level name it calls replaced (a copy of the function with
-  its globals changed; the product code runs unchanged around the fault);
-- instance attributes on a ``FlatParamHandle`` / ``UnitState`` (``h.zero_padding_``,
-  ``state.reshard_after_forward``, ``h.layout``), which shadow the class's for that object only;
+- ``_rebind(group, "reduce_grads", reduce_scatter_mean=f)``: the product's own method, bound to
+  this ``ParamGroup`` (one unit's parameters) only, with one module-level name it calls replaced (a
+  copy of the function with its globals changed; the product code runs unchanged around the fault);
+- instance attributes on a ``ParamGroup`` / ``ShardedParam`` / ``UnitState`` (``group.reduce_grads``
+  wrapped, ``p.add_reduced_grad``, ``state.reshard_after_forward``), which shadow the class's for
+  that object only;
 - a different ``wrap`` / ``make_optimizer`` / ``after_backward`` in the adapter.
+
+The injection points are the ones a refactor of the product's internals is least likely to move:
+the functions of ``fsdp_impl/collectives.py`` (by the name the product's method calls them),
+``ShardedParam`` methods, ``ParamGroup.reduce_grads`` / ``reshard`` / ``unshard`` (each replaced or
+wrapped as a whole method), and the ``UnitState`` hooks.
 
 ``MutantAdapter`` is the base of the mutants: ``fsdp_impl`` whose ``mutate`` injects the fault
 into the wrapped model.
@@ -31,9 +37,16 @@ def _units(wrapped: nn.Module):
     return list(units(wrapped))
 
 
-def _handles(wrapped: nn.Module):
-    """(unit prefix, FlatParamHandle) for every handle of every unit."""
-    return [(prefix, h) for prefix, state in _units(wrapped) for h in state.handles]
+def _groups(wrapped: nn.Module):
+    """(unit prefix, ParamGroup) of every unit that holds parameters."""
+    return [(prefix, state.params) for prefix, state in _units(wrapped) if state.params.params]
+
+
+def _params(wrapped: nn.Module):
+    """(full name under `wrapped`, ShardedParam) of every sharded parameter, unit by unit."""
+    from fsdp_impl.api import sharded_params
+
+    return list(sharded_params(wrapped))
 
 
 def _names_used(code: types.CodeType) -> set[str]:
@@ -66,6 +79,19 @@ def _rebind(obj: object, method: str, **names) -> None:
     setattr(obj, method, types.MethodType(_with_globals(fn, **names), obj))
 
 
+def _around(obj: object, method: str, fn) -> None:
+    """Set ``obj.<method>`` (this object only) to ``fn(product, *args, **kwargs)``, where `product` is
+    the method as the object had it (bound): the fault runs around the product's own method."""
+    product = getattr(obj, method, None)
+    if not callable(product):
+        raise AdapterError(f"mutant: {type(obj).__name__}.{method} is gone; update the mutant in suites/mutants/")
+
+    def around(*args, **kwargs):
+        return fn(product, *args, **kwargs)
+
+    setattr(obj, method, around)
+
+
 def _collectives():
     from fsdp_impl import collectives
 
@@ -87,8 +113,10 @@ class MutantAdapter(FsdpImplAdapter):
 
 
 class ReductionReplaced(MutantAdapter):
-    """fsdp_impl whose post-backward gradient reduction is ``reduce`` instead of the product's
-    ``reduce_scatter_mean`` (which ``reduce`` receives as ``mean`` and may call)."""
+    """fsdp_impl whose post-backward gradient reduction (``ParamGroup.reduce_grads``) calls ``reduce``
+    instead of the product's ``reduce_scatter_mean`` (which ``reduce`` receives as ``mean`` and may
+    call). `full_grad` is the unit's flat buffer of W equal chunks, chunk r every parameter's rows for
+    rank r (zero rows padding each parameter's last chunks); ``reduce`` returns this rank's chunk."""
 
     def reduce(self, mean, full_grad, group, reduce_dtype):
         raise NotImplementedError
@@ -99,5 +127,5 @@ class ReductionReplaced(MutantAdapter):
         def replaced(full_grad, group, reduce_dtype):
             return self.reduce(mean, full_grad, group, reduce_dtype)
 
-        for _, h in _handles(wrapped):
-            _rebind(h, "_post_backward", reduce_scatter_mean=replaced)
+        for _, g in _groups(wrapped):
+            _rebind(g, "reduce_grads", reduce_scatter_mean=replaced)

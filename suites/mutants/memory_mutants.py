@@ -1,12 +1,12 @@
 """Mutants that change memory only, not the numbers: full parameters kept after forward,
-optimizer state for the whole flat parameter on every rank.
+optimizer state for the whole parameter on every rank.
 """
 
 from __future__ import annotations
 
 import torch
 
-from suites.mutants.injection import MutantAdapter, _handles, _units
+from suites.mutants.injection import MutantAdapter, _params, _units
 
 
 class ReshardSkipped(MutantAdapter):
@@ -21,22 +21,23 @@ class ReshardSkipped(MutantAdapter):
 
 
 class OptimizerStateUnsharded(MutantAdapter):
-    """Optimizer state kept for the whole flat parameter on every rank (as an optimizer built over
-    the unsharded parameters): each rank's exp_avg / exp_avg_sq / momentum buffer is a full padded
-    buffer of which it updates its own slice, so the numbers are unchanged and the state is W x."""
+    """Optimizer state kept for the whole parameter on every rank (as an optimizer built over the
+    unsharded parameters): each rank's exp_avg / exp_avg_sq / momentum buffer is a DTensor whose
+    local rows are a view of a full padded buffer (W x c rows) of which it updates its own rows, so
+    the numbers are unchanged and the state is W x."""
 
     name = "mutant:optimizer_state_unsharded"
 
     def make_optimizer(self, wrapped, *, name, lr):
         opt = super().make_optimizer(wrapped, name=name, lr=lr)
         keys = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}[name]
-        for _, h in _handles(wrapped):
-            if not h.requires_grad:
+        for _, p in _params(wrapped):
+            if not p.requires_grad:
                 continue
-            lo = h.layout.rank_range(h.rank)[0]
-            state = {k: torch.zeros(h.layout.padded_numel, dtype=h.dtype, device=h.device)[lo:lo + h.layout.shard_numel]
-                     for k in keys}
+            lo = p.rank * p.shard_numel
+            state = {k: p.to_dtensor(torch.zeros(p.world_size * p.shard_numel, dtype=p.dtype, device=p.device)
+                                     [lo:lo + p.local_numel].view(p.local_shape)) for k in keys}
             if name == "adamw":
                 state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
-            opt.state[h.shard] = state
+            opt.state[p.sharded] = state
         return opt

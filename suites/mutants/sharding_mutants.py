@@ -1,5 +1,6 @@
-"""Mutants that put or read shards in the wrong place: shard offsets, padding, views over the flat
-buffer (layout and padding), and which unit and which rank a parameter's shard belongs to.
+"""Mutants that put or read shards in the wrong place: shard offsets, padding (the zero rows that
+pad each parameter's chunk to ceil(R / W) rows), the unsharded views read out of the gathered
+buffer, and which unit and which rank a parameter's shard belongs to.
 """
 
 from __future__ import annotations
@@ -8,97 +9,124 @@ import torch
 from torch import Tensor
 
 from harness.adapters.fsdp_impl import FsdpImplAdapter
-from suites.mutants.injection import MutantAdapter, _collectives, _handles, _rebind
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
+from suites.mutants.injection import MutantAdapter, _around, _collectives, _groups, _params, _rebind
 
 # --------------------------------------------------------------------------- layout and padding
 
-class _FloorOffsetLayout:
-    """Mixin over a FlatLayout: each rank's shard starts at rank x floor(N / W) instead of
-    rank x ceil(N / W) (N = elements used), so a rank past the first copies the wrong slice."""
-
-    def rank_range(self, rank: int) -> tuple[int, int]:
-        start = rank * (self.used_numel // self.world_size)
-        return start, start + self.shard_numel
-
-
 class WrongShardOffset(MutantAdapter):
-    """Shards filled at a wrong offset (floor instead of ceil of N / W): rank r >= 1 holds the flat
-    parameter shifted by r x (ceil - floor) elements, so the gathered parameters are misplaced."""
+    """Shards filled at a wrong offset: rank r's rows of each parameter start at r x floor(R / W)
+    instead of r x ceil(R / W) (R = the parameter's rows, dim 0), so a rank past the first holds
+    the rows before its own and the gathered parameters are misplaced (the last rows are lost)."""
 
     name = "mutant:wrong_shard_offset"
 
     def wrap(self, model, units, *, group, device):
         values = {n: p.detach().clone() for n, p in model.named_parameters()}
         wrapped = FsdpImplAdapter.wrap(self, model, units, group=group, device=device)
-        for prefix, h in _handles(wrapped):
-            layout = h.layout
-            cls = type(f"FloorOffset{type(layout).__name__}", (_FloorOffsetLayout, type(layout)), {})
-            h.layout = cls(layout.slots, layout.world_size)
-            with torch.no_grad():
-                h.shard.zero_()
-            for slot in h.layout.slots:
-                h.load_full(slot, values[_join(prefix, slot.fqn)])
+        for name, p in _params(wrapped):
+            rows = p.end - p.start  # as many rows as the rank holds, from the wrong first row
+            p.start = p.rank * (p.rows // p.world_size)
+            p.end = p.start + rows
+            p.load_full_(values[name])
         return wrapped
 
 
 class PaddingNotZeroed(MutantAdapter):
-    """Padding never re-zeroed (not in the reduced gradient, not before a gather) while the reduce
-    input's padding holds stale memory (a buffer allocated with torch.empty, modelled as 0.5):
-    the optimizer writes values into the padding, and they leak into everything that reads the
-    flat shards (gradient norm, clipping, non-elementwise optimizers)."""
+    """Padding never cut off and never zeroed, while the reduce buffer's padding holds stale memory:
+    on a rank holding fewer than c = ceil(R / W) rows of a parameter (the last ranks), its sharded
+    parameter and gradient span the whole padded chunk of c rows, padding rows included, and the
+    unit's reduce buffer pads with stale memory (a buffer allocated with torch.empty instead of
+    ``_chunk_cat``'s zero rows, modelled as 0.5). The optimizer writes values into the padding rows,
+    and they leak into everything that reads the rank's gradient (gradient norm, clipping,
+    non-elementwise optimizers); the gathered parameters drop them (the tail of the all-gather)."""
 
     name = "mutant:padding_not_zeroed"
     JUNK = 0.5
 
     def mutate(self, wrapped):
         mean = _collectives().reduce_scatter_mean
-        for _, h in _handles(wrapped):
-            layout = h.layout
-            pad = [(a + layout.rank_range(r)[0], b + layout.rank_range(r)[0])
-                   for r in range(layout.world_size) for a, b in layout.padding_mask_ranges(r)]
+        for _, g in _groups(wrapped):
+            for p in g.params:
+                if p.end - p.start < p.chunk:
+                    self._expose_padding(p)
+            reducing: dict = {}
 
-            def reduce_from_dirty_buffer(full_grad, group, reduce_dtype, pad=pad):
-                buf = full_grad.clone()
-                for a, b in pad:
-                    buf[a:b] = self.JUNK
-                return mean(buf, group, reduce_dtype)
+            def record(product, g=g, reducing=reducing):
+                reducing["params"] = [p for p in g.params if p.requires_grad and p.unsharded_grad() is not None]
+                product()
 
-            h.zero_padding_ = lambda flat_shard: None
-            _rebind(h, "_post_backward", reduce_scatter_mean=reduce_from_dirty_buffer)
+            def reduce_from_dirty_buffer(full_grad, group, reduce_dtype, g=g, reducing=reducing):
+                buf = full_grad.clone().view(g.world_size, -1)  # chunk r: every parameter's rows for rank r
+                offset = 0
+                for p in reducing["params"]:
+                    for r in range(g.world_size):
+                        own = min(max(p.rows - r * p.chunk, 0), p.chunk)  # rows rank r holds; the rest pad
+                        buf[r, offset + own * p.row_numel:offset + p.shard_numel] = self.JUNK
+                    offset += p.shard_numel
+                return mean(buf.view(-1), group, reduce_dtype)
+
+            _rebind(g, "reduce_grads", reduce_scatter_mean=reduce_from_dirty_buffer)
+            _around(g, "reduce_grads", record)
+
+    @staticmethod
+    def _expose_padding(p) -> None:
+        """p's sharded parameter over its whole padded chunk; its reduced chunk kept whole as its gradient."""
+        chunk_shape = (p.chunk, *p.shape[1:])
+        p.sharded = torch.nn.Parameter(p.to_dtensor(p.padded.view(chunk_shape)), requires_grad=p.requires_grad)
+        p.sharded._fsdp_managed = True
+        p.set_on_modules(p.sharded)
+
+        def keep_padding(product, padded_grad, p=p):
+            whole = padded_grad.view(chunk_shape)
+            if p.sharded.grad is None:
+                p.sharded.grad = p.to_dtensor(whole)
+            else:
+                with torch.no_grad():
+                    p.sharded.grad._local_tensor.add_(whole)
+
+        _around(p, "add_reduced_grad", keep_padding)
 
 
 class PaddingInView(MutantAdapter):
-    """Views taken at packed offsets (the sum of the previous parameters' sizes) while the flat
-    buffer is laid out with aligned offsets: a parameter after an alignment gap starts inside the
-    zero padding, which leaks into its unpadded view."""
+    """The unsharded parameters read at packed offsets out of a padded gather: every rank sends each
+    parameter's rows padded to c = ceil(R / W) rows, one after the other, but each parameter is read
+    from where it would start if the previous parameters' rows came unpadded (the sum of the rows
+    that rank holds). On a rank that holds fewer than c rows of a parameter (the last ones), the
+    zero padding leaks into the unsharded view of the next parameter, whose rows are misplaced.
+    Modelled in the all-gather's output (what the copy-out reads). World size 1 has no padding."""
 
     name = "mutant:padding_in_view"
 
     def mutate(self, wrapped):
-        for _, h in _handles(wrapped):
+        gather = _collectives().all_gather_flat
+        for _, g in _groups(wrapped):
+            if g.world_size == 1:
+                continue
 
-            def set_packed_views(full, h=h):
-                offset = 0
-                for slot, owners in zip(h.layout.slots, h.owners):
-                    view = full[offset:offset + slot.numel].view(slot.shape)
-                    for o in owners:
-                        setattr(o.module, o.name, view)
-                    offset += slot.numel
+            def gather_read_packed(out, shard, group, *args, g=g, **kwargs):
+                done = gather(out, shard, group, *args, **kwargs)
+                if done is not None:  # an asynchronous gather (a prefetch): its output is there only now
+                    done.wait()
+                rows = out.view(g.world_size, -1)  # rank r's padded shards, parameter after parameter
+                for r in range(g.world_size):
+                    sent = rows[r].clone()
+                    padded_at = packed_at = 0
+                    for p in g.params:
+                        rows[r, padded_at:padded_at + p.shard_numel] = sent[packed_at:packed_at + p.shard_numel]
+                        padded_at += p.shard_numel
+                        packed_at += min(max(p.rows - r * p.chunk, 0), p.chunk) * p.row_numel
+                return done
 
-            h._set_views = set_packed_views
+            _rebind(g, "unshard", all_gather_flat=gather_read_packed)
 
 
 # ---------------------------------------------------------------------------- units and ranks
 
 class NestedDuplication(MutantAdapter):
     """A parameter in two units: the root's fully_shard does not see that the blocks' parameters
-    were already claimed by their own units and shards them again (every parameter twice in memory
-    and gathered twice per pass; training follows the inner copy, so the numbers look right)."""
+    were already claimed by their own units and shards them again (every parameter's shard twice in
+    memory, gathered twice per forward). The modules keep pointing at the blocks' own parameters
+    (the root's copies are never set on them), which train, so the numbers look right."""
 
     name = "mutant:nested_duplication"
 
@@ -109,32 +137,40 @@ class NestedDuplication(MutantAdapter):
         owned = [(sub, name, p) for sub in model.modules() for name, p in sub._parameters.items() if p is not None]
         for unit in units:
             fully_shard(unit, process_group=group)
+        inner = [p for _, p in _params(model)]
+        taken = {(id(o.module), o.name) for p in inner for o in p.owners}
         for sub, name, p in owned:
-            if name not in sub._parameters:  # taken by a unit: make it visible to the root again
+            if (id(sub), name) in taken:  # a unit's: made visible to the root again
                 p._fsdp_claimed = False
                 sub._parameters[name] = p
-        return fully_shard(model, process_group=group)
+        wrapped = fully_shard(model, process_group=group)
+        for p in wrapped._fsdp_state.params.params:
+            if any((id(o.module), o.name) in taken for o in p.owners):
+                p.set_on_modules = lambda param: None  # the duplicate: gathered and held, never used
+        for p in inner:  # the root's fully_shard pointed the modules at its copies: the blocks' own again
+            p.set_on_modules(p.sharded)
+        return wrapped
 
 
 class StaleShard(MutantAdapter):
-    """The last rank all-gathers a stale copy of its shard: it caches the shard it sends (as a
+    """The last rank all-gathers a stale copy of its shards: it caches the buffer it sends (as a
     param-dtype cast cache would) and never invalidates it after optimizer.step()."""
 
     name = "mutant:stale_shard"
 
     def mutate(self, wrapped):
         gather = _collectives().all_gather_flat
-        for _, h in _handles(wrapped):
-            if h.rank != h.world_size - 1 or h.world_size == 1:
+        for _, g in _groups(wrapped):
+            if g.rank != g.world_size - 1 or g.world_size == 1:
                 continue
             cache: dict[str, Tensor] = {}
 
-            def gather_cached(out, shard, group, cache=cache):
+            def gather_cached(out, shard, group, *args, cache=cache, **kwargs):
                 if "shard" not in cache:
                     cache["shard"] = shard.detach().clone()
-                return gather(out, cache["shard"], group)
+                return gather(out, cache["shard"], group, *args, **kwargs)
 
-            _rebind(h, "_fill_full", all_gather_flat=gather_cached)
+            _rebind(g, "unshard", all_gather_flat=gather_cached)
 
 
 class TieBroken(MutantAdapter):

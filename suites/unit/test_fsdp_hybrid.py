@@ -78,15 +78,16 @@ def test_replicated_data_is_bitwise_world_size_one(world, plain, model, replicas
         assert got["losses"] == ref["losses"], f"rank {rank}"
         for step, (mine, theirs) in enumerate(zip(got["params"], ref["params"])):
             assert_bitwise(mine, theirs, f"rank {rank} step {step + 1}")
-        # one hybrid reduction per handle per step, no flat one
-        assert got["calls"] == [{"flat": 0, "hybrid": got["handles"]}] * 3, f"rank {rank}"
-        # each rank holds 1/S of the parameters: ceil(used / S) per handle, nothing more
-        assert all(shard == math.ceil(used / shards) for used, shard in got["layouts"]), got["layouts"]
-        assert got["numel_local"] == sum(shard for _, shard in got["layouts"])
-    # used = parameters + alignment gaps (< 16 elements each); shards x S = used + tail padding (< S each)
-    params, used = ref["params"][0], sum(u for u, _ in results[0]["layouts"])
-    assert sum(v.size for v in params.values()) <= used < sum(v.size for v in params.values()) + 16 * len(params)
-    assert used <= results[0]["numel_local"] * shards < used + shards * results[0]["handles"]
+        # one hybrid reduction per unit per step, no flat one
+        assert got["calls"] == [{"flat": 0, "hybrid": got["reducing_units"]}] * 3, f"rank {rank}"
+        # each rank holds its 1/S of every parameter's rows (by its position in its shard group)
+        i = rank % shards
+        assert all(held == max(0, min(math.ceil(rows / shards), rows - i * math.ceil(rows / shards)))
+                   for rows, _, held in got["layouts"]), got["layouts"]
+        assert got["numel_local"] == sum(row * held for _, row, held in got["layouts"])
+    # the S ranks of a replica hold every parameter element once
+    params = ref["params"][0]
+    assert sum(results[i]["numel_local"] for i in range(shards)) == sum(v.size for v in params.values())
     assert_replicas_agree(results, shards)
     assert max_diff(ref["params"][-1], ref["params"][0]) > 1e-4  # training moved the weights
 
@@ -142,12 +143,12 @@ def test_reduction_is_the_mean_over_all_ranks(world, replicas, shards):
 @pytest.mark.parametrize("model", ["mlp", "tinylm_tied"])
 def test_accumulation_with_sync_off_reduces_once(world, plain, model):
     """Two micro-batches per step, sync off for the first: no reduction (no gradient at all) until
-    the last micro-batch, then one per handle; bitwise the plain model accumulating the same way."""
+    the last micro-batch, then one per unit; bitwise the plain model accumulating the same way."""
     p = {**payload(model), "micro": 2}
     ref = plain(p)
     for rank, got in enumerate(run(world, 2, 2, "train", {**p, "replicas": 2})):
         assert got["grad_before_last"] is False, f"rank {rank}: a gradient was reduced with sync off"
-        assert got["calls"] == [{"flat": 0, "hybrid": got["handles"]}] * 3
+        assert got["calls"] == [{"flat": 0, "hybrid": got["reducing_units"]}] * 3
         for step, (mine, theirs) in enumerate(zip(got["params"], ref["params"])):
             assert_bitwise(mine, theirs, f"rank {rank} step {step + 1}")
 

@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from fsdp_impl.sharding import ALIGN_ELEMENTS
+from fsdp_impl.sharding import chunk_rows, row_range
 from suites.unit.conftest import plain_runs
 
 TASKS = "suites.unit.fsdp_worlds"  # a package: tasks are named "<module>:<function>" in it
@@ -46,41 +46,52 @@ def assert_bitwise(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
         assert np.array_equal(a[k], b[k]), f"{k}: max diff {np.max(np.abs(a[k] - b[k]))}"
 
 
-def aligned_offsets(numels: list[int]) -> list[int]:
-    """Offsets of parameters laid end to end, each starting on an ALIGN_ELEMENTS boundary."""
-    out, cursor = [], 0
-    for n in numels:
-        cursor = -(-cursor // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
-        out.append(cursor)
-        cursor += n
-    return out
-
-
 MLP = {"model": "mlp", "batch": 8, "lr": 0.05}
 
 
 # ----------------------------------------------------------------------------- shard layout
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_each_rank_holds_exactly_its_slice_with_zero_padding(world, n):
+def test_each_rank_holds_exactly_its_rows_as_a_dtensor(world, n):
+    """Every parameter under its original name is a DTensor, Shard(0) over the group's mesh, of the
+    original shape; rank r holds rows [r c, min((r + 1) c, R)) of the eagerly built value (c =
+    ceil(R / n), cut here from the EAGER parameters); the padded shard is c rows, zero after its own."""
     results = run(world, n, "wrapping:layout", {"model": "mlp"})
     eager = results[0]["eager"]
-    for u, unit in enumerate(results[0]["units"]):
-        names = [fqn for fqn, *_ in unit["slots"]]
-        numels = [numel for _, _, numel, _ in unit["slots"]]
-        offsets = aligned_offsets(numels)
-        used = offsets[-1] + numels[-1]
-        per_rank = math.ceil(used / n)
-        # the buffer every rank's slice is cut from, built here from the EAGER parameters
-        expected = np.zeros(per_rank * n, dtype=np.float32)
-        for name, off, numel in zip(names, offsets, numels):
-            full_name = f"{unit['prefix']}.{name}" if unit["prefix"] else name
-            expected[off:off + numel] = eager[full_name].ravel()
-        assert [off for _, off, _, _ in unit["slots"]] == offsets
-        for r in range(n):
-            shard = results[r]["units"][u]["shard"]
-            assert shard.shape == (per_rank,), f"unit {u} rank {r}"
-            assert np.array_equal(shard, expected[r * per_rank:(r + 1) * per_rank]), f"unit {u} rank {r}"
+    for r, got in enumerate(results):
+        assert [q["name"] for q in got["params"]] == list(eager)  # the original names, in order
+        for q in got["params"]:
+            rows = eager[q["name"]].shape[0]
+            start, end = row_range(rows, n, r)
+            assert q["type"] == "DTensor" and q["placements"] == ["Shard(dim=0)"], q
+            assert q["shape"] == eager[q["name"]].shape and q["mesh"] == list(range(n))
+            assert q["local_shape"] == (end - start, *eager[q["name"]].shape[1:])
+        for unit in got["units"]:
+            for q in unit["params"]:
+                name = f"{unit['prefix']}.{q['fqn']}" if unit["prefix"] else q["fqn"]
+                full = eager[name]
+                start, end = row_range(full.shape[0], n, r)
+                assert np.array_equal(q["local"], full[start:end]), f"{name} rank {r}"
+                row = int(np.prod(full.shape[1:]))
+                assert q["padded_numel"] == chunk_rows(full.shape[0], n) * row
+                assert not q["padding"].any()
+    # nothing held twice: the ranks' rows add up to the parameters
+    assert sum(got["numel_local"] for got in results) == sum(v.size for v in eager.values())
+
+
+def test_uneven_rows_leave_a_rank_empty(world):
+    """The mlp at 8 ranks: its 7-row output layer leaves rank 7 with no row, an empty local tensor
+    in a DTensor of the full shape all the same; every other row is held exactly once."""
+    results = run(world, 8, "wrapping:layout", {"model": "mlp"})
+    eager = results[0]["eager"]
+    assert any(v.shape[0] < 8 for v in eager.values())
+    empty = [(r, q["name"]) for r, got in enumerate(results) for q in got["params"] if q["local_shape"][0] == 0]
+    assert empty and all(r == 7 for r, _ in empty)
+    for r, got in enumerate(results):
+        for q in got["params"]:
+            start, end = row_range(eager[q["name"]].shape[0], 8, r)
+            assert q["local_shape"] == (end - start, *eager[q["name"]].shape[1:]) and q["shape"] == eager[q["name"]].shape
+    assert sum(got["numel_local"] for got in results) == sum(v.size for v in eager.values())
 
 
 def test_root_after_children_holds_no_duplicate(world):
@@ -88,31 +99,31 @@ def test_root_after_children_holds_no_duplicate(world):
     results = run(world, n, "wrapping:layout", {"model": "tinylm"})
     eager = results[0]["eager"]
     seen: list[str] = []
-    expected_local = 0
     for unit in results[0]["units"]:
-        names = [f"{unit['prefix']}.{f}" if unit["prefix"] else f for f, *_ in unit["slots"]]
-        seen += names
-        numels = [int(np.prod(eager[k].shape)) for k in names]
-        used = aligned_offsets(numels)[-1] + numels[-1]
-        expected_local += math.ceil(used / n)
+        seen += [f"{unit['prefix']}.{q['fqn']}" if unit["prefix"] else q["fqn"] for q in unit["params"]]
     assert sorted(seen) == sorted(eager)  # every parameter in exactly one unit
     assert len(seen) == len(set(seen))
     root = [u for u in results[0]["units"] if u["prefix"] == ""]
-    assert root and all(not f.startswith(("blocks.", "embed.")) for f, *_ in root[0]["slots"])
-    # what the optimizer sees: 1D flat shards only, adding up to parameters + padding
+    assert root and all(not q["fqn"].startswith(("blocks.", "embed.")) for q in root[0]["params"])
+    # what the optimizer sees: the original parameters, each a DTensor holding this rank's rows
     for r in range(n):
-        assert all("_fsdp_flat_param" in name and dim == 1 for name, _, dim in results[r]["params"])
-        assert results[r]["numel_local"] == expected_local
-    total_params = sum(int(np.prod(v.shape)) for v in eager.values())
-    assert expected_local * n >= total_params
+        assert [q["name"] for q in results[r]["params"]] == list(eager)
+        assert all(q["type"] == "DTensor" for q in results[r]["params"])
+    assert sum(results[r]["numel_local"] for r in range(n)) == sum(v.size for v in eager.values())
 
 
 def test_tied_weight_is_stored_once(world):
     results = run(world, 2, "wrapping:layout", {"model": "tinylm_tied"})
-    slots = [(u["prefix"], f) for u in results[0]["units"] for f, *_ in u["slots"]]
-    assert ("", "embed.weight") in slots
-    assert not any(f == "head.weight" for _, f in slots)
-    assert sorted(results[0]["eager"]) == sorted(f"{p}.{f}" if p else f for p, f in slots)
+    params = [(u["prefix"], q) for u in results[0]["units"] for q in u["params"]]
+    tied = [q for prefix, q in params if prefix == "" and q["fqn"] == "embed.weight"]
+    assert len(tied) == 1 and tied[0]["owners"] == ["embed.weight", "head.weight"]
+    assert not any(q["fqn"] == "head.weight" for _, q in params)
+    assert sorted(results[0]["eager"]) == sorted(f"{p}.{q['fqn']}" if p else q["fqn"] for p, q in params)
+    assert results[0]["tied_same_object"] is True  # model.embed.weight is model.head.weight
+    # state_dict() gives the DTensors without communication, the tie under both names
+    sd = results[0]["state_dict"]
+    assert sd["head.weight"] == sd["embed.weight"] == ("DTensor", results[0]["eager"]["embed.weight"].shape)
+    assert all(kind == "DTensor" for kind, _ in sd.values())
 
 
 # ----------------------------------------------------------------------- numerics vs plain
@@ -298,11 +309,13 @@ def test_reshard_after_forward_controls_what_stays_gathered(world):
     assert set(on["after_forward"]) == {"<root>", "embed", "blocks.0", "blocks.1"}
     for unit, handles in on["after_forward"].items():
         assert handles == [("SHARDED", 0)] * len(handles), unit
-    for unit, handles in off["after_forward"].items():
+    for unit, handles in off["after_forward"].items():  # (before state_dict() resharded them)
         assert all(state == "UNSHARDED" and nbytes > 0 for state, nbytes in handles), unit
-    for after in (on["after_backward"], off["after_backward"]):
-        for unit, handles in after.items():
+    for got in (on, off):
+        for unit, handles in got["after_backward"].items():
             assert handles == [("SHARDED", 0)] * len(handles), unit
+        # state_dict() mid-step still gives the sharded DTensors; the backward after it gathers again
+        assert got["state_dict_types"] == ["DTensor"] and got["grads"] == ["DTensor"]
 
 
 def test_reshard_after_forward_false_trains_like_plain(world, plain):
@@ -316,6 +329,18 @@ def test_reshard_after_forward_false_trains_like_plain(world, plain):
 def test_a_unit_called_twice_in_one_forward(world, reshard):
     ref = run(world, 1, "training:unit_called_twice", {"wrap": False, "reshard": reshard})[0]
     for got in run(world, 2, "training:unit_called_twice", {"wrap": True, "reshard": reshard}):
+        assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_checkpoint_around_the_unit_call_recomputes_without_reducing_twice(world, n):
+    """The recomputation runs the unit's hooks again inside backward: they gather (already done)
+    and register nothing, so each unit reduces once per step (2 units x 3 steps)."""
+    ref = run(world, 1, "training:checkpoint_around_unit", {"wrap": False})[0]
+    for got in run(world, n, "training:checkpoint_around_unit", {"wrap": True}):
+        assert got["reductions"] == 6
+        if n == 1:
+            assert_bitwise(got["params"], ref["params"])
         assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
 
 
@@ -345,22 +370,25 @@ def test_eval_under_no_grad_between_steps(world):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_padding_is_rezeroed_before_every_gather(world, plain, n):
+def test_garbage_in_the_padding_rows_never_reaches_a_parameter(world, plain, n):
     ref = plain({**MLP, "optimizer": "sgd", "steps": 3})
-    results = run(world, n, "training:padding_rezeroed", {**MLP})
+    results = run(world, n, "training:padding_garbage", {**MLP})
     assert sum(got["corrupted"] for got in results) > 0  # there was padding to corrupt
     for got in results:
-        assert got["after_forward"] == 0.0 and got["after_step"] == 0.0
+        assert got["looked"] > 0 and not got["seen"]  # no gathered parameter, no gradient held it
         assert max_diff(got["params"], ref["params"]) < REPLICATED_BOUND
 
 
+@pytest.mark.parametrize("via", ["fsdp_impl", "torch"])
 @pytest.mark.parametrize("n", [1, 2, 4])
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
-def test_clip_grad_norm_clips_by_the_global_norm(world, n, norm_type):
+def test_clip_grad_norm_clips_by_the_global_norm(world, n, norm_type, via):
     """The norm over every rank's shard (not a rank's own), the same coefficient on every rank: the
     gradients match torch's clipping of the plain model; bitwise at one rank, and for the infinity
-    norm (a maximum) at any world size."""
-    got = run(world, n, "training:clipped", {"model": "tinylm_tied", "max_norm": 0.05, "norm_type": norm_type})
+    norm (a maximum) at any world size. fsdp_impl.clip_grad_norm_ (one all-reduce) and torch's own
+    clip_grad_norm_ on the DTensor gradients alike."""
+    got = run(world, n, "training:clipped", {"model": "tinylm_tied", "max_norm": 0.05, "norm_type": norm_type,
+                                             "via": via})
     norms = {g["fsdp"][0] for g in got}
     assert len(norms) == 1, norms  # every rank reports the same global norm
     (norm, grads), (plain_norm, plain_grads) = got[0]["fsdp"], got[0]["plain"]

@@ -10,7 +10,7 @@ from harness.train.data import global_batch, local_slice
 from harness.train.models import MODELS, LMConfig, TransformerLM, get_model_spec, materialize_meta
 from harness.train.optim import make_optimizer
 
-SMALL = ["mlp", "mlp_frozen", "tinylm", "tinylm_tied"]  # gpt2_medium is only ever built on meta here
+SMALL = ["mlp", "mlp_frozen", "tinylm", "tinylm_tied"]  # gpt2_medium and lm_50m are only ever built on meta here
 
 
 def _build(name: str, seed: int) -> nn.Module:
@@ -102,6 +102,18 @@ def test_gpt2_medium_is_gpt2_medium_sized():
     assert 330e6 < sum(p.numel() for p in model.parameters()) < 380e6
     x, y = get_model_spec("gpt2_medium").make_batch(2, 0, 0)
     assert x.shape == y.shape == (2, cfg.seq_len) and int(x.max()) < cfg.vocab
+
+
+def test_lm_50m_has_at_least_50m_parameters():
+    """The benchmark's big model (harness/bench/fsdp_vs_fsdp2.py): >= 50M parameters, untied, short
+    sequences, one shard unit per block plus the embedding."""
+    spec = get_model_spec("lm_50m")
+    with torch.device("meta"):
+        model = spec.build()
+    assert 50e6 <= sum(p.numel() for p in model.parameters()) < 60e6
+    assert not model.cfg.tied and len(spec.units(model)) == model.cfg.n_layers + 1
+    x, y = spec.make_batch(2, 0, 0)
+    assert x.shape == y.shape == (2, model.cfg.seq_len) and int(x.max()) < model.cfg.vocab
 
 
 @pytest.mark.parametrize("name", list(MODELS))

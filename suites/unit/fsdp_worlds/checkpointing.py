@@ -9,28 +9,37 @@ same at every world size and a resumed run can be held to the uninterrupted one 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fsdp_impl import fully_shard, load_sharded, save_sharded
-from fsdp_impl.api import units
 from harness.train.models import MLP, get_model_spec
 from harness.train.optim import make_optimizer
 from suites.unit.fsdp_worlds.common import build as build_sharded
 from suites.unit.fsdp_worlds.common import local_batch, named_full, padding_max, patched
+from suites.unit.fsdp_worlds.hybrid import shard_hybrid
 
 
 def build(p: dict, ctx, seed: int):
     """The payload's model with `seed`: the zoo model sharded as common.build does (frozen
     parameters as asked); ``plain_tail``: only the units but the last sharded, no root unit, so the
-    last layer's parameters stay whole (outside every unit); ``sizes``: an MLP of other sizes."""
+    last layer's parameters stay whole (outside every unit); ``sizes``: an MLP of other sizes;
+    ``replicas`` > 1: hybrid-sharded, R replicas of W / R ranks."""
     if "sizes" in p:
         torch.manual_seed(seed)
         model = MLP(tuple(p["sizes"]))
         for unit in model.layers:
             fully_shard(unit, process_group=ctx.group)
         return fully_shard(model, process_group=ctx.group), get_model_spec("mlp")
+    if p.get("replicas", 1) > 1:  # hybrid: R replicas x W/R shards
+        spec = get_model_spec(p["model"])
+        torch.manual_seed(seed)
+        model = spec.build()
+        shard_hybrid(model, spec, ctx, p["replicas"])
+        return model, spec
     if p.get("plain_tail"):
         spec = get_model_spec(p["model"])
         torch.manual_seed(seed)
@@ -64,28 +73,23 @@ def save_run(ctx, p: dict) -> dict:
     return {"params": params} if ctx.rank == 0 else {}
 
 
-def _state_padding_max(model, opt, ctx) -> float:
-    """max |value| of the optimizer's shard-shaped state over this rank's padding elements."""
-    worst = 0.0
-    for _, state in units(model):
-        for h in state.handles:
-            pad = torch.ones(h.layout.shard_numel, dtype=torch.bool)
-            lo = h.layout.rank_range(ctx.rank)[0]
-            for s in h.layout.slots:
-                a, b = max(s.offset - lo, 0), min(s.end - lo, h.layout.shard_numel)
-                if a < b:
-                    pad[a:b] = False
-            for v in opt.state.get(h.shard, {}).values():
-                if torch.is_tensor(v) and v.dim() == 1 and pad.any():
-                    worst = max(worst, float(v[pad].abs().max()))
-    return worst
+def _state_shapes_ok(model, opt) -> bool:
+    """Every optimizer state value shaped like its parameter is a DTensor holding this rank's rows
+    of it (the same local shape as the parameter's)."""
+    for q, st in opt.state.items():
+        for v in st.values():
+            if torch.is_tensor(v) and v.dim() > 0:
+                if not isinstance(v, DTensor) or v.shape != q.shape or v._local_tensor.shape != q._local_tensor.shape:
+                    return False
+    return True
 
 
 def load_run(ctx, p: dict) -> list[dict]:
     """For each checkpoint in ``sources`` (each saved after step ``at``): build the model from
     another seed, an optimizer with 7x the learning rate (load must restore the saved one), load,
     then train steps at+1..total. Full parameters right after load and after each step, the
-    padding left in shards and optimizer state, the learning rate, and the state's keys.
+    padding rows of the shards, whether the optimizer state holds this rank's rows as DTensors,
+    the learning rate, and the state's keys.
     ``params_only``: load the parameters alone, into an optimizer with the right learning rate and
     no state (the negative control: a resumed run needs the optimizer's state)."""
     out = []
@@ -95,14 +99,14 @@ def load_run(ctx, p: dict) -> list[dict]:
         opt = make_optimizer(model.parameters(), p["optimizer"], (1 if params_only else 7) * p["lr"])
         load_sharded(model, None if params_only else opt, path)
         got = {"loaded": named_full(model, True), "padding_max": padding_max(model, ctx),
-               "state_padding_max": _state_padding_max(model, opt, ctx),
+               "state_shapes_ok": _state_shapes_ok(model, opt),
                "lrs": [g["lr"] for g in opt.param_groups],
                "state_keys": sorted({k for s in opt.state.values() for k in s}), "params": []}
         for step in range(p["at"] + 1, p["total"] + 1):
             _step(model, spec, opt, p, step, ctx)
             got["params"].append(named_full(model, True))
         out.append(got if ctx.rank == 0 else {"padding_max": got["padding_max"],
-                                               "state_padding_max": got["state_padding_max"]})
+                                               "state_shapes_ok": got["state_shapes_ok"]})
     return out
 
 
@@ -134,17 +138,49 @@ def save_error(ctx, p: dict) -> str:
 
 
 def files_read(ctx, p: dict) -> list[str]:
-    """The saved shard files this rank opens while loading ``path`` (torch.load spied on)."""
-    opened: list[str] = []
-    real = torch.load
+    """The saved data files this rank opens while loading ``path`` (DCP's file streams spied on)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
 
-    def spy(f, *args, **kwargs):
-        opened.append(os.path.basename(f))
-        return real(f, *args, **kwargs)
+    opened: list[str] = []
+    real = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def spy(self, path, mode):
+        opened.append(os.path.basename(str(path)))
+        with real(self, path, mode) as stream:
+            yield stream
 
     model, _ = build(p, ctx, seed=1)
     opt = make_optimizer(model.parameters(), p.get("optimizer", "adamw"), 0.01)
-    with patched(torch, "load", spy):
+    with patched(FileSystem, "create_stream", spy):
         load_sharded(model, opt, p["path"])
-    return sorted(f for f in set(opened) if f.startswith("shard-"))
+    return sorted(f for f in set(opened) if f.endswith(".distcp"))
 
+
+def dcp_round_trip(ctx, p: dict) -> dict:
+    """torch.distributed.checkpoint on its own (no fsdp_impl checkpoint code): ``get_state_dict`` of
+    the sharded model and its optimizer saved with ``dcp.save`` (``save``), or loaded at this world
+    size with ``dcp.load`` + ``set_state_dict`` into a model of another seed (``load``); then the
+    remaining steps. Full parameters after load and after each step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, spec = build(p, ctx, seed=0 if p["mode"] == "save" else 1)
+    opt = make_optimizer(model.parameters(), p["optimizer"], p["lr"])
+    params = []
+    if p["mode"] == "save":
+        for step in range(1, p["at"] + 1):
+            _step(model, spec, opt, p, step, ctx)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=p["path"], process_group=ctx.group)
+        params.append(named_full(model, True))
+    else:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=p["path"], process_group=ctx.group)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        params.append(named_full(model, True))
+    for step in range(p["at"] + 1, p["total"] + 1):
+        _step(model, spec, opt, p, step, ctx)
+        params.append(named_full(model, True))
+    return {"params": params} if ctx.rank == 0 else {}

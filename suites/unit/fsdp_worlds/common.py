@@ -1,5 +1,6 @@
 """What every fsdp_worlds task shares: the seeded model, sharded by fsdp_impl unless asked not
-to be, this rank's batch, full parameters as numpy arrays, and the worst value in the padding.
+to be, this rank's batch, full parameters and gradients as numpy arrays, and the worst value in
+the padding rows of the sharded parameters.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp_impl import MixedPrecisionPolicy, full_state_dict, fully_shard
@@ -55,29 +57,35 @@ def build(p: dict, ctx) -> tuple[nn.Module, Any]:
     return model, spec
 
 
-def _local_padding(h, rank: int) -> torch.Tensor:
-    """Mask over this rank's shard of handle `h`: True where the padded flat buffer lies in no
-    slot (alignment gap or tail), recomputed from the slots."""
-    mask = torch.ones(h.layout.padded_numel, dtype=torch.bool)
-    for slot in h.layout.slots:
-        mask[slot.offset:slot.end] = False
-    n = h.layout.shard_numel
-    return mask[rank * n:(rank + 1) * n]
-
-
-def padding_max(model: nn.Module, ctx) -> float:
-    """max |value| over this rank's padding elements of every shard and shard gradient.
-
-    Padding is recomputed here from the slots: an element of the padded flat buffer that lies
-    in no slot (alignment gap or tail)."""
+def padding_max(model: nn.Module, ctx=None) -> float:
+    """max |value| over the padding rows of every sharded parameter's padded shard: the rows after
+    this rank's own, up to the chunk every rank sends to the all-gather. Nothing but fully_shard
+    writes them (zeros); the gathers send them and the copy-out drops them."""
     worst = 0.0
     for _, state in units(model):
-        for h in state.handles:
-            local = _local_padding(h, ctx.rank)
-            for t in (h.shard, h.shard.grad):
-                if t is not None and local.any():
-                    worst = max(worst, float(t.detach()[local].abs().max()))
+        for p in state.params.params:
+            tail = p.padded[p.local_numel:]
+            if tail.numel():
+                worst = max(worst, float(tail.detach().abs().max()))
     return worst
+
+
+def full_grads(model: nn.Module) -> dict[str, np.ndarray]:
+    """Every sharded gradient gathered to its full shape (collective, over each unit's shard group),
+    by the unwrapped names; unit parameters with no gradient are left out."""
+    out = {}
+    for prefix, state in units(model):
+        for p in state.params.params:
+            g = p.sharded.grad
+            if g is None:
+                continue
+            local = g._local_tensor.reshape(-1)
+            padded = torch.zeros(p.shard_numel, dtype=local.dtype)
+            padded[:local.numel()] = local
+            full = torch.empty(p.world_size * p.shard_numel, dtype=local.dtype)
+            dist.all_gather_into_tensor(full, padded, group=state.params.group)
+            out[f"{prefix}.{p.fqn}" if prefix else p.fqn] = to_numpy(full[:p.shape.numel()].view(p.shape))
+    return out
 
 
 def local_batch(spec, p: dict, step: int, ctx) -> tuple[torch.Tensor, torch.Tensor]:

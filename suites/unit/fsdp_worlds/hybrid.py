@@ -15,14 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import fsdp_impl.handle as fsdp_handle
+import fsdp_impl.group as fsdp_group
 from fsdp_impl import clip_grad_norm_, fully_shard, hybrid_groups, materialize_meta, set_requires_gradient_sync
 from fsdp_impl.api import units
 from fsdp_impl.collectives import hybrid_reduce_mean
 from harness.train.models import get_model_spec
 from harness.train.optim import make_optimizer
-from suites.unit.fsdp_worlds.common import local_batch, named_full, patched, to_numpy
-from suites.unit.fsdp_worlds.training import full_grads
+from suites.unit.fsdp_worlds.common import full_grads, local_batch, named_full, patched, to_numpy
 from suites.unit.fsdp_worlds.wrapping import WithBuffer
 
 _GROUPS: dict[tuple, tuple] = {}  # (world size, replicas, group kind) -> this rank's groups
@@ -53,9 +52,9 @@ def shard_hybrid(model: nn.Module, spec, ctx, replicas: int) -> None:
 
 @contextlib.contextmanager
 def counting_reductions():
-    """Count the calls of each gradient reduction the handles make (flat and hybrid)."""
+    """Count the calls of each gradient reduction the units make (flat and hybrid)."""
     counts = {"flat": 0, "hybrid": 0}
-    flat, hybrid = fsdp_handle.reduce_scatter_mean, fsdp_handle.hybrid_reduce_mean
+    flat, hybrid = fsdp_group.reduce_scatter_mean, fsdp_group.hybrid_reduce_mean
 
     def count_flat(*a):
         counts["flat"] += 1
@@ -65,14 +64,14 @@ def counting_reductions():
         counts["hybrid"] += 1
         return hybrid(*a)
 
-    with patched(fsdp_handle, "reduce_scatter_mean", count_flat), \
-            patched(fsdp_handle, "hybrid_reduce_mean", count_hybrid):
+    with patched(fsdp_group, "reduce_scatter_mean", count_flat), \
+            patched(fsdp_group, "hybrid_reduce_mean", count_hybrid):
         yield counts
 
 
 def local_shards(model: nn.Module) -> np.ndarray:
-    """This rank's shards of every handle, end to end (float64: exact for fp32 values)."""
-    parts = [to_numpy(h.shard).astype(np.float64) for _, st in units(model) for h in st.handles]
+    """This rank's rows of every sharded parameter, end to end (float64: exact for fp32 values)."""
+    parts = [to_numpy(q.local()).astype(np.float64).ravel() for _, st in units(model) for q in st.params.params]
     return np.concatenate(parts)
 
 
@@ -81,7 +80,7 @@ def local_shards(model: nn.Module) -> np.ndarray:
 def train(ctx, p: dict) -> dict:
     """``steps`` steps of ``optimizer``, each over ``micro`` micro-batches (gradient sync off for all
     but the last, each loss divided by ``micro``). Returns the full parameters after every step, the
-    local losses, and (sharded) this rank's shards after every step, the shard sizes, and what the
+    local losses, and (sharded) this rank's rows after every step, the rows each rank holds, and what the
     reductions did: calls per step, and whether any gradient existed before the last micro-batch."""
     model, spec = build(p, ctx)
     wrapped = p.get("wrap", True)
@@ -107,16 +106,17 @@ def train(ctx, p: dict) -> dict:
             if wrapped:
                 out["shards"].append(local_shards(model))
     if wrapped:
-        hs = [h for _, st in units(model) for h in st.handles]
-        out["layouts"] = [(h.layout.used_numel, h.layout.shard_numel) for h in hs]
-        out["numel_local"] = sum(q.numel() for q in model.parameters())
-        out["handles"] = len(hs)
+        qs = [q for _, st in units(model) for q in st.params.params]
+        out["layouts"] = [(q.rows, q.row_numel, q.end - q.start) for q in qs]
+        out["numel_local"] = sum(q._local_tensor.numel() for q in model.parameters())
+        # reductions per step: one per unit with trainable parameters
+        out["reducing_units"] = sum(any(q.requires_grad for q in st.params.params) for _, st in units(model))
     return out
 
 
 def reduction(ctx, p: dict) -> dict:
     """hybrid_reduce_mean on this rank's own random fp32 gradient (seeded by rank) and on one
-    gradient every rank shares; returns the inputs and the results (as fp32, as the handle casts)."""
+    gradient every rank shares; returns the inputs and the results (as fp32, as the unit casts)."""
     shard, rep = groups(ctx, p["replicas"])
     n = p["numel"]
     own = torch.randn(n, generator=torch.Generator().manual_seed(100 + ctx.rank)) * p.get("scale", 1.0)

@@ -1,25 +1,25 @@
 """fsdp_worlds tasks that train: sharded against plain numerics (with the classic sum-instead-of-
 mean bug on demand), mixed precision, and training modes (reshard after forward, gradient
-accumulation, eval between steps, a unit called twice, padding re-zeroed).
+accumulation, eval between steps, a unit called twice, garbage in the padding rows).
 """
 
 from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-import fsdp_impl.handle as fsdp_handle
+import fsdp_impl.group as fsdp_group
 from fsdp_impl import clip_grad_norm_, fully_shard, set_requires_gradient_sync
 from fsdp_impl.api import units
 from harness.train.models import get_model_spec
 from harness.train.optim import make_optimizer
 from suites.unit.fsdp_worlds.common import (
-    _local_padding,
     build,
+    full_grads,
     local_batch,
     named_full,
     padding_max,
@@ -29,7 +29,8 @@ from suites.unit.fsdp_worlds.common import (
 
 
 def _sum_without_mean(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype) -> torch.Tensor:
-    """The classic ZeRO bug: reduce-scatter with SUM and forget to divide by the world size."""
+    """The classic ZeRO bug: reduce-scatter with SUM and forget to divide by the world size.
+    `full_grad`: the unit's send buffer, W rank chunks end to end."""
     world = dist.get_world_size(group)
     if world == 1:
         return full_grad.to(reduce_dtype)
@@ -44,7 +45,7 @@ def _sum_without_mean(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype)
 def train(ctx, p: dict) -> dict:
     """Train ``steps`` steps; return per-step local losses, the final full parameters (every rank),
     the worst padding value seen after any optimizer step, and the initial full parameters."""
-    bug = patched(fsdp_handle, "reduce_scatter_mean", _sum_without_mean) if p.get("sum_bug") \
+    bug = patched(fsdp_group, "reduce_scatter_mean", _sum_without_mean) if p.get("sum_bug") \
         else contextlib.nullcontext()
     with bug:
         model, spec = build(p, ctx)
@@ -73,14 +74,14 @@ def mixed_precision(ctx, p: dict) -> dict:
     """Train with a policy; record the dtypes reduce_scatter_mean is called with, the dtype of
     every leaf module's output, the shards' dtypes, and the final full parameters."""
     calls: list[tuple[str, str]] = []
-    real = fsdp_handle.reduce_scatter_mean
+    real = fsdp_group.reduce_scatter_mean
 
     def spy(full_grad, group, reduce_dtype):
         calls.append((str(full_grad.dtype), str(reduce_dtype)))
         return real(full_grad, group, reduce_dtype)
 
     out_dtypes: set[str] = set()
-    with patched(fsdp_handle, "reduce_scatter_mean", spy):
+    with patched(fsdp_group, "reduce_scatter_mean", spy):
         model, spec = build(p, ctx)
         for m in model.modules():
             if isinstance(m, nn.Linear):
@@ -104,33 +105,23 @@ def mixed_precision(ctx, p: dict) -> dict:
 
 
 def handle_states_after_forward(ctx, p: dict) -> dict:
-    """Per unit, after one training forward (before backward): state and bytes of the full buffer.
-    Then the same after backward."""
+    """Per unit, after one training forward (before backward): each parameter's state and the bytes
+    its unsharded storage holds; what state_dict() gives then (it reshards); the same after
+    backward, and the gradients' types."""
     model, spec = build(p, ctx)
     x, y = local_batch(spec, p, 1, ctx)
 
     def snapshot():
-        return {prefix or "<root>": [(h.state.name, 0 if h.full is None else h.full.untyped_storage().nbytes())
-                                     for h in state.handles] for prefix, state in units(model)}
+        return {prefix or "<root>": [(q.state.name, q.unsharded_nbytes()) for q in state.params.params]
+                for prefix, state in units(model)}
 
     loss = spec.loss(model(x), y)
     after_forward = snapshot()
-    loss.backward()
-    return {"after_forward": after_forward, "after_backward": snapshot()}
-
-
-def full_grads(model: nn.Module) -> dict[str, np.ndarray]:
-    """Gather each handle's shard gradient (collective) and cut it by the slots."""
-    out = {}
-    for prefix, state in units(model):
-        for h in state.handles:
-            if h.shard.grad is None:
-                continue
-            full = torch.empty(h.layout.padded_numel, dtype=h.shard.grad.dtype)
-            dist.all_gather_into_tensor(full, h.shard.grad.contiguous(), group=h.group)
-            for s in h.layout.slots:
-                out[f"{prefix}.{s.fqn}" if prefix else s.fqn] = to_numpy(full[s.offset:s.end].view(s.shape))
-    return out
+    names = {n for n, _ in model.named_parameters()}
+    in_state_dict = sorted({type(v).__name__ for k, v in model.state_dict().items() if k in names})
+    loss.backward()  # after state_dict() resharded every unit: backward gathers them again
+    return {"after_forward": after_forward, "after_backward": snapshot(), "state_dict_types": in_state_dict,
+            "grads": sorted({type(q.grad).__name__ for q in model.parameters()})}
 
 
 def grad_accumulation(ctx, p: dict) -> dict:
@@ -179,8 +170,7 @@ def eval_no_grad(ctx, p: dict) -> dict:
         model.train()
         if p.get("wrap", True):
             full_bytes_after_eval = max([full_bytes_after_eval] + [
-                h.full.untyped_storage().nbytes() for _, st in units(model) for h in st.handles
-                if h.full is not None])
+                q.unsharded_nbytes() for _, st in units(model) for q in st.params.params])
     return {"evals": evals, "params": named_full(model, p.get("wrap", True)),
             "full_bytes_after_eval": full_bytes_after_eval}
 
@@ -212,44 +202,94 @@ def unit_called_twice(ctx, p: dict) -> dict:
     return {"params": named_full(model, p["wrap"])}
 
 
-def padding_rezeroed(ctx, p: dict) -> dict:
-    """Write garbage into every shard's padding (as a careless optimizer could), then train on:
-    the next gather must see zeros again, and no gradient may appear in the padding."""
+def padding_garbage(ctx, p: dict) -> dict:
+    """Write garbage into every sharded parameter's padding rows before each step (as a careless
+    writer could; the optimizer never touches them): the gathers send it and the copy-out must drop
+    it, so that no parameter and no gradient ever sees it. Returns how many elements were written,
+    whether any gathered parameter or any gradient held the garbage value, and the final parameters."""
     model, spec = build(p, ctx)
     opt = make_optimizer(model.parameters(), "sgd", 0.05)
-    worst_after_forward, worst_after_step = 0.0, 0.0
-    corrupted = 0
+    corrupted, found = 0, []
+
+    def look(mod, args):
+        found.extend(bool((q.detach() == 7.0).any()) for q in mod.parameters(recurse=False))
+
+    hooks = [m.register_forward_pre_hook(look) for m in model.modules() if not list(m.children())]
     for step in range(1, 4):
         with torch.no_grad():
             for _, state in units(model):
-                for h in state.handles:
-                    local = _local_padding(h, ctx.rank)
-                    h.shard[local] = 7.0
-                    corrupted += int(local.sum())
+                for q in state.params.params:
+                    q.padded[q.local_numel:] = 7.0
+                    corrupted += q.padded.numel() - q.local_numel
         x, y = local_batch(spec, p, step, ctx)
-        loss = spec.loss(model(x), y)
-        worst_after_forward = max(worst_after_forward, padding_max(model, ctx))
-        loss.backward()
+        spec.loss(model(x), y).backward()
+        found.extend(bool((g == 7.0).any()) for g in full_grads(model).values())
         opt.step()
-        worst_after_step = max(worst_after_step, padding_max(model, ctx))
         opt.zero_grad()
-    return {"corrupted": corrupted, "after_forward": worst_after_forward, "after_step": worst_after_step,
-            "params": named_full(model, True)}
+    for h in hooks:
+        h.remove()
+    return {"corrupted": corrupted, "seen": any(found), "looked": len(found), "params": named_full(model, True)}
 
 
 def clipped(ctx, p: dict) -> dict:
-    """The global norm fsdp_impl.clip_grad_norm_ reports and the gradients it leaves, for the sharded
-    model and for the plain model clipped by torch, on the same batch (replicated data)."""
+    """The global norm fsdp_impl.clip_grad_norm_ (``via: torch``: torch's own clip_grad_norm_ on the
+    DTensor gradients) reports and the gradients it leaves, for the sharded model and for the plain
+    model clipped by torch, on the same batch (replicated data)."""
     spec = get_model_spec(p["model"])
     x, y = spec.make_batch(p.get("batch", 8), 1, 0)
     out = {}
     for wrapped in (True, False):
         model, _ = build({**p, "wrap": wrapped}, ctx)
         spec.loss(model(x), y).backward()
-        if wrapped:
+        if wrapped and p.get("via") == "torch":  # torch's own function on the DTensor gradients
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), p["max_norm"], p["norm_type"])
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            out["fsdp"] = (float(norm), full_grads(model))
+        elif wrapped:
             norm = clip_grad_norm_(model, p["max_norm"], p["norm_type"])
             out["fsdp"] = (float(norm), full_grads(model))
         else:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), p["max_norm"], p["norm_type"])
             out["plain"] = (float(norm), {n: to_numpy(q.grad) for n, q in model.named_parameters()})
     return out
+
+
+class CheckpointAroundUnit(nn.Module):
+    """``inner`` (its own unit) runs under a non-reentrant activation checkpoint that wraps the
+    unit's whole call, hooks included (as ``checkpoint(module, x)`` does): the recomputation in
+    backward calls the unit again while the backward is running."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.inner, self.out = nn.Linear(6, 7), nn.Linear(7, 7), nn.Linear(7, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.pre(x))
+        return self.out(torch.tanh(checkpoint(self.inner, h, use_reentrant=False)))
+
+
+def checkpoint_around_unit(ctx, p: dict) -> dict:
+    """Three SGD steps of CheckpointAroundUnit (plain or sharded); with ``wrap`` the gradient
+    reductions per step are counted."""
+    torch.manual_seed(0)
+    model = CheckpointAroundUnit()
+    if p["wrap"]:
+        fully_shard(model.inner, process_group=ctx.group)
+        fully_shard(model, process_group=ctx.group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    calls = []
+    real = fsdp_group.reduce_scatter_mean
+
+    def count(*a):
+        calls.append(1)
+        return real(*a)
+
+    with patched(fsdp_group, "reduce_scatter_mean", count):
+        for _ in range(3):
+            model(torch.randn(4, 6, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return {"params": named_full(model, p["wrap"]), "reductions": len(calls)}

@@ -1,5 +1,6 @@
-"""fsdp_worlds tasks on what fully_shard does to a model: each rank's shard layout, a
-parameter shared across units (refused), buffers broadcast from rank 0.
+"""fsdp_worlds tasks on what fully_shard does to a model: each rank's rows of every parameter (as
+DTensors under the original names), a parameter shared across units (refused), buffers broadcast
+from rank 0, nothing left alive after the model is dropped.
 """
 
 from __future__ import annotations
@@ -16,21 +17,30 @@ from suites.unit.fsdp_worlds.common import build, to_numpy
 
 
 def layout(ctx, p: dict) -> dict:
-    """After sharding: every unit's slot names/offsets, shard length, this rank's shard values;
-    the model's parameter list; and the eager full parameters of the same seed (plain model)."""
+    """After sharding: every unit's parameters (name, owners, global shape, the rows this rank holds
+    as values, the padded shard's length and its padding values); what ``named_parameters()``
+    gives (name, type, global shape, placements, mesh ranks, local shape); and the eager full
+    parameters of the same seed (plain model)."""
     spec = get_model_spec(p["model"])
     torch.manual_seed(p.get("seed", 0))
     eager = {k: to_numpy(v) for k, v in spec.build().named_parameters()}
     model, _ = build(p, ctx)
     out_units = []
     for prefix, state in units(model):
-        for h in state.handles:
-            out_units.append({"prefix": prefix, "requires_grad": h.requires_grad,
-                              "slots": [(s.fqn, s.offset, s.numel, s.shape) for s in h.layout.slots],
-                              "shard_numel": h.layout.shard_numel, "shard": to_numpy(h.shard)})
-    return {"units": out_units, "eager": eager,
-            "params": [(n, tuple(q.shape), q.dim()) for n, q in model.named_parameters()],
-            "numel_local": sum(q.numel() for q in model.parameters())}
+        out_units.append({"prefix": prefix, "params": [
+            {"fqn": q.fqn, "owners": [o.fqn for o in q.owners], "shape": tuple(q.shape),
+             "requires_grad": q.requires_grad, "local": to_numpy(q.local()), "padded_numel": q.padded.numel(),
+             "padding": to_numpy(q.padded[q.local_numel:])} for q in state.params.params]})
+    params = []
+    for n, q in model.named_parameters():
+        params.append({"name": n, "type": type(q).__name__, "shape": tuple(q.shape),
+                       "placements": [repr(pl) for pl in getattr(q, "placements", ())],
+                       "mesh": q.device_mesh.mesh.tolist() if hasattr(q, "device_mesh") else None,
+                       "local_shape": tuple(q._local_tensor.shape) if hasattr(q, "_local_tensor") else None})
+    return {"units": out_units, "eager": eager, "params": params,
+            "tied_same_object": (model.embed.weight is model.head.weight) if p["model"] == "tinylm_tied" else None,
+            "numel_local": sum(q._local_tensor.numel() for q in model.parameters()),
+            "state_dict": {k: (type(v).__name__, tuple(v.shape)) for k, v in model.state_dict().items()}}
 
 
 def shared_across_units(ctx, case: str) -> str:

@@ -1,0 +1,155 @@
+"""ParamGroup: the sharded parameters of one unit and the two collectives that move them.
+
+    unshard       copy every parameter's padded shard into one flat buffer (cast to param_dtype),
+                  ONE all-gather of it over the shard group, copy each rank's rows out into each
+                  unsharded parameter (``split_with_sizes_copy``); the modules point at them.
+                  Asynchronous for prefetching: ``unshard(async_op=True)`` issues the all-gather,
+                  ``wait_unshard`` waits for it and does the copy-out
+    reshard       the modules point at the sharded DTensors again; the unsharded storage is freed
+    reduce_grads  the unsharded gradients, each cut into W chunks of c rows (zero rows padding the
+                  last), laid out chunk by chunk in ONE buffer (``torch._chunk_cat``): chunk r
+                  holds every parameter's rows for rank r. ONE reduction of it (collectives.py:
+                  an all-to-all in the gradient's dtype, a sum in rank order in reduce_dtype, one
+                  division, then the cast to the sharded dtype); each parameter's rows of this
+                  rank's chunk become (or are added to) its sharded gradient
+
+One collective per dtype, in practice one per unit: every parameter of a unit has the same
+param_dtype under a MixedPrecisionPolicy, and models seldom mix dtypes otherwise. Frozen
+parameters are gathered with the others and never reduced; a parameter that got no gradient in a
+backward is left out of that reduction (every rank must agree on which: the model's use of its
+parameters may not depend on the rank's data).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .collectives import all_gather_flat, hybrid_reduce_mean, reduce_scatter_mean
+from .mixed_precision import MixedPrecisionPolicy
+from .param import ShardedParam, ShardState
+
+
+class ParamGroup:
+    def __init__(self, params: list[ShardedParam], group, replicate_group, mp: MixedPrecisionPolicy):
+        self.params = params
+        self.group = group  # the shard group: gathers and the first gradient reduction
+        self.replicate_group = replicate_group  # HSDP: ranks holding the same shards; None if no replicas
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.mp = mp
+        self.state = ShardState.SHARDED
+        self.sync_grads = True  # False: keep the unsharded gradients unreduced between backward passes
+        self._pending: list | None = None  # an issued, not yet completed unshard (prefetch)
+
+    # -- unshard / reshard ----------------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather every parameter of the unit (collective) and point the modules at the result.
+        With `async_op` (prefetching) the all-gathers are only issued; ``wait_unshard`` (or any
+        later ``unshard`` / ``reshard``) completes them: until then the modules keep their shards."""
+        if self.state is ShardState.UNSHARDED or self._pending is not None:
+            if not async_op:
+                self.wait_unshard()
+            return
+        self._pending = []
+        for dtype, params in _buckets(self.params, lambda p: p.param_dtype):
+            sizes = [p.shard_numel for p in params]
+            total = sum(sizes)
+            send = torch.empty(total, dtype=dtype, device=params[0].device)  # 1D: every padded shard
+            with torch.no_grad():
+                torch._foreach_copy_(list(send.split(sizes)), [p.padded for p in params])
+            if self.world_size == 1:
+                received, work = send, None
+            else:
+                received = torch.empty(self.world_size * total, dtype=dtype, device=send.device)
+                # rank r's flat shards at [r * total, ...)
+                work = all_gather_flat(received, send, self.group, async_op=True)
+            self._pending.append((params, sizes, send, received, work))
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        """Complete an issued unshard: wait for its all-gathers, copy each rank's rows out into the
+        unsharded parameters, point the modules at them. A no-op when none is in flight."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        for params, sizes, _send, received, work in pending:
+            if work is not None:
+                work.wait()
+            outs = [p.alloc_unsharded() for p in params]  # each (W, c x row)
+            # the unsharded parameters keep their version: autograd saved them in forward, and
+            # refilling the same storage for backward is no change to what it saved
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+                torch.split_with_sizes_copy(received.view(self.world_size, -1), sizes, dim=1, out=outs)
+            # freed now, not when the backend lets go of its work: gloo's thread may still hold it
+            # after wait() returns, and the next unit's gather would then find this one's buffers
+            for buffer in (received, _send):
+                buffer.untyped_storage().resize_(0)
+        for p in self.params:
+            p.to_unsharded()
+        self.state = ShardState.UNSHARDED
+
+    @property
+    def gathering(self) -> bool:
+        """True between an asynchronous unshard and its completion."""
+        return self._pending is not None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters; only this rank's shards stay. An unshard still in flight
+        (a prefetch nobody used) is completed first: its collectives were issued on every rank."""
+        self.wait_unshard()
+        if self.state is ShardState.SHARDED:
+            return
+        for p in self.params:
+            p.to_sharded()
+        self.state = ShardState.SHARDED
+
+    # -- gradients ------------------------------------------------------------------------------
+    def reduce_grads(self) -> None:
+        """Reduce every unsharded gradient of the unit to the mean over all ranks (collective) and add
+        this rank's rows to the sharded gradients; the unsharded gradients are released."""
+        todo = [p for p in self.params if p.requires_grad and p.unsharded_grad() is not None]
+        for dtype, params in _buckets(todo, lambda p: p.unsharded.grad.dtype):
+            grads = [p.unsharded.grad.reshape(p.rows, p.row_numel) for p in params]
+            for p in params:
+                p.unsharded.grad = None
+            # (W, sum of c x row): chunk r is every parameter's rows for rank r, zero rows padding
+            send = torch._chunk_cat(grads, dim=0, num_chunks=self.world_size)
+            del grads
+            reduce_dtype = self.mp.reduce_dtype or wider(dtype)
+            if self.replicate_group is None:
+                reduced = reduce_scatter_mean(send.view(-1), self.group, reduce_dtype)
+            else:
+                reduced = hybrid_reduce_mean(send.view(-1), self.group, self.replicate_group, reduce_dtype)
+            del send
+            for (target, part), ps in _cast_by_target(reduced, params):
+                for p, seg in zip(ps, part):
+                    p.add_reduced_grad(seg)
+
+
+def _buckets(params: list[ShardedParam], key) -> list[tuple[torch.dtype, list[ShardedParam]]]:
+    """params grouped by key(p), in order of first appearance, each group in params' order."""
+    out: dict = {}
+    for p in params:
+        out.setdefault(key(p), []).append(p)
+    return list(out.items())
+
+
+def _cast_by_target(reduced: torch.Tensor, params: list[ShardedParam]):
+    """(target dtype, the per-parameter padded chunks of `reduced` cast to it), params of that dtype.
+    One cast per sharded dtype: in practice one for the whole unit."""
+    segments = dict(zip(map(id, params), reduced.split([p.shard_numel for p in params])))
+    out = []
+    for dtype, ps in _buckets(params, lambda p: p.dtype):
+        parts = [segments[id(p)] for p in ps]
+        if reduced.dtype != dtype:
+            flat = torch.cat(parts).to(dtype) if len(ps) < len(params) else reduced.to(dtype)
+            parts = list(flat.split([p.shard_numel for p in ps]))
+        out.append(((dtype, parts), ps))
+    return out
+
+
+def wider(dtype: torch.dtype) -> torch.dtype:
+    """Default reduction dtype: one step wider than the gradient (fp32 -> fp64, 16-bit -> fp32)."""
+    return {torch.float32: torch.float64, torch.float16: torch.float32, torch.bfloat16: torch.float32}.get(dtype, dtype)

@@ -1,0 +1,106 @@
+"""harness/bench/fsdp_vs_fsdp2.py end to end: two small models at W = 1, 2, one measured step; the
+printed tables must have every row and column, positive figures and finite ratios that agree with them."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from harness.bench import fsdp_vs_fsdp2 as bench
+
+MODELS = ("mlp", "tinylm")
+WORLD_SIZES = (1, 2)
+VARIANTS = tuple(label for label in bench.IMPLS if label != bench.FSDP2)
+ARGV = ["--world-sizes", ",".join(map(str, WORLD_SIZES)), "--model", ",".join(MODELS),
+        "--steps", "1", "--warmup", "1", "--global-batch", "4"]
+
+
+def _number(cell: str) -> float:
+    return float(cell.replace(",", ""))
+
+
+def check_output(text: str, models=MODELS, world_sizes=WORLD_SIZES) -> dict[str, dict[tuple[int, str], list[str]]]:
+    """Asserts the benchmark's printed output is complete and sane; returns {model: {(W, variant): cells}}."""
+    assert re.search(r"^# machine: .+\(\w+\), \d+ CPUs usable, torch \S+", text, re.M), "no machine line"
+    sections = re.split(r"^## ", text, flags=re.M)[1:]
+    assert [s.split(":", 1)[0] for s in sections] == list(models), "one table per model, in order"
+    out = {}
+    for model, section in zip(models, sections):
+        n = re.match(rf"{re.escape(model)}: ([\d,]+) parameters\n", section)
+        assert n and _number(n.group(1)) > 0, f"{model}: no parameter count"
+        lines = [ln for ln in section.splitlines() if ln.startswith("|")]
+        head = [c.strip() for c in lines[0].strip("|").split("|")]
+        assert head == list(bench.COLUMNS), f"{model}: columns {head}"
+        assert set(lines[1]) <= {"|", "-"}
+        rows = {}
+        for ln in lines[2:]:
+            cells = [c.strip() for c in ln.strip("|").split("|")]
+            assert len(cells) == len(head), f"{model}: row {cells}"
+            rows[(int(cells[0]), cells[1])] = cells
+        assert len(rows) == len(lines) - 2, f"{model}: a repeated row"
+        assert sorted(rows) == sorted((w, v) for w in world_sizes for v in VARIANTS), f"{model}: rows {sorted(rows)}"
+        for key, cells in rows.items():
+            lo, hi = (_number(c) for c in cells[5].split("-"))
+            mine_ms, ref_ms, r_ms, r_cpu, mine_peak, ref_peak, r_peak = map(_number, cells[2:5] + cells[6:])
+            for x in (mine_ms, ref_ms, r_ms, lo, hi, r_cpu, mine_peak, ref_peak, r_peak):
+                assert math.isfinite(x) and x > 0, f"{model} {key}: {cells}"
+            # the times are printed to 0.01 ms, every ratio to 0.01: what rounding can account for, no more
+            slack = 0.0051 + mine_ms / ref_ms * (0.0051 / mine_ms + 0.0051 / ref_ms)
+            assert r_ms == pytest.approx(mine_ms / ref_ms, abs=slack), f"{model} {key}: time ratio {cells}"
+            # every step_i / ref_step_i in [lo, hi] bounds the ratio of the medians too
+            assert lo - 0.011 <= r_ms <= hi + 0.011, f"{model} {key}: time ratio outside the per-step range {cells}"
+            assert r_peak == pytest.approx(mine_peak / ref_peak, abs=0.006), f"{model} {key}: peak ratio {cells}"
+        out[model] = rows
+    return out
+
+
+def test_benchmark_prints_one_complete_table_per_model(capsys):
+    results = bench.main(ARGV)
+    text = capsys.readouterr().out
+    tables = check_output(text)
+    # the returned figures are the printed ones; every implementation trained (finite, equal losses at W=1)
+    assert list(results) == list(MODELS)
+    for model in MODELS:
+        assert list(results[model]) == list(WORLD_SIZES)
+        for w in WORLD_SIZES:
+            res = results[model][w]
+            assert set(res) == set(bench.IMPLS)
+            assert all(math.isfinite(v["final_loss"]) for v in res.values())
+            for variant in VARIANTS:
+                assert tables[model][(w, variant)][2] == f"{res[variant]['ms']:.2f}"
+                assert _number(tables[model][(w, variant)][bench.COLUMNS.index("fsdp2 peak bytes")]) == res[bench.FSDP2]["peak"]
+
+
+GOOD = """# machine: Some CPU (AVX2), 2 CPUs usable, torch 2.0, python 3.11
+
+## mlp: 1,000 parameters
+
+| world size | variant | fsdp_impl step ms | fsdp2 step ms | ratio | per-step ratios | cpu ratio | fsdp_impl peak bytes \
+| fsdp2 peak bytes | ratio |
+|---|---|---|---|---|---|---|---|---|---|
+| 1 | fsdp_impl | 2.00 | 4.00 | 0.50 | 0.40-0.60 | 0.70 | 100 | 200 | 0.50 |
+| 1 | fsdp_impl[reduce fp32] | 2.00 | 4.00 | 0.50 | 0.40-0.60 | 0.70 | 100 | 200 | 0.50 |
+| 2 | fsdp_impl | 2.00 | 4.00 | 0.50 | 0.40-0.60 | 0.70 | 100 | 200 | 0.50 |
+| 2 | fsdp_impl[reduce fp32] | 2.00 | 4.00 | 0.50 | 0.40-0.60 | 0.70 | 100 | 200 | 0.50 |
+"""
+
+
+@pytest.mark.parametrize("broken", [
+    lambda t: t.replace("| 2 | fsdp_impl[reduce fp32] | 2.00 | 4.00 | 0.50 | 0.40-0.60 | 0.70 | 100 | 200 | 0.50 |\n",
+                        ""),  # a row gone
+    lambda t: t.replace("| 1 | fsdp_impl | 2.00 | 4.00 | 0.50 |", "| 1 | fsdp_impl | 2.00 | 0.00 | inf |"),
+    lambda t: t.replace("| 2 | fsdp_impl | 2.00 | 4.00 | 0.50 |", "| 2 | fsdp_impl | 2.00 | 4.00 | nan |"),
+    lambda t: t.replace("| 1 | fsdp_impl | 2.00 | 4.00 | 0.50 |", "| 1 | fsdp_impl | 2.00 | 4.00 | 0.70 |"),
+    lambda t: t.replace(" | fsdp2 peak bytes", ""),  # a column gone
+    lambda t: t.replace("| 0.40-0.60 | 0.70 | 100 |", "| 0.52-0.60 | 0.70 | 100 |", 1),  # ratio outside the range
+    lambda t: t.replace("| 0.40-0.60 | 0.70 | 100 |", "| 0.40-0.60 | inf | 100 |", 1),
+    lambda t: t.replace("# machine:", "#"),
+    lambda t: t.replace("## mlp: 1,000 parameters", "## mlp"),
+])
+def test_the_output_check_can_fail(broken):
+    """check_output accepts a well-formed table and rejects each kind of damage to it."""
+    check_output(GOOD, models=("mlp",))
+    with pytest.raises(AssertionError):
+        check_output(broken(GOOD), models=("mlp",))
