@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import all_gather_flat
-from .group import ParamGroup
+from .group import ParamGroup, buckets
 from .mesh import check_hybrid_layout, device_for
 from .mixed_precision import MixedPrecisionPolicy
 from .param import Owner, ShardedParam
@@ -120,19 +120,24 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) parameters under the names they had in the unwrapped module (collective over
-    the shard group, one all-gather per parameter; under HSDP every replica gathers its own,
-    identical, copy), in the sharded (master) dtype.
+    the shard group, one all-gather per unit and dtype, as an unshard; under HSDP every replica
+    gathers its own, identical, copy), in the sharded (master) dtype.
 
     Tied parameters appear once, under the first name, as ``named_parameters()`` gives them.
     Parameters outside any unit are included as they are.
     """
     out: dict[str, torch.Tensor] = {}
     for prefix, state in units(module):
-        for p in state.params.params:
+        group = state.params
+        for _, params in buckets(group.params, lambda p: p.dtype):
+            sizes = [p.shard_numel for p in params]
             with torch.no_grad():
-                full = torch.empty(p.world_size * p.shard_numel, dtype=p.dtype, device=p.device)
-                all_gather_flat(full, p.padded, state.params.group)
-                out[_join(prefix, p.fqn)] = full[:p.shape.numel()].view(p.shape).clone()
+                send = torch.cat([p.padded for p in params])
+                full = torch.empty(group.world_size * send.numel(), dtype=send.dtype, device=send.device)
+                all_gather_flat(full, send, group.group)
+                # (W, sum of padded shards) -> per parameter (W, c x row): its W x c rows, the first are it
+                for p, rows in zip(params, full.view(group.world_size, -1).split(sizes, dim=1)):
+                    out[_join(prefix, p.fqn)] = rows.reshape(-1)[:p.shape.numel()].view(p.shape).clone()
     for name, q in module.named_parameters():
         if not getattr(q, "_fsdp_managed", False):
             out[name] = q.detach().clone()

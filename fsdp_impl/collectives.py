@@ -32,9 +32,19 @@ def reduce_scatter_mean(full_grad: torch.Tensor, group, reduce_dtype: torch.dtyp
     one rank) and the split-data mean correctly rounded. The division by W happens in the wide dtype.
     """
     world = dist.get_world_size(group)
-    if world == 1:
-        return full_grad.to(reduce_dtype)
+    if world == 1:  # the mean of one addend: only a cast, skipped where it cannot change a value
+        return full_grad if holds_exactly(reduce_dtype, full_grad.dtype) else full_grad.to(reduce_dtype)
     return reduce_scatter_sum(full_grad, group, reduce_dtype).div_(world)
+
+
+def holds_exactly(wide: torch.dtype, narrow: torch.dtype) -> bool:
+    """True when every `narrow` value is a `wide` value (the cast there and back is the identity)."""
+    if wide == narrow:
+        return True
+    if not (wide.is_floating_point and narrow.is_floating_point):
+        return False
+    w, n = torch.finfo(wide), torch.finfo(narrow)
+    return w.bits > n.bits and w.eps <= n.eps and w.max >= n.max and w.tiny <= n.tiny
 
 
 def reduce_scatter_sum(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype) -> torch.Tensor:

@@ -52,7 +52,7 @@ class ParamGroup:
                 self.wait_unshard()
             return
         self._pending = []
-        for dtype, params in _buckets(self.params, lambda p: p.param_dtype):
+        for dtype, params in buckets(self.params, lambda p: p.param_dtype):
             sizes = [p.shard_numel for p in params]
             total = sum(sizes)
             send = torch.empty(total, dtype=dtype, device=params[0].device)  # 1D: every padded shard
@@ -110,7 +110,7 @@ class ParamGroup:
         """Reduce every unsharded gradient of the unit to the mean over all ranks (collective) and add
         this rank's rows to the sharded gradients; the unsharded gradients are released."""
         todo = [p for p in self.params if p.requires_grad and p.unsharded_grad() is not None]
-        for dtype, params in _buckets(todo, lambda p: p.unsharded.grad.dtype):
+        for dtype, params in buckets(todo, lambda p: p.unsharded.grad.dtype):
             grads = [p.unsharded.grad.reshape(p.rows, p.row_numel) for p in params]
             for p in params:
                 p.unsharded.grad = None
@@ -128,7 +128,7 @@ class ParamGroup:
                     p.add_reduced_grad(seg)
 
 
-def _buckets(params: list[ShardedParam], key) -> list[tuple[torch.dtype, list[ShardedParam]]]:
+def buckets(params: list[ShardedParam], key) -> list[tuple[torch.dtype, list[ShardedParam]]]:
     """params grouped by key(p), in order of first appearance, each group in params' order."""
     out: dict = {}
     for p in params:
@@ -141,7 +141,7 @@ def _cast_by_target(reduced: torch.Tensor, params: list[ShardedParam]):
     One cast per sharded dtype: in practice one for the whole unit."""
     segments = dict(zip(map(id, params), reduced.split([p.shard_numel for p in params])))
     out = []
-    for dtype, ps in _buckets(params, lambda p: p.dtype):
+    for dtype, ps in buckets(params, lambda p: p.dtype):
         parts = [segments[id(p)] for p in ps]
         if reduced.dtype != dtype:
             flat = torch.cat(parts).to(dtype) if len(ps) < len(params) else reduced.to(dtype)

@@ -112,3 +112,20 @@ def test_chunk_cat_sends_each_rank_its_rows(shapes, world):
             pad = chunk_rows(t.shape[0], world) - (end - start)
             expected.append(torch.cat([t[start:end].reshape(-1), torch.zeros(pad * t.shape[1])]))
         assert torch.equal(out[r], torch.cat(expected)), f"rank {r}"
+
+
+def test_a_reduction_at_world_size_one_skips_only_casts_that_change_no_value():
+    """The mean over one rank is the gradient itself: the cast to reduce_dtype is skipped where every
+    value of the gradient's dtype is one of reduce_dtype's, and kept where it rounds (a bf16 reduce
+    of fp32 gradients must still round them, as the policy asks)."""
+    from fsdp_impl.collectives import holds_exactly
+
+    f64, f32, bf16, f16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
+    for wide, narrow in [(f64, f32), (f64, bf16), (f64, f16), (f32, bf16), (f32, f16), (f32, f32)]:
+        assert holds_exactly(wide, narrow), (wide, narrow)
+    for wide, narrow in [(f32, f64), (bf16, f32), (f16, f32), (bf16, f16), (f16, bf16)]:
+        assert not holds_exactly(wide, narrow), (wide, narrow)
+    x = torch.tensor([1 + 2 ** -20, 3e38, 1e-40], dtype=f32)  # rounds in bf16; overflows fp16; subnormal
+    for wide in (f64, f32):
+        assert torch.equal(x.to(wide).to(f32), x)
+    assert not torch.equal(x.to(bf16).to(f32), x) and not torch.equal(x.to(f16).to(f32), x)
