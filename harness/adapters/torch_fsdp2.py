@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from harness.adapters.base import Adapter, cpu_fp32, torch_clip
+from harness.adapters.dtensor_gather import full_tensors
 
 
 class TorchFSDP2Adapter(Adapter):
@@ -79,12 +80,7 @@ class TorchFSDP2Adapter(Adapter):
         return torch_clip(wrapped.parameters(), max_norm, norm_type)  # DTensor gradients: the global norm
 
     def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
-        from torch.distributed.tensor import DTensor
-
-        return {
-            name: cpu_fp32(p.full_tensor() if isinstance(p, DTensor) else p)
-            for name, p in wrapped.named_parameters()
-        }
+        return {name: cpu_fp32(t) for name, t in full_tensors(list(wrapped.named_parameters())).items()}
 
 
 def _short(dtype: torch.dtype) -> str:

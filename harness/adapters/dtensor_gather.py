@@ -1,0 +1,53 @@
+"""Full tensors of DTensor parameters, one all-gather per mesh and dtype instead of one per parameter.
+
+``DTensor.full_tensor()`` is one collective per parameter; on a CPU box with more ranks than cores a
+collective costs milliseconds of scheduling, and the harness takes the full parameters after every
+step. Parameters sharded on dim 0 over a 1-D mesh (``Shard(0)``: rank r holds rows
+[r x c, min((r + 1) x c, R)), c = ceil(R / W), as ``torch.chunk`` cuts) are packed, each rank's rows
+padded to c, into one buffer per (mesh, dtype), gathered once and cut back. Anything else (a 2-D mesh,
+another placement, a plain tensor) takes ``full_tensor()`` or is copied as it is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def full_tensors(named: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
+    """name -> the full tensor (a new tensor), in `named`'s order. Collective: every rank of each
+    parameter's mesh calls it with the same parameters."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    out: dict[str, Tensor | None] = {}
+    packs: dict = {}
+    for name, p in named:
+        out[name] = None
+        if isinstance(p, DTensor) and p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),) and p.dim():
+            group = p.device_mesh.get_group()
+            packs.setdefault((id(group), p.dtype), (group, []))[1].append((name, p))
+        elif isinstance(p, DTensor):
+            out[name] = p.full_tensor().detach()
+        else:
+            out[name] = p.detach().clone()
+    for group, items in packs.values():
+        out.update(_gather_rows(group, items))
+    return out
+
+
+def _gather_rows(group, items: list) -> dict[str, Tensor]:
+    world = dist.get_world_size(group)
+    rows = [-(-p.shape[0] // world) * math.prod(p.shape[1:]) for _, p in items]  # a padded chunk, elements
+    first = items[0][1].to_local()
+    send = torch.zeros(sum(rows), dtype=first.dtype, device=first.device)
+    for (_, p), part in zip(items, send.split(rows)):
+        local = p.to_local().detach().reshape(-1)
+        part[:local.numel()].copy_(local)
+    recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
+    with torch.no_grad():
+        dist.all_gather_single(recv, send, group=group)
+    return {name: full.reshape(-1)[:p.numel()].view(p.shape).clone()
+            for (name, p), full in zip(items, recv.view(world, -1).split(rows, dim=1))}
