@@ -41,6 +41,7 @@ __all__ = ["Census", "HELD_CATEGORIES", "live_tensors"]
 
 HELD_CATEGORIES = ("params", "grads", "optimizer_state", "buffers", "other", "unattributed")
 SETTLE_S = 0.05  # between the two looks of `Census.held`
+_KEPT: dict = {}  # "refs": the tensors keep_frozen censuses froze, storage id -> tensor
 
 
 def _key(t: torch.Tensor) -> tuple[int, int] | None:
@@ -79,31 +80,55 @@ class Census:
     whole process (torch alone tracks some 300,000 objects). The frozen objects are the process's
     own by definition and are never listed; a new tensor over one of their storages (a view) is
     left out too. Use it as a context manager, or call `close`, so that the process's objects are
-    collectable again afterwards."""
+    collectable again afterwards.
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    ``keep_frozen=True`` (a process that runs one census after another, as a world's rank runs
+    scenario after scenario): `close` leaves the frozen objects frozen, and the next such census
+    walks only the objects made since the last one froze (the walk over the whole process, ~0.1 s
+    on 2 cores, is paid once per process, not per scenario). What stays frozen is what was alive
+    when a census began, never a scenario's own objects (made after the freeze, collectable as
+    usual); the tensors among it are held, so that no storage of theirs is freed and its id reused
+    by a scenario's. A census that exits on an exception unfreezes everything, so that a failed
+    scenario's objects, which the traceback keeps alive, are collectable once it is dropped."""
+
+    def __init__(self, device: torch.device | str = "cpu", *, keep_frozen: bool = False) -> None:
         self.device = torch.device(device)
+        self.keep_frozen = keep_frozen
         if self.device.type == "cuda":
             gc.collect()  # no earlier garbage on the device through the scenario (the allocator counts it)
         self._cuda_before = self._cuda_allocated()
+        # the tensors a keep_frozen census froze before (held: alive, so the process's own still); had
+        # anything unfrozen them since, the walk below would find them again, and nothing is lost
+        kept = _KEPT.get("refs") if keep_frozen else None
+        if kept is not None:
+            gc.collect()  # only what is not frozen: last scenario's garbage is not the process's
         # a tensor made later over a storage alive now (a view) is not the scenario's either; the
         # tensors are held so that no id of theirs is reused by a new storage while the census lasts
-        self._before_refs = [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
-        self.before = {k[0] for t in self._before_refs if (k := _key(t)) is not None}
+        refs = dict(kept or {})
+        for obj in gc.get_objects():
+            if issubclass(type(obj), torch.Tensor) and (k := _key(obj)) is not None:
+                refs.setdefault(k[0], obj)
+        self._before_refs = refs
+        self.before = set(refs)
         gc.freeze()  # from here on the collector (and every look) sees only what the scenario makes
         self._frozen = True
+        _KEPT.clear()
+        if keep_frozen:
+            _KEPT["refs"] = refs
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self._frozen:
             self._frozen = False
-            self._before_refs = []
-            gc.unfreeze()
+            self._before_refs = {}
+            if failed or not self.keep_frozen:
+                _KEPT.clear()
+                gc.unfreeze()
 
     def __enter__(self) -> "Census":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc: object) -> None:
+        self.close(failed=exc_type is not None)
 
     def _cuda_allocated(self) -> int | None:
         if self.device.type != "cuda":
@@ -137,15 +162,16 @@ class Census:
         return [(owner.get(k, "other"), nbytes, t) for k, (nbytes, t) in self.new_tensors(exclude).items()]
 
     def held(self, model: nn.Module, optimizer: Any,
-             exclude: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+             exclude: Iterable[torch.Tensor] = (), settle: bool = True) -> dict[str, int]:
         """Bytes held now, by category (HELD_CATEGORIES), each storage once.
 
         A communication thread may let go of a collective's buffers a moment after the collective
         returned (gloo's worker thread does), and such a buffer would read as held: when the first
         look finds anything under "other", a second look follows after `SETTLE_S` and each
-        category keeps the smaller figure. What is really held is there both times."""
+        category keeps the smaller figure. What is really held is there both times. `settle=False`
+        (no collective ran since the state was made, so no thread holds a buffer of one) skips it."""
         out = self._held_once(model, optimizer, exclude)
-        if out["other"]:
+        if out["other"] and settle:
             time.sleep(SETTLE_S)
             again = self._held_once(model, optimizer, exclude)
             out = {cat: min(out[cat], again[cat]) for cat in out}

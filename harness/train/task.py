@@ -41,7 +41,7 @@ def train_scenario(ctx, payload: dict) -> dict:
     adapter = load_adapter(sc.impl)
     ckpt = Checkpointing(payload, snap_dir, ctx.rank)
     # what the process holds before the scenario is not the scenario's
-    with Census(ctx.device) as census:
+    with Census(ctx.device, keep_frozen=True) as census:
         return _train(ctx, sc, spec, adapter, census, snap_dir, ckpt)
 
 
@@ -102,7 +102,8 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
             times.append(time.perf_counter() - t0)
         else:
             memory = dict(mem.result())
-            held = census.held(wrapped, optimizers, exclude=(*batch, loss))
+            # a comm thread may still hold a buffer of a collective that ran: none ran, none to wait for
+            held = census.held(wrapped, optimizers, exclude=(*batch, loss), settle=bool(counter.summary()))
             memory.update({f"state_{k}": v for k, v in held.items()})
             # the ZeRO-3 state (what the gate compares across runs); buffers and other are rows of their own
             memory["state_total"] = held["params"] + held["grads"] + held["optimizer_state"]

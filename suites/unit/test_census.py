@@ -104,6 +104,38 @@ def test_a_closed_census_leaves_nothing_frozen():
     assert gc.get_freeze_count() == before
 
 
+def test_censuses_that_keep_the_process_frozen_see_only_each_scenarios_own_storages():
+    """keep_frozen: one census after another, as a rank runs scenarios. The second walks only what
+    was made since the first froze, yet what the process held before either (a view of it made in
+    the scenario included) is not the scenario's, and each scenario's storages are its own."""
+    import gc
+
+    start = gc.get_freeze_count()
+    old = torch.zeros(64)  # the process's own, alive before both censuses
+    try:
+        with Census(keep_frozen=True) as first:
+            a = nn.Linear(4, 4, bias=False)  # 64 B
+            assert _held(first, a)["params"] == 64 and _held(first, a)["other"] == 0
+        kept = gc.get_freeze_count()
+        assert kept > start  # left frozen
+        between = torch.zeros(32)  # made between the scenarios: alive when the second begins
+        with Census(keep_frozen=True) as second:
+            assert gc.get_freeze_count() - kept < kept - start  # only what was made since was walked
+            b = nn.Linear(2, 2, bias=False)  # 16 B
+            view_of_old, view_between = old[:8], between[:4]
+            assert _held(second, b) == {"params": 16, "grads": 0, "optimizer_state": 0, **NOTHING_ELSE}
+            del view_of_old, view_between
+        try:
+            with Census(keep_frozen=True):
+                raise ValueError("a failed scenario")
+        except ValueError:
+            pass
+        assert gc.get_freeze_count() == 0  # a failure unfreezes: its objects must be collectable
+    finally:
+        census_module._KEPT.clear()
+        gc.unfreeze()
+
+
 def _adamw_stepped(model):
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.ones(1, 8)).sum().backward()
