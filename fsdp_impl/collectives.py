@@ -21,20 +21,34 @@ def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group, async_op: boo
     return dist.all_gather_single(out, shard.contiguous(), group=group, async_op=async_op)
 
 
-def reduce_scatter_mean(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype) -> torch.Tensor:
-    """This rank's chunk of the mean over ranks of `full_grad` (1D, W equal chunks), accumulated in `reduce_dtype`.
+def reduce_scatter_mean(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype,
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """This rank's chunk of the mean over ranks of `full_grad` (1D, W equal chunks), accumulated in
+    `reduce_dtype` and returned in `out_dtype` (default `reduce_dtype`).
 
     The reduce-scatter is an all-to-all exchange in the gradient's own dtype (each rank receives
     every rank's copy of its own shard: (W-1)/W of the buffer on the wire, as a ring reduce-scatter)
     followed by a local sum in rank order 0..W-1. The order is fixed whatever algorithm the backend
     picks, so results are deterministic; summing in a wider dtype makes the sum of W fp32 addends
     exact (W identical addends give exactly W x g, so replicated data at any W is bitwise equal to
-    one rank) and the split-data mean correctly rounded. The division by W happens in the wide dtype.
+    one rank) and the split-data mean correctly rounded. The division by W happens in the wide
+    dtype, then one rounding to `out_dtype` (``in_rank_order``, block by block).
     """
     world = dist.get_world_size(group)
-    if world == 1:  # the mean of one addend: only a cast, skipped where it cannot change a value
-        return full_grad if holds_exactly(reduce_dtype, full_grad.dtype) else full_grad.to(reduce_dtype)
-    return reduce_scatter_sum(full_grad, group, reduce_dtype).div_(world)
+    if world == 1:  # the mean of one addend: only casts, skipped where they cannot change a value
+        mean = full_grad if holds_exactly(reduce_dtype, full_grad.dtype) else full_grad.to(reduce_dtype)
+        return mean.to(out_dtype or reduce_dtype)
+    recv = _exchange(full_grad, group)
+    mean = in_rank_order(recv.view(world, -1), reduce_dtype, out_dtype or reduce_dtype, divisor=world)
+    recv.untyped_storage().resize_(0)  # now, not when the backend lets go of its work
+    return mean
+
+
+def _exchange(full_grad: torch.Tensor, group) -> torch.Tensor:
+    """The all-to-all: chunk j of the result is rank j's copy of this rank's chunk."""
+    recv = torch.empty_like(full_grad, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(recv, full_grad.contiguous(), group=group)
+    return recv
 
 
 def holds_exactly(wide: torch.dtype, narrow: torch.dtype) -> bool:
@@ -53,14 +67,14 @@ def reduce_scatter_sum(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype
     world = dist.get_world_size(group)
     if world == 1:
         return full_grad.to(reduce_dtype, copy=True)
-    send = full_grad.contiguous()
-    recv = torch.empty_like(send)  # W chunks: chunk j is rank j's gradient for this rank's shard
-    dist.all_to_all_single(recv, send, group=group)
-    return sum_in_rank_order(recv.view(world, -1), reduce_dtype)
+    recv = _exchange(full_grad, group)
+    total = sum_in_rank_order(recv.view(world, -1), reduce_dtype)
+    recv.untyped_storage().resize_(0)
+    return total
 
 
 def hybrid_reduce_mean(full_grad: torch.Tensor, shard_group, replicate_group,
-                       reduce_dtype: torch.dtype) -> torch.Tensor:
+                       reduce_dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """HSDP: this rank's shard of the mean of `full_grad` over all R x S ranks (S in `shard_group`,
     R in `replicate_group`), in `reduce_dtype`.
 
@@ -69,12 +83,14 @@ def hybrid_reduce_mean(full_grad: torch.Tensor, shard_group, replicate_group,
     Nothing is rounded to the gradient's dtype before the division: with fp32 gradients and the
     default fp64 `reduce_dtype`, R x S identical addends sum exactly to R x S x g, so replicated data
     is bitwise equal to one rank, and the split-data mean is the fp64 sum of the R x S gradients
-    (exact for addends of similar magnitude), divided and rounded once. The price: the replica
+    (exact for addends of similar magnitude), divided and rounded once (to `out_dtype`, default
+    `reduce_dtype`). The price: the replica
     exchange carries `reduce_dtype` (fp64 by default), twice the bytes of an fp32 all-reduce.
     """
     partial = reduce_scatter_sum(full_grad, shard_group, reduce_dtype)
     total = all_reduce_in_rank_order(partial, replicate_group)
-    return total.div_(dist.get_world_size(shard_group) * dist.get_world_size(replicate_group))
+    count = dist.get_world_size(shard_group) * dist.get_world_size(replicate_group)
+    return in_rank_order(total.view(1, -1), reduce_dtype, out_dtype or reduce_dtype, divisor=count)
 
 
 def all_reduce_in_rank_order(x: torch.Tensor, group) -> torch.Tensor:
@@ -104,7 +120,33 @@ def all_reduce_in_rank_order(x: torch.Tensor, group) -> torch.Tensor:
 
 def sum_in_rank_order(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """parts: (W, shard). Row 0 + row 1 + ... in `dtype`, one row at a time (no tree, no reordering)."""
-    out = parts[0].to(dtype, copy=True)
-    for j in range(1, parts.shape[0]):
-        out.add_(parts[j])
+    return in_rank_order(parts, dtype, dtype)
+
+
+BLOCK = 1 << 15  # elements summed at a time on the CPU: a 256 KiB float64 accumulator stays in cache
+
+
+def in_rank_order(parts: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype,
+                  divisor: int | None = None) -> torch.Tensor:
+    """parts: (W, n). Per element: row 0 + row 1 + ... + row W-1 summed in `dtype` in that order,
+    divided by `divisor` in `dtype` (if given), rounded once to `out_dtype`. A new tensor.
+
+    On the CPU it runs BLOCK elements at a time: the wide accumulator stays in cache and is never
+    the size of the shard (a whole-row float64 sum of fp32 rows is 3 to 4 passes over memory twice
+    the size of the gradient). Every element goes through the same operations in the same order
+    either way, so the bits do not depend on the block size."""
+    n = parts.shape[1]
+    out = torch.empty(n, dtype=out_dtype, device=parts.device)
+    block = BLOCK if parts.device.type == "cpu" else max(n, 1)
+    acc = None if out_dtype == dtype else torch.empty(min(block, n), dtype=dtype, device=parts.device)
+    for start in range(0, n, block):
+        end = min(start + block, n)
+        a = out[start:end] if acc is None else acc[:end - start]
+        a.copy_(parts[0, start:end])
+        for j in range(1, parts.shape[0]):
+            a.add_(parts[j, start:end])
+        if divisor is not None:
+            a.div_(divisor)
+        if acc is not None:
+            out[start:end].copy_(a)
     return out

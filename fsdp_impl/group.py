@@ -54,16 +54,16 @@ class ParamGroup:
         self._pending = []
         for dtype, params in buckets(self.params, lambda p: p.param_dtype):
             sizes = [p.shard_numel for p in params]
+            if self.world_size == 1:  # nothing to exchange: wait_unshard copies the shards straight out
+                self._pending.append((params, sizes, None, None, None))
+                continue
             total = sum(sizes)
             send = torch.empty(total, dtype=dtype, device=params[0].device)  # 1D: every padded shard
             with torch.no_grad():
                 torch._foreach_copy_(list(send.split(sizes)), [p.padded for p in params])
-            if self.world_size == 1:
-                received, work = send, None
-            else:
-                received = torch.empty(self.world_size * total, dtype=dtype, device=send.device)
-                # rank r's flat shards at [r * total, ...)
-                work = all_gather_flat(received, send, self.group, async_op=True)
+            received = torch.empty(self.world_size * total, dtype=dtype, device=send.device)
+            # rank r's flat shards at [r * total, ...)
+            work = all_gather_flat(received, send, self.group, async_op=True)
             self._pending.append((params, sizes, send, received, work))
         if not async_op:
             self.wait_unshard()
@@ -81,11 +81,15 @@ class ParamGroup:
             # the unsharded parameters keep their version: autograd saved them in forward, and
             # refilling the same storage for backward is no change to what it saved
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
-                torch.split_with_sizes_copy(received.view(self.world_size, -1), sizes, dim=1, out=outs)
+                if received is None:  # world size 1: one copy (and cast to param_dtype) per parameter
+                    torch._foreach_copy_([o.view(-1) for o in outs], [p.padded for p in params])
+                else:
+                    torch.split_with_sizes_copy(received.view(self.world_size, -1), sizes, dim=1, out=outs)
             # freed now, not when the backend lets go of its work: gloo's thread may still hold it
             # after wait() returns, and the next unit's gather would then find this one's buffers
             for buffer in (received, _send):
-                buffer.untyped_storage().resize_(0)
+                if buffer is not None:
+                    buffer.untyped_storage().resize_(0)
         for p in self.params:
             p.to_unsharded()
         self.state = ShardState.UNSHARDED
@@ -118,10 +122,12 @@ class ParamGroup:
             send = torch._chunk_cat(grads, dim=0, num_chunks=self.world_size)
             del grads
             reduce_dtype = self.mp.reduce_dtype or wider(dtype)
+            targets = {p.dtype for p in params}  # the sharded gradients' dtype: one in practice
+            out_dtype = targets.pop() if len(targets) == 1 else None  # rounded to it as it is divided
             if self.replicate_group is None:
-                reduced = reduce_scatter_mean(send.view(-1), self.group, reduce_dtype)
+                reduced = reduce_scatter_mean(send.view(-1), self.group, reduce_dtype, out_dtype)
             else:
-                reduced = hybrid_reduce_mean(send.view(-1), self.group, self.replicate_group, reduce_dtype)
+                reduced = hybrid_reduce_mean(send.view(-1), self.group, self.replicate_group, reduce_dtype, out_dtype)
             del send
             for (target, part), ps in _cast_by_target(reduced, params):
                 for p, seg in zip(ps, part):

@@ -152,8 +152,8 @@ class ReplicasNotAveraged(MutantAdapter):
     def mutate(self, wrapped):
         from fsdp_impl.collectives import reduce_scatter_mean
 
-        def shard_group_only(full_grad, shard_group, replicate_group, reduce_dtype):
-            return reduce_scatter_mean(full_grad, shard_group, reduce_dtype)
+        def shard_group_only(full_grad, shard_group, replicate_group, reduce_dtype, out_dtype=None):
+            return reduce_scatter_mean(full_grad, shard_group, reduce_dtype, out_dtype)
 
         for _, g in _groups(wrapped):
             _rebind(g, "reduce_grads", hybrid_reduce_mean=shard_group_only)

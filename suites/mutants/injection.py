@@ -124,7 +124,7 @@ class ReductionReplaced(MutantAdapter):
     def mutate(self, wrapped):
         mean = _collectives().reduce_scatter_mean
 
-        def replaced(full_grad, group, reduce_dtype):
+        def replaced(full_grad, group, reduce_dtype, out_dtype=None):  # the result is cast as any dtype
             return self.reduce(mean, full_grad, group, reduce_dtype)
 
         for _, g in _groups(wrapped):

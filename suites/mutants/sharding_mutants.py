@@ -55,7 +55,7 @@ class PaddingNotZeroed(MutantAdapter):
                 reducing["params"] = [p for p in g.params if p.requires_grad and p.unsharded_grad() is not None]
                 product()
 
-            def reduce_from_dirty_buffer(full_grad, group, reduce_dtype, g=g, reducing=reducing):
+            def reduce_from_dirty_buffer(full_grad, group, reduce_dtype, out_dtype=None, g=g, reducing=reducing):
                 buf = full_grad.clone().view(g.world_size, -1)  # chunk r: every parameter's rows for rank r
                 offset = 0
                 for p in reducing["params"]:

@@ -129,3 +129,23 @@ def test_a_reduction_at_world_size_one_skips_only_casts_that_change_no_value():
     for wide in (f64, f32):
         assert torch.equal(x.to(wide).to(f32), x)
     assert not torch.equal(x.to(bf16).to(f32), x) and not torch.equal(x.to(f16).to(f32), x)
+
+
+@pytest.mark.parametrize("block", [1, 7, 1 << 15])
+def test_the_blocked_rank_order_mean_is_the_whole_row_mean_bit_for_bit(monkeypatch, block):
+    """in_rank_order sums rows 0..W-1 in float64 block by block: every element sees the same
+    operations as in one whole-row sum (row 0 widened, each row added in order, divided, rounded
+    once), whatever the block size; ranks' gradients of very different magnitudes included."""
+    from fsdp_impl import collectives
+
+    monkeypatch.setattr(collectives, "BLOCK", block)
+    gen = torch.Generator().manual_seed(5)
+    parts = torch.randn(3, 1001, generator=gen) * torch.tensor([[1.0], [1e-6], [1e7]])
+    want = parts[0].double()
+    for j in (1, 2):
+        want = want + parts[j].double()
+    want = (want / 3).float()
+    got = collectives.in_rank_order(parts, torch.float64, torch.float32, divisor=3)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    summed = collectives.sum_in_rank_order(parts, torch.float64)
+    assert summed.dtype == torch.float64 and torch.equal(summed, parts[0].double() + parts[1] + parts[2])

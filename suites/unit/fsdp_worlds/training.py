@@ -28,7 +28,7 @@ from suites.unit.fsdp_worlds.common import (
 )
 
 
-def _sum_without_mean(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype) -> torch.Tensor:
+def _sum_without_mean(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype, out_dtype=None) -> torch.Tensor:
     """The classic ZeRO bug: reduce-scatter with SUM and forget to divide by the world size.
     `full_grad`: the unit's send buffer, W rank chunks end to end."""
     world = dist.get_world_size(group)
@@ -76,9 +76,9 @@ def mixed_precision(ctx, p: dict) -> dict:
     calls: list[tuple[str, str]] = []
     real = fsdp_group.reduce_scatter_mean
 
-    def spy(full_grad, group, reduce_dtype):
+    def spy(full_grad, group, reduce_dtype, out_dtype=None):
         calls.append((str(full_grad.dtype), str(reduce_dtype)))
-        return real(full_grad, group, reduce_dtype)
+        return real(full_grad, group, reduce_dtype, out_dtype)
 
     out_dtypes: set[str] = set()
     with patched(fsdp_group, "reduce_scatter_mean", spy):
