@@ -38,17 +38,17 @@ def reduce_scatter_mean(full_grad: torch.Tensor, group, reduce_dtype: torch.dtyp
     if world == 1:  # the mean of one addend: only casts, skipped where they cannot change a value
         mean = full_grad if holds_exactly(reduce_dtype, full_grad.dtype) else full_grad.to(reduce_dtype)
         return mean.to(out_dtype or reduce_dtype)
-    recv = _exchange(full_grad, group)
-    mean = in_rank_order(recv.view(world, -1), reduce_dtype, out_dtype or reduce_dtype, divisor=world)
-    recv.untyped_storage().resize_(0)  # now, not when the backend lets go of its work
-    return mean
+    return _exchanged_sum(full_grad, group, reduce_dtype, out_dtype or reduce_dtype, divisor=world)
 
 
-def _exchange(full_grad: torch.Tensor, group) -> torch.Tensor:
-    """The all-to-all: chunk j of the result is rank j's copy of this rank's chunk."""
+def _exchanged_sum(full_grad: torch.Tensor, group, dtype: torch.dtype, out_dtype: torch.dtype,
+                   divisor: int | None = None) -> torch.Tensor:
+    """The all-to-all (chunk j received: rank j's copy of this rank's chunk), then ``in_rank_order``."""
     recv = torch.empty_like(full_grad, memory_format=torch.contiguous_format)
     dist.all_to_all_single(recv, full_grad.contiguous(), group=group)
-    return recv
+    out = in_rank_order(recv.view(dist.get_world_size(group), -1), dtype, out_dtype, divisor)
+    recv.untyped_storage().resize_(0)  # now, not when the backend lets go of its work
+    return out
 
 
 def holds_exactly(wide: torch.dtype, narrow: torch.dtype) -> bool:
@@ -67,10 +67,7 @@ def reduce_scatter_sum(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype
     world = dist.get_world_size(group)
     if world == 1:
         return full_grad.to(reduce_dtype, copy=True)
-    recv = _exchange(full_grad, group)
-    total = sum_in_rank_order(recv.view(world, -1), reduce_dtype)
-    recv.untyped_storage().resize_(0)
-    return total
+    return _exchanged_sum(full_grad, group, reduce_dtype, reduce_dtype)
 
 
 def hybrid_reduce_mean(full_grad: torch.Tensor, shard_group, replicate_group,
@@ -110,9 +107,7 @@ def all_reduce_in_rank_order(x: torch.Tensor, group) -> torch.Tensor:
     chunk = -(-n // world)
     send = torch.zeros(chunk * world, dtype=x.dtype, device=x.device)
     send[:n] = x
-    recv = torch.empty_like(send)  # chunk j: rank j's copy of this rank's chunk
-    dist.all_to_all_single(recv, send, group=group)
-    mine = sum_in_rank_order(recv.view(world, chunk), x.dtype)
+    mine = _exchanged_sum(send, group, x.dtype, x.dtype)  # this rank's chunk, summed in rank order
     out = torch.empty_like(send)
     dist.all_gather_single(out, mine, group=group)
     return out[:n]
