@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 
 from harness.checks.numeric import _ROW, Check, _fmt, _not_reference, _ok, _reference_id, judge, not_measured
-from harness.core.policy import BF16_UNIT_ROUNDOFF, Bounds
-from harness.core.scenario import CLIP, REFERENCE_IMPL, Scenario, feature_of
+from harness.core.policy import Bounds
+from harness.core.scenario import CLIP, REFERENCE_IMPL, Scenario
 from harness.core.verdict import Verdict
 
 
@@ -42,14 +42,10 @@ def grad_norm_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                                      bound))
             continue
         rel = abs(got - ref) / abs(ref) if math.isfinite(got) else math.inf
-        allowed, why = bound, ""
-        if feature_of(row) == "bf16" and row.data_mode == "split" and row.world_size > 1:
-            # the half-batch gradients round in bf16 apart from the full batch's (policy.BF16_SPLIT)
-            allowed, why = bound + BF16_UNIT_ROUNDOFF, " + one bf16 unit roundoff 2^-8 (split data under bf16)"
-        passed = rel <= allowed
+        passed = rel <= bound
         msg = (f"step-1 gradient norm {got:.9g} vs non-sharded {ref:.9g}: relative difference {_fmt(rel)} "
-               f"(bound {_fmt(allowed)} = {bound:g}{why})")
-        out.append(judge("grad_norm_matches", row, passed, rel, allowed, msg, step=step, param="gradient norm"))
+               f"(bound {bound:g})")
+        out.append(judge("grad_norm_matches", row, passed, rel, bound, msg, step=step, param="gradient norm"))
     return out
 
 

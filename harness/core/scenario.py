@@ -42,6 +42,13 @@ FEATURE_NEEDS = {"no_sync": ("set_gradient_sync",), "clip": ("clip_grad_norm",),
                  "ckpt": ("save_checkpoint", "load_checkpoint"), "bf16": ("wrap_mixed_precision",),
                  "hsdp": ("wrap_hybrid",)}
 HSDP_REPLICAS = 2  # replicas of a hybrid mesh at W >= 2 (2 x 1 at W = 2, 2 x 2 at 4, 2 x 4 at 8)
+# Features under which every rank rounds its own gradient before the reduction sums it: under bf16 each
+# rank's backward yields bf16 values, which the fp32 reduction adds up. With split data at W ranks that is
+# not the full batch's bf16 gradient (rounded once, from all samples) but W partial gradients rounded
+# apart, so such a run is compared with the plain model accumulating the same W micro-batches (rank r's
+# slice each, loss scaled by 1 / W): the same kernels on the same shapes, the same bf16 values, summed in
+# fp32 (Scenario.micro_batches; harness/core/policy.py BF16_SPLIT says what bound follows)
+ROUNDED_PER_RANK = ("bf16",)
 
 
 def ckpt_step(steps: int) -> int:
@@ -73,6 +80,15 @@ def widest(row) -> int:
     """The largest world size a row's trajectory was trained at: a resumed run's first steps were
     trained where its checkpoint was saved, so it is held to the bounds of the wider of the two."""
     return max(int(row.world_size), resume_of(row))
+
+
+def micro_batches_of(row) -> int:
+    """A table row's micro_batches (1 where the column is missing: a run stored before it existed)."""
+    value = getattr(row, "micro_batches", 1)
+    try:
+        return 1 if value != value else max(1, int(value))
+    except (TypeError, ValueError):
+        return 1
 
 
 def feature_of(row) -> str:
@@ -110,18 +126,21 @@ class Scenario:
     backend: str = "gloo"  # "gloo" (CPU) | "nccl" (CUDA)
     feature: str = "plain"  # FEATURES
     resume_from: int = 0  # ckpt: the world size its checkpoint was saved at (0: trained from scratch)
+    # the plain reference only: its step sums the gradients of this many micro-batches of the global
+    # batch, micro-batch r being rank r's slice of a split run at that many ranks (ROUNDED_PER_RANK)
+    micro_batches: int = 1
 
     @property
     def id(self) -> str:
         """Stable readable id, e.g. ``fsdp_impl-mlp-ws4-split-adamw`` (``...-adamw-accum`` with a feature)."""
         return scenario_id(self.impl, self.model, self.world_size, self.data_mode, self.optimizer, self.seed,
-                           self.feature, self.resume_from)
+                           self.feature, self.resume_from, self.micro_batches)
 
     @classmethod
     def of_row(cls, row) -> "Scenario":
         """The scenario of a scenarios-table row."""
         return cls(row.impl, row.model, int(row.world_size), row.data_mode, row.optimizer, seed=int(row.seed),
-                   feature=feature_of(row), resume_from=resume_of(row))
+                   feature=feature_of(row), resume_from=resume_of(row), micro_batches=micro_batches_of(row))
 
     @property
     def device_type(self) -> str:
@@ -130,11 +149,15 @@ class Scenario:
     def reference(self) -> "Scenario":
         """The scenario whose trajectory this one is compared with: the plain model, full batch, doing
         the same feature (the same micro-batches, the same mixed precision, ...); for a feature that must
-        not change the numbers at all (NUMBERS_UNCHANGED), the plain model doing the plain step. The
-        plain model in bf16 is itself compared with the plain model in fp32 (what bf16 alone does)."""
+        not change the numbers at all (NUMBERS_UNCHANGED), the plain model doing the plain step. Split
+        data at W ranks under a feature that rounds per rank (ROUNDED_PER_RANK) is compared with the plain
+        model summing the gradients of the W ranks' micro-batches. The plain model in bf16 is itself
+        compared with the plain model in fp32 on the whole batch (what bf16 alone does)."""
         plain = self.feature in NUMBERS_UNCHANGED or (self.impl == REFERENCE_IMPL and self.feature == "bf16")
+        per_rank = (self.impl != REFERENCE_IMPL and self.feature in ROUNDED_PER_RANK and self.data_mode == "split")
         return dataclasses.replace(self, impl=REFERENCE_IMPL, world_size=1, data_mode="replicated",
-                                   feature="plain" if plain else self.feature, resume_from=0)
+                                   feature="plain" if plain else self.feature, resume_from=0,
+                                   micro_batches=self.world_size if per_rank else 1)
 
     def saver(self) -> "Scenario | None":
         """The run whose checkpoint a ckpt run resumes from: the same implementation's plain run at
@@ -176,13 +199,15 @@ class Scenario:
 
 
 def scenario_id(impl: str, model: str, world_size: int, data_mode: str, optimizer: str | None = None,
-                seed: int = 0, feature: str = "plain", resume_from: int = 0) -> str:
-    """The one way ids are made: ``impl-model-wsW-mode[-optimizer][-feature][-fromW][-seedN]``. Runs that
-    train no optimizer (the per-sample norms, measured on one backward) leave it out; the plain feature is
-    left out; ``-fromW`` names the world size a resumed (ckpt) run's checkpoint was saved at."""
+                seed: int = 0, feature: str = "plain", resume_from: int = 0, micro_batches: int = 1) -> str:
+    """The one way ids are made: ``impl-model-wsW-mode[-optimizer][-feature][-fromW][-microK][-seedN]``.
+    Runs that train no optimizer (the per-sample norms, measured on one backward) leave it out; the plain
+    feature is left out; ``-fromW`` names the world size a resumed (ckpt) run's checkpoint was saved at,
+    ``-microK`` the micro-batches a reference sums (Scenario.micro_batches)."""
     parts = [_slug(impl), _slug(model), f"ws{world_size}", data_mode] + ([optimizer] if optimizer else [])
     parts += [feature] if feature != "plain" else []
     parts += [f"from{resume_from}"] if resume_from else []
+    parts += [f"micro{micro_batches}"] if micro_batches > 1 else []
     return "-".join(parts) + (f"-seed{seed}" if seed else "")
 
 

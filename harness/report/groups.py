@@ -67,6 +67,15 @@ def _group_reference(cells: pd.DataFrame, key: tuple) -> str | None:
     return ref if (cells["scenario"] == ref).any() else None
 
 
+def _references_per_ws(key: tuple, world_sizes) -> dict[int, str]:
+    """World size -> the run a group's member at that size is compared with, where it is not the group's
+    reference: the plain model summing the W ranks' micro-batches (split data under bf16)."""
+    impl, model, mode, opt, feature, seed = key
+    base = Scenario(impl, model, 1, mode, opt, seed=int(seed), feature=feature.split(RESUMED)[0])
+    refs = {int(w): base.at_world_size(int(w)).reference().id for w in world_sizes}
+    return {w: r for w, r in refs.items() if r != base.reference().id}
+
+
 def _per_ws(rows: pd.DataFrame, mem: pd.DataFrame) -> pd.DataFrame:
     """world size -> state/peak bytes per rank (scenarios table, else the memory table's max over ranks)."""
     d = rows[["scenario", "world_size"]].copy()

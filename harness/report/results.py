@@ -11,7 +11,16 @@ import pandas as pd
 
 from harness.report import plots
 from harness.report.formatting import _missing, _plot, human_bytes, md_table, num, ratio
-from harness.report.groups import _cells, _file_stem, _group_reference, _groups, _label, _per_ws, _t
+from harness.report.groups import (
+    _cells,
+    _file_stem,
+    _group_reference,
+    _groups,
+    _label,
+    _per_ws,
+    _references_per_ws,
+    _t,
+)
 from harness.report.verdicts import DIFF_COLUMN
 
 MAX_STEP_ROWS = 25
@@ -35,7 +44,13 @@ def _group_sections(tables: dict, plots_dir: Path, rel: str) -> list[str]:
     for key, rows in groups:
         slug, label = _file_stem(key), _label(key)
         ref_id = _group_reference(cells, key)
-        out += [f"### {label}", "", f"Reference: `{ref_id or 'not run'}`.", ""]
+        said = f"Reference: `{ref_id or 'not run'}`."
+        wider = _references_per_ws(key, rows["world_size"])
+        if wider:  # split data under bf16: each world size has its own (harness/core/policy.py, BF16_SPLIT)
+            said = (f"Reference: `{ref_id or 'not run'}` at 1 rank; at W ranks the plain model summing the gradients "
+                    f"of the W ranks' micro-batches ({', '.join(f'`{r}`' for _, r in sorted(wider.items()))}); "
+                    f"the loss table's reference column is the first.")
+        out += [f"### {label}", "", said, ""]
         mws = _per_ws(rows, mem)
         one = mws[mws["world_size"] == 1]
         s1, p1 = (one["state_bytes"].iloc[0], one["peak_bytes"].iloc[0]) if len(one) else (np.nan, np.nan)

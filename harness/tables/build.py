@@ -21,7 +21,7 @@ from harness.tables.schema import columns
 def _scenario_fields(sc: Scenario) -> dict:
     return {"scenario": sc.id, "impl": sc.impl, "model": sc.model, "world_size": sc.world_size,
             "data_mode": sc.data_mode, "optimizer": sc.optimizer, "seed": sc.seed, "feature": sc.feature,
-            "resume_from": sc.resume_from}
+            "resume_from": sc.resume_from, "micro_batches": sc.micro_batches}
 
 
 class _Snapshots:

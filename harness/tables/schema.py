@@ -49,8 +49,9 @@ class Table:
 #               held after it (state_*)
 #   comm        rank 0, per training step averaged over the steps (harness.measure.comm)
 SCENARIO_IDS = ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed")
-# after the ids; optional when reading: a run stored before features existed is plain, trained from scratch
-FEATURE = ("feature", "resume_from")
+# after the ids; optional when reading: a run stored before features existed is plain, trained from scratch,
+# one micro-batch per step (micro_batches: Scenario.micro_batches, > 1 only for a reference)
+FEATURE = ("feature", "resume_from", "micro_batches")
 
 TABLES: dict[str, Table] = {t.name: t for t in (
     Table("steps", "scenario x step", SCENARIO_IDS + FEATURE + (

@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from harness.core.scenario import FEATURES, hsdp_mesh, passes_per_step, reductions_per_step
+from harness.train.data import local_slice
 
 # bf16: the dtypes of the mixed-precision policy every implementation (and the plain reference) is given
 BF16_POLICY = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
@@ -93,20 +94,32 @@ def micro_batches(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.
     return [(x[i * m:(i + 1) * m], y[i * m:(i + 1) * m]) for i in range(k)]
 
 
+def rank_slices(x: torch.Tensor, y: torch.Tensor, ranks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batch as the `ranks` ranks of a split run take it (harness.train.data.local_slice):
+    micro-batch r is rank r's slice, in rank order."""
+    return [local_slice(x, y, r, ranks, "split")[:2] for r in range(ranks)]
+
+
 def forward_backward(feature: str, spec, model, x: torch.Tensor, y: torch.Tensor,
                      mark: Callable = lambda phase, value=None: value,
-                     set_sync: Callable[[bool], None] | None = None) -> torch.Tensor:
+                     set_sync: Callable[[bool], None] | None = None, micro: int = 1) -> torch.Tensor:
     """Forward and backward of one step on this rank's batch; returns the loss of the whole local batch
     (detached). `mark(phase, value)` is told where the step is (harness.measure.timeline);
-    `set_sync(enabled)` switches the gradient reduction (the adapter's set_gradient_sync)."""
+    `set_sync(enabled)` switches the gradient reduction (the adapter's set_gradient_sync). `micro` > 1
+    (a reference's Scenario.micro_batches): the batch in the slices `micro` split ranks would take, a
+    forward and backward each, every loss scaled by 1 / micro, the gradients summed by autograd."""
     if feature not in FEATURES:
         raise ValueError(f"unknown feature {feature!r}; features: {', '.join(FEATURES)}")
     k = passes_per_step(feature)  # clipping and checkpointing act outside this: one pass, as plain
+    if micro > 1 and k > 1:
+        raise ValueError(f"feature {feature!r} has micro-batches of its own; micro={micro} does not combine")
     switched = reductions_per_step(feature) < k  # the reduction runs on the last pass only
     if switched and set_sync is None:
         raise ValueError(f"feature {feature!r} needs set_sync (the adapter's set_gradient_sync)")
+    batches = rank_slices(x, y, micro) if micro > 1 else micro_batches(x, y, k)
+    k = len(batches)
     total = None
-    for i, (xm, ym) in enumerate(micro_batches(x, y, k)):
+    for i, (xm, ym) in enumerate(batches):
         if switched:
             set_sync(i == k - 1)
         mark("forward")

@@ -89,7 +89,7 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
         # raises must not leave it installed for the next scenario in this process.
         mark = _marker(timeline, mem)
         with counter, (mem if mem is not None else contextlib.nullcontext()):
-            loss = forward_backward(sc.feature, spec, wrapped, x, y, mark, set_sync)
+            loss = forward_backward(sc.feature, spec, wrapped, x, y, mark, set_sync, micro=sc.micro_batches)
             adapter.after_backward(wrapped, optimizer)
             mark("after_backward")
             grad_sq = _local_grad_sq(wrapped) if first_copy else 0.0  # before clipping: measured by the harness

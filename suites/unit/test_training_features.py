@@ -11,6 +11,7 @@ import pytest
 
 from harness.checks import features as feature_checks
 from harness.checks import numeric
+from harness.core.policy import Bounds
 from harness.core.scenario import Scenario, build_matrix, ckpt_step, hsdp_mesh
 from suites.unit.synthetic_tables import LOSSES, ZERO, check_tables
 
@@ -32,11 +33,47 @@ def test_a_ckpt_cell_resumes_from_every_other_world_size_and_goes_on_like_the_un
 
 
 def test_bf16_is_compared_with_the_plain_model_in_bf16_which_is_compared_with_fp32():
-    cells = build_matrix(["torch_fsdp2"], ["mlp"], [2], ["split"], ["adamw"], features=("bf16",))
-    sc = next(c for c in cells if c.world_size == 2)
-    assert sc.reference().id == "reference-mlp-ws1-replicated-adamw-bf16"
-    assert sc.reference().reference().id == "reference-mlp-ws1-replicated-adamw"
-    assert {c.id for c in cells if c.impl == "reference"} == {sc.reference().id, sc.reference().reference().id}
+    cells = build_matrix(["torch_fsdp2"], ["mlp"], [2], ["replicated", "split"], ["adamw"], features=("bf16",))
+    replicated = next(c for c in cells if c.world_size == 2 and c.data_mode == "replicated")
+    assert replicated.reference().id == "reference-mlp-ws1-replicated-adamw-bf16"
+    assert replicated.reference().reference().id == "reference-mlp-ws1-replicated-adamw"
+    # split data: the plain bf16 model summing the two ranks' micro-batches, itself held against fp32
+    split = next(c for c in cells if c.world_size == 2 and c.data_mode == "split")
+    assert split.reference().id == "reference-mlp-ws1-replicated-adamw-bf16-micro2"
+    assert split.reference().reference().id == "reference-mlp-ws1-replicated-adamw"
+    assert split.ws1().reference().id == "reference-mlp-ws1-replicated-adamw-bf16"  # one rank: the whole batch
+    assert {c.id for c in cells if c.impl == "reference"} == {
+        replicated.reference().id, split.reference().id, replicated.reference().reference().id}
+    row = pd.DataFrame([dict(impl="reference", model="mlp", world_size=1, data_mode="replicated",
+                             optimizer="adamw", seed=0, feature="bf16", micro_batches=2)]).iloc[0]
+    assert Scenario.of_row(row) == split.reference()  # the column reads back
+    assert Scenario.of_row(row.drop("micro_batches")).micro_batches == 1  # a table stored before it existed
+
+
+def test_the_micro_batch_reference_takes_the_slices_the_ranks_take_in_rank_order():
+    import torch
+
+    from harness.train.data import local_slice
+    from harness.train.features import forward_backward, rank_slices
+
+    x, y = torch.arange(8.0).reshape(8, 1), torch.arange(8)
+    for w in (2, 4):
+        got = rank_slices(x, y, w)
+        assert [m[0].flatten().tolist() for m in got] == [local_slice(x, y, r, w, "split")[0].flatten().tolist()
+                                                           for r in range(w)]
+    seen = []
+
+    class Spec:
+        def loss(self, out, target):
+            seen.append(target.tolist())
+            return out.sum()
+
+    model = torch.nn.Linear(1, 1, bias=False)
+    forward_backward("bf16", Spec(), model, x, y, micro=4)
+    assert seen == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert model.weight.grad.item() == pytest.approx(x.sum().item() / 4)  # each loss scaled by 1/4
+    with pytest.raises(ValueError, match="does not combine"):
+        forward_backward("accum", Spec(), model, x, y, micro=2)
 
 
 def test_the_hybrid_mesh_has_two_replicas_wherever_the_world_divides():
@@ -80,28 +117,29 @@ def test_a_run_resumed_from_two_ranks_is_held_to_two_ranks_bounds_not_to_bitwise
 
 
 def _bf16_tables(drift, diff):
-    """The bf16 plain model `drift` from fp32 at every step; a sharded bf16 split run `diff` from it."""
+    """The bf16 plain model `drift` from fp32 at every step; a sharded bf16 split run `diff` from the plain
+    bf16 model summing its two ranks' micro-batches."""
     sc = Scenario("torch_fsdp2", "mlp", 2, "split", "sgd", steps=3, feature="bf16")
     bf16_ref, fp32_ref = sc.reference(), sc.reference().reference()
     t = check_tables([(fp32_ref, LOSSES, ZERO, ZERO), (bf16_ref, LOSSES, [drift] * 3, ZERO),
                       (sc, LOSSES, [diff] * 3, ZERO)])
-    return _with(t, feature={bf16_ref.id: "bf16", sc.id: "bf16"}), sc
+    return _with(t, feature={bf16_ref.id: "bf16", sc.id: "bf16"}, micro_batches={bf16_ref.id: 2}), sc
 
 
-def test_under_bf16_split_data_is_held_by_the_step_1_norm_not_by_a_parameter_bound():
-    """AdamW turns bf16 rounding of a near-zero gradient into a full lr step of either sign: no parameter
-    bound holds for split data (policy.BF16_SPLIT), so the check says it does not apply; the step-1
-    gradient norm is held to one bf16 unit roundoff."""
+@pytest.mark.parametrize("of_bound, status", [(0.0, "pass"), (0.5, "pass"), (1.0, "fail"), (math.nan, "fail")])
+def test_under_bf16_split_data_is_held_by_the_split_bound_against_the_micro_batch_reference(of_bound, status):
+    """The same bf16 addends as the plain bf16 model summing the ranks' micro-batches, summed in another
+    order at most: the split tier's bound, as in fp32; the step-1 norm to the fp32 bound."""
     from harness.checks.norms import grad_norm_matches
 
-    tables, sc = _bf16_tables(1e-4, 0.5)
+    bound = Bounds().split_bound("sgd", 1e-2, 3)
+    tables, sc = _bf16_tables(1e-4, of_bound * bound)
     [v] = [v for v in numeric.split_matches_full_batch(tables) if v.scenario == sc.id]
-    assert v.status == "skip" and "does not apply" in v.message and "AdamW" in v.message
-    ref_norm = 1.0  # check_tables writes grad_norm 1.0 for every run
-    for norm, status in ((ref_norm * (1 + 2.0 ** -9), "pass"), (ref_norm * (1 + 2.0 ** -7), "fail")):
+    assert v.status == status and v.bound == bound and "in 2 micro-batches" in v.message
+    for norm, ok in ((1.0 + 5e-7, "pass"), (1.0 + 2e-6, "fail")):  # check_tables: grad_norm 1.0 everywhere
         tables["steps"].loc[tables["steps"].scenario == sc.id, "grad_norm"] = norm
         [v] = [v for v in grad_norm_matches(tables) if v.scenario == sc.id]
-        assert v.status == status and v.bound == pytest.approx(1e-6 + 2.0 ** -8)
+        assert v.status == ok and v.bound == Bounds().grad_norm_rel  # no bf16 allowance: the same addends
 
 
 @pytest.mark.parametrize("diff, status", [(0.0, "pass"), (5e-6, "fail")])
@@ -164,8 +202,10 @@ def test_split_bf16_and_resumed_runs_hold_and_a_checkpoint_never_loaded_fails_wh
     restored = [v for v in broken if v.check == "ckpt_restored"]
     assert {v.scenario for v in restored} == {c.id for c in cells if "LoadsNothing" in c.impl and c.resume_from}
     assert all(v.step == ckpt_step(3) for v in restored)
+    # at 2 ranks the fp32 sum of two bf16 gradients is rounded once whatever the order: bitwise the plain
+    # bf16 model summing the same two micro-batches (harness/core/policy.py, BF16_SPLIT)
     bf16 = [v for v in res.verdicts if v.check == "split_matches_full_batch" and v.scenario.endswith("-bf16")]
-    assert len(bf16) == 3 and all(v.status == "skip" and "does not apply" in v.message for v in bf16)
+    assert len(bf16) == 3 and all(v.status == "pass" and v.measured == 0.0 for v in bf16)
     norms = [v for v in res.verdicts if v.check == "grad_norm_matches" and v.scenario.endswith("ws2-split-sgd-bf16")]
     assert len(norms) == 3 and all(v.status == "pass" for v in norms)
     # one rank x 2 micro-batches against 2 ranks x 1, for each implementation; at 2 ranks the partner (4) is not run
@@ -188,3 +228,13 @@ def test_the_report_groups_resumed_runs_by_the_world_size_their_checkpoint_came_
                       "fsdp_impl · mlp · replicated · adamw · ckpt from 4": [1, 2]}
     key = ("fsdp_impl", "mlp", "replicated", "adamw", "ckpt from 2", 0)
     assert _group_reference(pd.DataFrame(rows), key) == "reference-mlp-ws1-replicated-adamw"
+
+
+def test_the_report_names_each_world_sizes_micro_batch_reference_under_bf16_split_data():
+    from harness.report.groups import _references_per_ws
+
+    split = ("fsdp_impl", "mlp", "split", "adamw", "bf16", 0)
+    assert _references_per_ws(split, [1, 2, 4]) == {2: "reference-mlp-ws1-replicated-adamw-bf16-micro2",
+                                                    4: "reference-mlp-ws1-replicated-adamw-bf16-micro4"}
+    assert _references_per_ws(("fsdp_impl", "mlp", "replicated", "adamw", "bf16", 0), [1, 2, 4]) == {}
+    assert _references_per_ws(("fsdp_impl", "mlp", "split", "adamw", "plain", 0), [1, 2, 4]) == {}
