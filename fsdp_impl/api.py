@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import all_gather_flat
-from .group import ParamGroup, buckets
+from .group import ParamGroup
 from .mesh import check_hybrid_layout, device_for
 from .mixed_precision import MixedPrecisionPolicy
 from .param import Owner, ShardedParam
@@ -120,24 +120,28 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) parameters under the names they had in the unwrapped module (collective over
-    the shard group, one all-gather per unit and dtype, as an unshard; under HSDP every replica
-    gathers its own, identical, copy), in the sharded (master) dtype.
+    the shard group: one all-gather per shard group and dtype for the whole module, every unit's padded
+    shards packed together; under HSDP every replica gathers its own, identical, copy), in the sharded
+    (master) dtype. The gathered buffer is the size of the full parameters, which the result holds anyway.
 
     Tied parameters appear once, under the first name, as ``named_parameters()`` gives them.
     Parameters outside any unit are included as they are.
     """
-    out: dict[str, torch.Tensor] = {}
-    for prefix, state in units(module):
+    gathered: dict[int, torch.Tensor] = {}
+    shards: dict = {}  # (shard group, world size, dtype) -> every unit's sharded parameters of that dtype
+    for _, state in units(module):
         group = state.params
-        for _, params in buckets(group.params, lambda p: p.dtype):
-            sizes = [p.shard_numel for p in params]
-            with torch.no_grad():
-                send = torch.cat([p.padded for p in params])
-                full = torch.empty(group.world_size * send.numel(), dtype=send.dtype, device=send.device)
-                all_gather_flat(full, send, group.group)
-                # (W, sum of padded shards) -> per parameter (W, c x row): its W x c rows, the first are it
-                for p, rows in zip(params, full.view(group.world_size, -1).split(sizes, dim=1)):
-                    out[_join(prefix, p.fqn)] = rows.reshape(-1)[:p.shape.numel()].view(p.shape).clone()
+        for p in group.params:
+            shards.setdefault((group.group, group.world_size, p.dtype), []).append(p)
+    for (process_group, world_size, _), params in shards.items():
+        with torch.no_grad():
+            send = torch.cat([p.padded for p in params])
+            full = torch.empty(world_size * send.numel(), dtype=send.dtype, device=send.device)
+            all_gather_flat(full, send, process_group)
+            # (W, sum of padded shards) -> per parameter (W, c x row): its W x c rows, the first are it
+            for p, rows in zip(params, full.view(world_size, -1).split([q.shard_numel for q in params], dim=1)):
+                gathered[id(p)] = rows.reshape(-1)[:p.shape.numel()].view(p.shape).clone()
+    out = {name: gathered[id(p)] for name, p in sharded_params(module)}
     for name, q in module.named_parameters():
         if not getattr(q, "_fsdp_managed", False):
             out[name] = q.detach().clone()

@@ -108,16 +108,20 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
             # the ZeRO-3 state (what the gate compares across runs); buffers and other are rows of their own
             memory["state_total"] = held["params"] + held["grads"] + held["optimizer_state"]
             gathered = timeline.records()
+        # the step's global figures, in as few collectives as the data mode allows (rank 0's record holds them)
+        adds_up = adapter.sharded and ctx.world_size > 1  # shards' squared norms add up; copies are all equal
         if sc.data_mode == "replicated":
-            _save_grads(_optimizer_grads(optimizer, first_copy and (adapter.sharded or ctx.rank == 0)), ctx,
-                        snap_dir / f"step{step}.grads.pt")
+            loss_value = float(loss.detach())
+            grad_sq = _save_grads(_optimizer_grads(optimizer, first_copy and (adapter.sharded or ctx.rank == 0)),
+                                  grad_sq, adds_up, ctx, snap_dir / f"step{step}.grads.pt")
+        else:
+            loss_value, grad_sq = _global_loss_and_sq(loss, grad_sq, adds_up, ctx)
         optimizer.zero_grad(set_to_none=True)
         for row in counter.summary():
             tot = comm_totals.setdefault((row["collective"], row["dtype"]), {"calls": 0, "elements": 0, "bytes": 0})
             for k in tot:
                 tot[k] += row[k]
-        steps.append({"step": step, "loss": _global_loss(loss, sc, ctx),
-                      "grad_norm": _global_grad_norm(grad_sq, adapter, ctx), "clip_norm": clip_norm,
+        steps.append({"step": step, "loss": loss_value, "grad_norm": math.sqrt(grad_sq), "clip_norm": clip_norm,
                       "replicas_differ": _replicas_differ(wrapped, sc, ctx)})
         _snapshot(adapter, wrapped, snap_dir / f"step{step}.pt", ctx.rank)
         ckpt.save_after(step, adapter, wrapped, optimizer, steps)
@@ -182,17 +186,20 @@ def _optimizer_grads(optimizer, mine: bool) -> torch.Tensor:
     return torch.cat(grads) if grads else torch.zeros(0)
 
 
-def _save_grads(local: torch.Tensor, ctx, path: Path) -> None:
+def _save_grads(local: torch.Tensor, grad_sq: float, adds_up: bool, ctx, path: Path) -> float:
     """Rank 0 writes the sorted non-zero gradient values of all ranks: a digest of the reduced
     gradient that no layout (flat buffers, per-parameter shards, padding) changes, equal bit for bit
-    exactly when the multisets of values are equal."""
-    parts = [local]
+    exactly when the multisets of values are equal. The ranks' squared gradient norms travel with
+    them; returns the global one on rank 0 (summed where `adds_up`), NaN on the other ranks."""
+    parts = [(local, grad_sq)]
     if ctx.world_size > 1:
         parts = [None] * ctx.world_size if ctx.rank == 0 else None
-        dist.gather_object(local, parts, dst=dist.get_global_rank(ctx.group, 0), group=ctx.group)
-    if ctx.rank == 0:
-        values = torch.cat(parts)
-        torch.save(torch.sort(values[values != 0]).values, path)
+        dist.gather_object((local, grad_sq), parts, dst=dist.get_global_rank(ctx.group, 0), group=ctx.group)
+    if ctx.rank != 0:
+        return math.nan
+    values = torch.cat([grads for grads, _ in parts])
+    torch.save(torch.sort(values[values != 0]).values, path)
+    return sum(sq for _, sq in parts) if adds_up else grad_sq
 
 
 def _replicas_differ(wrapped, sc: Scenario, ctx) -> float:
@@ -219,22 +226,15 @@ def _local_grad_sq(model) -> float:
     return total
 
 
-def _global_grad_norm(local_sq: float, adapter, ctx) -> float:
-    """Norm of the averaged gradient: shards add up across ranks; unsharded copies are all equal."""
-    if not adapter.sharded or ctx.world_size == 1:
-        return math.sqrt(local_sq)
-    t = torch.tensor([local_sq], dtype=torch.float64, device=ctx.device)
+def _global_loss_and_sq(loss: torch.Tensor, grad_sq: float, adds_up: bool, ctx) -> tuple[float, float]:
+    """Split data: (the loss on the global batch, the squared norm of the averaged gradient), in one
+    all-reduce. A rank holds the mean loss over its equal-sized slice; shards' squared norms add up
+    (`adds_up`), unsharded copies are all equal."""
+    if ctx.world_size == 1:
+        return float(loss.detach()), grad_sq
+    t = torch.tensor([float(loss.detach()), grad_sq if adds_up else 0.0], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t, group=ctx.group)
-    return math.sqrt(float(t))
-
-
-def _global_loss(loss: torch.Tensor, sc: Scenario, ctx) -> float:
-    """The loss on the global batch: a split rank holds the mean over its equal-sized slice."""
-    if sc.data_mode == "replicated" or ctx.world_size == 1:
-        return float(loss.detach())
-    t = loss.detach().double().reshape(1)
-    dist.all_reduce(t, group=ctx.group)
-    return float(t) / ctx.world_size
+    return float(t[0]) / ctx.world_size, float(t[1]) if adds_up else grad_sq
 
 
 def _sync(device: torch.device) -> None:
