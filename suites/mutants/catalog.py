@@ -35,6 +35,7 @@ from suites.mutants.feature_mutants import (
     AccumAveraged,
     AcReducedTwice,
     Bf16OptimizerStep,
+    Bf16Summed,
     CkptLastRankShifted,
     CkptOptimizerStateShifted,
     ClipLocalNorm,
@@ -111,6 +112,7 @@ fp32_reduce, tie_broken, optimizer_delegated = Fp32Reduce, TieBroken, OptimizerD
 grad_overwritten = GradOverwritten
 sync_ignored, sync_never_restored, accum_averaged = SyncIgnored, SyncNeverRestored, AccumAveraged
 clip_local_norm, bf16_optimizer_step, ac_reduced_twice = ClipLocalNorm, Bf16OptimizerStep, AcReducedTwice
+bf16_summed = Bf16Summed
 replicas_not_averaged = ReplicasNotAveraged
 ckpt_last_rank_shifted, ckpt_optimizer_state_shifted = CkptLastRankShifted, CkptOptimizerStateShifted
 
@@ -210,6 +212,13 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("bf16_optimizer_step", _spec("bf16_optimizer_step"), "ws1_exact",
            "under the bf16 policy the optimizer steps bf16 master parameters (each update rounded to bf16)",
            features=("bf16",), optimizers=("adamw",)),
+    # split data: one rank's gradient, or W equal ones, average to a bf16 value exactly. The first AdamW
+    # update is lr x sign(g), which the rounding rarely changes: the parameters part at step 2 (SGD: 1).
+    # On tinylm, where it moves the parameters 40x the bound by step 2; on the mlp only about 3x
+    Mutant("bf16_summed", _spec("bf16_summed"), "split_matches_full_batch",
+           "under the bf16 policy the gradients are summed in bf16 (reduce_dtype ignored, as FSDP2 with "
+           "reduce_dtype=None): each averaged element rounded to 8 significant bits",
+           models=("tinylm",), data_modes=("split",), features=("bf16",), world_sizes=(1, 2, 4), at_steps=(1, 2)),
     Mutant("ac_reduced_twice", _spec("ac_reduced_twice"), "ws1_exact",
            "under activation checkpointing the post-backward reduction runs again after the recomputation",
            data_modes=("replicated",), features=("ac",), optimizers=("adamw",)),

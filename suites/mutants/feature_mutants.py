@@ -2,7 +2,7 @@
 reduction switch that does nothing, the switch never turned back on, and an accumulated gradient
 averaged over its micro-batches although each micro-batch's loss is already scaled; for clipping, the
 norm of the rank's own shard taken for the global norm; for mixed precision, the optimizer stepping
-in bf16; for activation checkpointing, a reduction run again after the recomputation; for hybrid
+in bf16 and the gradients summed in bf16; for activation checkpointing, a reduction run again after the recomputation; for hybrid
 sharding, replicas that never average; for checkpoints, the last rank's part or the optimizer state
 misplaced on reload.
 """
@@ -12,7 +12,16 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from suites.mutants.injection import MutantAdapter, _around, _groups, _params, _rebind, _units, _with_globals
+from suites.mutants.injection import (
+    MutantAdapter,
+    ReductionReplaced,
+    _around,
+    _groups,
+    _params,
+    _rebind,
+    _units,
+    _with_globals,
+)
 
 
 class SyncIgnored(MutantAdapter):
@@ -115,6 +124,18 @@ class Bf16OptimizerStep(MutantAdapter):
 
             optimizer.step = step_in_low_precision
         return optimizer
+
+
+class Bf16Summed(ReductionReplaced):
+    """Under a bf16 policy the reduce dtype is ignored: the ranks' gradients are summed in the gradients'
+    own dtype, bf16 (as FSDP2 does when MixedPrecisionPolicy leaves reduce_dtype None), so each averaged
+    element keeps 8 significant bits. Only split data shows it: one rank's bf16 gradient, or W equal
+    ones, average to a bf16 value exactly; W different ones do not."""
+
+    name = "mutant:bf16_summed"
+
+    def reduce(self, mean, full_grad, group, reduce_dtype):
+        return mean(full_grad, group, reduce_dtype).to(full_grad.dtype)
 
 
 class AcReducedTwice(MutantAdapter):
