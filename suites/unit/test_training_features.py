@@ -215,6 +215,33 @@ def test_split_bf16_and_resumed_runs_hold_and_a_checkpoint_never_loaded_fails_wh
     assert all(v.status == "skip" and "not in this run" in v.message for v in factored.values() if v.status != "pass")
 
 
+class ReduceDtypeNone:
+    """FSDP2 whose mixed-precision policy leaves reduce_dtype None, a real misconfiguration: FSDP2 then
+    reduces in param_dtype, bf16, so every averaged gradient element keeps 8 significant bits."""
+
+    def __new__(cls):
+        from harness.adapters.torch_fsdp2 import TorchFSDP2Adapter
+
+        adapter = TorchFSDP2Adapter()
+        adapter.name = "reduce_dtype_none"
+        wrap = adapter.wrap_mixed_precision
+        adapter.wrap_mixed_precision = lambda model, units, **kw: wrap(model, units, **{**kw, "reduce_dtype": None})
+        return adapter
+
+
+def test_fsdp2_reducing_in_bf16_is_caught_by_split_data_against_the_micro_batch_reference():
+    """With replicated data the bf16 sum of equal bf16 addends is exact, so only split data shows it: against
+    the plain bf16 model summing the two ranks' micro-batches (a full-batch yardstick, 2^-8 apart by
+    itself, let it pass)."""
+    from harness.execute.executor import run_matrix
+
+    cells = build_matrix([f"{__name__}:ReduceDtypeNone"], ["tinylm"], [1, 2], ["replicated", "split"], ["adamw"],
+                         steps=3, features=("bf16",))
+    failed = {(v.check, v.scenario.split("-", 2)[-1]) for v in run_matrix(cells).failed}
+    assert failed == {("split_matches_full_batch", "ws2-split-adamw-bf16"),
+                      ("grad_norm_matches", "ws2-split-adamw-bf16")}
+
+
 def test_the_report_groups_resumed_runs_by_the_world_size_their_checkpoint_came_from():
     from harness.report.groups import _cells, _group_reference, _groups, _label
 
