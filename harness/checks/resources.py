@@ -34,6 +34,11 @@ STATE_CATEGORIES = ("params", "grads", "optimizer_state")
 # (to the part's owner, as ZeRO-1/2 code does) the part; gather counts the W pieces its root
 # receives, of which the root keeps the sum, one piece.
 SCATTER_COLLECTIVES = ("reduce_scatter", "all_to_all", "reduce", "gather")
+# Mixed-precision features: bytes of the compute copy of a parameter per byte of its fp32 master (the
+# policy's param_dtype, harness.train.features.BF16_POLICY: bf16, 2 of 4 bytes). An implementation
+# that does not shard (or shards over one rank) computes on such a copy of every parameter, alive
+# through forward and backward: the plain bf16 model makes all of them per forward.
+COMPUTE_COPY_RATIO = {"bf16": 0.5}
 
 
 def _reduced(per_collective: dict, world_size: int) -> float:
@@ -139,12 +144,15 @@ def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         # with the reduction switched off between micro-batches every unit's unsharded gradient is held
         held_grads = (float(row.trainable_bytes) if row.sharded and shards(row) > 1
                       and holds_unsharded_grads(Scenario.of_row(row).feature) else 0.0)
+        # the compute copies where no unit is gathered: of every parameter (sharded W > 1: inside `unsharded`)
+        copies = COMPUTE_COPY_RATIO.get(feature_of(row), 0.0) * float(row.param_bytes) if not unsharded else 0.0
         transient = (_max_over_ranks(mem, row.scenario, "activations") + _max_over_ranks(mem, row.scenario, "other"))
-        bound = ((sum(ideal.values()) + unsharded + held_grads + transient) * (1 + bounds.peak_slack)
+        bound = ((sum(ideal.values()) + unsharded + held_grads + copies + transient) * (1 + bounds.peak_slack)
                  + 4 * shard_padding(row, bounds))
         msg = (f"peak {peak:,.0f} B per rank vs bound {bound:,.0f} B (state ideal {sum(ideal.values()):,.0f} + "
                f"2 units unsharded {unsharded:,.0f} + activations/other {transient:,.0f}"
                + (f" + unsharded gradients held between micro-batches {held_grads:,.0f}" if held_grads else "")
+               + (f" + {feature_of(row)} compute copies of the parameters {copies:,.0f}" if copies else "")
                + f", +{bounds.peak_slack:.0%})")
         out.append(_at_most("peak_memory_bound", row, peak, bound, msg,
                             f"params: peak exceeds the bound by {peak - bound:,.0f} B"))

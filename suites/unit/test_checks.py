@@ -12,6 +12,7 @@ from harness.checks import norms
 from harness.checks import numeric as checks
 from harness.checks import resources as resource_checks
 from harness.core.policy import Bounds
+from harness.core.scenario import Scenario
 from suites.unit.synthetic_tables import LOSSES, P_BYTES, ZERO, frame
 from suites.unit.synthetic_tables import cell as _sc
 from suites.unit.synthetic_tables import check_tables as make
@@ -148,6 +149,27 @@ def test_a_resource_bound_missed_where_policy_documents_it_is_known_and_elsewher
     assert verdicts["torch_fsdp2"].status == "known" and "Known deviation" in verdicts["torch_fsdp2"].message
     assert verdicts["fsdp_impl"].status == "fail"
     assert verdicts["torch_fsdp2"].bound == verdicts["fsdp_impl"].bound
+
+
+def test_peak_memory_bound_counts_the_bf16_compute_copy_where_no_unit_is_gathered():
+    """An unsharded run (the plain model, or any implementation at one rank) under bf16 computes on a bf16
+    copy of every parameter, alive through forward and backward: half the fp32 parameters' bytes."""
+    import torch
+
+    from harness.train.features import BF16_POLICY
+
+    assert resource_checks.COMPUTE_COPY_RATIO["bf16"] == BF16_POLICY["param_dtype"].itemsize / torch.float32.itemsize
+    sc = Scenario("reference", "mlp", 1, "replicated", "sgd", steps=3, feature="bf16")
+    t = make([(sc, LOSSES, ZERO, ZERO)])
+    t["scenarios"]["feature"], t["scenarios"]["sharded"] = "bf16", False
+    ideal = 3 * P_BYTES  # params, grads, SGD momentum
+    for peak, status in ((ideal + P_BYTES // 2, "pass"), (int(1.1 * (ideal + P_BYTES // 2)) + 4096, "fail")):
+        t["memory"] = pd.DataFrame([(sc.id, 0, "peak", peak), (sc.id, 0, "activations", 0), (sc.id, 0, "other", 0)],
+                                   columns=["scenario", "rank", "category", "bytes"])
+        [v] = resource_checks.peak_memory_bound(t)
+        assert v.status == status and "bf16 compute copies" in v.message
+    t["scenarios"]["feature"] = "plain"  # fp32: no copy, a smaller bound
+    assert resource_checks.peak_memory_bound(t)[0].bound < v.bound
 
 
 def _with_memory(t, sid, ws, opt_factor, optimizer_state=None, other=0):
