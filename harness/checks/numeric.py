@@ -162,7 +162,7 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
         why = f"{bound / (row.lr * row.steps):g} x lr x steps"
         against = "full-batch training"
         if feature_of(row) in ROUNDED_PER_RANK:
-            against = f"full-batch training in {widest(row)} micro-batches"
+            against = f"full-batch training in {Scenario.of_row(row).reference().micro_batches} micro-batches"
             why += f"; {BF16_SPLIT}"
         at, worst = _first_crossing(steps, row.scenario, "max_diff_ref", bound)
         msg = f"max |param diff| vs {against} = {_fmt(worst)} (bound {bound:.3g} = {why})"

@@ -67,13 +67,19 @@ def shard_size(feature: str, world_size: int) -> int:
     return hsdp_mesh(world_size)[1] if feature == "hsdp" else world_size
 
 
+def _stored_int(row, column: str, default: int) -> int:
+    """An integer column of a table row; `default` where a table stored before the column existed has
+    none (missing, NaN or empty)."""
+    value = getattr(row, column, default)
+    try:
+        return default if value != value else int(value)
+    except (TypeError, ValueError):
+        return default
+
+
 def resume_of(row) -> int:
     """A table row's resume_from (0: trained from scratch; a row stored before ckpt existed has none)."""
-    value = getattr(row, "resume_from", 0)
-    try:
-        return 0 if value != value else int(value)  # NaN from a table stored before the column existed
-    except (TypeError, ValueError):
-        return 0
+    return _stored_int(row, "resume_from", 0)
 
 
 def widest(row) -> int:
@@ -84,11 +90,7 @@ def widest(row) -> int:
 
 def micro_batches_of(row) -> int:
     """A table row's micro_batches (1 where the column is missing: a run stored before it existed)."""
-    value = getattr(row, "micro_batches", 1)
-    try:
-        return 1 if value != value else max(1, int(value))
-    except (TypeError, ValueError):
-        return 1
+    return max(1, _stored_int(row, "micro_batches", 1))
 
 
 def feature_of(row) -> str:

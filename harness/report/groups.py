@@ -59,19 +59,22 @@ def _groups(cells: pd.DataFrame):
     return [(k, g.sort_values("world_size")) for k, g in real.groupby(GROUP, sort=False, dropna=False)]
 
 
+def _group_scenario(key: tuple) -> Scenario:
+    """A group's member at one rank (a resumed group's feature without its "from W")."""
+    impl, model, mode, opt, feature, seed = key
+    return Scenario(impl, model, 1, mode, opt, seed=int(seed), feature=feature.split(RESUMED)[0])
+
+
 def _group_reference(cells: pd.DataFrame, key: tuple) -> str | None:
     """The id of the run a group is compared with (`Scenario.reference`), if the run has it."""
-    impl, model, mode, opt, feature, seed = key
-    feature = feature.split(RESUMED)[0]
-    ref = Scenario(impl, model, 1, mode, opt, seed=int(seed), feature=feature).reference().id
+    ref = _group_scenario(key).reference().id
     return ref if (cells["scenario"] == ref).any() else None
 
 
 def _references_per_ws(key: tuple, world_sizes) -> dict[int, str]:
     """World size -> the run a group's member at that size is compared with, where it is not the group's
     reference: the plain model summing the W ranks' micro-batches (split data under bf16)."""
-    impl, model, mode, opt, feature, seed = key
-    base = Scenario(impl, model, 1, mode, opt, seed=int(seed), feature=feature.split(RESUMED)[0])
+    base = _group_scenario(key)
     refs = {int(w): base.at_world_size(int(w)).reference().id for w in world_sizes}
     return {w: r for w, r in refs.items() if r != base.reference().id}
 

@@ -2,9 +2,9 @@
 reduction switch that does nothing, the switch never turned back on, and an accumulated gradient
 averaged over its micro-batches although each micro-batch's loss is already scaled; for clipping, the
 norm of the rank's own shard taken for the global norm; for mixed precision, the optimizer stepping
-in bf16 and the gradients summed in bf16; for activation checkpointing, a reduction run again after the recomputation; for hybrid
-sharding, replicas that never average; for checkpoints, the last rank's part or the optimizer state
-misplaced on reload.
+in bf16 and the gradients summed in bf16; for activation checkpointing, a reduction run again after
+the recomputation; for hybrid sharding, replicas that never average; for checkpoints, the last rank's
+part or the optimizer state misplaced on reload.
 """
 
 from __future__ import annotations
