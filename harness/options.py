@@ -67,10 +67,11 @@ def models(text: str) -> tuple[str, ...]:
     (harness/train/user_models.py)."""
     items = _items(text)
     for name in items:
-        if name in names.MODELS:
+        if name in names.MODELS or name in names.STANDARD_MODELS:
             continue
         if ":" not in name:
-            raise argparse.ArgumentTypeError(f"unknown {name!r}; choose from {', '.join(names.MODELS)}, "
+            zoo = names.MODELS + names.STANDARD_MODELS
+            raise argparse.ArgumentTypeError(f"unknown {name!r}; choose from {', '.join(zoo)}, "
                                              f"{', '.join(names.HF_MODELS)}, or name your own model "
                                              f"'package.module:factory'")
         if name.startswith(names.HF_PREFIX) and name not in names.HF_MODELS:

@@ -1,12 +1,15 @@
 """Names the command line accepts, kept free of torch so that a usage error answers at once.
 
-`harness.adapters.BUILTINS` and `harness.train.models.MODELS` are the registries behind these names;
+`harness.adapters.BUILTINS`, `harness.train.models.MODELS` and `harness.train.standard_models.STANDARD_MODELS`
+are the registries behind these names;
 `suites/unit/test_inputs.py` holds them equal, so a name added there must be added here.
 """
 
 BUILTIN_ADAPTERS = ("reference", "fsdp_impl", "torch_fsdp2", "torch_fsdp2_fp64reduce", "torch_fsdp1", "ddp")
 ADAPTER_FORMS = "'cs336:<module>', or 'package.module:object'"
 MODELS = ("mlp", "mlp_frozen", "tinylm", "tinylm_tied", "gpt2_medium", "lm_50m")
+# standard architectures from torch's own layers: harness.train.standard_models.STANDARD_MODELS
+STANDARD_MODELS = ("mha_lm", "encoder_lm", "bn_mlp")
 # Hugging Face transformers models (optional extra `pip install -e .[hf]`): harness.train.hf_models.HF_SPECS
 HF_PREFIX = "hf:"
 HF_MODELS = ("hf:gpt2", "hf:llama")

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from harness.core.names import HF_MODELS, HF_PREFIX
+from harness.core.names import HF_MODELS, HF_PREFIX, STANDARD_MODELS
 
 
 @dataclass(frozen=True)
@@ -299,11 +299,14 @@ def get_model_spec(name: str) -> ModelSpec:
     extra), or the user's ``"package.module:factory"`` (harness/train/user_models.py)."""
     if name in MODELS:
         return MODELS[name]
+    if name in STANDARD_MODELS:
+        from harness.train.standard_models import STANDARD_MODELS as standard
+        return standard[name]
     if name.startswith(HF_PREFIX):  # before the user's form: 'hf:gpt2' has a ':' too
         from harness.train.hf_models import hf_model_spec
         return hf_model_spec(name)
     if ":" in name:
         from harness.train.user_models import load_user_model
         return load_user_model(name)
-    raise ValueError(f"unknown model {name!r}; valid: {', '.join((*MODELS, *HF_MODELS))}, "
+    raise ValueError(f"unknown model {name!r}; valid: {', '.join((*MODELS, *STANDARD_MODELS, *HF_MODELS))}, "
                      f"or 'package.module:factory'")
