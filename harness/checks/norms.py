@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 
 from harness.checks.numeric import _ROW, Check, _fmt, _not_reference, _ok, _reference_id, judge, not_measured
-from harness.core.policy import Bounds
-from harness.core.scenario import CLIP, REFERENCE_IMPL, Scenario
+from harness.checks.noise_floor import batch_stat_layers, split_yardstick
+from harness.core.policy import BATCH_STATS_SPLIT, Bounds
+from harness.core.scenario import CLIP, REFERENCE_IMPL, Scenario, widest
 from harness.core.verdict import Verdict
 
 
@@ -31,7 +32,7 @@ def grad_norm_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     first = {r.scenario: (int(r.step), r.grad_norm) for r in steps[steps.step == steps.step.min()].itertuples()} \
         if len(steps) else {}
     for row in _ok(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
-        ref_id = _reference_id(row)
+        ref_id = split_yardstick(row)
         if ref_id not in first or row.scenario not in first:
             missing = ref_id if ref_id not in first else row.scenario
             out.append(not_measured("grad_norm_matches", row, f"no step-1 gradient norm of {missing}", bound))
@@ -44,9 +45,32 @@ def grad_norm_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         rel = abs(got - ref) / abs(ref) if math.isfinite(got) else math.inf
         passed = rel <= bound
         msg = (f"step-1 gradient norm {got:.9g} vs non-sharded {ref:.9g}: relative difference {_fmt(rel)} "
-               f"(bound {bound:g})")
+               f"(bound {bound:g}){ratio_hint(got, ref, widest(row), passed)}")
+        if ref_id != _reference_id(row):
+            msg += f"; against {ref_id}: {BATCH_STATS_SPLIT.format(layers=batch_stat_layers(row))}"
         out.append(judge("grad_norm_matches", row, passed, rel, bound, msg, step=step, param="gradient norm"))
     return out
+
+
+# what a norm off by a factor of the world size most likely means, by the factor
+_RATIO_CAUSES = (
+    (lambda w: w, "W", "a sum over the ranks instead of a mean?"),
+    (lambda w: 1 / w, "1/W", "divided by W twice, or one rank's part alone?"),
+    (lambda w: math.sqrt(w), "sqrt(W)", "a norm summed over ranks that each hold the whole gradient?"),
+    (lambda w: 1 / math.sqrt(w), "1/sqrt(W)", "a norm taken over the rank's own shard only?"),
+)
+
+
+def ratio_hint(got: float, want: float, world_size: int, passed: bool) -> str:
+    """'; ratio 2.0 = W (a sum over the ranks instead of a mean?)' where a failed norm is the expected one
+    times a factor of the world size (within 1%), else ''."""
+    if passed or world_size < 2 or not (math.isfinite(got) and math.isfinite(want)) or want == 0 or got == 0:
+        return ""
+    ratio = got / want
+    for factor, name, cause in _RATIO_CAUSES:
+        if abs(ratio / factor(world_size) - 1) <= 0.01:
+            return f"; ratio {ratio:.4g} = {name} at W = {world_size} ({cause})"
+    return ""
 
 
 def clip_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
@@ -85,7 +109,8 @@ def clip_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         step = int(mine.step.iloc[0])
         out.append(judge("clip_acts", row, rel <= bounds.grad_norm_rel, rel, bounds.grad_norm_rel,
                          f"clipping acted at every step; the {kind} norm before clipping at step {step} is {got:.9g} vs "
-                         f"the plain model's {want:.9g}: relative difference {_fmt(rel)} (bound {bounds.grad_norm_rel:g})",
+                         f"the plain model's {want:.9g}: relative difference {_fmt(rel)} "
+                         f"(bound {bounds.grad_norm_rel:g}){ratio_hint(got, want, widest(row), rel <= bounds.grad_norm_rel)}",
                          step=step, param="gradient norm"))
     return out
 

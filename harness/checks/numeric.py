@@ -8,7 +8,10 @@ from typing import Callable
 
 import pandas as pd
 
-from harness.core.policy import BF16_SPLIT, NOT_EXACT, Bounds, known_deviation
+from harness.checks.noise_floor import (batch_stat_layers, floors, held_bounds, resumed_across_sizes, sensitive,
+                                        split_yardstick)
+from harness.core.policy import (BATCH_STATS_SPLIT, BF16_SPLIT, NOISE_FLOOR_FACTOR, NOT_EXACT, Bounds,
+                                 known_deviation)
 from harness.core.scenario import REFERENCE_IMPL, ROUNDED_PER_RANK, Scenario, feature_of, widest
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, UNSUPPORTED, VERDICT_COLUMNS, Verdict
 
@@ -154,21 +157,87 @@ def grads_match_ws1(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 
 
 def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
-    """Split data: each rank's 1/W slice, averaged, trains like the full batch within the stated bound."""
+    """Split data: each rank's 1/W slice, averaged, trains like the full batch within the stated bound,
+    parameter by parameter; a parameter whose own noise floor is higher is held to that
+    (harness/core/policy.py [Note: noise floor]). A model with batch statistics is held to its noise
+    probe in rank order, the equivalent computation (BATCH_STATS_SPLIT)."""
     out = []
-    sc, steps = tables["scenarios"], tables["steps"]
+    sc, params = tables["scenarios"], tables["params"]
+    done = set(_ok(sc).scenario)
+    by_scenario = dict(tuple(params.groupby("scenario"))) if len(params) else {}
     for row in _ok(sc)[lambda d: (_widest(d) > 1) & (d.data_mode == "split")].itertuples():
         bound = bounds.split_bound(row.optimizer, row.lr, int(row.steps))
         why = f"{bound / (row.lr * row.steps):g} x lr x steps"
+        scen = Scenario.of_row(row)
+        probes = scen.noise_probes()
+        lost = [p.id for p in probes if p.id not in done]
+        if lost:
+            out.append(not_measured("split_matches_full_batch", row, f"the noise probe {lost[0]} did not complete",
+                                    bound))
+            continue
+        layers, col = batch_stat_layers(row), "diff_ref"
+        rounded = feature_of(row) in ROUNDED_PER_RANK  # its reference is the ranks' micro-batches already
         against = "full-batch training"
-        if feature_of(row) in ROUNDED_PER_RANK:
-            against = f"full-batch training in {Scenario.of_row(row).reference().micro_batches} micro-batches"
+        if layers and not rounded:
+            if resumed_across_sizes(row):
+                out.append(Verdict("split_matches_full_batch", row.scenario, SKIP, None, bound, message=(
+                    f"does not apply: {BATCH_STATS_SPLIT.format(layers=layers)}; a run resumed at another world "
+                    "size trained on two different cuts of the batch, which no single plain run reproduces")))
+                continue
+            col, against = "diff_probe", "the plain model on the ranks' micro-batches"
+            why += f"; {BATCH_STATS_SPLIT.format(layers=layers)}"
+        elif rounded:
+            against = f"full-batch training in {scen.reference().micro_batches} micro-batches"
             why += f"; {BF16_SPLIT}"
-        at, worst = _first_crossing(steps, row.scenario, "max_diff_ref", bound)
+        floor = floors(params, probes, against_probe=bool(layers) or rounded)
+        held, hot = held_bounds(floor, bound), sensitive(floor, bound)
+        rows = by_scenario.get(row.scenario)
+        if layers and not rounded and int(row.world_size) > 2 and rows is not None and len(rows):
+            rows, why = _first_step_only(rows, params, probes, why)
+        at, worst = _first_param_crossing(rows, col, held, bound, set(hot))
         msg = f"max |param diff| vs {against} = {_fmt(worst)} (bound {bound:.3g} = {why})"
+        if hot:
+            mine = rows.groupby("param")[col].max()
+            msg += (f"; {len(hot)} of {len(floor)} parameters model-sensitive, held to {NOISE_FLOOR_FACTOR:g} x their "
+                    "noise floor (how far the plain model itself moves when the batch is cut into the ranks' "
+                    "slices): " + "; ".join(f"{p} {_fmt(float(mine.get(p, math.nan)))} (floor {_fmt(f)}, bound "
+                                            f"{_fmt(held[p])})" for p, f in sorted(hot.items(), key=lambda kv: -kv[1])))
         out.append(judge("split_matches_full_batch", row, at is None and not math.isnan(worst), worst, bound,
-                            msg, at=at))
+                         msg, at=at))
     return out
+
+
+def _first_step_only(rows: pd.DataFrame, params: pd.DataFrame, probes, why: str) -> tuple[pd.DataFrame, str]:
+    """A model with batch statistics at W > 2 ranks: only the first step is held. Beyond it two correct
+    orders of summation of the same slice gradients part by more than rounding, since each rank's batch
+    statistics amplify the difference step by step ([Note: noise floor], BATCH_STATS_SPLIT); the reversed
+    probe's parting from the rank-order one is shown as the evidence."""
+    first = int(rows.step.min())
+    rev = params[params.scenario.isin([p.id for p in probes if p.reverse_micro])]
+    spread = rev.groupby("step").diff_probe.max() if len(rev) else pd.Series(dtype=float)
+    parted = (f": the plain model's two orders of summation part by {_fmt(float(spread.get(first, math.nan)))} at "
+              f"step {first} and {_fmt(float(spread.max()))} by step {int(spread.index.max())}") if len(spread) else ""
+    return rows[rows.step == first], (f"{why}; held at step {first} only, where both start from the same parameters "
+                                      f"and only the order of summation differs; later steps are not held{parted}")
+
+
+def _first_param_crossing(rows: pd.DataFrame | None, col: str, held: dict[str, float], bound: float,
+                          sensitive_params: set[str]) -> tuple[Crossing | None, float]:
+    """(first crossing or None, worst `col` of the parameters held to the tier's bound) for one scenario's
+    params-table rows: the first step where a parameter's `col` reaches the bound it is held to (or is NaN),
+    naming the parameter furthest over at that step."""
+    if rows is None or not len(rows) or col not in rows:
+        return None, math.nan
+    diff = rows[col]
+    limit = rows.param.map(lambda p: held.get(p, bound))
+    healthy = diff[~rows.param.isin(sensitive_params)]
+    worst = math.nan if diff.isna().any() else float(healthy.max()) if len(healthy) else 0.0
+    over = rows[diff.isna() | (diff >= limit)]
+    if not len(over):
+        return None, worst
+    first = over[over.step == over.step.min()]
+    hit = first.loc[(first[col] / limit[first.index]).fillna(math.inf).idxmax()]
+    return Crossing(int(hit.step), str(hit.param), float(hit[col])), worst
 
 
 def converges(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
@@ -182,7 +251,7 @@ def converges(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     sc, steps = tables["scenarios"], tables["steps"]
     losses_of = _trajectories(steps)
     for row in _ok(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
-        ref_id, losses = _reference_id(row), losses_of.get(row.scenario, [])
+        ref_id, losses = split_yardstick(row), losses_of.get(row.scenario, [])
         ref = losses_of.get(ref_id)
         if ref is None or not losses:
             out.append(not_measured("converges", row, f"no loss trajectory of {ref_id if ref is None else row.scenario}"))
@@ -326,7 +395,8 @@ NUMERIC_CHECKS = (
     Check(ws1_exact, _sharded_ws1, {"scenarios": _ROW, "steps": _DIFFS}),
     Check(cross_ws_replicated, _multi_rank("replicated"), {"scenarios": _ROW + ("steps", "lr"), "steps": _DIFFS}),
     Check(grads_match_ws1, _multi_rank("replicated"), {"scenarios": _ROW, "steps": _STEPS + ("grad_diff_ws1",)}),
-    Check(split_matches_full_batch, _multi_rank("split"), {"scenarios": _ROW + ("steps", "lr"), "steps": _DIFFS}),
+    Check(split_matches_full_batch, _multi_rank("split"), {"scenarios": _ROW + ("steps", "lr"), "steps": _DIFFS,
+                                                           "params": ("scenario", "step", "param", "diff_ref")}),
     Check(converges, _not_reference, {"scenarios": _ROW, "steps": _STEPS}),
     Check(params_cover_model, _not_reference, {"scenarios": _ROW + ("params_compared",),
                                                "coverage": ("scenario", "step", "param", "problem")}),

@@ -93,6 +93,11 @@ def micro_batches_of(row) -> int:
     return max(1, _stored_int(row, "micro_batches", 1))
 
 
+def reverse_micro_of(row) -> bool:
+    """A table row's reverse_micro (False where the column is missing)."""
+    return bool(_stored_int(row, "reverse_micro", 0))
+
+
 def feature_of(row) -> str:
     """A table row's feature; a row stored before features existed (no column, or empty) is plain."""
     feature = getattr(row, "feature", "plain")
@@ -129,20 +134,23 @@ class Scenario:
     feature: str = "plain"  # FEATURES
     resume_from: int = 0  # ckpt: the world size its checkpoint was saved at (0: trained from scratch)
     # the plain reference only: its step sums the gradients of this many micro-batches of the global
-    # batch, micro-batch r being rank r's slice of a split run at that many ranks (ROUNDED_PER_RANK)
+    # batch, micro-batch r being rank r's slice of a split run at that many ranks (ROUNDED_PER_RANK,
+    # noise_probes); a feature with micro-batches of its own cuts each slice into its own
     micro_batches: int = 1
+    reverse_micro: bool = False  # a noise probe only: its micro-batches in reverse rank order
 
     @property
     def id(self) -> str:
         """Stable readable id, e.g. ``fsdp_impl-mlp-ws4-split-adamw`` (``...-adamw-accum`` with a feature)."""
         return scenario_id(self.impl, self.model, self.world_size, self.data_mode, self.optimizer, self.seed,
-                           self.feature, self.resume_from, self.micro_batches)
+                           self.feature, self.resume_from, self.micro_batches, self.reverse_micro)
 
     @classmethod
     def of_row(cls, row) -> "Scenario":
         """The scenario of a scenarios-table row."""
         return cls(row.impl, row.model, int(row.world_size), row.data_mode, row.optimizer, seed=int(row.seed),
-                   feature=feature_of(row), resume_from=resume_of(row), micro_batches=micro_batches_of(row))
+                   feature=feature_of(row), resume_from=resume_of(row), micro_batches=micro_batches_of(row),
+                   reverse_micro=reverse_micro_of(row))
 
     @property
     def device_type(self) -> str:
@@ -159,7 +167,35 @@ class Scenario:
         per_rank = (self.impl != REFERENCE_IMPL and self.feature in ROUNDED_PER_RANK and self.data_mode == "split")
         return dataclasses.replace(self, impl=REFERENCE_IMPL, world_size=1, data_mode="replicated",
                                    feature="plain" if plain else self.feature, resume_from=0,
-                                   micro_batches=self.world_size if per_rank else 1)
+                                   micro_batches=self.world_size if per_rank else 1, reverse_micro=False)
+
+    def noise_probes(self) -> list["Scenario"]:
+        """Split data at W ranks: the plain model doing this run's step on the same global batch cut into
+        the slices the W ranks take (rank r's slice as micro-batch r, every loss scaled by 1 / W, the
+        gradients summed), one probe per world size the trajectory was trained at. A probe is a correct
+        split computation without any sharding code; how far it lands from the full-batch reference,
+        parameter by parameter, is the model's own sensitivity to that cut (its noise floor,
+        harness/core/policy.py NOISE_FLOOR), and for a model whose layers use batch statistics it is the
+        equivalent computation itself. Beyond 2 ranks a second probe takes the slices in reverse order:
+        autograd then sums the same slice gradients in another order, as a sharded reduction may. None for
+        replicated data or a reference; for a feature whose split runs are compared with the rank-order
+        micro-batch reference itself (ROUNDED_PER_RANK), only the reversed one."""
+        if self.impl == REFERENCE_IMPL or self.data_mode != "split":
+            return []
+        ref = self.reference()
+        if self.feature in ROUNDED_PER_RANK:  # its reference is the rank-order probe: only the order is left
+            return [ref.replace(reverse_micro=True)] if ref.micro_batches > 2 else []
+        sizes = sorted({self.world_size, self.resume_from} - {0, 1})
+        return [ref.replace(micro_batches=w, reverse_micro=rev) for w in sizes
+                for rev in ((False, True) if w > 2 else (False,))]
+
+    def rank_order_probe(self) -> "Scenario | None":
+        """The noise probe a run is held against directly: for a split run, the probe at its own world size
+        in rank order; for a probe in reverse order, its twin in rank order (what the order changed)."""
+        if self.reverse_micro:
+            return self.replace(reverse_micro=False)
+        return next((p for p in self.noise_probes() if p.micro_batches == self.world_size and not p.reverse_micro),
+                    None)
 
     def saver(self) -> "Scenario | None":
         """The run whose checkpoint a ckpt run resumes from: the same implementation's plain run at
@@ -170,9 +206,11 @@ class Scenario:
                                    resume_from=0)
 
     def dependencies(self) -> list["Scenario"]:
-        """The runs this one's checks compare with: the reference, for a sharded run at W > 1 the same
-        implementation at world size 1 in the same data mode, and the run a checkpoint comes from."""
+        """The runs this one's checks compare with: the reference, the noise probes of split data, for a
+        sharded run at W > 1 the same implementation at world size 1 in the same data mode, and the run a
+        checkpoint comes from."""
         deps = [self.reference()] if self.reference() != self else []
+        deps += self.noise_probes()
         if self.impl != REFERENCE_IMPL and (self.world_size > 1 or self.resume_from > 0):
             deps.append(self.ws1())
         return deps + ([self.saver()] if self.saver() is not None else [])
@@ -201,15 +239,16 @@ class Scenario:
 
 
 def scenario_id(impl: str, model: str, world_size: int, data_mode: str, optimizer: str | None = None,
-                seed: int = 0, feature: str = "plain", resume_from: int = 0, micro_batches: int = 1) -> str:
+                seed: int = 0, feature: str = "plain", resume_from: int = 0, micro_batches: int = 1,
+                reverse_micro: bool = False) -> str:
     """The one way ids are made: ``impl-model-wsW-mode[-optimizer][-feature][-fromW][-microK][-seedN]``.
     Runs that train no optimizer (the per-sample norms, measured on one backward) leave it out; the plain
     feature is left out; ``-fromW`` names the world size a resumed (ckpt) run's checkpoint was saved at,
-    ``-microK`` the micro-batches a reference sums (Scenario.micro_batches)."""
+    ``-microK`` the micro-batches a reference sums (Scenario.micro_batches), ``-microKrev`` in reverse order."""
     parts = [_slug(impl), _slug(model), f"ws{world_size}", data_mode] + ([optimizer] if optimizer else [])
     parts += [feature] if feature != "plain" else []
     parts += [f"from{resume_from}"] if resume_from else []
-    parts += [f"micro{micro_batches}"] if micro_batches > 1 else []
+    parts += [f"micro{micro_batches}{'rev' if reverse_micro else ''}"] if micro_batches > 1 else []
     return "-".join(parts) + (f"-seed{seed}" if seed else "")
 
 

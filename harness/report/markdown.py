@@ -1,8 +1,8 @@
 """Markdown verification report (plus PNG plots) rendered from a run's tables, written atomically.
 
 Section order: title + overall line, verdict summary, failures (with divergence location), known
-deviations, skipped checks (verdicts.py), results per world size (with loss / diff-vs-step tables and
-plots; results.py), memory, communication (resources.py), the sections other packages register
+deviations, skipped checks (verdicts.py), the models' noise floors (noise.py), results per world size
+(with loss / diff-vs-step tables and plots; results.py), memory, communication (resources.py), the sections other packages register
 (sections.py; the per-sample gradient norms, only when the run has them), environment. Missing or
 empty tables render as "not measured".
 """
@@ -17,6 +17,7 @@ import pandas as pd
 
 from harness.report.formatting import md_table
 from harness.report.groups import _cells, _t
+from harness.report.noise import _noise_section
 from harness.report.resources import _comm_section, _memory_section
 from harness.report.results import _group_sections
 from harness.report.sections import section_lines
@@ -37,7 +38,7 @@ def _env_section(env: dict) -> list[str]:
 def render(tables: dict, env: dict, title: str, plots_dir: Path, rel: str) -> str:
     """The markdown text; plots are written into `plots_dir` and linked as `rel/<file>`."""
     out = [f"# {title}", "", _overall(_t(tables, "verdicts"), _cells(tables)), ""]
-    out += _verdict_sections(tables) + _group_sections(tables, plots_dir, rel)
+    out += _verdict_sections(tables) + _noise_section(tables) + _group_sections(tables, plots_dir, rel)
     out += _memory_section(tables, plots_dir, rel) + _comm_section(tables) + section_lines(tables)
     out += _env_section(env or {})
     return "\n".join(out).rstrip() + "\n"

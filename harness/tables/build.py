@@ -21,7 +21,7 @@ from harness.tables.schema import columns
 def _scenario_fields(sc: Scenario) -> dict:
     return {"scenario": sc.id, "impl": sc.impl, "model": sc.model, "world_size": sc.world_size,
             "data_mode": sc.data_mode, "optimizer": sc.optimizer, "seed": sc.seed, "feature": sc.feature,
-            "resume_from": sc.resume_from, "micro_batches": sc.micro_batches}
+            "resume_from": sc.resume_from, "micro_batches": sc.micro_batches, "reverse_micro": sc.reverse_micro}
 
 
 class _Snapshots:
@@ -99,14 +99,18 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                 compared = len(ref)
             d_ref = _diffs(cur, ref)
             d_ws1 = _diffs(cur, snaps.get(ws1_id, k)) if ws1_id in by_id else {}
+            probe = sc.rank_order_probe()
+            d_probe = _diffs(cur, snaps.get(probe.id, k)) if probe is not None and probe.id in by_id else {}
             for name, t in cur.items():
                 param_rows.append({"scenario": sc.id, "step": k, "param": name, "numel": t.numel(),
                                    "diff_ref": d_ref.get(name, math.nan), "diff_ws1": d_ws1.get(name, math.nan),
+                                   "diff_probe": d_probe.get(name, math.nan),
                                    "sum": float(t.double().sum())})
             wr, mr = _worst(d_ref)
             w1, m1 = _worst(d_ws1)
             twin = sc.factor_twin()
             wt, mt = _worst(_diffs(cur, snaps.get(twin.id, k))) if twin is not None and twin.id in by_id else ("", math.nan)
+            wp, mp = _worst(d_probe) if d_probe else ("", math.nan)
             g1 = math.nan
             if ws1_id in by_id and ws1_id != sc.id and sc.data_mode == "replicated":
                 g1 = _grad_diff(snaps.grads_path(sc.id, k), snaps.grads_path(ws1_id, k))
@@ -114,6 +118,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                                "max_diff_ref": mr, "worst_param_ref": wr, "max_diff_ws1": m1, "worst_param_ws1": w1,
                                "grad_diff_ws1": g1, "clip_norm": rec.get("clip_norm", math.nan),
                                "max_diff_factor": mt, "worst_param_factor": wt,
+                               "max_diff_probe": mp, "worst_param_probe": wp,
                                "replicas_differ": rec.get("replicas_differ", math.nan)})
             final = {"final_loss": rec["loss"], "param_sum": sum(float(t.double().sum()) for t in cur.values()),
                      "max_diff_ref": mr, "max_diff_ws1": m1}
@@ -137,6 +142,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                           "root_bytes": r0.get("root_bytes", math.nan),
                           "row_bytes": r0.get("row_bytes", math.nan), "param_tensors": r0.get("param_tensors", math.nan),
                           "buffer_bytes": r0.get("buffer_bytes", math.nan),
+                          "batch_stats": r0.get("batch_stats", ""),
                           "params_compared": compared, **restore, "state_bytes": max(state), "peak_bytes": max(peak),
                           "step_time_s": max(rr["step_time_s"] for rr in res["ranks"])})
     rows = {"steps": steps_rows, "params": param_rows, "scenarios": scen_rows, "memory": mem_rows,

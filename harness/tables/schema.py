@@ -35,12 +35,18 @@ class Table:
 #               implementation's plain step at W x k ranks (the same micro-batches), worst_param_factor where
 #               replicas_differ (hsdp, W > 2): ranks whose own parameter parts differ bit for bit from the
 #               first replica's rank with the same index after the step (0 when the replicas agree)
-#   params      the full, unsharded parameter under its module path
+#               max_diff_probe (split data at W): max |param diff| vs the noise probe at W, the plain model
+#               summing the W ranks' micro-batches in rank order (Scenario.rank_order_probe), worst_param_probe
+#               where
+#   params      the full, unsharded parameter under its module path; diff_probe: vs the noise probe in rank
+#               order (Scenario.rank_order_probe: a split run's at its W, a reversed probe's twin)
 #   scenarios   failed_rank: the rank a failure started on; param_bytes: the full parameters;
 #               largest_unit_bytes: the largest unit's full parameters; row_bytes: one dim-0 row of
 #               every parameter tensor, summed; param_tensors: their count; params_compared: the
 #               plain model's parameters whose names and shapes were held against full_params;
-#               buffer_bytes: the plain model's buffers; restore_diff (ckpt, resumed runs): max |difference|
+#               buffer_bytes: the plain model's buffers; batch_stats: the plain model's layers that
+#               normalise with batch statistics (BatchNorm), comma-separated; restore_diff (ckpt, resumed
+#               runs): max |difference|
 #               between the parameters right after loading and the saver's at that step, restore_param
 #               where it is; state_bytes: max over ranks of params +
 #               grads + optimizer state held after the measured step (harness.measure.census, which
@@ -50,21 +56,25 @@ class Table:
 #   comm        rank 0, per training step averaged over the steps (harness.measure.comm)
 SCENARIO_IDS = ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed")
 # after the ids; optional when reading: a run stored before features existed is plain, trained from scratch,
-# one micro-batch per step (micro_batches: Scenario.micro_batches, > 1 only for a reference)
-FEATURE = ("feature", "resume_from", "micro_batches")
+# one micro-batch per step (micro_batches: Scenario.micro_batches, > 1 only for a reference; reverse_micro:
+# a noise probe's micro-batches in reverse rank order)
+FEATURE = ("feature", "resume_from", "micro_batches", "reverse_micro")
 
 TABLES: dict[str, Table] = {t.name: t for t in (
     Table("steps", "scenario x step", SCENARIO_IDS + FEATURE + (
         "step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1",
-        "grad_diff_ws1", "clip_norm", "max_diff_factor", "worst_param_factor", "replicas_differ"),
+        "grad_diff_ws1", "clip_norm", "max_diff_factor", "worst_param_factor", "replicas_differ", "max_diff_probe",
+        "worst_param_probe"),
           required=SCENARIO_IDS + ("step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1",
                                    "worst_param_ws1")),
     Table("params", "scenario x step x parameter", (
-        "scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum")),
+        "scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum", "diff_probe"),
+          required=("scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum")),
     Table("scenarios", "scenario", SCENARIO_IDS + FEATURE + (
         "steps", "lr", "status", "error", "failed_rank", "final_loss", "param_sum", "max_diff_ref", "max_diff_ws1", "sharded",
         "param_bytes", "trainable_bytes", "param_elements", "trainable_elements", "largest_unit_bytes",
-        "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "buffer_bytes", "params_compared", "restore_diff",
+        "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "buffer_bytes", "batch_stats", "params_compared",
+        "restore_diff",
         "restore_param", "state_bytes", "peak_bytes", "step_time_s"),
           required=SCENARIO_IDS + ("steps", "lr", "status", "error", "final_loss", "param_sum", "max_diff_ref",
                                    "max_diff_ws1", "state_bytes", "peak_bytes", "step_time_s")),

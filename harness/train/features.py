@@ -102,21 +102,24 @@ def rank_slices(x: torch.Tensor, y: torch.Tensor, ranks: int) -> list[tuple[torc
 
 def forward_backward(feature: str, spec, model, x: torch.Tensor, y: torch.Tensor,
                      mark: Callable = lambda phase, value=None: value,
-                     set_sync: Callable[[bool], None] | None = None, micro: int = 1) -> torch.Tensor:
+                     set_sync: Callable[[bool], None] | None = None, micro: int = 1,
+                     reverse: bool = False) -> torch.Tensor:
     """Forward and backward of one step on this rank's batch; returns the loss of the whole local batch
     (detached). `mark(phase, value)` is told where the step is (harness.measure.timeline);
     `set_sync(enabled)` switches the gradient reduction (the adapter's set_gradient_sync). `micro` > 1
-    (a reference's Scenario.micro_batches): the batch in the slices `micro` split ranks would take, a
-    forward and backward each, every loss scaled by 1 / micro, the gradients summed by autograd."""
+    (a reference's Scenario.micro_batches): the batch in the slices `micro` split ranks would take, each
+    cut into the feature's own micro-batches as such a rank cuts it, a forward and backward each, every
+    loss scaled by 1 / (their count), the gradients summed by autograd; `reverse`: the slices in reverse
+    rank order (a noise probe's other order of summation)."""
     if feature not in FEATURES:
         raise ValueError(f"unknown feature {feature!r}; features: {', '.join(FEATURES)}")
     k = passes_per_step(feature)  # clipping and checkpointing act outside this: one pass, as plain
-    if micro > 1 and k > 1:
-        raise ValueError(f"feature {feature!r} has micro-batches of its own; micro={micro} does not combine")
     switched = reductions_per_step(feature) < k  # the reduction runs on the last pass only
     if switched and set_sync is None:
         raise ValueError(f"feature {feature!r} needs set_sync (the adapter's set_gradient_sync)")
-    batches = rank_slices(x, y, micro) if micro > 1 else micro_batches(x, y, k)
+    slices = rank_slices(x, y, micro) if micro > 1 else [(x, y)]
+    slices = slices[::-1] if reverse else slices
+    batches = [mb for xs, ys in slices for mb in micro_batches(xs, ys, k)]
     k = len(batches)
     total = None
     for i, (xm, ym) in enumerate(batches):

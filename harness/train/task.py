@@ -89,7 +89,8 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
         # raises must not leave it installed for the next scenario in this process.
         mark = _marker(timeline, mem)
         with counter, (mem if mem is not None else contextlib.nullcontext()):
-            loss = forward_backward(sc.feature, spec, wrapped, x, y, mark, set_sync, micro=sc.micro_batches)
+            loss = forward_backward(sc.feature, spec, wrapped, x, y, mark, set_sync, micro=sc.micro_batches,
+                                    reverse=sc.reverse_micro)
             adapter.after_backward(wrapped, optimizer)
             mark("after_backward")
             grad_sq = _local_grad_sq(wrapped) if first_copy else 0.0  # before clipping: measured by the harness
@@ -169,7 +170,17 @@ def _param_bytes(model, units) -> dict:
     return {"param_bytes": total, "trainable_bytes": nbytes(p for p in params if p.requires_grad),
             "largest_unit_bytes": max(per_unit + [root]),
             "largest_child_bytes": max(per_unit + [0]), "root_bytes": root,
-            "row_bytes": row_bytes, "param_tensors": len(params), "buffer_bytes": nbytes(model.buffers()), **elements}
+            "row_bytes": row_bytes, "param_tensors": len(params), "buffer_bytes": nbytes(model.buffers()),
+            "batch_stats": batch_stat_layers(model), **elements}
+
+
+def batch_stat_layers(model) -> str:
+    """The plain model's layers that normalise by the statistics of the batch they are given in training
+    (BatchNorm; SyncBatchNorm's statistics span the ranks), comma-separated: with split data they see a
+    rank's slice, not the full batch (harness/core/policy.py BATCH_STATS_SPLIT)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    return ",".join(name for name, m in model.named_modules()
+                    if isinstance(m, _BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm))
 
 
 def _snapshot(adapter, wrapped, path: Path, rank: int) -> None:

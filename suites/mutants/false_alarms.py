@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from harness.core.names import STANDARD_MODELS
 from harness.core.scenario import DATA_MODES, FEATURES, OPTIMIZERS, Scenario, build_matrix
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
 from harness.options import DEFAULT_MODELS, DEFAULT_WORLD_SIZES
@@ -37,10 +38,16 @@ def quick_matrix() -> list[Scenario]:
     return plain + [c for c in featured if c not in plain]
 
 
-def full_matrix(seed: int) -> list[Scenario]:
+def full_matrix(seed: int, models=DEFAULT_MODELS) -> list[Scenario]:
     """The default matrix for every correct implementation and every feature, under one seed."""
-    return build_matrix(CORRECT, list(DEFAULT_MODELS), list(DEFAULT_WORLD_SIZES), DATA_MODES, OPTIMIZERS,
+    return build_matrix(CORRECT, list(models), list(DEFAULT_WORLD_SIZES), DATA_MODES, OPTIMIZERS,
                         steps=FULL_STEPS, seeds=(seed,), features=FEATURES)
+
+
+def standard_matrix(seed: int) -> list[Scenario]:
+    """The same on the standard architectures (harness/train/standard_models.py: nn.MultiheadAttention,
+    nn.TransformerEncoderLayer with a padding embedding, BatchNorm), which the bounds were not tuned on."""
+    return full_matrix(seed, STANDARD_MODELS)
 
 
 @dataclass

@@ -120,9 +120,9 @@ class CatalogueRun:
 
 
 def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), pool=None,
-                  progress=None) -> CatalogueRun:
+                  progress=None, false_alarm_models=fa.DEFAULT_MODELS) -> CatalogueRun:
     """Run every mutant (and the controls) in one matrix; then the per-sample mutants; then the
-    correct implementations' full matrix under each of `false_alarm_seeds`."""
+    correct implementations' full matrix on `false_alarm_models` under each of `false_alarm_seeds`."""
     from harness.execute.executor import run_matrix
     from harness.execute.world import WorldPool
 
@@ -148,7 +148,7 @@ def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), poo
         controls = [v for v in (res.verdicts if res else []) if v.scenario and v.scenario not in mutant_ids]
         controls += per_sample_controls
         wall_s = time.perf_counter() - t0
-        alarms = [fa.run_false_alarms(fa.full_matrix(s), seed=s, pool=pool, progress=progress)
+        alarms = [fa.run_false_alarms(fa.full_matrix(s, false_alarm_models), seed=s, pool=pool, progress=progress)
                   for s in false_alarm_seeds]
     finally:
         if own_pool:
@@ -197,9 +197,10 @@ def _false_alarm_section(runs: list) -> list[str]:
     n_alarms = sum(len(r.false_alarms) for r in runs)
     n_scen = sum(len(r.scenarios) for r in runs)
     seeds = ", ".join(str(r.seed) for r in runs)
+    models = ", ".join(sorted({s.model for r in runs for s in r.scenarios}))
     lines = ["## False alarms", "",
              f"**{n_alarms} false alarm(s)** in {n_scen} scenarios: {', '.join(fa.CORRECT)} (and the "
-             f"non-sharded reference) through the default matrix, {fa.FULL_STEPS} steps, seeds {seeds} "
+             f"non-sharded reference) through the default matrix on {models}, {fa.FULL_STEPS} steps, seeds {seeds} "
              f"({sum(r.wall_s for r in runs):.0f} s). KNOWN verdicts are documented deviations of that "
              "implementation (harness/core/policy.py), held to the same bound and shown with their cause.", "",
              fa.summary(runs).to_markdown(index=False), ""]
@@ -248,6 +249,11 @@ def render(run: CatalogueRun, *, full: bool = False) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _model_list(text: str) -> tuple[str, ...]:
+    from harness.options import models
+    return fa.STANDARD_MODELS if text == "standard" else models(text)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m suites.mutants.score", description=__doc__.splitlines()[0])
     p.add_argument("--only", default="", help="comma list of mutant names (default: all)")
@@ -255,6 +261,9 @@ def main(argv=None) -> int:
     p.add_argument("--false-alarm-seeds", type=seed_list, default=(), metavar="S,...",
                    help="also run fsdp_impl, torch_fsdp2 and ddp through the full default matrix under "
                         "these seeds (about 4 minutes a seed on 2 cores)")
+    p.add_argument("--false-alarm-models", type=_model_list, default=fa.DEFAULT_MODELS, metavar="M,...",
+                   help="the models of the false-alarm tier: zoo names, or 'standard' for the standard "
+                        f"architectures ({','.join(fa.STANDARD_MODELS)}); default {','.join(fa.DEFAULT_MODELS)}")
     p.add_argument("--full-matrix", action="store_true",
                    help="run every mutant at world sizes 1,2,4,8 and 10 steps (about 20 minutes on 2 cores) "
                         "instead of the small cells the CI suite uses")
@@ -267,7 +276,8 @@ def main(argv=None) -> int:
     mutants = [widened(m) if ns.full_matrix else m for m in CATALOGUE if not names or m.name in names]
     progress = None if ns.quiet else (
         lambda i, n, sc, s: sys.stderr.write(f"[mutants] {i:>3}/{n} {sc.id:<64} {s:5.1f}s\n"))
-    run = run_catalogue(mutants, false_alarm_seeds=ns.false_alarm_seeds, progress=progress)
+    run = run_catalogue(mutants, false_alarm_seeds=ns.false_alarm_seeds, progress=progress,
+                        false_alarm_models=ns.false_alarm_models)
     path = write_text_atomic(ns.out, render(run, full=ns.full_matrix))
     caught = sum(r.caught for r in run.results.values())
     alarms = sum(len(r.false_alarms) for r in run.false_alarms)

@@ -2,7 +2,8 @@
 
 KNOWN verdicts (documented deviations of a real implementation, harness/core/policy.py) are allowed. The
 quick matrix runs in every CI run; the full matrix under 5 seeds is the slow tier (``--slow``,
-about 4 minutes a seed on 2 cores). ``python -m suites.mutants.score --false-alarm-seeds 0,1,2,3,4``
+about 4 minutes a seed on 2 cores), on the zoo's models and on the standard architectures.
+``python -m suites.mutants.score --false-alarm-seeds 0,1,2,3,4``
 runs the same tier and writes its table into the mutation score report.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from suites.mutants.false_alarms import SEEDS, full_matrix, quick_matrix, run_false_alarms
+from suites.mutants.false_alarms import SEEDS, full_matrix, quick_matrix, run_false_alarms, standard_matrix
 
 
 def _assert_no_false_alarm(run):
@@ -27,6 +28,12 @@ def test_correct_implementations_pass_quick_matrix():
 @pytest.mark.parametrize("seed", SEEDS)
 def test_correct_implementations_pass_full_matrix(seed):
     _assert_no_false_alarm(run_false_alarms(full_matrix(seed), seed=seed))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", SEEDS)
+def test_correct_implementations_pass_the_standard_architectures(seed):
+    _assert_no_false_alarm(run_false_alarms(standard_matrix(seed), seed=seed))
 
 
 def _synthetic_run():

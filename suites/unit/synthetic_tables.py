@@ -90,7 +90,7 @@ def gathered(ws: int) -> list[dict]:
 def _rows(sc: Scenario, fail: bool, steps: int):
     ws, mode = sc.world_size, sc.data_mode
     head = dict(scenario=sc.id, impl=sc.impl, model=sc.model, world_size=ws, data_mode=mode,
-                optimizer=sc.optimizer, seed=sc.seed)
+                optimizer=sc.optimizer, seed=sc.seed, micro_batches=sc.micro_batches)
     step_rows, param_rows = [], []
     for step in range(1, steps + 1):
         diffs = {p: param_diff(step, ws, mode, p, fail) for p in PARAMS}
@@ -159,6 +159,7 @@ def make_tables(*, world_sizes=(1, 2, 4), modes=("replicated", "split"), steps: 
     """All eight tables for the reference run plus every (world size, data mode) cell."""
     steps_rows, param_rows, scen_rows, mem_rows, comm_rows, gathered_rows = [], [], [], [], [], []
     cells = [scenario(1, "replicated").reference()] + [scenario(ws, m) for ws in world_sizes for m in modes]
+    cells += sorted({p for sc in cells for p in sc.noise_probes()}, key=lambda p: p.id)  # finding no noise
     for sc in cells:
         s, p, row = _rows(sc, fail, steps)
         steps_rows += s
@@ -210,12 +211,22 @@ def cell(impl, ws, mode="replicated", opt="adamw"):
     return Scenario(impl, "mlp", ws, mode, opt, steps=3)
 
 
-def check_tables(cells):
-    """cells: list of (Scenario, losses[3], diff_ref[3], diff_ws1[3]) -> tables."""
+def with_probes(cells, floor=(0.0, 0.0, 0.0)):
+    """`cells` plus the noise probe of every split cell that has none among them (Scenario.noise_probes),
+    each `floor` away from the reference at every step (0: the plain model's own cut changes nothing)."""
+    have = {c[0] for c in cells}
+    probes = {p for c in cells for p in c[0].noise_probes() if p not in have}
+    return list(cells) + [(p, LOSSES, list(floor), list(floor)) for p in sorted(probes, key=lambda p: p.id)]
+
+
+def check_tables(cells, probes: bool = True):
+    """cells: list of (Scenario, losses[3], diff_ref[3], diff_ws1[3]) -> tables; with `probes`, the noise
+    probes of the split cells are added as runs that found no noise (with_probes)."""
     steps, scen, params = [], [], []
-    for sc, losses, dref, dws1 in cells:
+    for sc, losses, dref, dws1 in (with_probes(cells) if probes else cells):
         base = {"scenario": sc.id, "impl": sc.impl, "model": sc.model, "world_size": sc.world_size,
-                "data_mode": sc.data_mode, "optimizer": sc.optimizer, "seed": sc.seed}
+                "data_mode": sc.data_mode, "optimizer": sc.optimizer, "seed": sc.seed,
+                "micro_batches": sc.micro_batches}
         for k in range(3):
             steps.append({**base, "step": k + 1, "loss": losses[k], "grad_norm": 1.0,
                           "max_diff_ref": dref[k], "worst_param_ref": "fc2.weight",

@@ -116,6 +116,18 @@ def test_grad_norm_matches_holds_step_one_against_the_reference(norm, status):
         assert (v.step, v.param) == (1, "gradient norm")
 
 
+@pytest.mark.parametrize("factor,named", [(4.0, "= W at W = 4 (a sum over the ranks instead of a mean?)"),
+                                           (0.25, "= 1/W at W = 4"), (2.0, "= sqrt(W) at W = 4"),
+                                           (0.5, "= 1/sqrt(W) at W = 4 (a norm taken over the rank's own shard"),
+                                           (3.0, None)])
+def test_a_norm_off_by_a_factor_of_the_world_size_names_it(factor, named):
+    sc = _sc("fsdp_impl", 4, mode="split")
+    t = _set_grad_norm(make([(sc.reference(), LOSSES, ZERO, ZERO), (sc, LOSSES, ZERO, ZERO)]), sc.id, factor)
+    v = by(norms.grad_norm_matches(t), "grad_norm_matches")[sc.id]
+    assert v.status == "fail"
+    assert (named in v.message) if named else ("ratio" not in v.message)
+
+
 def test_grad_norm_matches_fails_without_a_reference():
     sc = _sc("fsdp_impl", 2)
     [v] = norms.grad_norm_matches(make([(sc, LOSSES, ZERO, ZERO)]))

@@ -21,10 +21,23 @@ def test_plain_ids_are_unchanged_and_a_feature_is_named_before_the_seed():
 def test_a_feature_is_compared_with_the_plain_model_doing_the_same():
     cells = build_matrix(["fsdp_impl"], ["mlp"], [2], ["split"], ["sgd"], features=("plain", "accum"))
     refs = {c.id for c in cells if c.impl == "reference"}
-    assert refs == {"reference-mlp-ws1-replicated-sgd", "reference-mlp-ws1-replicated-sgd-accum"}
+    # each with its noise probe: the same step on the two ranks' slices (split data at W = 2)
+    assert refs == {"reference-mlp-ws1-replicated-sgd", "reference-mlp-ws1-replicated-sgd-accum",
+                    "reference-mlp-ws1-replicated-sgd-micro2", "reference-mlp-ws1-replicated-sgd-accum-micro2"}
     accum = next(c for c in cells if c.feature == "accum" and c.world_size == 2)
     assert {d.id for d in accum.dependencies()} == {"reference-mlp-ws1-replicated-sgd-accum",
+                                                   "reference-mlp-ws1-replicated-sgd-accum-micro2",
                                                    "fsdp_impl-mlp-ws1-split-sgd-accum"}
+    # beyond two ranks a second probe sums the slices in reverse order; replicated data has none
+    at4 = Scenario("fsdp_impl", "mlp", 4, "split", "sgd", feature="ckpt", resume_from=8)
+    assert [p.id for p in at4.noise_probes()] == [
+        "reference-mlp-ws1-replicated-sgd-micro4", "reference-mlp-ws1-replicated-sgd-micro4rev",
+        "reference-mlp-ws1-replicated-sgd-micro8", "reference-mlp-ws1-replicated-sgd-micro8rev"]
+    assert at4.replace(data_mode="replicated").noise_probes() == []
+    # bf16 is compared with the rank-order micro-batch run itself: only the reversed probe is left to run
+    bf16 = at4.replace(feature="bf16", resume_from=0)
+    assert [p.id for p in bf16.noise_probes()] == ["reference-mlp-ws1-replicated-sgd-bf16-micro4rev"]
+    assert bf16.at_world_size(2).noise_probes() == []
 
 
 def test_a_row_stored_before_features_existed_reads_as_plain():
