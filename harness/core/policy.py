@@ -95,8 +95,9 @@ BF16_SPLIT = (
 #   and the second term (the same addends in another order) is a smaller perturbation than the one f
 #   measures (every addend computed from another batch shape than the full batch's): at most f again.
 #   Hence NOISE_FLOOR_FACTOR = 2, and each parameter is held to max(tier bound, 2 f).
-# - A healthy parameter's f is a rounding of a rounding (<= 1e-6 of the tier bound on the zoo's models),
-#   so its bound is the tier's, unchanged. A parameter whose 2 f exceeds the tier bound is model-sensitive:
+# - A healthy parameter's f is rounding carried through a few steps (2 f at most 5% of the tier bound on the
+#   zoo's models: tinylm_tied, AdamW, W = 2, fsdp_impl and FSDP2 runs at W 1,2,4,8), so its bound is the
+#   tier's, unchanged. A parameter whose 2 f exceeds the tier bound is model-sensitive:
 #   its training is dominated by rounding on this model; the verdict and the report name it with its floor.
 # - A model whose layers use batch statistics (BatchNorm without SyncBatchNorm) normalises each rank's slice
 #   by that slice's statistics: split data is not the full batch's computation at all. The probe is then
