@@ -56,6 +56,9 @@ def summarize(tables: dict) -> dict[str, dict]:
         s = steps[steps["scenario"] == sid].sort_values("step") if len(steps) else steps
         err = str(row.get("error", "") or "")
         status = "unsupported" if row.get("status") == "unsupported" else "error" if err and err != "nan" else "ok"
+        # every run that finished counted its collectives: none (one rank) is 0, not "not measured";
+        # only a run that did not finish, or tables stored without a comm table, measured no traffic
+        traffic = status == "ok" and "comm" in tables
         out[sid] = {
             "status": status, "loss": [_f(x) for x in s.get("loss", [])],
             "final_loss": _f(row.get("final_loss")), "max_diff_ref": _f(row.get("max_diff_ref")),
@@ -63,8 +66,9 @@ def summarize(tables: dict) -> dict[str, dict]:
             "peak_mem": _f(mem_of("peak") if pd.isna(row.get("peak_bytes", np.nan)) else row["peak_bytes"]),
             "state_mem": _f(mem_of("state_total") if pd.isna(row.get("state_bytes", np.nan)) else row["state_bytes"]),
             "first_step": _f(s["step"].iloc[0]) if len(s) else 1,
-            "comm_bytes": _f(c["bytes"].sum()) if len(comm) else None,
-            "comm_calls": _f(c["calls"].sum()) if len(comm) else None, "step_time": _f(row.get("step_time_s")),
+            "comm_bytes": _f(c["bytes"].sum() if len(c) else 0.0) if traffic else None,
+            "comm_calls": _f(c["calls"].sum() if len(c) else 0.0) if traffic else None,
+            "step_time": _f(row.get("step_time_s")),
             **{k: _f(row[k]) if k in ("world_size", "seed") else str(row[k])
                for k in ("impl", "model", "world_size", "data_mode", "optimizer", "seed") if k in row},
         }

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from harness.core.environment import machine_kind
-from harness.gate.baseline import BaselineError, load_baseline, save_baseline
+from harness.gate.baseline import BaselineError, load_baseline, save_baseline, summarize
 from harness.gate.compare import compare, compare_table
 from harness.gate.tolerance import DEFAULT_TOLERANCES, FIELDS, Tolerance, parse_gate
 
@@ -116,6 +116,23 @@ def test_missing_and_new_scenarios_are_reported(tables, saved):
                  lambda _: "adapter 'x' has no set_gradient_sync() method")
     [v] = _fails(compare(lost, load_baseline(saved)))
     assert v.scenario == SPLIT2 and "is unsupported in this run" in v.message
+
+
+def test_one_rank_moves_nothing_and_that_is_measured_not_missing(tables, saved):
+    """A run of world size 1 alone has an empty comm table (one rank calls no collective): its
+    traffic is 0, measured, and held against the baseline's 0 like any other figure."""
+    ws1 = {k: v[v["scenario"].isin([syn.sid(1, m) for m in ("replicated", "split")] + [syn.REF_ID])]
+           if "scenario" in v else v for k, v in tables.items()}
+    assert not len(ws1["comm"])
+    current = summarize(ws1)
+    assert {(current[s]["comm_bytes"], current[s]["comm_calls"]) for s in current} == {(0, 0)}
+    verdicts = compare(ws1, load_baseline(saved))
+    assert not _fails(verdicts), [str(v) for v in _fails(verdicts)]
+    traffic = [v for v in verdicts if v.check in ("gate:comm_bytes", "gate:comm_calls") and v.scenario]
+    assert len(traffic) == 2 * len(current) and {v.status for v in traffic} == {"pass"}
+    moved = _edit(tables, "comm", SPLIT2, "bytes", lambda b: b)  # a run that did not finish measured nothing
+    broken = summarize(_edit(moved, "scenarios", SPLIT2, "error", lambda _: "RuntimeError: boom"))
+    assert broken[SPLIT2]["comm_bytes"] is None and broken[SPLIT2]["status"] == "error"
 
 
 def test_environment_differences_are_visible(tables, saved):
