@@ -7,7 +7,10 @@ device-capability-torch (`harness.core.environment.machine_kind`, e.g. cpu-avx51
 another CPU kind with the same device and torch version gates memory and traffic, and the
 verdicts say plainly that losses were not gated; with only other devices or torch versions on
 file, nothing is gated and the verdicts say so (torch's own FSDP moves its memory and traffic
-between versions). The comparison itself is harness.gate.compare.
+between versions). Beside the figures a file records the run's configuration
+(harness.gate.configuration: lr, steps, global batch, seeds, features, models, ...), so that a run
+made another way is told so rather than failed; a file saved before it did has none (None: unknown).
+The comparison itself is harness.gate.compare.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from harness.core.environment import machine_kind
+from harness.gate.configuration import configuration_of
 from harness.gate.tolerance import DEFAULT_TOLERANCES
 from harness.tables.store import rank_bytes, write_text_atomic
 
@@ -86,6 +90,8 @@ class Baseline:
     wanted_kind: str = ""
     # False when the name has files only for other devices or torch versions: nothing is gated
     comparable: bool = True
+    # the configuration of the run it was saved from (harness.gate.configuration); None: not recorded
+    configuration: dict | None = None
 
     @property
     def kind(self) -> str:
@@ -110,6 +116,7 @@ def baseline_file(name: str, env: dict, directory: Path = DEFAULT_DIR) -> Path:
 def baseline_text(tables: dict, env: dict, name: str) -> str:
     """The baseline document: pretty JSON, sorted keys, one value per line."""
     doc = {"format": FORMAT, "version": VERSION, "name": name, "env": _jsonable_env(dict(env or {})),
+           "configuration": configuration_of(tables, env),
            "tolerances_default": {f: str(t) for f, t in DEFAULT_TOLERANCES.items()}, "scenarios": summarize(tables)}
     return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n"
 
@@ -180,11 +187,15 @@ def load_baseline(name_or_path: str | Path, directory: Path = DEFAULT_DIR, *, ki
                             f"{VERSION}; re-save it")
     if not isinstance(doc.get("scenarios"), dict) or not isinstance(doc.get("env", {}), dict):
         raise BaselineError(f"baseline {path} is malformed: 'scenarios' and 'env' must be objects")
+    if not isinstance(doc.get("configuration", {}), dict):
+        raise BaselineError(f"baseline {path} is malformed: 'configuration' must be an object")
     for sid, entry in doc["scenarios"].items():
         _check_entry(path, sid, entry)
-    return Baseline(str(doc.get("name", path.stem)), path, doc.get("env", {}), doc["scenarios"], wanted)
+    return Baseline(str(doc.get("name", path.stem)), path, doc.get("env", {}), doc["scenarios"], wanted,
+                    configuration=doc.get("configuration"))
 
 
 def baseline_of_run(tables: dict, env: dict, name: str, path: Path) -> Baseline:
     """Another stored run seen as a baseline, so that `compare A B` applies the gate's rules."""
-    return Baseline(name, Path(path), _jsonable_env(dict(env or {})), summarize(tables))
+    return Baseline(name, Path(path), _jsonable_env(dict(env or {})), summarize(tables),
+                    configuration=configuration_of(tables, env))

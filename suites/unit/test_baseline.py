@@ -17,6 +17,7 @@ from harness.gate.tolerance import DEFAULT_TOLERANCES, FIELDS, Tolerance, parse_
 from . import synthetic_tables as syn
 
 SPLIT2 = syn.sid(2, "split")
+COMMITTED = Path(__file__).resolve().parents[2] / "reports" / "baselines"
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +134,91 @@ def test_one_rank_moves_nothing_and_that_is_measured_not_missing(tables, saved):
     moved = _edit(tables, "comm", SPLIT2, "bytes", lambda b: b)  # a run that did not finish measured nothing
     broken = summarize(_edit(moved, "scenarios", SPLIT2, "error", lambda _: "RuntimeError: boom"))
     assert broken[SPLIT2]["comm_bytes"] is None and broken[SPLIT2]["status"] == "error"
+
+
+def test_a_baseline_records_the_configuration_of_its_run(tables, saved):
+    doc = json.loads(saved.read_text())
+    sc = syn.scenario(2, "split")
+    assert doc["configuration"] == {
+        "impls": [syn.IMPL], "models": [syn.MODEL], "world_sizes": [1, 2, 4], "data_modes": ["replicated", "split"],
+        "optimizers": [syn.OPT], "features": ["plain"], "seeds": [sc.seed], "lr": sc.lr, "steps": sc.steps,
+        "global_batch": sc.global_batch, "backend": syn.ENV["backend"]}
+    assert load_baseline(saved).configuration == doc["configuration"]
+
+
+def _configured(tables: dict, column: str, value) -> dict:
+    """`tables` as a run whose every scenario had `column` = value."""
+    return _edit(tables, "scenarios", SPLIT2, column, lambda _: value) | {
+        "scenarios": tables["scenarios"].assign(**{column: value})}
+
+
+def test_another_learning_rate_is_a_configuration_difference_not_a_regression(tables, saved):
+    """Scenario ids do not name the learning rate: the same ids trained at another lr moved every
+    loss, and a lower loss is no regression. The gate says what differs, compares no loss or diff,
+    and still holds memory and traffic, which the lr does not change."""
+    lr = syn.scenario(2, "split").lr
+    other = _configured(_edit(tables, "steps", SPLIT2, "loss", lambda x: x - 1e-3, 2), "lr", 2 * lr)
+    other = _edit(other, "scenarios", SPLIT2, "peak_bytes", lambda b: b * 2)
+    verdicts = compare(other, load_baseline(saved), env=syn.ENV)
+    assert [(v.check, v.scenario) for v in _fails(verdicts)] == [("gate:peak_mem", SPLIT2)]
+    [note] = [v for v in verdicts if v.check == "gate:configuration"]
+    assert note.status == "skip" and f"configuration differs: lr {lr:g} -> {2 * lr:g}" in note.message
+    for field in ("loss", "max_diff"):
+        assert [(v.status, v.scenario) for v in verdicts if v.check == f"gate:{field}"] == [("skip", "")]
+    assert {v.scenario for v in verdicts if v.check == "gate:comm_bytes"} == set(summarize(tables))
+
+
+@pytest.mark.parametrize("column, value", [("steps", 7), ("global_batch", 32)])
+def test_other_steps_or_batch_compare_nothing_of_the_same_ids(tables, saved, column, value):
+    verdicts = compare(_configured(tables, column, value), load_baseline(saved), env=syn.ENV)
+    assert not _fails(verdicts)
+    gated = [f for f, (t, _) in FIELDS.items() if not t.off]
+    assert all(v.status == "skip" and not v.scenario for v in verdicts), [str(v) for v in verdicts]
+    assert sorted(v.check for v in verdicts if v.check[5:] in gated) == sorted(f"gate:{f}" for f in gated)
+    [note] = [v for v in verdicts if v.check == "gate:configuration"]
+    assert f"configuration differs: {column} " in note.message and f"-> {value}" in note.message
+
+
+def test_fewer_world_sizes_only_narrow_what_is_compared(tables, saved):
+    part = {k: v[~v["scenario"].isin([syn.sid(4, "replicated"), syn.sid(4, "split")])] if "scenario" in v else v
+            for k, v in tables.items()}
+    verdicts = compare(part, load_baseline(saved), env=syn.ENV)
+    assert not _fails(verdicts)
+    [note] = [v for v in verdicts if v.check == "gate:configuration"]
+    assert "configuration differs: world_sizes 1,2,4 -> 1,2: only the scenarios both runs have" in note.message
+    assert any(v.check == "gate:loss" and v.scenario == SPLIT2 and v.status == "pass" for v in verdicts)
+
+
+def test_a_baseline_saved_before_configurations_were_recorded_still_gates_and_says_so(tables, saved):
+    doc = json.loads(saved.read_text())
+    del doc["configuration"]
+    old = _write(saved.with_name("old.json"), json.dumps(doc))
+    base = load_baseline(old)
+    assert base.configuration is None
+    moved = _edit(tables, "steps", SPLIT2, "loss", lambda x: x + 1e-6, 2)
+    verdicts = compare(moved, base, env=syn.ENV)
+    assert [(v.check, v.scenario) for v in _fails(verdicts)] == [("gate:loss", SPLIT2)]
+    [note] = [v for v in verdicts if v.check == "gate:configuration"]
+    assert note.status == "skip" and "does not record the configuration" in note.message
+
+
+def test_a_run_that_did_not_record_a_setting_is_told_so(tables, saved):
+    verdicts = compare({**tables, "scenarios": tables["scenarios"].drop(columns="global_batch")},
+                       load_baseline(saved), env=syn.ENV)
+    assert not _fails(verdicts)
+    [note] = [v for v in verdicts if v.check == "gate:configuration"]
+    assert note.where == "global_batch" and "this run does not record global_batch" in note.message
+
+
+@pytest.mark.parametrize("path", sorted(COMMITTED.glob("*/*.json")), ids=lambda p: p.stem)
+def test_the_committed_baselines_record_the_configuration_their_scenarios_show(path):
+    base = load_baseline(path)
+    cfg, entries = base.configuration, [e for e in base.scenarios.values() if e["impl"] != "reference"]
+    assert cfg is not None, f"{path} records no configuration"
+    for field, key in (("impls", "impl"), ("models", "model"), ("world_sizes", "world_size"),
+                       ("data_modes", "data_mode"), ("optimizers", "optimizer"), ("seeds", "seed")):
+        assert cfg[field] == sorted({e[key] for e in entries}), field
+    assert {len(e["loss"]) for e in entries} == {cfg["steps"]} and cfg["backend"] == base.env["backend"]
 
 
 def test_environment_differences_are_visible(tables, saved):
