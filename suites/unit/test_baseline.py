@@ -296,9 +296,36 @@ def test_only_another_torch_or_device_on_file_gates_nothing_and_says_so(tables, 
     doubled = _edit(tables, "scenarios", SPLIT2, "peak_bytes", lambda b: b * 2)
     verdicts = compare(doubled, base, env=env)
     gated = [f for f, (t, _) in FIELDS.items() if not t.off]
-    assert sorted(v.check for v in verdicts) == sorted(f"gate:{f}" for f in gated)
-    assert all(v.status == "skip" and v.scenario == "" and "nothing was gated" in v.message for v in verdicts)
+    fields = [v for v in verdicts if v.check != "gate:coverage"]
+    assert sorted(v.check for v in fields) == sorted(f"gate:{f}" for f in gated)
+    assert all(v.status == "skip" and v.scenario == "" and "nothing was gated" in v.message for v in fields)
     assert machine_kind(env) in verdicts[0].message
+    [nothing] = [v for v in verdicts if v.check == "gate:coverage"]
+    assert nothing.status == "skip" and "compared nothing" in nothing.message and machine_kind(env) in nothing.message
+    [strict] = [v for v in compare(doubled, base, env=env, strict=True) if v.check == "gate:coverage"]
+    assert strict.status == "fail" and "--gate-strict" in strict.message
+
+
+@pytest.mark.parametrize("case", ["no scenario in common", "every field skipped", "something compared"])
+def test_a_gate_that_compared_nothing_says_why_and_strict_fails_it(tables, saved, case):
+    """A gate with no figure to compare checked nothing: one run-wide gate:coverage verdict says so
+    and why (a skip; a failure with --gate-strict). A gate that compared figures says nothing more."""
+    cur = tables
+    if case == "no scenario in common":
+        cur = {k: v.assign(scenario=v["scenario"] + "-elsewhere") if "scenario" in v else v for k, v in tables.items()}
+    elif case == "every field skipped":
+        cur = _configured(tables, "steps", 7)
+    for strict in (False, True):
+        verdicts = compare(cur, load_baseline(saved), env=syn.ENV, strict=strict)
+        coverage = [v for v in verdicts if v.check == "gate:coverage"]
+        if case == "something compared":
+            assert not coverage and not _fails(verdicts)
+            continue
+        [v] = coverage
+        assert v.status == ("fail" if strict else "skip") and v.scenario == ""
+        assert "compared nothing" in v.message
+        assert ("no scenario of this run is in it" if case == "no scenario in common" else "steps 5 -> 7") in v.message
+        assert [str(f) for f in _fails(verdicts)] == ([str(v)] if strict else [])
 
 
 def _write(path: Path, text: str) -> Path:
