@@ -26,7 +26,7 @@ def _overall(verdicts: pd.DataFrame, cells: pd.DataFrame) -> str:
                  if sum(ref.values()) else "")
     gate = f" {o.gate[0].upper()}{o.gate[1:]}." if o.gate else ""
     return (f"**Overall: {o.word}** — {n[PASS]} passed / {n[FAIL]} failed / {n[KNOWN]} known deviations{unsupported} "
-            f"({n[SKIP]} skipped; {len(cells)} scenarios{errored}). Scenarios that ran to their end: {o.runs}."
+            f"({n[SKIP]} skipped; {len(cells)} scenarios{errored}). Implementations under test: {o.runs}."
             f"{reference}{gate}")
 
 
