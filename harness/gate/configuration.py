@@ -32,7 +32,7 @@ from harness.gate.tolerance import FIELDS as GATE_FIELDS
 
 SELECTION = {"impls": "impl", "models": "model", "world_sizes": "world_size", "data_modes": "data_mode",
              "optimizers": "optimizer", "features": "feature", "seeds": "seed"}  # field -> scenarios column
-SETTINGS = ("lr", "steps", "global_batch", "backend")
+SETTINGS = ("lr", "steps", "global_batch", "backend")  # the first three are scenarios columns, the backend is in env
 FIELDS = (*SELECTION, *SETTINGS)
 AFFECTS: dict[str, tuple[str, ...]] = {"lr": ("loss", "max_diff"), "steps": tuple(GATE_FIELDS),
                                        "global_batch": tuple(GATE_FIELDS), "backend": tuple(GATE_FIELDS)}
@@ -57,7 +57,7 @@ def configuration_of(tables: dict, env: dict | None = None) -> dict:
     out: dict = {}
     for field, column in SELECTION.items():
         out[field] = sorted({_plain(v) for v in scen[column].dropna()}) if column in scen and len(scen) else None
-    for field in SETTINGS[:-1]:
+    for field in ("lr", "steps", "global_batch"):
         values = sorted({_plain(v) for v in scen[field].dropna()}) if field in scen and len(scen) else []
         out[field] = None if not values else values[0] if len(values) == 1 else values
     out["backend"] = (env or {}).get("backend")
