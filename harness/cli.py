@@ -1,4 +1,8 @@
-"""Command line: `python -m harness run|report|compare|plan ...` (also installed as `fsdp-harness`)."""
+"""Command line: `python -m harness run|report|compare|plan ...` (also installed as `fsdp-harness`).
+
+`run` exits with the run's outcome (harness.session): 0 PASS, 1 FAIL (a verdict failed or a
+scenario errored), 2 bad input, 3 NOT RUN (an implementation under test ran no scenario to its end).
+"""
 
 from __future__ import annotations
 
@@ -9,14 +13,21 @@ import sys
 from pathlib import Path
 
 from harness import options as opt
-from harness.session import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Session, SessionOptions, load_report_sections
+from harness.session import (EXIT_FAILED, EXIT_NOT_RUN, EXIT_OK, EXIT_USAGE, Session, SessionOptions,
+                             load_report_sections)
+
+EXIT_STATUSES = (f"exit status: {EXIT_OK} PASS (every implementation under test ran, no verdict failed); "
+                 f"{EXIT_FAILED} FAIL (a verdict failed or a scenario errored); {EXIT_USAGE} bad input; "
+                 f"{EXIT_NOT_RUN} NOT RUN (an implementation under test ran no scenario to its end: every one "
+                 "unsupported or errored)")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m harness", description="FSDP equivalence harness")
     sub = p.add_subparsers(dest="verb", required=True)
 
-    run = sub.add_parser("run", help="run the matrix, write the report, exit 1 on any failed verdict")
+    run = sub.add_parser("run", help=f"run the matrix, write the report; exit {EXIT_OK} PASS, {EXIT_FAILED} FAIL, "
+                                     f"{EXIT_USAGE} bad input, {EXIT_NOT_RUN} NOT RUN", epilog=EXIT_STATUSES)
     opt.add_matrix_arguments(run.add_argument)
     opt.add_output_arguments(run.add_argument)
     run.add_argument("--json", action="store_true", help="print verdicts as JSON on stdout")
@@ -38,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     cmp_.add_argument("tables_dir", type=Path, help="the <report>_tables directory of a run")
     cmp_.add_argument("other", help="a baseline name/path, or another run's _tables directory")
     cmp_.add_argument("--gate", type=opt.gate_spec, default=None, help="per-field tolerances")
+    cmp_.add_argument("--gate-strict", action="store_true", help="exit 1 when nothing was compared")
     cmp_.add_argument("--json", action="store_true", help="print the comparison as JSON records")
     return p
 
@@ -90,7 +102,7 @@ def cmd_compare(ns) -> int:
         base = baseline_of_run(base_tables, base_env, other.name, other)
     else:  # by name: the file of the stored run's machine kind, as the gate picks it
         base = load_baseline(ns.other, kind=machine_kind(env))
-    table = compare_table(tables, base, ns.gate, env=env)
+    table = compare_table(tables, base, ns.gate, env=env, strict=ns.gate_strict)
     if ns.json:
         print(table.to_json(orient="records", indent=1))
     else:

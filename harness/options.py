@@ -236,14 +236,19 @@ def add_gate_arguments(add) -> None:
         help="store this run's summary as reports/baselines/NAME/<machine kind>.json (a name, not a path)")
     add("--gate", type=gate_spec, default=None,
         help="per-field tolerances, e.g. loss:1e-7,peak_mem:5%%,comm_bytes:0 (defaults in harness/gate/tolerance.py)")
+    add("--gate-strict", action="store_true",
+        help="fail the run when the gate compared nothing (no baseline file for this machine kind, no scenario in "
+             "common, every field skipped); without it such a gate is reported, not failed")
 
 
-def load_baseline_option(name, gate=None, backend: str = "gloo"):
+def load_baseline_option(name, gate=None, backend: str = "gloo", strict: bool = False):
     """Load a --baseline value early (the file of this machine kind, harness.gate.baseline) so a missing
     or corrupt file is one usage-error line."""
     if gate is not None and name is None:
         raise argparse.ArgumentTypeError("--gate needs --baseline NAME (its tolerances apply to a comparison "
                                           "with a baseline)")
+    if strict and name is None:
+        raise argparse.ArgumentTypeError("--gate-strict needs --baseline NAME (it fails a gate that compared nothing)")
     if name is None:
         return None
     from harness.core.environment import kernel_env, machine_kind

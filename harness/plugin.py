@@ -5,7 +5,9 @@ the `harness_run` fixture; `matrix_options(config)` gives the matrix tests param
 matrix runs lazily, once, on the first test that needs it, and only the part the selected tests
 need: `-k fsdp_impl-mlp-ws2` runs that scenario and the runs it is compared with. At the end the
 session writes the same report, tables and baseline as `python -m harness run` with the same
-options, and a failed verdict fails the pytest run even where no test asserted on it.
+options, and a failed verdict fails the pytest run even where no test asserted on it; so does a run
+that reads NOT RUN (an implementation under test ran no scenario to its end: its tests are all
+skips), with pytest's own "tests failed" status and the reason on the terminal.
 
 Under pytest-xdist (`-n N`) the matrix still runs once: the first worker that needs it runs it
 while holding a lock on a file in a folder the controller made, and leaves the result there; the
@@ -27,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from harness import options as opt
-from harness.session import Session, SessionOptions
+from harness.session import EXIT_FAILED, Session, SessionOptions
 from harness.tables.store import OutputError
 
 _SESSION = pytest.StashKey[Session]()
@@ -155,5 +157,7 @@ def pytest_sessionfinish(session, exitstatus):
     if status and session.exitstatus == 0:
         for v in harness.failures():
             _say(session.config, f"{v}")
-        _say(session.config, "a failed verdict that no test asserted on fails the run")
+        _say(session.config, "a failed verdict that no test asserted on fails the run" if status == EXIT_FAILED else
+             f"NOT RUN: {', '.join(harness.outcome().not_run)} ran no scenario to its end; a run that verified "
+             "nothing fails")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -2,6 +2,12 @@
 
     options -> matrix (reused worlds, or torchrun) -> per-sample norms -> gate -> outputs -> exit status
 
+The exit status follows the run's outcome (harness.core.outcome): EXIT_OK when every implementation
+under test ran and no verdict failed; EXIT_FAILED when a verdict failed or a scenario errored;
+EXIT_NOT_RUN when an implementation under test ran no scenario to its end (every one unsupported or
+errored), so that a run which verified nothing is never read as a pass; EXIT_USAGE (the CLI's) for
+bad input.
+
 Both entries build a `Session` from the same options and get the same tables, verdicts, report,
 baseline and exit status. Outputs (the report with its plots, the `<report>_tables/` folder and a
 saved baseline) are staged in a temp folder and swapped into place together, so a reader never
@@ -21,13 +27,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from harness import options as opt
-from harness.core.scenario import Scenario, with_dependencies
+from harness.core.scenario import REFERENCE_IMPL, Scenario, with_dependencies
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, UNSUPPORTED, Verdict
 
 if TYPE_CHECKING:  # torch and pandas load only once a run starts: a usage error stays instant
+    from harness.core.outcome import Outcome
     from harness.execute.executor import RunResult
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUN = 0, 1, 2, 3
 # Packages that add a section to the report: each registers it when imported (harness.report.sections).
 REPORT_SECTION_PACKAGES = ("harness.per_sample",)
 
@@ -40,13 +47,15 @@ class SessionOptions:
     baseline: str | None = None  # a name under reports/baselines/ or a path
     gate: dict | None = None  # per-field tolerances (harness.gate.tolerance.parse_gate)
     save_baseline: str | None = None
+    gate_strict: bool = False  # a gate that compared nothing fails (harness.gate.compare)
 
     @classmethod
     def from_namespace(cls, ns) -> "SessionOptions":
         """From parsed CLI or pytest options (the names `add_*_arguments` register)."""
         report = None if getattr(ns, "no_report", False) else getattr(ns, "report", None) or opt.DEFAULT_REPORT
         return cls(opt.matrix_from(ns), report, bool(getattr(ns, "per_sample", False)),
-                   getattr(ns, "baseline", None), getattr(ns, "gate", None), getattr(ns, "save_baseline", None))
+                   getattr(ns, "baseline", None), getattr(ns, "gate", None), getattr(ns, "save_baseline", None),
+                   bool(getattr(ns, "gate_strict", False)))
 
 
 def load_report_sections() -> None:
@@ -76,7 +85,7 @@ class Session:
             raise opt.argparse.ArgumentTypeError("--per-sample is not available under torchrun yet; run it "
                                                  "without torchrun (python -m harness run --per-sample ...)")
         backend = options.matrix.backend
-        self.baseline = opt.load_baseline_option(options.baseline, options.gate, backend)
+        self.baseline = opt.load_baseline_option(options.baseline, options.gate, backend, options.gate_strict)
         self.result: RunResult | None = None
         self.is_writer = True  # False on torchrun ranks other than 0
 
@@ -96,7 +105,8 @@ class Session:
             return self.result
         m, scenarios = self.options.matrix, self.scenarios(selected)
         where = "this torchrun job" if self.under_torchrun else "worlds"
-        self.say(f"running {len(scenarios)} scenarios in {where} of {','.join(map(str, m.world_sizes))} ranks")
+        self.say(f"running {len(scenarios)} scenarios in {where} of {','.join(map(str, m.world_sizes))} ranks "
+                 f"({_planned(scenarios)})")
 
         def progress(i, n, sc, secs):
             self.say(f"[{i:>3}/{n}] {sc.id:<48} {secs:6.1f}s")
@@ -129,7 +139,8 @@ class Session:
     def _gate(self, res: RunResult) -> None:
         from harness.checks.numeric import verdict_table
         from harness.gate.compare import compare
-        res.verdicts.extend(compare(res.tables, self.baseline, self.options.gate, env=res.env))
+        res.verdicts.extend(compare(res.tables, self.baseline, self.options.gate, env=res.env,
+                                    strict=self.options.gate_strict))
         res.tables["verdicts"] = verdict_table(res.verdicts)
 
     # Outputs #
@@ -179,32 +190,59 @@ class Session:
         _remove(staging)
         return [dst for _, dst in moves]
 
-    def counts(self) -> dict[str, int]:
-        verdicts = self.result.verdicts if self.result else []
-        return {s: sum(v.status == s for v in verdicts) for s in (PASS, FAIL, KNOWN, SKIP, UNSUPPORTED)}
+    def outcome(self) -> Outcome:
+        """The run's outcome (harness.core.outcome), from its tables and verdicts."""
+        import pandas as pd
+
+        from harness.checks.numeric import verdict_table
+        from harness.core.outcome import outcome
+        res = self.result
+        cells = res.tables.get("scenarios") if res is not None else None
+        return outcome(cells if cells is not None else pd.DataFrame(), verdict_table(res.verdicts if res else []))
 
     def failures(self) -> list[Verdict]:
         return [v for v in (self.result.verdicts if self.result else []) if v.status == FAIL]
 
     def exit_status(self) -> int:
-        return EXIT_FAILED if self.failures() else EXIT_OK
+        from harness.core.outcome import FAILED, PASSED
+        word = self.outcome().word
+        return EXIT_OK if word == PASSED else EXIT_FAILED if word == FAILED else EXIT_NOT_RUN
 
     def summary_line(self) -> str:
-        n = self.counts()
-        wall = f" in {self.result.wall_s:.1f}s" if self.result else ""
-        where = f"; report: {self.options.report}" if self.options.report is not None else ""
+        """'PASS: 336 passed, 0 failed, 0 known deviations, 73 skipped (the reference's runs apart: 60 passed,
+        0 failed); fsdp_impl: 12 ran, 0 unsupported; ...; gate: ...; in 13.0s; report: PATH'."""
+        o = self.outcome()
+        n, ref = o.counts, o.reference
         unsupported = f", {n[UNSUPPORTED]} unsupported" if n[UNSUPPORTED] else ""
-        return (f"{n[PASS]} passed, {n[FAIL]} failed, {n[KNOWN]} known deviations, {n[SKIP]} skipped{unsupported}"
-                f"{wall}{where}")
+        reference = (f" (the reference's runs apart: {ref[PASS]} passed, {ref[FAIL]} failed)"
+                     if sum(ref.values()) else "")
+        parts = [f"{o.word}: {n[PASS]} passed, {n[FAIL]} failed, {n[KNOWN]} known deviations, {n[SKIP]} skipped"
+                 f"{unsupported}{reference}", o.runs, o.gate,
+                 f"in {self.result.wall_s:.1f}s" if self.result else "",
+                 f"report: {self.options.report}" if self.options.report is not None else ""]
+        return "; ".join(p for p in parts if p)
 
     def finish(self) -> int:
-        """Write the outputs and say where they went; the exit status (1 on any failed verdict).
+        """Write the outputs and say where they went; the exit status (`exit_status`).
         A failed write raises harness.tables.store.OutputError (one line; earlier outputs left in place)."""
         if self.result is None:
             return EXIT_OK
         for path in self.write_outputs():
             self.say(f"wrote {path}")
         return self.exit_status()
+
+
+def _planned(scenarios: list[Scenario]) -> str:
+    """'fsdp_impl: 12 to run, 0 unsupported; reference: 6 to run, 0 unsupported': per implementation, the
+    reference last; a scenario whose adapter lacks what its feature needs will not run (unsupported)."""
+    from harness.execute.executor import unsupported
+    impls = list(dict.fromkeys(sc.impl for sc in scenarios))
+    parts = []
+    for impl in sorted(impls, key=lambda i: i == REFERENCE_IMPL):
+        mine = [sc for sc in scenarios if sc.impl == impl]
+        skipped = sum(unsupported(sc) is not None for sc in mine)
+        parts.append(f"{impl}: {len(mine) - skipped} to run, {skipped} unsupported")
+    return "; ".join(parts)
 
 
 def _remove(folders: list[Path]) -> None:

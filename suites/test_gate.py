@@ -2,10 +2,13 @@
 
 The baseline is made in this test, on this machine, so the test holds on any CPU kind or GPU box
 whatever machine saved the committed baselines: the same slice run again passes (the run is
-deterministic), and the same slice with another learning rate fails, naming the field and the
-scenario. `python -m harness compare` gives the same answer as the gate on the same tables.
+deterministic); a baseline whose loss moved fails the run, naming the field, the scenario and the
+step; the same slice with another learning rate is told the configuration differs, its losses are
+not called regressions, and its memory and traffic are still gated. `python -m harness compare`
+gives the same answer as the gate on the same tables.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -29,25 +32,42 @@ def saved(tmp_path_factory) -> Path:
 
 def _gate(lr, saved):
     res = run_matrix(_slice(lr))
-    return res, [v for v in compare(res.tables, load_baseline(saved), None, env=res.env) if v.scenario]
+    return res, compare(res.tables, load_baseline(saved), None, env=res.env)
 
 
 def test_the_same_slice_run_again_passes_the_gate(saved):
-    _, gate = _gate(1e-2, saved)
+    _, verdicts = _gate(1e-2, saved)
+    gate = [v for v in verdicts if v.scenario]
     ran = {s.id for s in _slice(1e-2)}
     assert {v.scenario for v in gate} == ran, "every scenario of the slice is compared"
     assert {v.check for v in gate} >= {"gate:loss", "gate:max_diff", "gate:peak_mem", "gate:comm_bytes"}
     failed = [str(v) for v in gate if v.status == "fail"]
     assert not failed, "\n".join(failed)
+    assert not [v for v in verdicts if v.check == "gate:configuration"], "the same configuration: nothing to say"
 
 
-def test_changed_learning_rate_fails_the_gate_naming_the_field(saved):
-    res, gate = _gate(2e-2, saved)
-    failed = [v for v in gate if v.status == "fail" and v.check == "gate:loss"]
-    assert failed, [str(v) for v in gate]
-    assert {v.scenario for v in failed} == {s.id for s in _slice(2e-2)}, "every scenario's loss moved"
-    # step k's loss is computed before its update: the learning rate first shows in step 2's loss
-    assert all(v.step == 2 for v in failed), [str(v) for v in failed]
+def test_a_moved_loss_fails_the_gate_naming_the_field_and_step(saved, tmp_path):
+    doc = json.loads(saved.read_text())
+    sid = _slice(1e-2)[-1].id
+    doc["scenarios"][sid]["loss"][1] += 1e-6  # step 2
+    moved = tmp_path / "moved.json"
+    moved.write_text(json.dumps(doc))
+    res = run_matrix(_slice(1e-2))
+    failed = [v for v in compare(res.tables, load_baseline(moved), None, env=res.env) if v.status == "fail"]
+    assert [(v.check, v.scenario, v.step) for v in failed] == [("gate:loss", sid, 2)], [str(v) for v in failed]
+    assert "regressed" in failed[0].message
+
+
+def test_another_learning_rate_is_a_configuration_difference_not_a_regression(saved):
+    _, verdicts = _gate(2e-2, saved)
+    assert not [str(v) for v in verdicts if v.status == "fail"]
+    [note] = [v for v in verdicts if v.check == "gate:configuration"]
+    assert note.status == "skip" and "configuration differs: lr 0.01 -> 0.02" in note.message
+    for field in ("loss", "max_diff"):  # the lr changes what is computed: not compared
+        assert [(v.status, v.scenario) for v in verdicts if v.check == f"gate:{field}"] == [("skip", "")]
+    ran = {s.id for s in _slice(2e-2)}
+    for field in ("peak_mem", "state_mem", "comm_bytes"):  # nor what is held or sent: still gated
+        assert {(v.scenario, v.status) for v in verdicts if v.check == f"gate:{field}"} == {(s, "pass") for s in ran}
 
 
 def test_compare_is_a_view_of_the_gate(saved):

@@ -9,6 +9,7 @@ fresh working directory, so the default output location is the one a user gets.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,39 @@ def test_k_runs_only_the_selected_scenario_and_what_it_is_compared_with(tmp_path
     assert {s for _, s, _ in _verdicts(tmp_path)} == {"reference-mlp-ws1-replicated-sgd",
                                                     "fsdp_impl-mlp-ws1-replicated-sgd",
                                                     "fsdp_impl-mlp-ws2-replicated-sgd"}
+
+
+# an adapter with the required methods only: under no_sync and clip it supports nothing requested
+BARE = "suites.unit.example_adapter:adapter"
+NOTHING_SUPPORTED = ["--impl", BARE, "--features", "no_sync,clip", "--world-sizes", "1,2", "--models", "mlp",
+                     "--optimizers", "sgd", "--data-modes", "replicated", "--steps", "2"]
+
+
+def test_a_run_whose_implementation_ran_nothing_reads_not_run_and_exits_3(tmp_path):
+    """Only the reference ran (its passes are no pass of the implementation): the report's overall
+    line and the console's last line say NOT RUN, the first and last lines count the implementation's
+    scenarios, and the exit status is EXIT_NOT_RUN."""
+    from harness.session import EXIT_NOT_RUN
+    proc = _run(["-m", "harness", "run", *NOTHING_SUPPORTED], tmp_path)
+    assert proc.returncode == EXIT_NOT_RUN, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0].startswith("running 6 scenarios") and f"{BARE}: 0 to run, 4 unsupported" in lines[0], lines[0]
+    assert lines[-1].startswith("NOT RUN: 0 passed") and f"{BARE}: 0 ran, 4 unsupported" in lines[-1], lines[-1]
+    assert "**Overall: NOT RUN**" in (tmp_path / REPORT).read_text()
+
+
+def test_under_pytest_not_run_fails_the_run(tmp_path):
+    proc = _pytest(tmp_path, *NOTHING_SUPPORTED)
+    assert proc.returncode == pytest.ExitCode.TESTS_FAILED, proc.stdout + proc.stderr
+    assert f"NOT RUN: {BARE} ran no scenario to its end" in proc.stderr, proc.stderr
+
+
+def test_under_pytest_gate_strict_fails_a_gate_that_compared_nothing(tmp_path):
+    """The committed baseline ran 10 steps: a 2-step run shares no comparable figure with it (and on
+    a machine kind it has no file for, nothing at all). Reported without --gate-strict; failed with it."""
+    shutil.copytree(ROOT / "reports" / "baselines", tmp_path / "reports" / "baselines")
+    proc = _pytest(tmp_path, "--baseline", "default")
+    assert proc.returncode == 0 and "the gate compared nothing with baseline 'default'" in proc.stderr, proc.stderr
+    proc = _pytest(tmp_path, "--baseline", "default", "--gate-strict")
+    assert proc.returncode == pytest.ExitCode.TESTS_FAILED, proc.stdout + proc.stderr
+    assert "[FAIL] gate:coverage" in proc.stderr and "--gate-strict" in proc.stderr, proc.stderr

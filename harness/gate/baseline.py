@@ -7,7 +7,10 @@ device-capability-torch (`harness.core.environment.machine_kind`, e.g. cpu-avx51
 another CPU kind with the same device and torch version gates memory and traffic, and the
 verdicts say plainly that losses were not gated; with only other devices or torch versions on
 file, nothing is gated and the verdicts say so (torch's own FSDP moves its memory and traffic
-between versions). The comparison itself is harness.gate.compare.
+between versions). Beside the figures a file records the run's configuration
+(harness.gate.configuration: lr, steps, global batch, seeds, features, models, ...), so that a run
+made another way is told so rather than failed; a file saved before it did has none (None: unknown).
+The comparison itself is harness.gate.compare.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from harness.core.environment import machine_kind
+from harness.gate.configuration import configuration_of
 from harness.gate.tolerance import DEFAULT_TOLERANCES
 from harness.tables.store import rank_bytes, write_text_atomic
 
@@ -56,6 +60,9 @@ def summarize(tables: dict) -> dict[str, dict]:
         s = steps[steps["scenario"] == sid].sort_values("step") if len(steps) else steps
         err = str(row.get("error", "") or "")
         status = "unsupported" if row.get("status") == "unsupported" else "error" if err and err != "nan" else "ok"
+        # every run that finished counted its collectives: none (one rank) is 0, not "not measured";
+        # only a run that did not finish, or tables stored without a comm table, measured no traffic
+        traffic = status == "ok" and "comm" in tables
         out[sid] = {
             "status": status, "loss": [_f(x) for x in s.get("loss", [])],
             "final_loss": _f(row.get("final_loss")), "max_diff_ref": _f(row.get("max_diff_ref")),
@@ -63,8 +70,9 @@ def summarize(tables: dict) -> dict[str, dict]:
             "peak_mem": _f(mem_of("peak") if pd.isna(row.get("peak_bytes", np.nan)) else row["peak_bytes"]),
             "state_mem": _f(mem_of("state_total") if pd.isna(row.get("state_bytes", np.nan)) else row["state_bytes"]),
             "first_step": _f(s["step"].iloc[0]) if len(s) else 1,
-            "comm_bytes": _f(c["bytes"].sum()) if len(comm) else None,
-            "comm_calls": _f(c["calls"].sum()) if len(comm) else None, "step_time": _f(row.get("step_time_s")),
+            "comm_bytes": _f(c["bytes"].sum() if len(c) else 0.0) if traffic else None,
+            "comm_calls": _f(c["calls"].sum() if len(c) else 0.0) if traffic else None,
+            "step_time": _f(row.get("step_time_s")),
             **{k: _f(row[k]) if k in ("world_size", "seed") else str(row[k])
                for k in ("impl", "model", "world_size", "data_mode", "optimizer", "seed") if k in row},
         }
@@ -82,6 +90,8 @@ class Baseline:
     wanted_kind: str = ""
     # False when the name has files only for other devices or torch versions: nothing is gated
     comparable: bool = True
+    # the configuration of the run it was saved from (harness.gate.configuration); None: not recorded
+    configuration: dict | None = None
 
     @property
     def kind(self) -> str:
@@ -106,6 +116,7 @@ def baseline_file(name: str, env: dict, directory: Path = DEFAULT_DIR) -> Path:
 def baseline_text(tables: dict, env: dict, name: str) -> str:
     """The baseline document: pretty JSON, sorted keys, one value per line."""
     doc = {"format": FORMAT, "version": VERSION, "name": name, "env": _jsonable_env(dict(env or {})),
+           "configuration": configuration_of(tables, env),
            "tolerances_default": {f: str(t) for f, t in DEFAULT_TOLERANCES.items()}, "scenarios": summarize(tables)}
     return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n"
 
@@ -176,11 +187,15 @@ def load_baseline(name_or_path: str | Path, directory: Path = DEFAULT_DIR, *, ki
                             f"{VERSION}; re-save it")
     if not isinstance(doc.get("scenarios"), dict) or not isinstance(doc.get("env", {}), dict):
         raise BaselineError(f"baseline {path} is malformed: 'scenarios' and 'env' must be objects")
+    if not isinstance(doc.get("configuration", {}), dict):
+        raise BaselineError(f"baseline {path} is malformed: 'configuration' must be an object")
     for sid, entry in doc["scenarios"].items():
         _check_entry(path, sid, entry)
-    return Baseline(str(doc.get("name", path.stem)), path, doc.get("env", {}), doc["scenarios"], wanted)
+    return Baseline(str(doc.get("name", path.stem)), path, doc.get("env", {}), doc["scenarios"], wanted,
+                    configuration=doc.get("configuration"))
 
 
 def baseline_of_run(tables: dict, env: dict, name: str, path: Path) -> Baseline:
     """Another stored run seen as a baseline, so that `compare A B` applies the gate's rules."""
-    return Baseline(name, Path(path), _jsonable_env(dict(env or {})), summarize(tables))
+    return Baseline(name, Path(path), _jsonable_env(dict(env or {})), summarize(tables),
+                    configuration=configuration_of(tables, env))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from harness.core.outcome import outcome
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, UNSUPPORTED, Verdict
 from harness.report.formatting import _missing, md_table, num, ratio
 from harness.report.groups import _t
@@ -15,16 +16,18 @@ MAX_SUMMARY_ROWS = 40
 
 
 def _overall(verdicts: pd.DataFrame, cells: pd.DataFrame) -> str:
-    n = {s: int((verdicts["status"] == s).sum()) if len(verdicts) else 0 for s in STATUS_ORDER}
-    status = cells["status"] if "status" in cells else pd.Series("", index=cells.index)
-    failed_cells = (cells["error"].fillna("").astype(str) != "") & (status != "unsupported") if "error" in cells else []
-    errored = int(sum(failed_cells))
-    ran = len(verdicts) - n[UNSUPPORTED]
-    word = "FAIL" if n[FAIL] or errored else "PASS" if ran else "NOT RUN" if n[UNSUPPORTED] else "NO VERDICTS"
-    extra = f"; {errored} scenario(s) errored" if errored else ""
+    """The overall line: the run's word (harness.core.outcome), the verdicts of the implementations
+    under test, the reference's apart, how many scenarios of each implementation ran, the gate."""
+    o = outcome(cells, verdicts)
+    n, ref = o.counts, o.reference
     unsupported = f" / {n[UNSUPPORTED]} unsupported (not run)" if n[UNSUPPORTED] else ""
-    return (f"**Overall: {word}** — {n[PASS]} passed / {n[FAIL]} failed / {n[KNOWN]} known deviations{unsupported} "
-            f"({n[SKIP]} skipped; {len(cells)} scenarios{extra})")
+    errored = f"; {o.errored} scenario(s) errored" if o.errored else ""
+    reference = (f" The reference's runs, the yardstick, apart: {ref[PASS]} passed / {ref[FAIL]} failed."
+                 if sum(ref.values()) else "")
+    gate = f" {o.gate[0].upper()}{o.gate[1:]}." if o.gate else ""
+    return (f"**Overall: {o.word}** — {n[PASS]} passed / {n[FAIL]} failed / {n[KNOWN]} known deviations{unsupported} "
+            f"({n[SKIP]} skipped; {len(cells)} scenarios{errored}). Implementations under test: {o.runs}."
+            f"{reference}{gate}")
 
 
 # the per-step |param diff| column each numeric check holds against its bound

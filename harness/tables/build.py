@@ -83,7 +83,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
         base = _scenario_fields(sc)
         if "ranks" not in res:
             status, why = ("unsupported", res["unsupported"]) if "unsupported" in res else ("error", res["error"])
-            scen_rows.append({**base, "steps": sc.steps, "lr": sc.lr, "status": status, "error": why,
+            scen_rows.append({**base, "steps": sc.steps, "lr": sc.lr, "global_batch": sc.global_batch, "status": status, "error": why,
                               "failed_rank": res.get("failed_rank")})
             continue
         r0 = res["ranks"][0]
@@ -131,7 +131,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             comm_rows.append({"scenario": sc.id, **c})
         state = [rr["memory"].get("state_total", math.nan) for rr in res["ranks"]]
         peak = [rr["memory"].get("peak", math.nan) for rr in res["ranks"]]
-        scen_rows.append({**base, "steps": sc.steps, "lr": sc.lr, "status": "ok", "error": "", "failed_rank": None,
+        scen_rows.append({**base, "steps": sc.steps, "lr": sc.lr, "global_batch": sc.global_batch, "status": "ok", "error": "", "failed_rank": None,
                           **final,
                           "sharded": r0.get("sharded", True), "param_bytes": r0.get("param_bytes", math.nan),
                           "trainable_bytes": r0.get("trainable_bytes", math.nan),

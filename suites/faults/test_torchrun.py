@@ -94,7 +94,7 @@ def test_torchrun_cli_smoke_writes_one_report_from_rank_0(tmp_path):
                     "fsdp_impl-mlp-ws1-split-adamw-ckpt-from2"):
             assert ran.get(sid) == "ok", (sid, ran)
         # one job, one run: the summary comes from rank 0 only
-        assert len(re.findall(r"^\d+ passed, \d+ failed", stderr, flags=re.M)) == 1, stderr
+        assert len(re.findall(r"^PASS: \d+ passed, \d+ failed", stderr, flags=re.M)) == 1, stderr
         assert wait_session_empty(proc.pid, 10) == []
     finally:
         kill_session(proc)

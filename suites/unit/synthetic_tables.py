@@ -104,7 +104,8 @@ def _rows(sc: Scenario, fail: bool, steps: int):
                                    diff_ws1=diffs[p], sum=0.5 * n + diffs[p]))
     last = step_rows[-1]
     m = mem(ws, mode)
-    scen = dict(head, steps=steps, lr=sc.lr, status="ok", error="", final_loss=last["loss"],
+    scen = dict(head, steps=steps, lr=sc.lr, global_batch=sc.global_batch, status="ok", error="",
+                final_loss=last["loss"],
                 param_sum=sum(r["sum"] for r in param_rows if r["step"] == steps),
                 max_diff_ref=max(r["max_diff_ref"] for r in step_rows),
                 max_diff_ws1=max(r["max_diff_ws1"] for r in step_rows),

@@ -10,13 +10,14 @@ import pandas as pd
 import pytest
 
 from harness.core.environment import machine_kind
-from harness.gate.baseline import BaselineError, load_baseline, save_baseline
+from harness.gate.baseline import BaselineError, load_baseline, save_baseline, summarize
 from harness.gate.compare import compare, compare_table
 from harness.gate.tolerance import DEFAULT_TOLERANCES, FIELDS, Tolerance, parse_gate
 
 from . import synthetic_tables as syn
 
 SPLIT2 = syn.sid(2, "split")
+COMMITTED = Path(__file__).resolve().parents[2] / "reports" / "baselines"
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +119,108 @@ def test_missing_and_new_scenarios_are_reported(tables, saved):
     assert v.scenario == SPLIT2 and "is unsupported in this run" in v.message
 
 
+def test_one_rank_moves_nothing_and_that_is_measured_not_missing(tables, saved):
+    """A run of world size 1 alone has an empty comm table (one rank calls no collective): its
+    traffic is 0, measured, and held against the baseline's 0 like any other figure."""
+    ws1 = {k: v[v["scenario"].isin([syn.sid(1, m) for m in ("replicated", "split")] + [syn.REF_ID])]
+           if "scenario" in v else v for k, v in tables.items()}
+    assert not len(ws1["comm"])
+    current = summarize(ws1)
+    assert {(current[s]["comm_bytes"], current[s]["comm_calls"]) for s in current} == {(0, 0)}
+    verdicts = compare(ws1, load_baseline(saved))
+    assert not _fails(verdicts), [str(v) for v in _fails(verdicts)]
+    traffic = [v for v in verdicts if v.check in ("gate:comm_bytes", "gate:comm_calls") and v.scenario]
+    assert len(traffic) == 2 * len(current) and {v.status for v in traffic} == {"pass"}
+    moved = _edit(tables, "comm", SPLIT2, "bytes", lambda b: b)  # a run that did not finish measured nothing
+    broken = summarize(_edit(moved, "scenarios", SPLIT2, "error", lambda _: "RuntimeError: boom"))
+    assert broken[SPLIT2]["comm_bytes"] is None and broken[SPLIT2]["status"] == "error"
+
+
+def test_a_baseline_records_the_configuration_of_its_run(tables, saved):
+    doc = json.loads(saved.read_text())
+    sc = syn.scenario(2, "split")
+    assert doc["configuration"] == {
+        "impls": [syn.IMPL], "models": [syn.MODEL], "world_sizes": [1, 2, 4], "data_modes": ["replicated", "split"],
+        "optimizers": [syn.OPT], "features": ["plain"], "seeds": [sc.seed], "lr": sc.lr, "steps": sc.steps,
+        "global_batch": sc.global_batch, "backend": syn.ENV["backend"]}
+    assert load_baseline(saved).configuration == doc["configuration"]
+
+
+def _configured(tables: dict, column: str, value) -> dict:
+    """`tables` as a run whose every scenario had `column` = value."""
+    return _edit(tables, "scenarios", SPLIT2, column, lambda _: value) | {
+        "scenarios": tables["scenarios"].assign(**{column: value})}
+
+
+def test_another_learning_rate_is_a_configuration_difference_not_a_regression(tables, saved):
+    """Scenario ids do not name the learning rate: the same ids trained at another lr moved every
+    loss, and a lower loss is no regression. The gate says what differs, compares no loss or diff,
+    and still holds memory and traffic, which the lr does not change."""
+    lr = syn.scenario(2, "split").lr
+    other = _configured(_edit(tables, "steps", SPLIT2, "loss", lambda x: x - 1e-3, 2), "lr", 2 * lr)
+    other = _edit(other, "scenarios", SPLIT2, "peak_bytes", lambda b: b * 2)
+    verdicts = compare(other, load_baseline(saved), env=syn.ENV)
+    assert [(v.check, v.scenario) for v in _fails(verdicts)] == [("gate:peak_mem", SPLIT2)]
+    [note] = [v for v in verdicts if v.check == "gate:configuration"]
+    assert note.status == "skip" and f"configuration differs: lr {lr:g} -> {2 * lr:g}" in note.message
+    for field in ("loss", "max_diff"):
+        assert [(v.status, v.scenario) for v in verdicts if v.check == f"gate:{field}"] == [("skip", "")]
+    assert {v.scenario for v in verdicts if v.check == "gate:comm_bytes"} == set(summarize(tables))
+
+
+@pytest.mark.parametrize("column, value", [("steps", 7), ("global_batch", 32)])
+def test_other_steps_or_batch_compare_nothing_of_the_same_ids(tables, saved, column, value):
+    verdicts = compare(_configured(tables, column, value), load_baseline(saved), env=syn.ENV)
+    assert not _fails(verdicts)
+    gated = [f for f, (t, _) in FIELDS.items() if not t.off]
+    assert all(v.status == "skip" and not v.scenario for v in verdicts), [str(v) for v in verdicts]
+    assert sorted(v.check for v in verdicts if v.check[5:] in gated) == sorted(f"gate:{f}" for f in gated)
+    [note] = [v for v in verdicts if v.check == "gate:configuration"]
+    assert f"configuration differs: {column} " in note.message and f"-> {value}" in note.message
+
+
+def test_fewer_world_sizes_only_narrow_what_is_compared(tables, saved):
+    part = {k: v[~v["scenario"].isin([syn.sid(4, "replicated"), syn.sid(4, "split")])] if "scenario" in v else v
+            for k, v in tables.items()}
+    verdicts = compare(part, load_baseline(saved), env=syn.ENV)
+    assert not _fails(verdicts)
+    [note] = [v for v in verdicts if v.check == "gate:configuration"]
+    assert "configuration differs: world_sizes 1,2,4 -> 1,2: only the scenarios both runs have" in note.message
+    assert any(v.check == "gate:loss" and v.scenario == SPLIT2 and v.status == "pass" for v in verdicts)
+
+
+def test_a_baseline_saved_before_configurations_were_recorded_still_gates_and_says_so(tables, saved):
+    doc = json.loads(saved.read_text())
+    del doc["configuration"]
+    old = _write(saved.with_name("old.json"), json.dumps(doc))
+    base = load_baseline(old)
+    assert base.configuration is None
+    moved = _edit(tables, "steps", SPLIT2, "loss", lambda x: x + 1e-6, 2)
+    verdicts = compare(moved, base, env=syn.ENV)
+    assert [(v.check, v.scenario) for v in _fails(verdicts)] == [("gate:loss", SPLIT2)]
+    [note] = [v for v in verdicts if v.check == "gate:configuration"]
+    assert note.status == "skip" and "does not record the configuration" in note.message
+
+
+def test_a_run_that_did_not_record_a_setting_is_told_so(tables, saved):
+    verdicts = compare({**tables, "scenarios": tables["scenarios"].drop(columns="global_batch")},
+                       load_baseline(saved), env=syn.ENV)
+    assert not _fails(verdicts)
+    [note] = [v for v in verdicts if v.check == "gate:configuration"]
+    assert note.where == "global_batch" and "this run does not record global_batch" in note.message
+
+
+@pytest.mark.parametrize("path", sorted(COMMITTED.glob("*/*.json")), ids=lambda p: p.stem)
+def test_the_committed_baselines_record_the_configuration_their_scenarios_show(path):
+    base = load_baseline(path)
+    cfg, entries = base.configuration, [e for e in base.scenarios.values() if e["impl"] != "reference"]
+    assert cfg is not None, f"{path} records no configuration"
+    for field, key in (("impls", "impl"), ("models", "model"), ("world_sizes", "world_size"),
+                       ("data_modes", "data_mode"), ("optimizers", "optimizer"), ("seeds", "seed")):
+        assert cfg[field] == sorted({e[key] for e in entries}), field
+    assert {len(e["loss"]) for e in entries} == {cfg["steps"]} and cfg["backend"] == base.env["backend"]
+
+
 def test_environment_differences_are_visible(tables, saved):
     env = {**syn.ENV, "torch": "2.14.0", "date": "2030-01-01", "git_commit": "fff"}
     warn = [v for v in compare(tables, load_baseline(saved), env=env) if v.check == "gate:env"]
@@ -193,9 +296,36 @@ def test_only_another_torch_or_device_on_file_gates_nothing_and_says_so(tables, 
     doubled = _edit(tables, "scenarios", SPLIT2, "peak_bytes", lambda b: b * 2)
     verdicts = compare(doubled, base, env=env)
     gated = [f for f, (t, _) in FIELDS.items() if not t.off]
-    assert sorted(v.check for v in verdicts) == sorted(f"gate:{f}" for f in gated)
-    assert all(v.status == "skip" and v.scenario == "" and "nothing was gated" in v.message for v in verdicts)
+    fields = [v for v in verdicts if v.check != "gate:coverage"]
+    assert sorted(v.check for v in fields) == sorted(f"gate:{f}" for f in gated)
+    assert all(v.status == "skip" and v.scenario == "" and "nothing was gated" in v.message for v in fields)
     assert machine_kind(env) in verdicts[0].message
+    [nothing] = [v for v in verdicts if v.check == "gate:coverage"]
+    assert nothing.status == "skip" and "compared nothing" in nothing.message and machine_kind(env) in nothing.message
+    [strict] = [v for v in compare(doubled, base, env=env, strict=True) if v.check == "gate:coverage"]
+    assert strict.status == "fail" and "--gate-strict" in strict.message
+
+
+@pytest.mark.parametrize("case", ["no scenario in common", "every field skipped", "something compared"])
+def test_a_gate_that_compared_nothing_says_why_and_strict_fails_it(tables, saved, case):
+    """A gate with no figure to compare checked nothing: one run-wide gate:coverage verdict says so
+    and why (a skip; a failure with --gate-strict). A gate that compared figures says nothing more."""
+    cur = tables
+    if case == "no scenario in common":
+        cur = {k: v.assign(scenario=v["scenario"] + "-elsewhere") if "scenario" in v else v for k, v in tables.items()}
+    elif case == "every field skipped":
+        cur = _configured(tables, "steps", 7)
+    for strict in (False, True):
+        verdicts = compare(cur, load_baseline(saved), env=syn.ENV, strict=strict)
+        coverage = [v for v in verdicts if v.check == "gate:coverage"]
+        if case == "something compared":
+            assert not coverage and not _fails(verdicts)
+            continue
+        [v] = coverage
+        assert v.status == ("fail" if strict else "skip") and v.scenario == ""
+        assert "compared nothing" in v.message
+        assert ("no scenario of this run is in it" if case == "no scenario in common" else "steps 5 -> 7") in v.message
+        assert [str(f) for f in _fails(verdicts)] == ([str(v)] if strict else [])
 
 
 def _write(path: Path, text: str) -> Path:

@@ -224,15 +224,3 @@ def test_the_features_option_reaches_the_matrix_and_refuses_a_bad_name():
     with pytest.raises(argparse.ArgumentTypeError, match="unknown 'zero'; choose from plain, accum"):
         options.features("plain,zero")
     assert options.matrix_from(parser.parse_args([])).features == ("plain",)  # the default keeps today's step
-
-
-def test_the_summary_line_counts_unsupported_apart():
-    from harness.core.verdict import Verdict
-    from harness.session import Session
-
-    session = Session.__new__(Session)
-    session.options = type("O", (), {"report": None})()
-    session.result = type("R", (), {"verdicts": [Verdict("completed", "a", "unsupported", None, None),
-                                                 Verdict("completed", "b", "pass", None, None)], "wall_s": 1.0})()
-    assert session.summary_line().startswith("1 passed, 0 failed, 0 known deviations, 0 skipped, 1 unsupported")
-    assert session.exit_status() == 0

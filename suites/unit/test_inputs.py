@@ -122,7 +122,7 @@ def test_baseline_to_read_may_still_be_a_path():
 
 def test_the_cli_and_plugin_use_the_name_parser_for_save_baseline():
     seen = {}
-    opt.add_gate_arguments(lambda name, **kw: seen.setdefault(name, kw["type"]))
+    opt.add_gate_arguments(lambda name, **kw: seen.setdefault(name, kw.get("type")))
     assert seen["--save-baseline"] is opt.new_baseline_name and seen["--baseline"] is opt.baseline_name
 
 
@@ -344,3 +344,8 @@ def test_a_failed_baseline_write_leaves_no_new_empty_folder(tmp_path, monkeypatc
     with pytest.raises(store.OutputError):
         _session_with_result(None, "full").write_outputs()
     assert not Path("reports").exists()
+
+
+def test_gate_strict_without_a_baseline_is_a_usage_error():
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^--gate-strict needs --baseline NAME"):
+        opt.load_baseline_option(None, None, strict=True)
