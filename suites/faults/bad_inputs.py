@@ -92,6 +92,8 @@ CASES: tuple[Case, ...] = (
     Case("report path under a regular file", ("--report", "{tmp}/a_file/r.md"), "is not a directory",
          pytest=True),
     Case("report path in /proc", ("--report", "/proc/fsdp-harness/r.md"), "cannot write"),
+    Case("report path too long for the file system", ("--report", "a" * 300 + "/r.md"),
+         "cannot use the report path", pytest=True),
     Case("report path not markdown", ("--report", "{tmp}/r.txt"), "must be a markdown file path ending in .md"),
     Case("zero steps", ("--steps", "0"), "--steps: must be >= 2 (got 0)"),
     Case("one step", ("--steps", "1"), "--steps: must be >= 2 (got 1): memory is measured on step 2", pytest=True),
@@ -100,6 +102,8 @@ CASES: tuple[Case, ...] = (
     Case("infinite scenario timeout", ("--scenario-timeout", "inf"), "--scenario-timeout: must be a finite number"),
     Case("NaN scenario timeout", ("--scenario-timeout", "nan"), "--scenario-timeout: must be a finite number"),
     Case("scenario timeout longer than a wait can be", ("--scenario-timeout", "1e9"), "at most 2147483"),
+    Case("scenario timeout too short to start a world", ("--scenario-timeout", "0.001"),
+         "--scenario-timeout: must be at least 1 s, got 0.001", pytest=True),
     Case("scenario timeout as text", ("--scenario-timeout", "soon"), "'soon' is not a number"),
     Case("infinite learning rate", ("--lr", "inf"), "--lr: must be a finite number > 0, got inf"),
     Case("NaN learning rate", ("--lr", "nan"), "--lr: must be a finite number > 0, got nan"),
@@ -116,6 +120,9 @@ CASES: tuple[Case, ...] = (
     Case("conflicting pair: micro-batches that do not divide the local batch",
          ("--world-sizes", "1,2", "--data-modes", "split", "--features", "accum", "--global-batch", "6"),
          "--features accum splits each rank's batch into 2 micro-batches; at world size(s) [2]", pytest=True),
+    Case("conflicting pair: hybrid sharding at an odd world size", ("--world-sizes", "1,3", "--features", "hsdp"),
+         "--features hsdp runs 2 replicas of W/2 ranks each, so a world size above 1 must divide by 2; [3]",
+         pytest=True),
     Case("conflicting pair: --gate without --baseline", ("--gate", "loss:1e-7"), "--gate needs --baseline", pytest=True),
 )
 
