@@ -374,4 +374,6 @@ def matrix_from(ns) -> MatrixOptions:
         timeout_s=pick("scenario_timeout", d.timeout_s), features=pick("features", d.features),
         bounds=Bounds(cross_ws_replicated=bound) if bound else Bounds())
     opts.validate()
+    from harness import preflight
+    preflight.check(opts)
     return opts
