@@ -293,6 +293,7 @@ class MatrixOptions:
     timeout_s: float = 300.0
     bounds: Bounds = field(default_factory=Bounds)
     features: tuple[str, ...] = ("plain",)
+    allow_large: bool = False  # lift the machine-derived upper limits (harness/limits.py)
 
     def validate(self) -> None:
         """Cross-option checks; raises argparse.ArgumentTypeError with one line."""
@@ -359,6 +360,13 @@ def add_matrix_arguments(add) -> None:
         help="seconds before a scenario counts as hung (default 300)")
     add("--cross-ws-bound", type=positive_float, default=None,
         help="max |param diff| vs world size 1 with replicated data (default 3e-8)")
+    add_allow_large(add)
+
+
+def add_allow_large(add) -> None:
+    add("--allow-large", action="store_true", default=None,
+        help="lift the upper limits derived from this machine (world size by memory, steps by the temp dir's free "
+             "space, planner world size by the model's rows; harness/limits.py)")
 
 
 def matrix_from(ns) -> MatrixOptions:
@@ -372,7 +380,8 @@ def matrix_from(ns) -> MatrixOptions:
         steps=pick("steps", d.steps), seeds=pick("seeds", d.seeds), lr=pick("lr", d.lr),
         global_batch=pick("global_batch", d.global_batch), backend=pick("backend", d.backend),
         timeout_s=pick("scenario_timeout", d.timeout_s), features=pick("features", d.features),
-        bounds=Bounds(cross_ws_replicated=bound) if bound else Bounds())
+        bounds=Bounds(cross_ws_replicated=bound) if bound else Bounds(),
+        allow_large=bool(getattr(ns, "allow_large", False)))
     opts.validate()
     from harness import preflight
     preflight.check(opts)

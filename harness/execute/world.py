@@ -191,6 +191,7 @@ class World:
         """Wait for one reply per rank; raise RankFailed / WorldHung (the caller kills the world)."""
         values: list[Any] = [None] * self.world_size
         failed: dict[int, str] = {}
+        fatal: list[BaseException] = []  # errors that end the run, not the scenario (worker.py)
         pending = set(range(self.world_size))
         grace_end = float("inf")
         while pending and time.monotonic() < min(deadline, grace_end):
@@ -212,10 +213,15 @@ class World:
                     failed[rank] = f"rank {rank} died (exit code {self._procs[rank].exitcode})"
                 elif kind == "error":
                     failed[rank] = value
+                elif kind == "fatal":
+                    failed[rank] = str(value)
+                    fatal.append(value)
                 else:
                     values[rank] = value
             if failed and grace_end == float("inf"):
                 grace_end = time.monotonic() + _FAILURE_GRACE_S
+        if fatal:
+            raise fatal[0]
         if failed:
             raise RankFailed(self._failure_message(fn, failed, pending), failed)
         if pending:

@@ -118,3 +118,18 @@ def test_a_termination_handler_the_program_installed_is_kept():
             "print(signal.getsignal(signal.SIGTERM) is mine, signal.getsignal(signal.SIGHUP) is signal.SIG_DFL)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr
+
+
+def test_a_temp_dir_that_fills_up_during_the_run_is_one_line_not_scenario_failures(tmp_path):
+    """Every torch.save of the ranks fails as on a full disk: the run ends with one line naming the temp
+    dir (exit 1), not a failing scenario with a traceback each; no worker survives."""
+    proc = start([sys.executable, "-m", "harness", "run", "--world-sizes", "1,2", "--impl", f"{FA}:disk_full", *SMALL,
+                  "--no-report"], env=ENV)
+    try:
+        out, err = proc.communicate(timeout=120)
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert proc.returncode == 1 and "Traceback" not in err, out + err
+        assert len(errors) == 1 and "cannot take the run's files: No space left on device" in errors[0], err
+        assert wait_session_empty(proc.pid, 10) == []
+    finally:
+        kill_session(proc)
