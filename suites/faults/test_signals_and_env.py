@@ -133,3 +133,51 @@ def test_a_temp_dir_that_fills_up_during_the_run_is_one_line_not_scenario_failur
         assert wait_session_empty(proc.pid, 10) == []
     finally:
         kill_session(proc)
+
+
+def _unused_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+LEFT_OVER = {"TORCHELASTIC_RUN_ID": "old-job", "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+             "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["all_of_torchruns_variables", "without_the_agents_own"])
+def test_torchrun_variables_left_over_from_another_job_are_explained_within_seconds(partial):
+    """No agent, no peers: the run must not wait the group timeout (minutes) to join them."""
+    env = {**ENV, **LEFT_OVER, "MASTER_PORT": str(_unused_port())}
+    if partial:
+        del env["TORCHELASTIC_USE_AGENT_STORE"]
+    t0 = time.monotonic()
+    proc = start([sys.executable, "-m", "harness", "run", "--world-sizes", "1,2", "--impl", "fsdp_impl", *SMALL,
+                  "--no-report"], env=env)
+    try:
+        out, err = proc.communicate(timeout=90)
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert proc.returncode == 2 and "Traceback" not in err, out + err
+        assert len(errors) == 1 and "TORCHELASTIC_RUN_ID=old-job and RANK=1 are set" in errors[0], err
+        assert "left over from another job?" in errors[0]
+        assert time.monotonic() - t0 < 60
+    finally:
+        kill_session(proc)
+
+
+def test_ctrl_c_ends_the_wait_for_a_torchrun_store_that_is_not_there():
+    env = {**ENV, **LEFT_OVER, "MASTER_PORT": str(_unused_port())}
+    proc = start([sys.executable, "-m", "harness", "run", "--world-sizes", "1,2", "--impl", "fsdp_impl", *SMALL,
+                  "--no-report", "--scenario-timeout", "600"], env=env)
+    try:
+        import select
+        ready, _, _ = select.select([proc.stderr], [], [], 60)
+        assert ready, "no line within 60 s: it waits in silence"
+        said = proc.stderr.readline()  # the first line it prints is that it waits, and for what
+        assert said.startswith("waiting up to ") and "torchrun's store" in said and "Ctrl-C stops" in said, said
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=10) == 130
+        assert proc.stderr.read().strip().splitlines() == ["interrupted"]
+    finally:
+        kill_session(proc)
