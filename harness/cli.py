@@ -43,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--impl", dest="impls", type=opt.impls, default=opt.DEFAULT_IMPLS)
     plan.add_argument("--world-sizes", type=opt.world_sizes, default=(1, 2, 4, 8, 16, 32, 64))
     plan.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    opt.add_allow_large(plan.add_argument)
 
     cmp_ = sub.add_parser("compare", help="compare a stored run with a baseline or with another stored run "
                                           "(the same comparison as --baseline)")
@@ -83,6 +84,10 @@ def cmd_report(ns) -> int:
 
 def cmd_plan(ns) -> int:
     from harness.measure.planning import format_plan, plan_table
+    if not ns.allow_large:
+        from harness.limits import check_plan_world_sizes, model_size
+        for model in ns.model:
+            check_plan_world_sizes(model, ns.world_sizes, model_size(model))
     for model in ns.model:
         print(f"## {model}: per-rank state, {ns.optimizer}\n")
         print(format_plan(plan_table(model, ns.impls, ns.world_sizes, ns.optimizer)) + "\n")
@@ -131,8 +136,10 @@ def main(argv=None) -> int:
 
 
 def _output_errors() -> tuple[type[BaseException], ...]:
+    """Writes that fail (a report, or the run's temp dir filling up during the run): one line, exit 1."""
+    from harness.execute.scratch import ScratchError
     from harness.tables.store import OutputError
-    return (OutputError,)
+    return (OutputError, ScratchError)
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:

@@ -13,7 +13,15 @@ from pathlib import Path
 
 from harness.core import names
 from harness.core.policy import Bounds
-from harness.core.scenario import ACCUM_MICRO_BATCHES, DATA_MODES, FEATURES, OPTIMIZERS, Scenario, build_matrix
+from harness.core.scenario import (
+    ACCUM_MICRO_BATCHES,
+    DATA_MODES,
+    FEATURES,
+    HSDP_REPLICAS,
+    OPTIMIZERS,
+    Scenario,
+    build_matrix,
+)
 
 DEFAULT_IMPLS = ("fsdp_impl", "torch_fsdp2")
 DEFAULT_MODELS = ("mlp", "tinylm", "tinylm_tied")
@@ -162,6 +170,11 @@ def positive_float(text: str) -> float:
 
 # A wait on the workers (multiprocessing.connection.wait: epoll) takes at most 2**31 - 1 ms.
 MAX_TIMEOUT_S = 2147483
+# The timeout also bounds a world's start (harness.execute.world.World): forking W ranks from the
+# forkserver and joining them in one process group. A world of one rank starting and training the
+# smallest scenario (mlp, 2 steps) takes about 0.2 s once the forkserver runs, its first start seconds
+# more; below a second every scenario would read as hung, which tells the user nothing.
+MIN_TIMEOUT_S = 1.0
 
 
 def timeout_seconds(text: str) -> float:
@@ -169,6 +182,10 @@ def timeout_seconds(text: str) -> float:
     if not 0 < x <= MAX_TIMEOUT_S:  # NaN fails too
         raise argparse.ArgumentTypeError(
             f"must be a finite number of seconds > 0 and at most {MAX_TIMEOUT_S} (24 days), got {text}")
+    if x < MIN_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(
+            f"must be at least {MIN_TIMEOUT_S:g} s, got {text}: it also bounds a world's start (forking the ranks "
+            f"and joining their process group), so a shorter one reports every scenario as hung")
     return x
 
 
@@ -179,11 +196,14 @@ def report_path(text: str) -> Path:
     p = Path(text)
     if p.suffix != ".md":
         raise argparse.ArgumentTypeError(f"{text!r} must be a markdown file path ending in .md")
-    if p.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory")
-    probe = p.parent if str(p.parent) else Path(".")
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    try:  # a name longer than the file system takes (ENAMETOOLONG) fails the first look at it
+        if p.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r} is a directory")
+        probe = p.parent if str(p.parent) else Path(".")
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot use the report path {_shortened(text)}: {e.strerror or e}") from None
     try:
         if not probe.is_dir():
             raise OSError(f"{probe} is not a directory")
@@ -193,6 +213,11 @@ def report_path(text: str) -> Path:
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot write the report under {probe}: {e.strerror or e}") from None
     return p
+
+
+def _shortened(text: str, keep: int = 60) -> str:
+    """A path for an error line: a long one shows its start and end around its length."""
+    return repr(text) if len(text) <= keep else f"{text[:keep // 2]!r}...{text[-keep // 2:]!r} ({len(text)} characters)"
 
 
 def baseline_name(text: str) -> str:
@@ -274,6 +299,7 @@ class MatrixOptions:
     timeout_s: float = 300.0
     bounds: Bounds = field(default_factory=Bounds)
     features: tuple[str, ...] = ("plain",)
+    allow_large: bool = False  # lift the machine-derived upper limits (harness/limits.py)
 
     def validate(self) -> None:
         """Cross-option checks; raises argparse.ArgumentTypeError with one line."""
@@ -283,6 +309,13 @@ class MatrixOptions:
                 raise argparse.ArgumentTypeError(
                     f"--data-modes split needs the global batch ({self.global_batch}) divisible by every world size; "
                     f"{bad} do not divide it (set --global-batch)")
+        if "hsdp" in self.features:
+            odd = [w for w in self.world_sizes if w > 1 and w % HSDP_REPLICAS]
+            if odd:
+                raise argparse.ArgumentTypeError(
+                    f"--features hsdp runs {HSDP_REPLICAS} replicas of W/{HSDP_REPLICAS} ranks each, so a world size "
+                    f"above 1 must divide by {HSDP_REPLICAS}; {odd} do not (1 is one replica of one rank, the "
+                    f"comparison run)")
         if {"accum", "no_sync"} & set(self.features):
             k = ACCUM_MICRO_BATCHES
             per = [(w, self.global_batch // w if "split" in self.data_modes else self.global_batch) for w in self.world_sizes]
@@ -333,6 +366,13 @@ def add_matrix_arguments(add) -> None:
         help="seconds before a scenario counts as hung (default 300)")
     add("--cross-ws-bound", type=positive_float, default=None,
         help="max |param diff| vs world size 1 with replicated data (default 3e-8)")
+    add_allow_large(add)
+
+
+def add_allow_large(add) -> None:
+    add("--allow-large", action="store_true", default=None,
+        help="lift the upper limits derived from this machine (world size by memory, steps by the temp dir's free "
+             "space, planner world size by the model's rows; harness/limits.py)")
 
 
 def matrix_from(ns) -> MatrixOptions:
@@ -346,6 +386,9 @@ def matrix_from(ns) -> MatrixOptions:
         steps=pick("steps", d.steps), seeds=pick("seeds", d.seeds), lr=pick("lr", d.lr),
         global_batch=pick("global_batch", d.global_batch), backend=pick("backend", d.backend),
         timeout_s=pick("scenario_timeout", d.timeout_s), features=pick("features", d.features),
-        bounds=Bounds(cross_ws_replicated=bound) if bound else Bounds())
+        bounds=Bounds(cross_ws_replicated=bound) if bound else Bounds(),
+        allow_large=bool(getattr(ns, "allow_large", False)))
     opts.validate()
+    from harness import preflight
+    preflight.check(opts)
     return opts

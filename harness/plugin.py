@@ -128,7 +128,13 @@ def _say(config, line: str) -> None:
 
 @pytest.fixture(scope="session")
 def harness_run(request):
-    return get_run(request.config)
+    """The session's RunResult (harness.execute.executor.RunResult): tables, verdicts, environment.
+    A temp dir that fills up during the run ends the pytest run with its one line."""
+    from harness.execute.scratch import ScratchError
+    try:
+        return get_run(request.config)
+    except ScratchError as e:
+        pytest.exit(f"error: {e}", returncode=pytest.ExitCode.TESTS_FAILED)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -13,7 +13,15 @@ from harness.core.scenario import build_matrix
 from harness.core.verdict import FAIL
 from harness.execute.executor import run_matrix
 from harness.train.models import get_model_spec
-from harness.train.user_models import ModelError, check_batch, check_built, load_user_model
+from harness.train.user_models import (
+    LOSS_MEAN_RTOL,
+    ModelError,
+    check_batch,
+    check_built,
+    check_model,
+    load_user_model,
+    mean_loss_gap,
+)
 
 EXAMPLE = "suites.unit.example_model:spec"
 
@@ -62,3 +70,61 @@ def test_a_factory_object_and_a_namespace_both_count(monkeypatch):
     monkeypatch.setattr(ex, "factory", lambda: ex.spec, raising=False)
     for name in ("suites.unit.example_model:as_namespace", "suites.unit.example_model:factory"):
         assert load_user_model(name).name == name
+
+
+# -- the protocol, held once in the parent before any world starts (harness.preflight) -------------
+
+PROTOCOL_PROBLEMS = {
+    "sum_loss": "is 2.000x the mean of its two halves' losses (a sum over the samples: reduction='sum'?)",
+    "build_returns_none": "build() returned NoneType, not an nn.Module",
+    "units_not_submodules": "units(model) returned Linear, which are not submodules of the model",
+    "batch_one_short": "make_batch(16, ...) returned 15 inputs and 15 targets; both must hold 16 samples",
+    "forward_raises": "loss(model(inputs), targets) raised RuntimeError: ",
+}
+
+
+@pytest.mark.parametrize("bad", sorted(PROTOCOL_PROBLEMS))
+def test_a_model_that_breaks_the_protocol_is_named_before_anything_runs(bad):
+    from suites.faults import bad_models
+
+    with pytest.raises(ModelError) as err:
+        check_model(getattr(bad_models, bad), 16, 0)
+    assert PROTOCOL_PROBLEMS[bad] in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["mlp", "mlp_frozen", "tinylm", "tinylm_tied", EXAMPLE, "hf:gpt2", "hf:llama"])
+def test_the_harness_own_models_hold_the_protocol_with_the_loss_mean_far_inside_its_tolerance(name):
+    """Each model's mean loss, read as the whole batch and as its halves, differs by rounding only:
+    far below the tolerance, which a sum (a factor 2) exceeds by far."""
+    spec = get_model_spec(name)
+    check_model(spec, 16, 0)
+    torch.manual_seed(0)
+    gap, ratio = mean_loss_gap(name, spec.build(), spec.loss, spec.make_batch(16, 1, 0))
+    assert gap < LOSS_MEAN_RTOL / 100 and ratio == pytest.approx(1, rel=LOSS_MEAN_RTOL)
+    summed = lambda out, y: spec.loss(out, y) * y.shape[0]  # noqa: E731  the same loss as a sum
+    gap, ratio = mean_loss_gap(name, spec.build(), summed, spec.make_batch(16, 1, 0))
+    assert gap > 100 * LOSS_MEAN_RTOL and ratio == pytest.approx(2, rel=LOSS_MEAN_RTOL)
+
+
+def test_batch_statistics_and_dropout_do_not_read_as_a_loss_that_is_not_a_mean():
+    """In training mode a BatchNorm's loss on a half is not that of the whole batch, and dropout draws
+    anew per call; the check runs the model in eval mode, where neither mixes samples."""
+    from suites.unit.example_model import make_batch
+
+    class Normed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Conv1d(3, 8, 3), torch.nn.BatchNorm1d(8),
+                                                                   torch.nn.Dropout(0.5))])
+            self.head = torch.nn.Linear(80, 5)
+
+        def forward(self, x):
+            return self.head(self.blocks[0](x).flatten(1))
+
+    spec = SimpleNamespace(name="normed", build=Normed, make_batch=make_batch, loss=torch.nn.functional.cross_entropy,
+                           units=lambda m: list(m.blocks))
+    check_model(spec, 16, 0)
+    model = Normed()
+    assert model.training  # the check leaves the mode as it found it
+    mean_loss_gap("normed", model, spec.loss, make_batch(16, 1, 0))
+    assert model.training

@@ -41,6 +41,7 @@ import atexit
 import gc
 import os
 import pickle
+import socket
 import sys
 import tempfile
 import threading
@@ -65,6 +66,7 @@ from harness.execute.worker import (
 
 __all__ = ["run_matrix_under_torchrun", "TorchrunPool", "TorchrunError", "TorchrunUsageError"]
 
+STORE_WAIT_MIN_S = 5.0  # the least wait for the job's store (check_launched_here)
 GRACE_S = 10.0  # at most, after the timeout: time for a rank whose collective timed out to report it
 HARD_EXIT_AFTER_S = 300.0  # a rank stuck past timeout + this exits even if rank 0 never finished
 _POLL_S = 0.05
@@ -90,6 +92,8 @@ def run_matrix_under_torchrun(scenarios: list[Scenario], *, timeout_s: float = 3
         raise TorchrunError(f"not launched by torchrun: {' / '.join(TORCHRUN_VARIABLES)} are not all set")
     rank, job_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = _check_fits(scenarios, job_size)
+    if not dist.is_initialized():
+        check_launched_here()
     setup_process()
     device = device_for(backend, int(os.environ.get("LOCAL_RANK", rank)),
                         int(os.environ.get("LOCAL_WORLD_SIZE", job_size)))
@@ -118,6 +122,60 @@ def run_matrix_under_torchrun(scenarios: list[Scenario], *, timeout_s: float = 3
         pool.destroy_groups()
         if owns_group:
             dist.destroy_process_group()
+
+
+def check_launched_here() -> None:
+    """torchrun's variables may be left over from another job (exported in a shell, inherited by a
+    process): then no agent and no peers exist, and joining the group would wait the whole group
+    timeout in C++, deaf to Ctrl-C. torchrun's agent sets TORCHELASTIC_USE_AGENT_STORE with the rest;
+    where it hosts the store ("True") the store listens before any worker starts, and where rank 0
+    hosts it ("False") rank 0 opens it on joining the group. So: the variable must be there, and the
+    store must answer at MASTER_ADDR:MASTER_PORT (rank 0 of a job without the agent's store opens it
+    itself) within `store_wait_s()`. Polled in Python: Ctrl-C ends the wait. TorchrunUsageError else."""
+    rank, agent_store = int(os.environ["RANK"]), os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+    names = f"TORCHELASTIC_RUN_ID={os.environ.get('TORCHELASTIC_RUN_ID')} and RANK={rank}"
+    advice = ("left over from another job? unset TORCHELASTIC_RUN_ID RANK WORLD_SIZE MASTER_ADDR MASTER_PORT for a "
+              "plain run, or launch with torchrun")
+    if agent_store is None or "MASTER_PORT" not in os.environ:
+        missing = "TORCHELASTIC_USE_AGENT_STORE" if agent_store is None else "MASTER_PORT"
+        raise TorchrunUsageError(f"{names} are set, but {missing}, which torchrun's agent sets with them, is not: "
+                                 f"{advice}")
+    if rank == 0 and agent_store != "True":
+        return
+    where = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    wait_s = store_wait_s()
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        try:
+            socket.create_connection(where, timeout=1.0).close()
+            return
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+        if not said:
+            sys.stderr.write(f"waiting up to {wait_s:.0f} s for torchrun's store at {where[0]}:{where[1]} "
+                             f"({names}; Ctrl-C stops)\n")
+            sys.stderr.flush()
+            said = True
+        if time.monotonic() >= deadline:
+            raise TorchrunUsageError(f"{names} are set, but nothing answers at MASTER_ADDR:MASTER_PORT "
+                                     f"({where[0]}:{where[1]}), where torchrun's store would be, after {wait_s:.0f} s "
+                                     f"({reason}): {advice}")
+        time.sleep(0.2)
+
+
+def store_wait_s() -> float:
+    """How long a rank waits for the job's store: rank 0 opens it after the same start-up as this
+    process (interpreter, torch, harness, options), so twice this process's age so far, at least
+    STORE_WAIT_MIN_S."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rpartition(")")[2].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            age = float(f.read().split()[0]) - started
+    except (OSError, ValueError, IndexError):
+        age = STORE_WAIT_MIN_S
+    return max(STORE_WAIT_MIN_S, 2 * age)
 
 
 def _preload(scenarios: list[Scenario]) -> None:

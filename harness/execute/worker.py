@@ -2,7 +2,8 @@
 
 The parent side (starting, timing out, killing) lives in ``harness.execute.world``. Messages on a
 rank's pipe, parent -> worker: ``("run", fn, payload)`` | ``("close",)``; worker -> parent:
-``("ready", pid)`` | ``("ok", value)`` | ``("error", formatted_traceback)``.
+``("ready", pid)`` | ``("ok", value)`` | ``("error", formatted_traceback)`` | ``("fatal", exception)``
+(an exception whose class sets ``ends_the_run``: the parent raises it, the run ends).
 """
 
 from __future__ import annotations
@@ -112,8 +113,10 @@ def _serve(ctx: RankContext, conn: Connection) -> None:
         try:
             reply = ("ok", resolve(fn)(ctx, payload))
             conn.send(reply)  # pickles first: an unpicklable value raises before anything is written
-        except BaseException:
-            conn.send(("error", traceback.format_exc()))
+        except BaseException as exc:
+            # an error that is no scenario's (harness.execute.scratch.ScratchError) goes back as itself
+            ends_run = getattr(exc, "ends_the_run", False)
+            conn.send(("fatal", exc) if ends_run else ("error", traceback.format_exc()))
 
 
 def _die_with_parent(lifeline: Connection) -> None:

@@ -191,6 +191,7 @@ class World:
         """Wait for one reply per rank; raise RankFailed / WorldHung (the caller kills the world)."""
         values: list[Any] = [None] * self.world_size
         failed: dict[int, str] = {}
+        fatal: list[BaseException] = []  # errors that end the run, not the scenario (worker.py)
         pending = set(range(self.world_size))
         grace_end = float("inf")
         while pending and time.monotonic() < min(deadline, grace_end):
@@ -212,10 +213,15 @@ class World:
                     failed[rank] = f"rank {rank} died (exit code {self._procs[rank].exitcode})"
                 elif kind == "error":
                     failed[rank] = value
+                elif kind == "fatal":
+                    failed[rank] = str(value)
+                    fatal.append(value)
                 else:
                     values[rank] = value
             if failed and grace_end == float("inf"):
                 grace_end = time.monotonic() + _FAILURE_GRACE_S
+        if fatal:
+            raise fatal[0]
         if failed:
             raise RankFailed(self._failure_message(fn, failed, pending), failed)
         if pending:
@@ -239,18 +245,22 @@ class World:
         return WorldHung("\n".join(lines), answered, missing, stacks)
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
-        """Signal each rank's faulthandler (SIGUSR1) and read the stack it writes to its file."""
-        offsets = {r: os.path.getsize(self._stack_paths[r]) for r in ranks}
+        """Signal each rank's faulthandler (SIGUSR1) and read the stack it writes to its file. A rank
+        that has not opened its file yet (a world still starting) has no stack to give."""
+        offsets = {r: _size(self._stack_paths[r]) for r in ranks}
         for rank in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pids[rank], signal.SIGUSR1)
         deadline = time.monotonic() + _STACK_WAIT_S
         while time.monotonic() < deadline and not all(
-                os.path.getsize(self._stack_paths[r]) > offsets[r] for r in ranks):
+                _size(self._stack_paths[r]) > offsets[r] for r in ranks if offsets[r] >= 0):
             time.sleep(0.05)
         time.sleep(0.1)  # lets a dump that has started finish writing
         stacks = {}
         for rank in ranks:
+            if offsets[rank] < 0:
+                stacks[rank] = "(no stack: the rank had not started yet)"
+                continue
             with open(self._stack_paths[rank]) as f:
                 f.seek(offsets[rank])
                 stacks[rank] = _drop_lifeline_thread(f.read()) or "(no stack: no answer to SIGUSR1)"
@@ -338,6 +348,14 @@ def _socket_dir_that_fits() -> None:
     config["tempdir"] = short  # a long one made earlier stays: multiprocessing removes it at exit
     # removed at exit, as multiprocessing removes the temp dir it makes itself
     mp.util.Finalize(None, shutil.rmtree, args=(short,), kwargs={"ignore_errors": True}, exitpriority=-100)
+
+
+def _size(path: str) -> int:
+    """A stack file's size; -1 where the rank has not made it yet."""
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return -1
 
 
 def _drop_lifeline_thread(dump: str) -> str:

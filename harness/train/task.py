@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from harness.adapters import load_adapter
 from harness.core.scenario import CLIP, Scenario, shard_size
+from harness.execute.scratch import writing_into
 from harness.measure import CommCounter, PeakMemory
 from harness.measure.census import Census
 from harness.measure.memory import local_tensor
@@ -35,14 +36,16 @@ def train_scenario(ctx, payload: dict) -> dict:
     """Entry point for World.call("harness.train.task:train_scenario", payload)."""
     sc = Scenario(**payload["scenario"])
     snap_dir = Path(payload["snapshot_dir"]) / sc.id
-    if ctx.rank == 0:
-        snap_dir.mkdir(parents=True, exist_ok=True)
-    spec = get_model_spec(sc.model)
-    adapter = load_adapter(sc.impl)
-    ckpt = Checkpointing(payload, snap_dir, ctx.rank)
-    # what the process holds before the scenario is not the scenario's
-    with Census(ctx.device, keep_frozen=True) as census:
-        return _train(ctx, sc, spec, adapter, census, snap_dir, ckpt)
+    # snapshots and checkpoints go to the run's temp dir: a full or refusing one ends the run in one line
+    with writing_into(payload["snapshot_dir"]):
+        if ctx.rank == 0:
+            snap_dir.mkdir(parents=True, exist_ok=True)
+        spec = get_model_spec(sc.model)
+        adapter = load_adapter(sc.impl)
+        ckpt = Checkpointing(payload, snap_dir, ctx.rank)
+        # what the process holds before the scenario is not the scenario's
+        with Census(ctx.device, keep_frozen=True) as census:
+            return _train(ctx, sc, spec, adapter, census, snap_dir, ckpt)
 
 
 def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckpt: "Checkpointing") -> dict:

@@ -91,3 +91,87 @@ def check_batch(name: str, batch: object, global_batch: int) -> None:
     if sizes != [global_batch, global_batch]:
         raise ModelError(f"model {name!r}: make_batch({global_batch}, ...) returned {sizes[0]} inputs and "
                          f"{sizes[1]} targets; both must hold {global_batch} samples (dim 0)")
+
+
+# A mean loss read two ways, over the whole batch and as the size-weighted mean of the losses of its two
+# halves, differs by rounding only: fp32 sums of a few dozen terms, a relative 1e-7 or so (each half runs
+# other kernel shapes too). A sum over the samples (reduction="sum") differs by a factor 2, a relative
+# difference of 1/2 or more. 1e-4 sits three orders of magnitude from both.
+LOSS_MEAN_RTOL = 1e-4
+
+
+def check_model(spec, global_batch: int, seed: int) -> None:
+    """The model protocol held once, in the parent, before any world starts: build() on the CPU (the
+    global RNG seeded, then restored), units(model), make_batch of the run's global batch, and a loss
+    that is the mean over the batch. ModelError (one line) names the first problem."""
+    import torch
+
+    name = spec.name
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = _calling(name, "build()", spec.build)
+    check_built(name, model, [])  # a module with parameters, before units(model) is asked of it
+    check_built(name, model, _calling(name, "units(model)", spec.units, model))
+    batch = _calling(name, f"make_batch({global_batch}, 1, {seed})", spec.make_batch, global_batch, 1, seed)
+    check_batch(name, batch, global_batch)
+    check_loss_is_a_mean(name, model, spec.loss, batch)
+
+
+def check_loss_is_a_mean(name: str, model, loss, batch) -> None:
+    """Split data averages the ranks' mean losses, so the loss must be the mean over the batch:
+    ModelError unless `mean_loss_gap` is within LOSS_MEAN_RTOL."""
+    gap = mean_loss_gap(name, model, loss, batch)
+    if gap is None or gap[0] <= LOSS_MEAN_RTOL:
+        return
+    ratio = gap[1]
+    cause = " (a sum over the samples: reduction='sum'?)" if abs(ratio - 2) <= 0.01 else ""
+    raise ModelError(f"model {name!r}: loss(outputs, targets) is not the mean over the batch: the loss of a batch of "
+                     f"{int(batch[0].shape[0])} is {ratio:.3f}x the mean of its two halves' losses{cause}; split data "
+                     f"averages the ranks' mean losses, so the loss must be the mean (relative tolerance "
+                     f"{LOSS_MEAN_RTOL:g})")
+
+
+def mean_loss_gap(name: str, model, loss, batch) -> tuple[float, float] | None:
+    """(relative difference, ratio) of the loss of the batch and the size-weighted mean of the losses of
+    its two halves (samples 0::2 and 1::2, as two ranks split it), relative to the halves' mean |loss|.
+    Run in eval mode, without gradients: dropout and batch statistics (BatchNorm) make a loss depend on
+    the batch it is in beyond its reduction, which is not what this asks. None where there is nothing
+    to compare: a batch of one sample, or halves whose losses are both 0."""
+    import torch
+
+    x, y = batch
+    n = int(x.shape[0])
+    if n < 2:
+        return None
+    halves = [(x[i::2], y[i::2]) for i in (0, 1)]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            whole = _scalar_loss(name, loss, model, x, y)
+            parts = [_scalar_loss(name, loss, model, hx, hy) for hx, hy in halves]
+    finally:
+        model.train(was_training)
+    mean = sum(int(hx.shape[0]) * v for (hx, _), v in zip(halves, parts)) / n
+    scale = sum(abs(v) for v in parts) / 2
+    if not scale:
+        return None
+    return abs(whole - mean) / scale, whole / mean if mean else float("inf")
+
+
+def _scalar_loss(name: str, loss, model, x, y) -> float:
+    value = _calling(name, "loss(model(inputs), targets)", lambda: loss(model(x), y))
+    if not (hasattr(value, "numel") and value.numel() == 1):
+        raise ModelError(f"model {name!r}: loss(model(inputs), targets) returned {type(value).__name__}"
+                         f"{' of shape ' + str(tuple(value.shape)) if hasattr(value, 'shape') else ''}, not a scalar")
+    return float(value)
+
+
+def _calling(name: str, what: str, fn, *args):
+    """fn(*args); a raise of the user's code becomes one ModelError line naming the call."""
+    try:
+        return fn(*args)
+    except ModelError:
+        raise
+    except Exception as exc:  # the user's code may raise anything
+        raise ModelError(f"model {name!r}: {what} raised {_one_line(exc)}") from exc

@@ -55,6 +55,8 @@ class Case:
     args: tuple[str, ...]  # the bad options, completed from TINY; "{tmp}" is the probe's temp dir
     expect: str  # a fragment the error line must contain
     pytest: bool = False  # also try it through `python -m pytest suites/test_equivalence.py`
+    env: tuple[tuple[str, str], ...] = ()  # environment variables set for the probe; "{tmp}" as in args
+    varies: bool = False  # the line names this machine's figures (memory, free space, GPUs): see stable()
 
 
 CASES: tuple[Case, ...] = (
@@ -65,7 +67,9 @@ CASES: tuple[Case, ...] = (
     Case("empty item in world sizes", ("--world-sizes", "1,,2"), "expected a comma-separated list"),
     Case("duplicate world sizes", ("--world-sizes", "1,2,2"), "duplicate value(s) 2"),
     Case("more ranks than GPUs with NCCL", ("--backend", "nccl", "--world-sizes", "1024"),
-         "1024 ranks need 1024 GPUs with --backend nccl", pytest=True),
+         "1024 ranks need 1024 GPUs with --backend nccl", pytest=True, varies=True),
+    Case("more ranks than the machine's memory holds", ("--world-sizes", "1,100000"),
+         "ranks fit this machine's memory", pytest=True, varies=True),
     Case("unknown implementation", ("--impl", "fsdp_imp"), "unknown adapter 'fsdp_imp'", pytest=True),
     Case("unknown model", ("--models", "resnet"), "unknown 'resnet'; choose from"),
     Case("unknown Hugging Face model", ("--models", "hf:gpt3"),
@@ -78,6 +82,17 @@ CASES: tuple[Case, ...] = (
          "calling raising_model() failed: RuntimeError: no weights here"),
     Case("user model factory returning the wrong thing", ("--models", "suites.faults.bad_inputs:half_model"),
          "has no make_batch(), loss() (a model needs build, make_batch, loss, units", pytest=True),
+    Case("user model whose loss is a sum over the batch", ("--models", "suites.faults.bad_models:sum_loss"),
+         "is not the mean over the batch: the loss of a batch of 16 is 2.000x the mean of its two halves' losses "
+         "(a sum over the samples: reduction='sum'?)", pytest=True),
+    Case("user model whose build() returns no module", ("--models", "suites.faults.bad_models:build_returns_none"),
+         "build() returned NoneType, not an nn.Module", pytest=True),
+    Case("user model whose units are not submodules", ("--models", "suites.faults.bad_models:units_not_submodules"),
+         "units(model) returned Linear, which are not submodules of the model"),
+    Case("user model whose batch has the wrong size", ("--models", "suites.faults.bad_models:batch_one_short"),
+         "make_batch(16, ...) returned 15 inputs and 15 targets; both must hold 16 samples"),
+    Case("user model whose forward raises on its own batch", ("--models", "suites.faults.bad_models:forward_raises"),
+         "loss(model(inputs), targets) raised RuntimeError: "),
     Case("unknown data mode", ("--data-modes", "sharded"), "unknown 'sharded'; choose from"),
     Case("unknown optimizer", ("--optimizers", "lamb"), "unknown 'lamb'; choose from"),
     Case("unknown feature", ("--features", "accumulate"), "unknown 'accumulate'; choose from plain, accum, no_sync, clip, clip_inf, ac"),
@@ -92,14 +107,27 @@ CASES: tuple[Case, ...] = (
     Case("report path under a regular file", ("--report", "{tmp}/a_file/r.md"), "is not a directory",
          pytest=True),
     Case("report path in /proc", ("--report", "/proc/fsdp-harness/r.md"), "cannot write"),
+    Case("report path too long for the file system", ("--report", "a" * 300 + "/r.md"),
+         "cannot use the report path", pytest=True),
     Case("report path not markdown", ("--report", "{tmp}/r.txt"), "must be a markdown file path ending in .md"),
     Case("zero steps", ("--steps", "0"), "--steps: must be >= 2 (got 0)"),
     Case("one step", ("--steps", "1"), "--steps: must be >= 2 (got 1): memory is measured on step 2", pytest=True),
+    Case("more steps than the temp dir has room for", ("--steps", "1000000000"),
+         "--steps 1000000000: the run keeps every step's parameter snapshot", pytest=True, varies=True,
+         env=(("TMPDIR", "{tmp}"),)),
+    Case("TMPDIR that cannot take a file", (), "TMPDIR /proc/fsdp-harness is not writable: No such file or directory",
+         pytest=True, env=(("TMPDIR", "/proc/fsdp-harness"),)),
+    Case("torchrun variables left over from another job", (),
+         "TORCHELASTIC_RUN_ID=old-job and RANK=1 are set, but TORCHELASTIC_USE_AGENT_STORE, which torchrun's agent "
+         "sets with them, is not", env=(("TORCHELASTIC_RUN_ID", "old-job"), ("RANK", "1"), ("WORLD_SIZE", "2"),
+                                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1"))),
     Case("zero scenario timeout", ("--scenario-timeout", "0"),
          "--scenario-timeout: must be a finite number of seconds > 0 and at most 2147483 (24 days), got 0"),
     Case("infinite scenario timeout", ("--scenario-timeout", "inf"), "--scenario-timeout: must be a finite number"),
     Case("NaN scenario timeout", ("--scenario-timeout", "nan"), "--scenario-timeout: must be a finite number"),
     Case("scenario timeout longer than a wait can be", ("--scenario-timeout", "1e9"), "at most 2147483"),
+    Case("scenario timeout too short to start a world", ("--scenario-timeout", "0.001"),
+         "--scenario-timeout: must be at least 1 s, got 0.001", pytest=True),
     Case("scenario timeout as text", ("--scenario-timeout", "soon"), "'soon' is not a number"),
     Case("infinite learning rate", ("--lr", "inf"), "--lr: must be a finite number > 0, got inf"),
     Case("NaN learning rate", ("--lr", "nan"), "--lr: must be a finite number > 0, got nan"),
@@ -116,6 +144,9 @@ CASES: tuple[Case, ...] = (
     Case("conflicting pair: micro-batches that do not divide the local batch",
          ("--world-sizes", "1,2", "--data-modes", "split", "--features", "accum", "--global-batch", "6"),
          "--features accum splits each rank's batch into 2 micro-batches; at world size(s) [2]", pytest=True),
+    Case("conflicting pair: hybrid sharding at an odd world size", ("--world-sizes", "1,3", "--features", "hsdp"),
+         "--features hsdp runs 2 replicas of W/2 ranks each, so a world size above 1 must divide by 2; [3]",
+         pytest=True),
     Case("conflicting pair: --gate without --baseline", ("--gate", "loss:1e-7"), "--gate needs --baseline", pytest=True),
 )
 
@@ -162,7 +193,8 @@ def probe(case: Case, mode: str, timeout_s: float = 180.0) -> Outcome:
         (tmp_path / "a_file").write_text("a regular file, not a directory\n")
         (tmp_path / f"{BROKEN_MODULE}.py").write_text('raise RuntimeError("broken on purpose")\n')
         env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), tmp, os.environ.get("PYTHONPATH")]))}
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), tmp, os.environ.get("PYTHONPATH")])),
+               **{k: v.replace("{tmp}", tmp) for k, v in case.env}}
         try:
             proc = subprocess.run(command(case, mode, tmp_path), cwd=ROOT, env=env, capture_output=True,
                                   text=True, timeout=timeout_s)
@@ -195,7 +227,8 @@ def render(outcomes: list[Outcome]) -> str:
            "|---|---|---|---|---|---|"]
     for case in dict.fromkeys(o.case for o in outcomes):
         cli, pyt = by.get((case, "cli")), by.get((case, "pytest"))
-        row = [case.what, "`" + " ".join(a if a else "''" for a in case.args) + "`"]
+        row = [case.what, "`" + " ".join([f"{k}={v}" for k, v in case.env] + [a if a else "''" for a in case.args])
+               + "`"]
         for o in (cli, pyt):
             if o is None:
                 row += ["—", "not tried"]
@@ -204,6 +237,14 @@ def render(outcomes: list[Outcome]) -> str:
             row += [str(o.rc) if o.rc is not None else "timeout", f"`{o.line}`{tb}"]
         out.append("| " + " | ".join(cell(c) for c in row) + " |")
     return "\n".join(out) + "\n"
+
+
+def stable(table: str) -> str:
+    """The table as it reads on any machine: in the rows of cases whose line names this machine's
+    figures (`Case.varies`), every number becomes N."""
+    varying = tuple(f"| {case.what} |" for case in CASES if case.varies)
+    return "\n".join(re.sub(r"\d+(\.\d+)?", "N", line) if line.startswith(varying) else line
+                     for line in table.splitlines())
 
 
 def main() -> int:

@@ -15,6 +15,7 @@ fault at step 2 means: step 1 trained normally on every rank. Names:
     forward_rank1_step3  rank 1 raises in forward at step 3, after the memory-measured step
     nan_loss         every rank: gradients become NaN at step 2 -> NaN parameters, NaN loss at step 3
     nan_param        every rank: gradients become NaN at the last step (3) -> NaN parameters only
+    disk_full        every rank: torch.save fails as on a full temp dir (ENOSPC) from wrap() on
 
 The raising functions are named after their phase (``raise_in_forward`` ...) and the exception
 text says phase, rank and step, so a test can check that the report points at the right place.
@@ -24,6 +25,7 @@ through ``harness.execute.torchrun.run_matrix_under_torchrun``.
 
 from __future__ import annotations
 
+import errno
 import os
 
 import torch
@@ -155,6 +157,19 @@ crash_rank1 = FaultAdapter("crash", rank=1)
 hang_rank1 = FaultAdapter("hang", rank=1)
 forward_rank0 = FaultAdapter("forward", rank=0)  # at world size 1 (see scenario_after_fault)
 forward_rank1_step3 = FaultAdapter("forward", rank=1, step=3)  # after the measured step (see test_torchrun)
+class DiskFullAdapter(FsdpImplAdapter):
+    """fsdp_impl on a temp dir that fills up: from wrap() on, every torch.save in the rank fails as on a
+    full disk (ENOSPC), so rank 0's first parameter snapshot cannot be written."""
+
+    def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        torch.save = full  # this worker's world ends with the run: nothing else uses it after
+        return super().wrap(model, units, group=group, device=device)
+
+
+disk_full = DiskFullAdapter()
 nan_loss = FaultAdapter("nan", rank=None, step=FAULT_STEP)
 nan_param = FaultAdapter("nan", rank=None, step=NAN_PARAM_STEP)
 

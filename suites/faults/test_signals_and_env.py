@@ -118,3 +118,66 @@ def test_a_termination_handler_the_program_installed_is_kept():
             "print(signal.getsignal(signal.SIGTERM) is mine, signal.getsignal(signal.SIGHUP) is signal.SIG_DFL)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr
+
+
+def test_a_temp_dir_that_fills_up_during_the_run_is_one_line_not_scenario_failures(tmp_path):
+    """Every torch.save of the ranks fails as on a full disk: the run ends with one line naming the temp
+    dir (exit 1), not a failing scenario with a traceback each; no worker survives."""
+    proc = start([sys.executable, "-m", "harness", "run", "--world-sizes", "1,2", "--impl", f"{FA}:disk_full", *SMALL,
+                  "--no-report"], env=ENV)
+    try:
+        out, err = proc.communicate(timeout=120)
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert proc.returncode == 1 and "Traceback" not in err, out + err
+        assert len(errors) == 1 and "cannot take the run's files: No space left on device" in errors[0], err
+        assert wait_session_empty(proc.pid, 10) == []
+    finally:
+        kill_session(proc)
+
+
+def _unused_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+LEFT_OVER = {"TORCHELASTIC_RUN_ID": "old-job", "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+             "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["all_of_torchruns_variables", "without_the_agents_own"])
+def test_torchrun_variables_left_over_from_another_job_are_explained_within_seconds(partial):
+    """No agent, no peers: the run must not wait the group timeout (minutes) to join them."""
+    env = {**ENV, **LEFT_OVER, "MASTER_PORT": str(_unused_port())}
+    if partial:
+        del env["TORCHELASTIC_USE_AGENT_STORE"]
+    t0 = time.monotonic()
+    proc = start([sys.executable, "-m", "harness", "run", "--world-sizes", "1,2", "--impl", "fsdp_impl", *SMALL,
+                  "--no-report"], env=env)
+    try:
+        out, err = proc.communicate(timeout=90)
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert proc.returncode == 2 and "Traceback" not in err, out + err
+        assert len(errors) == 1 and "TORCHELASTIC_RUN_ID=old-job and RANK=1 are set" in errors[0], err
+        assert "left over from another job?" in errors[0]
+        assert time.monotonic() - t0 < 60
+    finally:
+        kill_session(proc)
+
+
+def test_ctrl_c_ends_the_wait_for_a_torchrun_store_that_is_not_there():
+    env = {**ENV, **LEFT_OVER, "MASTER_PORT": str(_unused_port())}
+    proc = start([sys.executable, "-m", "harness", "run", "--world-sizes", "1,2", "--impl", "fsdp_impl", *SMALL,
+                  "--no-report", "--scenario-timeout", "600"], env=env)
+    try:
+        import select
+        ready, _, _ = select.select([proc.stderr], [], [], 60)
+        assert ready, "no line within 60 s: it waits in silence"
+        said = proc.stderr.readline()  # the first line it prints is that it waits, and for what
+        assert said.startswith("waiting up to ") and "torchrun's store" in said and "Ctrl-C stops" in said, said
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=10) == 130
+        assert proc.stderr.read().strip().splitlines() == ["interrupted"]
+    finally:
+        kill_session(proc)

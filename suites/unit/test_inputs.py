@@ -42,6 +42,12 @@ def test_scenario_timeout_must_be_finite_positive_and_waitable(text):
     assert "must be a finite number of seconds > 0 and at most 2147483" in _refused(opt.timeout_seconds, text)
 
 
+@pytest.mark.parametrize("text", ["0.001", "0.5", "0.999"])
+def test_a_scenario_timeout_below_the_minimum_names_the_minimum(text):
+    message = _refused(opt.timeout_seconds, text)
+    assert f"must be at least {opt.MIN_TIMEOUT_S:g} s, got {text}" in message and "world's start" in message
+
+
 def test_the_longest_scenario_timeout_is_one_a_worker_wait_accepts():
     """The bound is the real one: a wait on the workers' pipes (multiprocessing.connection.wait,
     as harness.execute.world does) takes the longest timeout the parser accepts and refuses a longer one."""
@@ -53,7 +59,30 @@ def test_the_longest_scenario_timeout_is_one_a_worker_wait_accepts():
     assert wait([r], opt.timeout_seconds("2147483")) == [r]
     with pytest.raises(OverflowError):
         wait([r], 2147484)
-    assert opt.timeout_seconds("0.5") == 0.5 and opt.positive_float("1e-3") == 1e-3
+    assert opt.timeout_seconds("1") == opt.MIN_TIMEOUT_S and opt.positive_float("1e-3") == 1e-3
+
+
+# -- paths -----------------------------------------------------------------------------------------
+
+def test_a_report_path_too_long_for_the_file_system_is_one_line(tmp_path):
+    name_max = os.pathconf(tmp_path, "PC_NAME_MAX")
+    message = _refused(opt.report_path, str(tmp_path / ("a" * (name_max + 1)) / "r.md"))
+    assert message.startswith("cannot use the report path ") and os.strerror(errno.ENAMETOOLONG) in message
+    assert len(message) < 200  # the path is shortened, not printed whole
+
+
+# -- features and world sizes ----------------------------------------------------------------------
+
+def test_hsdp_needs_world_sizes_that_divide_into_its_replicas():
+    from harness.core.scenario import HSDP_REPLICAS, hsdp_mesh
+
+    odd = (1, 2, HSDP_REPLICAS + 1)
+    with pytest.raises(argparse.ArgumentTypeError, match=rf"\[{HSDP_REPLICAS + 1}\] do not"):
+        opt.MatrixOptions(world_sizes=odd, features=("hsdp",), data_modes=("replicated",)).validate()
+    opt.MatrixOptions(world_sizes=(1, 2, 4), features=("hsdp",), data_modes=("replicated",)).validate()
+    opt.MatrixOptions(world_sizes=odd, features=("plain",), data_modes=("replicated",)).validate()
+    # world size 1 is kept: one replica of one rank, the run every hsdp run at W > 1 is compared with
+    assert hsdp_mesh(1) == (1, 1) and hsdp_mesh(2) == (HSDP_REPLICAS, 1)
 
 
 # -- seeds -----------------------------------------------------------------------------------------

@@ -197,3 +197,9 @@ def test_no_worker_outlives_a_killed_parent(tmp_path):
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_a_world_that_times_out_while_starting_is_reported_hung_not_a_traceback():
+    """What a tiny timeout used to hit: the ranks had not made their stack files yet."""
+    with pytest.raises(WorldHung, match="had not started yet"):
+        World(1, timeout_s=1e-6)

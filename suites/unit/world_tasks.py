@@ -54,3 +54,15 @@ def sleep(ctx: RankContext, seconds: float) -> int:
 
 def unpicklable(ctx: RankContext, payload: object) -> object:
     return lambda: None
+
+
+def temp_dir_full(ctx: RankContext, payload: object) -> None:
+    """A write into the run's temp dir that finds the disk full (harness.execute.scratch)."""
+    import errno
+    import os
+    import tempfile
+
+    from harness.execute.scratch import writing_into
+
+    with writing_into(tempfile.gettempdir()):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -1,0 +1,59 @@
+"""What is checked once, before any world starts, on options that each parsed well on their own.
+
+`check(matrix)` (called by `harness.options.matrix_from`, so by the CLI and the pytest plugin alike):
+
+- the user's models, held to the model protocol on the CPU of this process
+  (harness/train/user_models.py check_model: build, units, a batch of the run's size, a loss that is
+  the mean over the batch);
+- the temp dir the run writes into (harness/execute/scratch.py): a TMPDIR that cannot take a file;
+- the upper limits of harness/limits.py (world size by memory, steps by the temp dir's free space),
+  unless `--allow-large`.
+
+Each problem is one `argparse.ArgumentTypeError` line: a usage error, never a failure of each scenario.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+from harness.core import names
+
+if TYPE_CHECKING:
+    from harness.options import MatrixOptions
+
+
+def user_models(models) -> list[str]:
+    """The user's own models among `models` (the zoo's and the Hugging Face ones are the harness's,
+    held to the same protocol by its unit tests)."""
+    return [m for m in models if m not in names.MODELS and not m.startswith(names.HF_PREFIX)]
+
+
+def check(matrix: "MatrixOptions") -> None:
+    _check_user_models(matrix)
+    from harness.execute.scratch import ScratchError, temp_dir
+    try:
+        temp = temp_dir()
+    except ScratchError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if matrix.allow_large:
+        return
+    from harness import limits
+    sizes = {m: limits.model_size(m) for m in matrix.models}
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # under torchrun the job's size bounds the ranks
+        limits.check_world_sizes(matrix.world_sizes, sizes)
+    limits.check_steps(matrix.scenarios(), sizes, matrix.steps, temp)
+
+
+def _check_user_models(matrix: "MatrixOptions") -> None:
+    mine = user_models(matrix.models)
+    if not mine:
+        return
+    from harness.train.models import get_model_spec
+    from harness.train.user_models import ModelError, check_model
+    try:
+        for name in mine:
+            check_model(get_model_spec(name), matrix.global_batch, matrix.seeds[0])
+    except ModelError as e:
+        raise argparse.ArgumentTypeError(f"--models: {e}") from None
