@@ -148,6 +148,8 @@ CASES: tuple[Case, ...] = (
          "--features hsdp runs 2 replicas of W/2 ranks each, so a world size above 1 must divide by 2; [3]",
          pytest=True),
     Case("conflicting pair: --gate without --baseline", ("--gate", "loss:1e-7"), "--gate needs --baseline", pytest=True),
+    Case("conflicting pair: --gate-strict without --baseline", ("--gate-strict",), "--gate-strict needs --baseline",
+         pytest=True),
 )
 
 
