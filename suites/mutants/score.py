@@ -130,7 +130,8 @@ def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), poo
     mutants = list(mutants)
     own = {m.name: scenarios_of(m, seed) for m in mutants}
     cells = [c for m in mutants for c in own[m.name]] + control_scenarios(mutants, seed)
-    refs = sorted({c.reference() for c in cells}, key=lambda s: s.id)
+    # the reference runs they are compared with: the plain model and, for split data, its noise probes
+    refs = sorted({d for c in cells for d in c.dependencies() if d.impl == REFERENCE_IMPL}, key=lambda s: s.id)
     own_pool = pool is None
     pool = pool or WorldPool()
     try:
