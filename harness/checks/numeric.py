@@ -65,6 +65,25 @@ def judge(check, row, passed, measured, bound, message, *, at: Crossing | None =
     return Verdict(check, row.scenario, FAIL, measured, bound, message=message, **loc)
 
 
+def ranks_off(tables, sid: str, at: Crossing | None, col: str, bound: float) -> tuple[int | None, str]:
+    """At a crossing, which ranks hold the rows of its parameter that crossed `bound` (the rank_diffs table,
+    where the implementation lays parameters out by rows): (that rank where it is one rank among several,
+    else None; a phrase for the message, '' where the table says nothing)."""
+    rd = tables.get("rank_diffs")
+    if at is None or not isinstance(rd, pd.DataFrame) or not len(rd) or col not in rd:
+        return None, ""
+    mine = rd[(rd.scenario == sid) & (rd.step == at.step) & (rd.param == at.param)]
+    if len(mine) < 2:
+        return None, ""
+    off = sorted(int(r) for r in mine[mine[col].isna() | (mine[col] >= bound)]["rank"])
+    if not off or len(off) == len(mine):
+        return None, f"; every rank's rows of {at.param} crossed it" if off else ""
+    held = sorted(set(int(r) for r in mine["rank"]) - set(off))
+    who = f"rank {off[0]}" if len(off) == 1 else "ranks " + ", ".join(map(str, off))
+    return (off[0] if len(off) == 1 else None), (
+        f"; only {who}'s rows of {at.param} crossed it (ranks {', '.join(map(str, held))} within the bound)")
+
+
 def not_measured(check: str, row, what: str, bound: float | None = None) -> Verdict:
     """A check that applies but could not run: a FAIL that says what was missing."""
     return Verdict(check, row.scenario, FAIL, None, bound, message=f"could not be checked: {what}")
@@ -117,8 +136,9 @@ def cross_ws_replicated(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                                      bound))
             continue
         at, worst = _first_crossing(steps, row.scenario, "max_diff_ws1", bound)
-        msg = f"max |param diff| vs world size 1 = {_fmt(worst)} (bound < {bound:g}{'; ' + why if why else ''})"
-        out.append(judge("cross_ws_replicated", row, at is None, worst, bound, msg, at=at))
+        rank, whose = ranks_off(tables, row.scenario, at, "diff_ws1", bound)
+        msg = f"max |param diff| vs world size 1 = {_fmt(worst)} (bound < {bound:g}{'; ' + why if why else ''}){whose}"
+        out.append(judge("cross_ws_replicated", row, at is None, worst, bound, msg, at=at, rank=rank))
     return out
 
 
@@ -202,8 +222,9 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
                     "noise floor (how far the plain model itself moves when the batch is cut into the ranks' "
                     "slices): " + "; ".join(f"{p} {_fmt(float(mine.get(p, math.nan)))} (floor {_fmt(f)}, bound "
                                             f"{_fmt(held[p])})" for p, f in sorted(hot.items(), key=lambda kv: -kv[1])))
+        rank, whose = ranks_off(tables, row.scenario, at, col, held.get(at.param, bound) if at else bound)
         out.append(judge("split_matches_full_batch", row, at is None and not math.isnan(worst), worst, bound,
-                         msg, at=at))
+                         msg + whose, at=at, rank=rank))
     return out
 
 

@@ -78,6 +78,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
     by_id = {s.id: s for s in scenarios}
     snaps = _Snapshots({sid: r["ranks"][0]["snapshot_dir"] for sid, r in results.items() if "ranks" in r})
     steps_rows, param_rows, scen_rows, mem_rows, comm_rows, cover_rows, gathered_rows = [], [], [], [], [], [], []
+    rank_rows = []
     for sc in scenarios:
         res = results.get(sc.id, {"error": "not run"})
         base = _scenario_fields(sc)
@@ -101,6 +102,8 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             d_ws1 = _diffs(cur, snaps.get(ws1_id, k)) if ws1_id in by_id else {}
             probe = sc.rank_order_probe()
             d_probe = _diffs(cur, snaps.get(probe.id, k)) if probe is not None and probe.id in by_id else {}
+            rank_rows += _rank_diffs(sc.id, k, res["ranks"], cur, ref, snaps.get(ws1_id, k) if ws1_id in by_id else None,
+                                     d_ref, d_ws1)
             for name, t in cur.items():
                 param_rows.append({"scenario": sc.id, "step": k, "param": name, "numel": t.numel(),
                                    "diff_ref": d_ref.get(name, math.nan), "diff_ws1": d_ws1.get(name, math.nan),
@@ -146,9 +149,36 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                           "params_compared": compared, **restore, "state_bytes": max(state), "peak_bytes": max(peak),
                           "step_time_s": max(rr["step_time_s"] for rr in res["ranks"])})
     rows = {"steps": steps_rows, "params": param_rows, "scenarios": scen_rows, "memory": mem_rows,
-            "comm": comm_rows, "coverage": cover_rows, "gathered": gathered_rows}
+            "comm": comm_rows, "coverage": cover_rows, "gathered": gathered_rows, "rank_diffs": rank_rows}
     return {name: pd.DataFrame(r, columns=columns(name)) for name, r in rows.items()}
 
+
+
+def _rank_diffs(sid: str, step: int, ranks: list[dict], cur: dict, ref: dict | None, ws1: dict | None,
+                d_ref: dict, d_ws1: dict) -> list[dict]:
+    """Per rank, the largest |param diff| within the dim-0 rows that rank holds (its record's `rows`), for
+    every parameter that differs at all at this step: which ranks' rows parted from the yardstick."""
+    out = []
+    for name, t in cur.items():
+        if not (d_ref.get(name, 0.0) or d_ws1.get(name, 0.0)):
+            continue
+        for rec in ranks:
+            span = rec.get("rows", {}).get(name)
+            if span is None or len(ranks) < 2:
+                continue
+            a, b = span
+            out.append({"scenario": sid, "step": step, "param": name, "rank": rec["rank"],
+                        "diff_ref": _span_diff(t, ref, name, a, b), "diff_ws1": _span_diff(t, ws1, name, a, b)})
+    return out
+
+
+def _span_diff(t: torch.Tensor, other: dict | None, name: str, a: int, b: int) -> float:
+    o = None if other is None else other.get(name)
+    if o is None or o.shape != t.shape:
+        return math.nan
+    if b <= a:
+        return 0.0
+    return float((t[a:b].double() - o[a:b].double()).abs().max())
 
 
 def _restore(sc: Scenario, snaps: _Snapshots, by_id: dict) -> dict:

@@ -93,6 +93,10 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "per step, the full size each collective handles, from every thread of the rank"),
     Table("coverage", "scenario x step x parameter `full_params` got wrong", ("scenario", "step", "param", "problem"),
           "problem: missing, not a parameter of the plain model, another shape; empty when all held"),
+    Table("rank_diffs", "scenario x step x parameter x rank, where the parameter differs at all", (
+        "scenario", "step", "param", "rank", "diff_ref", "diff_ws1"),
+          "max |param diff| within the dim-0 rows that rank holds (DTensor parameters laid out by rows), vs the "
+          "reference and vs world size 1: which ranks' rows parted", required=()),
     Table("verdicts", "verdict", tuple(VERDICT_COLUMNS),
           required=("check", "scenario", "status", "measured", "bound", "where", "message", "step", "param")),
     Table("per_sample", "model x impl x data mode x world size x sample", (

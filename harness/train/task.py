@@ -134,7 +134,7 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
     comm = [{"collective": c, "dtype": d, **{k: v / trained for k, v in tot.items()}}
             for (c, d), tot in sorted(comm_totals.items())]
     return {"scenario": sc.id, "rank": ctx.rank, "steps": steps, "memory": memory, "comm": comm, "gathered": gathered,
-            "sharded": bool(adapter.sharded), **sizes,
+            "sharded": bool(adapter.sharded), "rows": rows_held(wrapped), **sizes,
             "step_time_s": sum(times) / len(times) if times else math.nan, "snapshot_dir": str(snap_dir)}
 
 
@@ -214,6 +214,25 @@ def _save_grads(local: torch.Tensor, grad_sq: float, adds_up: bool, ctx, path: P
     values = torch.cat([grads for grads, _ in parts])
     torch.save(torch.sort(values[values != 0]).values, path)
     return sum(sq for _, sq in parts) if adds_up else grad_sq
+
+
+def rows_held(wrapped) -> dict[str, list[int]]:
+    """parameter name -> [first, stop) of the dim-0 rows this rank holds of it, for every DTensor parameter
+    laid out by rows (Shard(0) or Replicate on each mesh dimension), read from the DTensor's own spec; none
+    for plain tensors (a whole copy on every rank) or other placements. Lets the parent tell which ranks
+    hold the rows where a run parted from its yardstick (harness.tables.build, rank_diffs)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out = {}
+    for name, p in wrapped.named_parameters():
+        if not isinstance(p, DTensor) or p.dim() == 0:
+            continue
+        if not all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in p.placements):
+            continue
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        out[name] = [int(offset[0]), int(offset[0]) + int(shape[0])]
+    return out
 
 
 def _replicas_differ(wrapped, sc: Scenario, ctx) -> float:

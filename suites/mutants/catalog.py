@@ -50,6 +50,7 @@ from suites.mutants.gradient_mutants import (
     GradOverwritten,
     GradsNotCleared,
     GradSummed,
+    LastRankNegated,
     LowPrecisionReduce,
     TiedReducedTwice,
 )
@@ -92,6 +93,8 @@ class Mutant:
     # before `earliest`; `latest` is the step by which the fault has changed an update directly
     at_steps: tuple[int, int] | None = (1, 1)
     kind: str = "numeric"  # "numeric" | "memory" | "traffic" | "per_sample"
+    # the fault sits in one rank's path (the last rank's, at W > 1): each catching verdict names that rank
+    one_rank: bool = False
     features: tuple[str, ...] = ("plain",)  # what a step does (harness.core.scenario.FEATURES)
     slow: bool = False  # behind @pytest.mark.slow (none is: the whole catalogue runs in ~1 minute)
 
@@ -102,6 +105,7 @@ def _spec(name: str) -> str:
 
 # the names adapters are loaded by ("suites.mutants.catalog:grad_summed"): readable scenario ids
 grad_summed, averaged_twice, bf16_reduce = GradSummed, AveragedTwice, LowPrecisionReduce
+last_rank_negated = LastRankNegated
 tied_reduced_twice, grads_not_cleared, frozen_updated = TiedReducedTwice, GradsNotCleared, FrozenUpdated
 wrong_shard_offset, padding_not_zeroed, padding_in_view = WrongShardOffset, PaddingNotZeroed, PaddingInView
 nested_duplication, stale_shard, reshard_skipped = NestedDuplication, StaleShard, ReshardSkipped
@@ -127,6 +131,9 @@ ckpt_last_rank_shifted, ckpt_optimizer_state_shifted = CkptLastRankShifted, Ckpt
 CATALOGUE: tuple[Mutant, ...] = (
     Mutant("grad_summed", _spec("grad_summed"), "cross_ws_replicated",
            "gradients summed over ranks, not averaged (division by W missing)", world_sizes=(1, 2, 4)),
+    Mutant("last_rank_negated", _spec("last_rank_negated"), "cross_ws_replicated",
+           "the last rank's reduced gradient comes back negated (one rank's path only)", world_sizes=(1, 2, 4),
+           one_rank=True),
     Mutant("averaged_twice", _spec("averaged_twice"), "cross_ws_replicated",
            "gradients divided by W twice"),
     Mutant("wrong_shard_offset", _spec("wrong_shard_offset"), "cross_ws_replicated",

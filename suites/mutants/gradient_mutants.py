@@ -30,6 +30,18 @@ class AveragedTwice(ReductionReplaced):
         return mean(full_grad, group, reduce_dtype).div_(dist.get_world_size(group))
 
 
+class LastRankNegated(ReductionReplaced):
+    """One rank's reduced gradient comes back with its sign flipped (a fault in one rank's path only): the
+    last rank of two or more steps its own rows the wrong way; the other ranks' rows are right."""
+
+    name = "mutant:last_rank_negated"
+
+    def reduce(self, mean, full_grad, group, reduce_dtype):
+        shard = mean(full_grad, group, reduce_dtype)
+        w = dist.get_world_size(group)
+        return shard.neg_() if w > 1 and dist.get_rank(group) == w - 1 else shard
+
+
 class LowPrecisionReduce(ReductionReplaced):
     """Gradients reduced in bf16 although the policy says fp32 params / fp64 reduce: the gradient is
     cast to bf16 before the exchange (half the bytes) and summed in bf16."""

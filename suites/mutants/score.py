@@ -252,7 +252,7 @@ def render(run: CatalogueRun, *, full: bool = False) -> str:
 
 def _model_list(text: str) -> tuple[str, ...]:
     from harness.options import models
-    return fa.STANDARD_MODELS if text == "standard" else models(text)
+    return fa.STANDARD if text == "standard" else models(text)
 
 
 def main(argv=None) -> int:
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
                         "these seeds (about 4 minutes a seed on 2 cores)")
     p.add_argument("--false-alarm-models", type=_model_list, default=fa.DEFAULT_MODELS, metavar="M,...",
                    help="the models of the false-alarm tier: zoo names, or 'standard' for the standard "
-                        f"architectures ({','.join(fa.STANDARD_MODELS)}); default {','.join(fa.DEFAULT_MODELS)}")
+                        f"architectures ({','.join(fa.STANDARD)}); default {','.join(fa.DEFAULT_MODELS)}")
     p.add_argument("--full-matrix", action="store_true",
                    help="run every mutant at world sizes 1,2,4,8 and 10 steps (about 20 minutes on 2 cores) "
                         "instead of the small cells the CI suite uses")

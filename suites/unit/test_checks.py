@@ -47,6 +47,23 @@ def test_cross_ws_bound_is_strict_and_nan_fails(diff, status):
         assert (v.step, v.param) == (2, "fc2.weight")
 
 
+@pytest.mark.parametrize("off,rank,phrase", [({3}, 3, "only rank 3's rows of fc2.weight crossed it"),
+                                              ({1, 2}, None, "only ranks 1, 2's rows"),
+                                              ({0, 1, 2, 3}, None, "every rank's rows of fc2.weight crossed it")])
+def test_a_crossing_names_the_ranks_whose_rows_crossed(off, rank, phrase):
+    """The rank_diffs table (each rank's own rows of a parameter against world size 1) says which ranks
+    hold the rows that crossed: one rank is named in the verdict's rank field, several in the message."""
+    sc = _sc("fsdp_impl", 4)
+    t = make([(sc.at_world_size(1), LOSSES, ZERO, ZERO), (sc, LOSSES, ZERO, [0.0, 1e-6, 1e-6])])
+    t["rank_diffs"] = pd.DataFrame([dict(scenario=sc.id, step=2, param="fc2.weight", rank=r,
+                                         diff_ref=0.0, diff_ws1=1e-6 if r in off else 0.0) for r in range(4)])
+    v = by(checks.cross_ws_replicated(t), "cross_ws_replicated")[sc.id]
+    assert v.status == "fail" and v.rank == rank and phrase in v.message
+    del t["rank_diffs"]  # an implementation that does not lay parameters out by rows: no rank is named
+    v = by(checks.cross_ws_replicated(t), "cross_ws_replicated")[sc.id]
+    assert v.status == "fail" and v.rank is None and "rows" not in v.message
+
+
 def test_cross_ws_without_its_world_size_1_run_fails_and_says_so():
     sc = _sc("fsdp_impl", 4)
     [v] = checks.cross_ws_replicated(make([(sc, LOSSES, ZERO, ZERO)]))
