@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 def user_models(models) -> list[str]:
     """The user's own models among `models` (the zoo's and the Hugging Face ones are the harness's,
     held to the same protocol by its unit tests)."""
-    return [m for m in models if m not in names.MODELS and not m.startswith(names.HF_PREFIX)]
+    return [m for m in models
+            if m not in names.MODELS and m not in names.STANDARD_MODELS and not m.startswith(names.HF_PREFIX)]
 
 
 def check(matrix: "MatrixOptions") -> None:

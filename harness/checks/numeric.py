@@ -137,7 +137,8 @@ def cross_ws_replicated(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             continue
         at, worst = _first_crossing(steps, row.scenario, "max_diff_ws1", bound)
         rank, whose = ranks_off(tables, row.scenario, at, "diff_ws1", bound)
-        msg = f"max |param diff| vs world size 1 = {_fmt(worst)} (bound < {bound:g}{'; ' + why if why else ''}){whose}"
+        msg = (f"max |param diff| vs world size 1 = {_fmt(worst)} (bound < {bound:g}{'; ' + why if why else ''})"
+               f"{whose}")
         out.append(judge("cross_ws_replicated", row, at is None, worst, bound, msg, at=at, rank=rank))
     return out
 

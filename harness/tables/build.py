@@ -84,7 +84,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
         base = _scenario_fields(sc)
         if "ranks" not in res:
             status, why = ("unsupported", res["unsupported"]) if "unsupported" in res else ("error", res["error"])
-            scen_rows.append({**base, "steps": sc.steps, "lr": sc.lr, "global_batch": sc.global_batch, "status": status, "error": why,
+            scen_rows.append({**base, **_settings(sc), "status": status, "error": why,
                               "failed_rank": res.get("failed_rank")})
             continue
         r0 = res["ranks"][0]
@@ -98,12 +98,11 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             if ref is not None and sc.impl != REFERENCE_IMPL:
                 cover_rows += _coverage(sc.id, k, cur, ref)
                 compared = len(ref)
-            d_ref = _diffs(cur, ref)
-            d_ws1 = _diffs(cur, snaps.get(ws1_id, k)) if ws1_id in by_id else {}
+            ws1 = snaps.get(ws1_id, k) if ws1_id in by_id else None
+            d_ref, d_ws1 = _diffs(cur, ref), _diffs(cur, ws1)
             probe = sc.rank_order_probe()
             d_probe = _diffs(cur, snaps.get(probe.id, k)) if probe is not None and probe.id in by_id else {}
-            rank_rows += _rank_diffs(sc.id, k, res["ranks"], cur, ref, snaps.get(ws1_id, k) if ws1_id in by_id else None,
-                                     d_ref, d_ws1)
+            rank_rows += _rank_diffs(sc.id, k, res["ranks"], cur, ref, ws1, d_ref, d_ws1)
             for name, t in cur.items():
                 param_rows.append({"scenario": sc.id, "step": k, "param": name, "numel": t.numel(),
                                    "diff_ref": d_ref.get(name, math.nan), "diff_ws1": d_ws1.get(name, math.nan),
@@ -112,8 +111,9 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             wr, mr = _worst(d_ref)
             w1, m1 = _worst(d_ws1)
             twin = sc.factor_twin()
-            wt, mt = _worst(_diffs(cur, snaps.get(twin.id, k))) if twin is not None and twin.id in by_id else ("", math.nan)
-            wp, mp = _worst(d_probe) if d_probe else ("", math.nan)
+            d_twin = _diffs(cur, snaps.get(twin.id, k)) if twin is not None and twin.id in by_id else {}
+            wt, mt = _worst(d_twin)
+            wp, mp = _worst(d_probe)
             g1 = math.nan
             if ws1_id in by_id and ws1_id != sc.id and sc.data_mode == "replicated":
                 g1 = _grad_diff(snaps.grads_path(sc.id, k), snaps.grads_path(ws1_id, k))
@@ -134,7 +134,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             comm_rows.append({"scenario": sc.id, **c})
         state = [rr["memory"].get("state_total", math.nan) for rr in res["ranks"]]
         peak = [rr["memory"].get("peak", math.nan) for rr in res["ranks"]]
-        scen_rows.append({**base, "steps": sc.steps, "lr": sc.lr, "global_batch": sc.global_batch, "status": "ok", "error": "", "failed_rank": None,
+        scen_rows.append({**base, **_settings(sc), "status": "ok", "error": "", "failed_rank": None,
                           **final,
                           "sharded": r0.get("sharded", True), "param_bytes": r0.get("param_bytes", math.nan),
                           "trainable_bytes": r0.get("trainable_bytes", math.nan),
@@ -152,6 +152,11 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             "comm": comm_rows, "coverage": cover_rows, "gathered": gathered_rows, "rank_diffs": rank_rows}
     return {name: pd.DataFrame(r, columns=columns(name)) for name, r in rows.items()}
 
+
+
+def _settings(sc: Scenario) -> dict:
+    """What a scenarios-table row records of the run's settings beside its id fields."""
+    return {"steps": sc.steps, "lr": sc.lr, "global_batch": sc.global_batch}
 
 
 def _rank_diffs(sid: str, step: int, ranks: list[dict], cur: dict, ref: dict | None, ws1: dict | None,

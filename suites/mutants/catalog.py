@@ -29,7 +29,10 @@ came from mutants that once escaped or were caught too narrowly.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from harness.core.names import MODELS as ZOO
 
 from suites.mutants.feature_mutants import (
     AccumAveraged,
@@ -253,10 +256,22 @@ CONTROLS: tuple[tuple[str, str], ...] = (
 # Controls that only concern how gradients travel run in the plain model's cells up to 4 ranks,
 # not in every cell a mutant runs in; the others run everywhere.
 CONTROL_CELLS = {
+    # meta-device builds equal the eager init only on models whose parameters are owned by leaves that
+    # reset them (the zoo's property, harness/train/models.py), not on nn.MultiheadAttention or HF models
+    _spec("meta_init"): lambda model, world_size: model in ZOO,
     _spec("reduce_to_owners"): lambda model, world_size: model == "mlp" and world_size <= 4,
     _spec("gather_to_owners"): lambda model, world_size: model == "mlp" and world_size <= 4,
     _spec("optimizer_delegated"): lambda model, world_size: model in ("mlp", "tinylm") and world_size <= 2,
 }
+
+
+def on_models(m: Mutant, models: tuple[str, ...]) -> Mutant:
+    """`m` on `models` where it runs on the catalogue's default model (the mlp); a mutant whose own models
+    expose it (a tied, frozen or transformer model), a per-sample one, and the meta-init ones (whose
+    models must be meta-initializable: CONTROL_CELLS) keep theirs."""
+    default = next(f.default for f in dataclasses.fields(Mutant) if f.name == "models")
+    keeps = m.models != default or m.kind == "per_sample" or m.name.startswith("meta_init")
+    return m if keeps else dataclasses.replace(m, models=tuple(models))
 
 
 def by_name(name: str) -> Mutant:

@@ -27,7 +27,7 @@ from harness.options import DEFAULT_WORLD_SIZES
 from harness.options import seeds as seed_list
 from harness.tables.store import write_text_atomic
 from suites.mutants import false_alarms as fa
-from suites.mutants.catalog import CATALOGUE, CONTROL_CELLS, CONTROLS, Mutant
+from suites.mutants.catalog import CATALOGUE, CONTROL_CELLS, CONTROLS, Mutant, on_models
 
 DEFAULT_OUT = Path("reports/mutation_score.md")
 PER_SAMPLE_BATCH = 16
@@ -265,6 +265,10 @@ def main(argv=None) -> int:
     p.add_argument("--false-alarm-models", type=_model_list, default=fa.DEFAULT_MODELS, metavar="M,...",
                    help="the models of the false-alarm tier: zoo names, or 'standard' for the standard "
                         f"architectures ({','.join(fa.STANDARD)}); default {','.join(fa.DEFAULT_MODELS)}")
+    p.add_argument("--mutant-models", type=_model_list, default=(), metavar="M,...",
+                   help="run the mutants that run on the mlp on these models instead ('standard': the "
+                        "standard architectures), to show they are caught on models the checks were not "
+                        "tuned on")
     p.add_argument("--full-matrix", action="store_true",
                    help="run every mutant at world sizes 1,2,4,8 and 10 steps (about 20 minutes on 2 cores) "
                         "instead of the small cells the CI suite uses")
@@ -275,6 +279,7 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown mutant(s) {', '.join(unknown)}; known: {', '.join(m.name for m in CATALOGUE)}")
     mutants = [widened(m) if ns.full_matrix else m for m in CATALOGUE if not names or m.name in names]
+    mutants = [on_models(m, ns.mutant_models) for m in mutants] if ns.mutant_models else mutants
     progress = None if ns.quiet else (
         lambda i, n, sc, s: sys.stderr.write(f"[mutants] {i:>3}/{n} {sc.id:<64} {s:5.1f}s\n"))
     run = run_catalogue(mutants, false_alarm_seeds=ns.false_alarm_seeds, progress=progress,
