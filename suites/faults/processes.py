@@ -1,7 +1,10 @@
 """Processes the fault tests start and look for afterwards.
 
 ``start`` runs a command (the CLI, pytest, torchrun) from the repository root in a session of its
-own; ``in_session`` / ``wait_session_empty`` find what is left of that session by its id in /proc,
+own, with SIGINT, SIGHUP and SIGTERM at their default actions (``default_signals``): the tests that
+signal it rely on those, and must not inherit what the launching shell set (a script's background
+job and ``nohup`` start pytest with SIGINT and SIGHUP ignored, and an ignored signal stays ignored
+in every child). ``in_session`` / ``wait_session_empty`` find what is left of that session by its id in /proc,
 and ``kill_session`` cleans up after a failed test. ``alive`` / ``wait_all_dead`` watch single pids.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -58,9 +62,23 @@ def wait_session_empty(sid: int, within_s: float) -> list[int]:
     return in_session(sid)
 
 
-def start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+# Run as `python -c RESET_SIGNALS cmd...`: reset the dispositions, then become cmd (same pid). A
+# wrapper rather than a preexec_fn, which is not safe while the test process has threads.
+RESET_SIGNALS = ("import os, signal, sys\n"
+                 "for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):\n"
+                 "    signal.signal(s, signal.SIG_DFL)\n"
+                 "os.execvp(sys.argv[1], sys.argv[1:])\n")
+
+
+def default_signals(cmd: list[str]) -> list[str]:
+    """``cmd`` started with SIGINT, SIGHUP and SIGTERM (and SIGPIPE, as subprocess restores it) at
+    their default actions, whatever this process inherited."""
+    return [sys.executable, "-c", RESET_SIGNALS, *cmd]
+
+
+def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(default_signals(cmd), cwd=ROOT, env=ENV if env is None else env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def kill_session(proc: subprocess.Popen) -> None:

@@ -14,13 +14,8 @@ import time
 
 import pytest
 
-from suites.faults.processes import ENV, ROOT, kill_session, wait_session_empty
+from suites.faults.processes import ENV, ROOT, default_signals, kill_session, start, wait_session_empty
 from suites.faults.scenarios import FA
-
-
-def start(cmd: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
 
 
 SMALL = ["--models", "mlp", "--data-modes", "replicated", "--optimizers", "sgd", "--steps", "2"]
@@ -116,7 +111,7 @@ def test_a_termination_handler_the_program_installed_is_kept():
             "signal.signal(signal.SIGTERM, mine)\n"
             "WorldPool()\n"
             "print(signal.getsignal(signal.SIGTERM) is mine, signal.getsignal(signal.SIGHUP) is signal.SIG_DFL)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(default_signals([sys.executable, "-c", code]), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr
 
 
@@ -181,3 +176,17 @@ def test_ctrl_c_ends_the_wait_for_a_torchrun_store_that_is_not_there():
         assert proc.stderr.read().strip().splitlines() == ["interrupted"]
     finally:
         kill_session(proc)
+
+
+def test_a_hangup_or_ctrl_c_ignored_at_start_stays_ignored():
+    """Under `nohup` (SIGHUP) or as a script's background job (SIGINT too) the run ignores what its
+    user's shell asked it to ignore: the harness installs its handlers only over default actions."""
+    code = ("import signal\n"
+            "from harness.execute.world import WorldPool\n"
+            "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+            "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "WorldPool()\n"
+            "print(*(signal.getsignal(s) is signal.SIG_IGN for s in (signal.SIGHUP, signal.SIGINT)))\n")
+    out = subprocess.run(default_signals([sys.executable, "-c", code]), cwd=ROOT, env=ENV, capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr

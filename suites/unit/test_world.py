@@ -158,7 +158,16 @@ def test_two_worlds_run_collectives_at_the_same_time_without_colliding():
         assert set(a.pids).isdisjoint(b.pids)
 
 
-def test_ctrl_c_in_the_parent_kills_the_world():
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt in this process for the test, even where pytest was started
+    with it ignored (a script's background job, where Python installs no handler)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_in_the_parent_kills_the_world(sigint_raises):
     world = World(2, timeout_s=60)
     main = threading.main_thread().ident
     timer = threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT))  # Ctrl-C, mid-run
