@@ -50,9 +50,20 @@ def test_ctrl_c_of_the_cli_exits_non_zero_with_one_line_and_no_orphans(tmp_path)
 
 
 def _forkserver_processes(pids: list[int]) -> int:
-    """How many of ``pids`` run multiprocessing's forkserver code: each forkserver and every world
-    worker forked from it (they keep its command line)."""
-    return sum(1 for p in pids if b"multiprocessing.forkserver" in _cmdline(p))
+    """How many of ``pids`` run multiprocessing's forkserver code and are past their start: each
+    forkserver and every world worker forked from it (they keep its command line) that ignores
+    SIGINT, as the forkserver does and a worker does from its entry point on. A worker still in
+    multiprocessing's bootstrap is a world starting, not a run mid-way."""
+    return sum(1 for p in pids if b"multiprocessing.forkserver" in _cmdline(p) and _ignores_sigint(p))
+
+
+def _ignores_sigint(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(line.split()[1] for line in f if line.startswith("SigIgn:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(mask, 16) >> (signal.SIGINT - 1) & 1)
 
 
 def _cmdline(pid: int) -> bytes:
