@@ -1,0 +1,34 @@
+"""The signal tests pass whatever the launching shell left them: run from a parent that ignores
+SIGINT and SIGHUP (a script's background job, `nohup`), with stdin closed and no controlling terminal
+(a CI runner), they still Ctrl-C and hang up the processes they start (each sets the dispositions it
+relies on, see suites/faults/processes.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from suites.faults.processes import ENV, ROOT
+
+# what `nohup cmd <&- &` in a script leaves cmd: SIGINT and SIGHUP ignored, no stdin
+BACKGROUND_JOB = ("import os, signal, sys\n"
+                  "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                  "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+                  "os.close(0)\n"
+                  "os.execvp(sys.argv[1], sys.argv[1:])\n")
+
+# one test per way a signal reaches a process: Ctrl-C of the CLI's process group, SIGHUP of the CLI
+# alone, SIGINT to the test process itself
+SIGNAL_TESTS = ["suites/faults/test_ctrl_c.py::test_ctrl_c_of_the_cli_exits_non_zero_with_one_line_and_no_orphans",
+                "suites/faults/test_signals_and_env.py::test_sigterm_or_sighup_of_the_cli_unwinds_like_ctrl_c[SIGHUP]",
+                "suites/unit/test_world.py::test_ctrl_c_in_the_parent_kills_the_world"]
+
+
+def test_the_signal_tests_pass_when_started_as_a_background_job_with_signals_ignored(tmp_path):
+    cmd = [sys.executable, "-c", BACKGROUND_JOB, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "--basetemp", str(tmp_path / "inner"), *SIGNAL_TESTS]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=300, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert f"{len(SIGNAL_TESTS)} passed" in proc.stdout, proc.stdout[-4000:]
