@@ -13,7 +13,8 @@ Under pytest-xdist (`-n N`) the matrix still runs once: the first worker that ne
 while holding a lock on a file in a folder the controller made, and leaves the result there; the
 other workers wait on the lock and load it; the controller writes the outputs and decides the
 exit status from it. [Note: xdist workers collect the same items, so each computes the same
-selection.]
+selection.] The run records the pytest command line that made it (`invocation`): on a worker, the
+controller's, which the controller hands to its workers with the shared folder.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from harness import options as opt
+from harness.core.environment import command_line
 from harness.session import EXIT_FAILED, Session, SessionOptions
 from harness.tables.store import OutputError
 
@@ -36,6 +38,7 @@ _SESSION = pytest.StashKey[Session]()
 _SELECTED = pytest.StashKey[object]()  # set of scenario ids, or None for the whole matrix
 _SHARED = pytest.StashKey[Path]()  # xdist controller: the folder workers share the result through
 _SHARED_KEY = "fsdp_harness_shared"
+_COMMAND_KEY = "fsdp_harness_command"
 RESULT_FILE, RAN_BY_FILE = "result.pickle", "ran_by"
 MATRIX_FIXTURE = "harness_run"
 
@@ -57,7 +60,8 @@ def pytest_configure(config):
     if _is_controller(config):
         config.stash[_SHARED] = Path(tempfile.mkdtemp(prefix="fsdp-harness-xdist-"))
     try:
-        config.stash[_SESSION] = Session(SessionOptions.from_namespace(config.option), say=lambda line: _say(config, line))
+        config.stash[_SESSION] = Session(SessionOptions.from_namespace(config.option), say=lambda line: _say(config, line),
+                                         command=invocation(config))
     except argparse.ArgumentTypeError as e:
         raise pytest.UsageError(str(e)) from None
 
@@ -76,6 +80,16 @@ def pytest_collection_finish(session):
     needing = [i for i in session.items if MATRIX_FIXTURE in getattr(i, "fixturenames", ())]
     ids = [getattr(i, "callspec", None) and i.callspec.params.get("scenario_id") for i in needing]
     session.config.stash[_SELECTED] = None if any(x is None for x in ids) else set(ids)
+
+
+def invocation(config) -> str:
+    """The pytest command line that made this run, as its user typed it: the controller's arguments
+    on an xdist worker (whose own argv is execnet's `-c`)."""
+    handed = getattr(config, "workerinput", {}).get(_COMMAND_KEY)
+    if handed is not None:
+        return handed
+    program = "python -m pytest" if Path(sys.argv[0]).name == "__main__.py" else "pytest"
+    return command_line(program, config.invocation_params.args)
 
 
 def matrix_options(config) -> opt.MatrixOptions:
@@ -110,8 +124,9 @@ def _is_controller(config) -> bool:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
-    """xdist controller: tell each worker where the shared result goes."""
+    """xdist controller: tell each worker where the shared result goes and what command made the run."""
     node.workerinput[_SHARED_KEY] = str(node.config.stash[_SHARED])
+    node.workerinput[_COMMAND_KEY] = node.config.stash[_SESSION].command
 
 
 def _say(config, line: str) -> None:

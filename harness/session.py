@@ -74,13 +74,16 @@ class Session:
     """Runs the matrix once (lazily), then writes every output together and gives the exit status.
 
     `say` prints one progress line (stderr by default); `under_torchrun` runs the matrix in the
-    job torchrun started instead of in reused worlds (rank 0 alone writes outputs)."""
+    job torchrun started instead of in reused worlds (rank 0 alone writes outputs); `command` is the
+    command line that made the run, recorded in its environment so that its report says how to
+    reproduce it (None: this process's own, harness.core.environment)."""
 
     def __init__(self, options: SessionOptions, *, say: Callable[[str], None] | None = None,
-                 under_torchrun: bool = False):
+                 under_torchrun: bool = False, command: str | None = None):
         self.options = options
         self.say = say or _stderr
         self.under_torchrun = under_torchrun
+        self.command = command
         if under_torchrun and options.per_sample:
             raise opt.argparse.ArgumentTypeError("--per-sample is not available under torchrun yet; run it "
                                                  "without torchrun (python -m harness run --per-sample ...)")
@@ -120,6 +123,8 @@ class Session:
         else:
             from harness.execute.executor import run_matrix
             res = run_matrix(scenarios, timeout_s=m.timeout_s, bounds=m.bounds, progress=progress)
+        if self.command is not None:
+            res.env["command"] = self.command
         if self.options.per_sample:
             self.say("per-sample gradient norms ...")
             self._add_per_sample(res)

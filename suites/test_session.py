@@ -9,6 +9,7 @@ fresh working directory, so the default output location is the one a user gets.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -30,9 +31,13 @@ def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complet
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _pytest_args(*extra: str) -> list[str]:
+    return [str(ROOT / "suites" / "test_equivalence.py"), "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
+            *SLICE, *extra]
+
+
 def _pytest(cwd: Path, *extra: str) -> subprocess.CompletedProcess:
-    return _run(["-m", "pytest", str(ROOT / "suites" / "test_equivalence.py"), "-q", "-p", "no:cacheprovider",
-                 "--rootdir", str(ROOT), *SLICE, *extra], cwd)
+    return _run(["-m", "pytest", *_pytest_args(*extra)], cwd)
 
 
 def _verdicts(folder: Path) -> set[tuple]:
@@ -74,10 +79,24 @@ def test_pytest_and_the_cli_write_the_same_tables_and_verdicts(cli_dir, tmp_path
     assert set(mine) == set(theirs)
     cols = ["scenario", "step", "loss", "max_diff_ref", "max_diff_ws1"]
     pd.testing.assert_frame_equal(mine["steps"][cols], theirs["steps"][cols])
+    # each records the command that made it
+    assert load_tables(tmp_path / REPORT.parent / "verification_tables")[1]["command"] == \
+        "python -m pytest " + shlex.join(_pytest_args())
+    assert load_tables(cli_dir / REPORT.parent / "verification_tables")[1]["command"] == \
+        "python -m harness " + shlex.join(["run", *SLICE])
 
 
-def test_under_xdist_the_matrix_runs_once_and_one_report_is_written(tmp_path):
-    proc = _pytest(tmp_path, "-n", "2")
+XDIST = ("-n", "2", "--dist", "loadfile")  # as in the README's test command
+
+
+@pytest.fixture(scope="module")
+def xdist_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    d = tmp_path_factory.mktemp("xdist")
+    return d, _pytest(d, *XDIST)
+
+
+def test_under_xdist_the_matrix_runs_once_and_one_report_is_written(xdist_run):
+    tmp_path, proc = xdist_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # the reference, W=1 and W=2: 3 scenarios, run by one worker, once
     assert proc.stderr.count("the matrix ran once, in xdist worker") == 1, proc.stderr
@@ -85,6 +104,17 @@ def test_under_xdist_the_matrix_runs_once_and_one_report_is_written(tmp_path):
     written = sorted(p.name for p in (tmp_path / "reports" / "latest").iterdir())
     assert written == ["verification.md", "verification_plots", "verification_tables"]
     assert len(_verdicts(tmp_path)) > 0
+
+
+def test_under_xdist_the_report_records_the_pytest_command_line_not_the_workers(xdist_run):
+    """The matrix runs in an xdist worker, whose argv is execnet's `-c`: the report must say the
+    command that made the run, so that a reader can run it again."""
+    tmp_path, proc = xdist_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _, env = load_tables(tmp_path / "reports" / "latest" / "verification_tables")
+    assert env["command"] == "python -m pytest " + shlex.join(_pytest_args(*XDIST))
+    rows = [line.split("|") for line in (tmp_path / REPORT).read_text().splitlines() if line.startswith("| command ")]
+    assert [cells[2].strip() for cells in rows] == [env["command"]]  # the report's environment table says it too
 
 
 def test_k_runs_only_the_selected_scenario_and_what_it_is_compared_with(tmp_path):

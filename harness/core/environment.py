@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -63,10 +64,17 @@ def cpu_model() -> str:
     return f"{name} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
 
 
+def command_line(program: str, args) -> str:
+    """``program`` and ``args`` as a shell line that runs them again (each arg quoted as needed)."""
+    return " ".join([program, shlex.join(map(str, args))]).strip()
+
+
 def _command() -> str:
-    argv = list(sys.argv)
-    if argv and argv[0].endswith("__main__.py"):
+    """This process's own command line: the CLI's; an entry that knows better (the pytest plugin, whose
+    xdist workers' argv is execnet's ``-c``) gives its own to the Session instead."""
+    argv = list(sys.argv) or [""]
+    if argv[0].endswith("__main__.py"):
         argv[0] = "python -m harness"
-    elif argv and argv[0].endswith(("pytest", "pytest/__main__.py")):
+    elif argv[0].endswith("pytest"):
         argv[0] = "pytest"
-    return " ".join(argv)
+    return command_line(argv[0], argv[1:])
