@@ -54,7 +54,9 @@ def unwind_on_termination() -> None:
     """Make SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread, as Ctrl-C does.
 
     Only for a signal that still has its default action (a handler the program installed is
-    kept) and only from the main thread (where Python runs handlers). The first such signal
+    kept, and a signal ignored at start, as `nohup` and a script's background job leave SIGHUP
+    and SIGINT, stays ignored: that is what the user's shell asked for) and only from the main
+    thread (where Python runs handlers). The first such signal
     restores the default action of both: a second one ends the process at once.
     """
     if threading.current_thread() is not threading.main_thread():
