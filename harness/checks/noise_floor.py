@@ -13,17 +13,33 @@ SENSITIVITY_COLUMNS = ("probe", "model", "optimizer", "seed", "feature", "micro_
                        "tier_bound", "which")
 
 
-def floors(params: pd.DataFrame, probes: list[Scenario], against_probe: bool = False) -> dict[str, float]:
+def probe_maxima(tables) -> pd.DataFrame:
+    """(scenario, param) -> the largest diff_ref and diff_probe over the steps, for the reference runs that
+    are noise probes (micro_batches > 1): read once per run, each split scenario's floor picks its rows."""
+    sc, params = tables.get("scenarios"), tables.get("params")
+    if not isinstance(sc, pd.DataFrame) or not isinstance(params, pd.DataFrame) or not len(params) \
+            or "micro_batches" not in sc:
+        return pd.DataFrame(columns=["diff_ref", "diff_probe"])
+    probe_ids = sc.scenario[(sc.impl == REFERENCE_IMPL) & (pd.to_numeric(sc.micro_batches, errors="coerce") > 1)]
+    rows = params[params.scenario.isin(set(probe_ids))]
+    cols = [c for c in ("diff_ref", "diff_probe") if c in rows]
+    return rows.groupby(["scenario", "param"])[cols].max() if len(rows) else pd.DataFrame(columns=cols)
+
+
+def floors(maxima: pd.DataFrame, probes: list[Scenario], against_probe: bool = False) -> dict[str, float]:
     """parameter -> its noise floor: the largest |param diff| of any of the probes from the full-batch
-    reference at any step (the params table's diff_ref). `against_probe` (a model with batch statistics,
-    held to its rank-order probe): the largest |param diff| of a reversed probe from its rank-order twin
-    (diff_probe), what the order of summation alone changes."""
+    reference at any step (diff_ref; `maxima`: probe_maxima). `against_probe` (a model with batch
+    statistics, held to its rank-order probe; bf16, whose reference is that probe): the largest |param
+    diff| of a reversed probe from its rank-order twin (diff_probe), what the order of summation alone
+    changes."""
     col = "diff_probe" if against_probe else "diff_ref"
     ids = [p.id for p in probes if p.reverse_micro or not against_probe]
-    rows = params[params.scenario.isin(ids)]
-    if not len(rows) or col not in rows:
+    if col not in maxima or not len(maxima):
         return {}
-    return {p: float(v) for p, v in rows.groupby("param")[col].max().items()}
+    rows = maxima[maxima.index.get_level_values("scenario").isin(ids)]
+    if not len(rows):
+        return {}
+    return {p: float(v) for p, v in rows[col].groupby(level="param").max().items()}
 
 
 def held_bounds(floor: dict[str, float], tier_bound: float) -> dict[str, float]:
@@ -61,11 +77,12 @@ def sensitivity_table(tables, bounds: Bounds = Bounds()) -> pd.DataFrame:
     if isinstance(sc, pd.DataFrame) and isinstance(params, pd.DataFrame) and len(sc):
         probes = sc[(sc.impl == REFERENCE_IMPL) & (sc.status == "ok")]
         probes = probes[probes.apply(_is_probe, axis=1)] if len(probes) else probes
+        maxima = probe_maxima(tables)
         for r in probes.itertuples():
             tier = bounds.split_bound(r.optimizer, float(r.lr), int(r.steps))
             probe = Scenario.of_row(r)
             against = bool(batch_stat_layers(r)) or probe.feature in ROUNDED_PER_RANK
-            floor = floors(params, [probe], against_probe=against)
+            floor = floors(maxima, [probe], against_probe=against)
             if batch_stat_layers(r) and not probe.reverse_micro:  # the yardstick itself (BATCH_STATS_SPLIT)
                 continue
             hot = sensitive(floor, tier)

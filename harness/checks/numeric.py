@@ -8,8 +8,8 @@ from typing import Callable
 
 import pandas as pd
 
-from harness.checks.noise_floor import (batch_stat_layers, floors, held_bounds, resumed_across_sizes, sensitive,
-                                        split_yardstick)
+from harness.checks.noise_floor import (batch_stat_layers, floors, held_bounds, probe_maxima, resumed_across_sizes,
+                                        sensitive, split_yardstick)
 from harness.core.policy import (BATCH_STATS_SPLIT, BF16_SPLIT, NOISE_FLOOR_FACTOR, NOT_EXACT, Bounds,
                                  known_deviation)
 from harness.core.scenario import REFERENCE_IMPL, ROUNDED_PER_RANK, Scenario, feature_of, widest
@@ -186,6 +186,7 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
     sc, params = tables["scenarios"], tables["params"]
     done = set(_ok(sc).scenario)
     by_scenario = dict(tuple(params.groupby("scenario"))) if len(params) else {}
+    maxima = probe_maxima(tables)
     for row in _ok(sc)[lambda d: (_widest(d) > 1) & (d.data_mode == "split")].itertuples():
         bound = bounds.split_bound(row.optimizer, row.lr, int(row.steps))
         why = f"{bound / (row.lr * row.steps):g} x lr x steps"
@@ -210,11 +211,11 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
         elif rounded:
             against = f"full-batch training in {scen.reference().micro_batches} micro-batches"
             why += f"; {BF16_SPLIT}"
-        floor = floors(params, probes, against_probe=bool(layers) or rounded)
+        floor = floors(maxima, probes, against_probe=bool(layers) or rounded)
         held, hot = held_bounds(floor, bound), sensitive(floor, bound)
         rows = by_scenario.get(row.scenario)
         if layers and not rounded and int(row.world_size) > 2 and rows is not None and len(rows):
-            rows, why = _first_step_only(rows, params, probes, why)
+            rows, why = _first_step_only(rows, by_scenario, probes, why)
         at, worst = _first_param_crossing(rows, col, held, bound, set(hot))
         msg = f"max |param diff| vs {against} = {_fmt(worst)} (bound {bound:.3g} = {why})"
         if hot:
@@ -229,13 +230,14 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
     return out
 
 
-def _first_step_only(rows: pd.DataFrame, params: pd.DataFrame, probes, why: str) -> tuple[pd.DataFrame, str]:
+def _first_step_only(rows: pd.DataFrame, by_scenario: dict, probes, why: str) -> tuple[pd.DataFrame, str]:
     """A model with batch statistics at W > 2 ranks: only the first step is held. Beyond it two correct
     orders of summation of the same slice gradients part by more than rounding, since each rank's batch
     statistics amplify the difference step by step ([Note: noise floor], BATCH_STATS_SPLIT); the reversed
     probe's parting from the rank-order one is shown as the evidence."""
     first = int(rows.step.min())
-    rev = params[params.scenario.isin([p.id for p in probes if p.reverse_micro])]
+    rev = pd.concat([by_scenario[p.id] for p in probes if p.reverse_micro and p.id in by_scenario] or
+                    [pd.DataFrame(columns=["step", "diff_probe"])])
     spread = rev.groupby("step").diff_probe.max() if len(rev) else pd.Series(dtype=float)
     parted = (f": the plain model's two orders of summation part by {_fmt(float(spread.get(first, math.nan)))} at "
               f"step {first} and {_fmt(float(spread.max()))} by step {int(spread.index.max())}") if len(spread) else ""

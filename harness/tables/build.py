@@ -181,9 +181,8 @@ def _span_diff(t: torch.Tensor, other: dict | None, name: str, a: int, b: int) -
     o = None if other is None else other.get(name)
     if o is None or o.shape != t.shape:
         return math.nan
-    if b <= a:
-        return 0.0
-    return float((t[a:b].double() - o[a:b].double()).abs().max())
+    d = (t[a:b].double() - o[a:b].double()).abs()  # no rows (an empty shard, a reshaped report): nothing differs
+    return float(d.max()) if d.numel() else 0.0
 
 
 def _restore(sc: Scenario, snaps: _Snapshots, by_id: dict) -> dict:
