@@ -61,9 +61,11 @@ def batch_stat_layers(row) -> str:
 
 def split_yardstick(row) -> str:
     """The id of the run a split row's numbers are held to: the full-batch reference, or for a model with
-    batch statistics the noise probe at its world size in rank order (the equivalent computation)."""
+    batch statistics the noise probe in rank order at the world size its first step was trained at (the
+    equivalent computation; a resumed run's first steps are its saver's)."""
     sc = Scenario.of_row(row)
-    probe = sc.rank_order_probe()
+    first = sc.resume_from or sc.world_size  # a resumed run's first steps were trained where it was saved
+    probe = next((p for p in sc.noise_probes() if p.micro_batches == first and not p.reverse_micro), None)
     if row.data_mode == "split" and batch_stat_layers(row) and probe is not None:
         return probe.id
     return sc.reference().id
