@@ -52,7 +52,7 @@ def sensitive(floor: dict[str, float], tier_bound: float) -> dict[str, float]:
     return {p: f for p, f in floor.items() if noise_floor_bound(tier_bound, f) > tier_bound}
 
 
-def batch_stat_layers(row) -> str:
+def batch_stats_of(row) -> str:
     """A scenarios-table row's layers that use batch statistics ("" for none, or a table stored before
     the column existed)."""
     value = getattr(row, "batch_stats", "")
@@ -64,9 +64,8 @@ def split_yardstick(row) -> str:
     batch statistics the noise probe in rank order at the world size its first step was trained at (the
     equivalent computation; a resumed run's first steps are its saver's)."""
     sc = Scenario.of_row(row)
-    first = sc.resume_from or sc.world_size  # a resumed run's first steps were trained where it was saved
-    probe = next((p for p in sc.noise_probes() if p.micro_batches == first and not p.reverse_micro), None)
-    if row.data_mode == "split" and batch_stat_layers(row) and probe is not None:
+    probe = sc.rank_order_probe(at=sc.resume_from or sc.world_size)  # a resumed run's first steps: its saver's
+    if row.data_mode == "split" and batch_stats_of(row) and probe is not None:
         return probe.id
     return sc.reference().id
 
@@ -82,15 +81,14 @@ def sensitivity_table(tables, bounds: Bounds = Bounds()) -> pd.DataFrame:
         maxima = probe_maxima(tables)
         for r in probes.itertuples():
             tier = bounds.split_bound(r.optimizer, float(r.lr), int(r.steps))
-            probe = Scenario.of_row(r)
-            against = bool(batch_stat_layers(r)) or probe.feature in ROUNDED_PER_RANK
-            floor = floors(maxima, [probe], against_probe=against)
-            if batch_stat_layers(r) and not probe.reverse_micro:  # the yardstick itself (BATCH_STATS_SPLIT)
+            probe, stats = Scenario.of_row(r), bool(batch_stats_of(r))
+            if stats and not probe.reverse_micro:  # the yardstick itself (BATCH_STATS_SPLIT), no floor
                 continue
+            floor = floors(maxima, [probe], against_probe=stats or probe.feature in ROUNDED_PER_RANK)
             hot = sensitive(floor, tier)
             which = "; ".join(f"{p} (floor {f:.3g})" for p, f in sorted(hot.items(), key=lambda kv: -kv[1]))
             rows.append({"probe": r.scenario, "model": r.model, "optimizer": r.optimizer, "seed": int(r.seed),
-                         "feature": feature_of(r), "micro_batches": Scenario.of_row(r).micro_batches,
+                         "feature": feature_of(r), "micro_batches": probe.micro_batches,
                          "params": len(floor), "sensitive": len(hot), "tier_bound": tier, "which": which})
     return pd.DataFrame(rows, columns=SENSITIVITY_COLUMNS)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from harness.checks.numeric import _ROW, Check, _fmt, _not_reference, _ok, _reference_id, judge, not_measured
-from harness.checks.noise_floor import batch_stat_layers, split_yardstick
+from harness.checks.noise_floor import batch_stats_of, split_yardstick
 from harness.core.policy import BATCH_STATS_SPLIT, Bounds
 from harness.core.scenario import CLIP, REFERENCE_IMPL, Scenario, widest
 from harness.core.verdict import Verdict
@@ -47,7 +47,7 @@ def grad_norm_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         msg = (f"step-1 gradient norm {got:.9g} vs non-sharded {ref:.9g}: relative difference {_fmt(rel)} "
                f"(bound {bound:g}){ratio_hint(got, ref, widest(row), passed)}")
         if ref_id != _reference_id(row):
-            msg += f"; against {ref_id}: {BATCH_STATS_SPLIT.format(layers=batch_stat_layers(row))}"
+            msg += f"; against {ref_id}: {BATCH_STATS_SPLIT.format(layers=batch_stats_of(row))}"
         out.append(judge("grad_norm_matches", row, passed, rel, bound, msg, step=step, param="gradient norm"))
     return out
 

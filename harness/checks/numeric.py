@@ -8,7 +8,7 @@ from typing import Callable
 
 import pandas as pd
 
-from harness.checks.noise_floor import (batch_stat_layers, floors, held_bounds, probe_maxima, resumed_across_sizes,
+from harness.checks.noise_floor import (batch_stats_of, floors, held_bounds, probe_maxima, resumed_across_sizes,
                                         sensitive, split_yardstick)
 from harness.core.policy import (BATCH_STATS_SPLIT, BF16_SPLIT, NOISE_FLOOR_FACTOR, NOT_EXACT, Bounds,
                                  known_deviation)
@@ -197,7 +197,7 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
             out.append(not_measured("split_matches_full_batch", row, f"the noise probe {lost[0]} did not complete",
                                     bound))
             continue
-        layers, col = batch_stat_layers(row), "diff_ref"
+        layers, col = batch_stats_of(row), "diff_ref"
         rounded = feature_of(row) in ROUNDED_PER_RANK  # its reference is the ranks' micro-batches already
         against = "full-batch training"
         if layers and not rounded:

@@ -189,13 +189,14 @@ class Scenario:
         return [ref.replace(micro_batches=w, reverse_micro=rev) for w in sizes
                 for rev in ((False, True) if w > 2 else (False,))]
 
-    def rank_order_probe(self) -> "Scenario | None":
-        """The noise probe a run is held against directly: for a split run, the probe at its own world size
-        in rank order; for a probe in reverse order, its twin in rank order (what the order changed)."""
+    def rank_order_probe(self, at: int | None = None) -> "Scenario | None":
+        """The noise probe a run is held against directly: for a split run, the probe in rank order at its
+        own world size (or at `at`, another world size its trajectory was trained at); for a probe in
+        reverse order, its twin in rank order (what the order changed)."""
         if self.reverse_micro:
             return self.replace(reverse_micro=False)
-        return next((p for p in self.noise_probes() if p.micro_batches == self.world_size and not p.reverse_micro),
-                    None)
+        at = self.world_size if at is None else at
+        return next((p for p in self.noise_probes() if p.micro_batches == at and not p.reverse_micro), None)
 
     def saver(self) -> "Scenario | None":
         """The run whose checkpoint a ckpt run resumes from: the same implementation's plain run at

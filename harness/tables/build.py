@@ -164,12 +164,14 @@ def _rank_diffs(sid: str, step: int, ranks: list[dict], cur: dict, ref: dict | N
     """Per rank, the largest |param diff| within the dim-0 rows that rank holds (its record's `rows`), for
     every parameter that differs at all at this step: which ranks' rows parted from the yardstick."""
     out = []
+    if len(ranks) < 2:
+        return out
     for name, t in cur.items():
         if not (d_ref.get(name, 0.0) or d_ws1.get(name, 0.0)):
             continue
         for rec in ranks:
             span = rec.get("rows", {}).get(name)
-            if span is None or len(ranks) < 2:
+            if span is None:
                 continue
             a, b = span
             out.append({"scenario": sid, "step": step, "param": name, "rank": rec["rank"],
