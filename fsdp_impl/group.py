@@ -114,6 +114,15 @@ class ParamGroup:
         """Reduce every unsharded gradient of the unit to the mean over all ranks (collective) and add
         this rank's rows to the sharded gradients; the unsharded gradients are released."""
         todo = [p for p in self.params if p.requires_grad and p.unsharded_grad() is not None]
+        if self.world_size == 1 and self.replicate_group is None:
+            # one rank: the mean is the gradient itself, cast where the policy says; each becomes (or is added
+            # to) the sharded gradient without the flat reduce buffer, a copy of the whole unit's gradients
+            for p in todo:
+                grad, p.unsharded.grad = p.unsharded.grad, None
+                mean = reduce_scatter_mean(grad.reshape(-1), self.group, self.mp.reduce_dtype or wider(grad.dtype),
+                                           p.dtype)
+                p.add_reduced_grad(mean.to(p.dtype))
+            return
         for dtype, params in buckets(todo, lambda p: p.unsharded.grad.dtype):
             grads = [p.unsharded.grad.reshape(p.rows, p.row_numel) for p in params]
             for p in params:

@@ -281,13 +281,14 @@ def checkpoint_around_unit(ctx, p: dict) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     calls = []
-    real = fsdp_group.reduce_scatter_mean
+    real = fsdp_group.ParamGroup.reduce_grads
 
-    def count(*a):
-        calls.append(1)
-        return real(*a)
+    def count(self):  # a reduction: a unit's reduce_grads with gradients to reduce (one rank reduces none apart)
+        if any(q.requires_grad and q.unsharded_grad() is not None for q in self.params):
+            calls.append(1)
+        return real(self)
 
-    with patched(fsdp_group, "reduce_scatter_mean", count):
+    with patched(fsdp_group.ParamGroup, "reduce_grads", count):
         for _ in range(3):
             model(torch.randn(4, 6, generator=g)).pow(2).mean().backward()
             opt.step()
