@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 
-from harness.checks.numeric import _ROW, Check, _first_crossing, _fmt, _ok, judge, not_measured
+from harness.checks.noise_floor import batch_stats_of, holding, probe_maxima
+from harness.checks.numeric import _ROW, Check, _fmt, _ok, first_param_crossing, judge, not_measured
 from harness.core.policy import Bounds
 from harness.core.scenario import (
     REFERENCE_IMPL,
@@ -65,13 +66,19 @@ def bf16_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """Split data, k micro-batches at W ranks (accum, no_sync) against the same implementation's plain
     step at W x k ranks: two factorisations (world size x local batch x micro-batches) of one global
-    batch, the same micro-batches, so the same training within the split tier's bound, at every step.
-    Both are also held to the full batch; this holds the implementation to itself, run against run."""
+    batch, the same micro-batches, so the same training within the split tier's bound, parameter by
+    parameter, at every step. Both compute the W x k micro-batch gradients the run's noise probes compute
+    and differ from them in the order of summation only, so each parameter is held as split data holds it
+    (harness/core/policy.py [Note: noise floor]): the tier's bound, or a model-sensitive parameter's floor
+    or reach. Both are also held to the full batch; this holds the implementation to itself."""
     out = []
-    sc, steps = tables["scenarios"], tables["steps"]
+    sc, params = tables["scenarios"], tables["params"]
     done, known = set(_ok(sc).scenario), set(sc.scenario)
+    by_scenario = dict(tuple(params.groupby("scenario"))) if len(params) else {}
+    maxima = probe_maxima(tables)
     for row in _ok(sc).itertuples():
-        twin = Scenario.of_row(row).factor_twin()
+        scen = Scenario.of_row(row)
+        twin = scen.factor_twin()
         if twin is None:
             continue
         k = passes_per_step(feature_of(row))
@@ -81,10 +88,19 @@ def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                 f"does not apply: its other factorisation, {twin.id} ({int(row.world_size) * k} ranks x 1 "
                 f"micro-batch), {why}")))
             continue
+        probes = scen.noise_probes()
+        lost = [p.id for p in probes if p.id not in done]
         bound = bounds.split_bound(row.optimizer, row.lr, int(row.steps))
-        at, worst = _first_crossing(steps, row.scenario, "max_diff_factor", bound)
+        if lost:
+            out.append(not_measured("factorisations_agree", row, f"the noise probe {lost[0]} did not complete", bound))
+            continue
+        hold = holding(row, maxima, probes, bool(batch_stats_of(row)), bounds)
+        rows = by_scenario.get(row.scenario)
+        at, worst = first_param_crossing(rows, "diff_factor", hold.held, bound, set(hold.hot))
         msg = (f"{int(row.world_size)} ranks x {k} micro-batches vs {int(row.world_size) * k} ranks x 1: max |param "
                f"diff| {_fmt(worst)} (bound {bound:.3g}, the split tier's)")
+        if hold.hot and rows is not None:
+            msg += hold.note(rows.groupby("param").diff_factor.max())
         out.append(judge("factorisations_agree", row, at is None and not math.isnan(worst), worst, bound, msg, at=at))
     return out
 
@@ -139,5 +155,5 @@ FEATURE_CHECKS = (
     Check(bf16_acts, _bf16_reference, {"scenarios": _ROW, "steps": ("scenario", "step", "max_diff_ref")}),
     Check(replicas_agree, _hybrid, {"scenarios": _ROW, "steps": ("scenario", "step", "replicas_differ")}),
     Check(factorisations_agree, _factorised, {"scenarios": _ROW + ("steps", "lr"),
-                                              "steps": ("scenario", "step", "max_diff_factor", "worst_param_factor")}),
+                                              "params": ("scenario", "step", "param", "diff_factor")}),
 )

@@ -4,9 +4,12 @@ parameters are held to. Pure functions over the run's tables."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import pandas as pd
 
-from harness.core.policy import Bounds, noise_floor_bound
+from harness.core.policy import NOISE_FLOOR_FACTOR, Bounds, model_sensitive, noise_floor_bound
 from harness.core.scenario import ROUNDED_PER_RANK, REFERENCE_IMPL, Scenario, feature_of, resume_of
 
 SENSITIVITY_COLUMNS = ("probe", "model", "optimizer", "seed", "feature", "micro_batches", "params", "sensitive",
@@ -15,41 +18,83 @@ SENSITIVITY_COLUMNS = ("probe", "model", "optimizer", "seed", "feature", "micro_
 
 def probe_maxima(tables) -> pd.DataFrame:
     """(scenario, param) -> the largest diff_ref and diff_probe over the steps, for the reference runs that
-    are noise probes (micro_batches > 1): read once per run, each split scenario's floor picks its rows."""
+    are noise probes (micro_batches > 1 or nudged): read once per run, each split scenario's floor picks its rows."""
     sc, params = tables.get("scenarios"), tables.get("params")
     if not isinstance(sc, pd.DataFrame) or not isinstance(params, pd.DataFrame) or not len(params) \
             or "micro_batches" not in sc:
         return pd.DataFrame(columns=["diff_ref", "diff_probe"])
-    probe_ids = sc.scenario[(sc.impl == REFERENCE_IMPL) & (pd.to_numeric(sc.micro_batches, errors="coerce") > 1)]
+    nudged = pd.to_numeric(sc.nudge, errors="coerce").fillna(0) > 0 if "nudge" in sc else False
+    probe_ids = sc.scenario[(sc.impl == REFERENCE_IMPL)
+                            & ((pd.to_numeric(sc.micro_batches, errors="coerce") > 1) | nudged)]
     rows = params[params.scenario.isin(set(probe_ids))]
     cols = [c for c in ("diff_ref", "diff_probe") if c in rows]
     return rows.groupby(["scenario", "param"])[cols].max() if len(rows) else pd.DataFrame(columns=cols)
 
 
 def floors(maxima: pd.DataFrame, probes: list[Scenario], against_probe: bool = False) -> dict[str, float]:
-    """parameter -> its noise floor: the largest |param diff| of any of the probes from the full-batch
-    reference at any step (diff_ref; `maxima`: probe_maxima). `against_probe` (a model with batch
-    statistics, held to its rank-order probe; bf16, whose reference is that probe): the largest |param
-    diff| of a reversed probe from its rank-order twin (diff_probe), what the order of summation alone
-    changes."""
-    col = "diff_probe" if against_probe else "diff_ref"
-    ids = [p.id for p in probes if p.reverse_micro or not against_probe]
-    if col not in maxima or not len(maxima):
+    """parameter -> its noise floor: the largest |param diff| of any of the probes from the reference it
+    perturbs at any step (diff_ref: the full-batch reference; `maxima`: probe_maxima). `against_probe`
+    (a model with batch statistics, held to its rank-order probe; bf16, whose reference is that probe): for
+    a probe of the ranks' micro-batches, the largest |param diff| of a reversed or nudged probe from its
+    rank-order twin (diff_probe), what the order of summation alone changes."""
+    if not len(maxima):
         return {}
-    rows = maxima[maxima.index.get_level_values("scenario").isin(ids)]
-    if not len(rows):
+    have = set(maxima.index.get_level_values("scenario"))
+    parts = []
+    for p in probes:
+        col = "diff_probe" if against_probe and p.micro_batches > 1 else "diff_ref"
+        if (col == "diff_probe" and not (p.reverse_micro or p.nudge)) or col not in maxima or p.id not in have:
+            continue
+        parts.append(maxima.loc[p.id][col])
+    if not parts:
         return {}
-    return {p: float(v) for p, v in rows[col].groupby(level="param").max().items()}
+    return {q: float(v) for q, v in pd.concat(parts).groupby(level=0).max().items()}
 
 
-def held_bounds(floor: dict[str, float], tier_bound: float) -> dict[str, float]:
-    """parameter -> the bound it is held to: the tier's, or its floor's where that is larger."""
-    return {p: noise_floor_bound(tier_bound, f) for p, f in floor.items()}
+def held_bounds(floor: dict[str, float], tier_bound: float, reach: float = 0.0) -> dict[str, float]:
+    """parameter -> the bound it is held to: the tier's, or for a model-sensitive one the larger of 2 x its
+    floor and the optimizer's reach (policy.noise_floor_bound)."""
+    return {p: noise_floor_bound(tier_bound, f, reach) for p, f in floor.items()}
 
 
 def sensitive(floor: dict[str, float], tier_bound: float) -> dict[str, float]:
-    """The model-sensitive parameters (held to their floor, not to the tier's bound) -> their floor."""
-    return {p: f for p, f in floor.items() if noise_floor_bound(tier_bound, f) > tier_bound}
+    """The model-sensitive parameters (held to their floor or reach, not to the tier's bound) -> their floor."""
+    return {p: f for p, f in floor.items() if model_sensitive(tier_bound, f)}
+
+
+@dataclass(frozen=True)
+class Holding:
+    """How one split run's parameters are held: the tier's bound, each parameter's bound (held), the
+    model-sensitive ones with their floors (hot), and the optimizer's reach that lifts them."""
+
+    tier: float
+    held: dict[str, float]
+    hot: dict[str, float]
+    reach: float
+
+    def note(self, measured: pd.Series) -> str:
+        return sensitive_note(self.hot, self.held, measured, self.reach)
+
+
+def holding(row, maxima: pd.DataFrame, probes: list[Scenario], against_probe: bool, bounds: Bounds) -> Holding:
+    """The Holding of a split row whose noise probes are `probes` (floors: `against_probe` as in floors)."""
+    tier = bounds.split_bound(row.optimizer, float(row.lr), int(row.steps))
+    floor, reach = floors(maxima, probes, against_probe), bounds.reach(row.optimizer, float(row.lr), int(row.steps))
+    return Holding(tier, held_bounds(floor, tier, reach), sensitive(floor, tier), reach)
+
+
+def sensitive_note(hot: dict[str, float], held: dict[str, float], measured: pd.Series, reach: float) -> str:
+    """'; 2 of 27 parameters model-sensitive, ...: name value (floor f, bound b); ...' ('' for none):
+    what a split verdict says of the parameters it holds to their floor or the optimizer's reach."""
+    if not hot:
+        return ""
+    how = (f"held to the larger of {NOISE_FLOOR_FACTOR:g} x their noise floor and AdamW's reach {reach:.3g} (the most "
+           "any two runs can part by; their gradient is rounding noise, so nothing tighter holds)"
+           if reach else f"held to {NOISE_FLOOR_FACTOR:g} x their noise floor")
+    return (f"; {len(hot)} of {len(held)} parameters model-sensitive (how far the plain model itself moves when the batch is cut "
+            f"into the ranks' slices), {how}: " + "; ".join(
+                f"{p} {float(measured.get(p, math.nan)):.3g} (floor {f:.3g}, bound {held[p]:.3g})"
+                for p, f in sorted(hot.items(), key=lambda kv: -kv[1])))
 
 
 def batch_stats_of(row) -> str:
@@ -82,7 +127,7 @@ def sensitivity_table(tables, bounds: Bounds = Bounds()) -> pd.DataFrame:
         for r in probes.itertuples():
             tier = bounds.split_bound(r.optimizer, float(r.lr), int(r.steps))
             probe, stats = Scenario.of_row(r), bool(batch_stats_of(r))
-            if stats and not probe.reverse_micro:  # the yardstick itself (BATCH_STATS_SPLIT), no floor
+            if stats and probe.micro_batches > 1 and not (probe.reverse_micro or probe.nudge):  # the yardstick itself
                 continue
             floor = floors(maxima, [probe], against_probe=stats or probe.feature in ROUNDED_PER_RANK)
             hot = sensitive(floor, tier)
@@ -94,9 +139,9 @@ def sensitivity_table(tables, bounds: Bounds = Bounds()) -> pd.DataFrame:
 
 
 def _is_probe(row) -> bool:
-    """A reference run that is some split run's noise probe (not a ROUNDED_PER_RANK run's reference)."""
+    """A reference run that is some run's noise probe (not a ROUNDED_PER_RANK run's reference)."""
     sc = Scenario.of_row(row)
-    return sc.micro_batches > 1 and (sc.feature not in ROUNDED_PER_RANK or sc.reverse_micro)
+    return sc.nudge > 0 or (sc.micro_batches > 1 and (sc.feature not in ROUNDED_PER_RANK or sc.reverse_micro))
 
 
 def resumed_across_sizes(row) -> bool:

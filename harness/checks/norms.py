@@ -100,17 +100,20 @@ def clip_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                              f"clipping acted at every step ({kind} norm {mine.clip_norm.min():.6g} at the least, "
                              f"max_norm {max_norm:g})"))
             continue
-        ref = norms.get(_reference_id(row))
+        ref_id = split_yardstick(row)
+        ref = norms.get(ref_id)
         if ref is None or "clip_norm" not in ref or ref.clip_norm.isna().all():
-            out.append(not_measured("clip_acts", row, f"no norm before clipping of {_reference_id(row)}"))
+            out.append(not_measured("clip_acts", row, f"no norm before clipping of {ref_id}"))
             continue
         got, want = float(mine.clip_norm.iloc[0]), float(ref.clip_norm.iloc[0])
         rel = abs(got - want) / abs(want)
         step = int(mine.step.iloc[0])
-        out.append(judge("clip_acts", row, rel <= bounds.grad_norm_rel, rel, bounds.grad_norm_rel,
-                         f"clipping acted at every step; the {kind} norm before clipping at step {step} is {got:.9g} vs "
-                         f"the plain model's {want:.9g}: relative difference {_fmt(rel)} "
-                         f"(bound {bounds.grad_norm_rel:g}){ratio_hint(got, want, widest(row), rel <= bounds.grad_norm_rel)}",
+        msg = (f"clipping acted at every step; the {kind} norm before clipping at step {step} is {got:.9g} vs "
+               f"the plain model's {want:.9g}: relative difference {_fmt(rel)} "
+               f"(bound {bounds.grad_norm_rel:g}){ratio_hint(got, want, widest(row), rel <= bounds.grad_norm_rel)}")
+        if ref_id != _reference_id(row):
+            msg += f"; against {ref_id}: {BATCH_STATS_SPLIT.format(layers=batch_stats_of(row))}"
+        out.append(judge("clip_acts", row, rel <= bounds.grad_norm_rel, rel, bounds.grad_norm_rel, msg,
                          step=step, param="gradient norm"))
     return out
 

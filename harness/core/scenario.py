@@ -49,6 +49,9 @@ HSDP_REPLICAS = 2  # replicas of a hybrid mesh at W >= 2 (2 x 1 at W = 2, 2 x 2 
 # slice each, loss scaled by 1 / W): the same kernels on the same shapes, the same bf16 values, summed in
 # fp32 (Scenario.micro_batches; harness/core/policy.py BF16_SPLIT says what bound follows)
 ROUNDED_PER_RANK = ("bf16",)
+# features whose sharded step computes a scalar of the whole gradient (the L2 clipping norm) from W partial
+# sums, so it differs from one rank's in the last bits: their noise probes include a nudged one (Scenario.nudge)
+NUDGED = ("clip",)
 
 
 def ckpt_step(steps: int) -> int:
@@ -138,19 +141,22 @@ class Scenario:
     # noise_probes); a feature with micro-batches of its own cuts each slice into its own
     micro_batches: int = 1
     reverse_micro: bool = False  # a noise probe only: its micro-batches in reverse rank order
+    # a noise probe of a NUDGED feature only: its clipping coefficient moved by this many fp32 ulps
+    # (max_norm x (1 + nudge x 2^-23)), as a sharded norm summed from W partial sums may move it
+    nudge: int = 0
 
     @property
     def id(self) -> str:
         """Stable readable id, e.g. ``fsdp_impl-mlp-ws4-split-adamw`` (``...-adamw-accum`` with a feature)."""
         return scenario_id(self.impl, self.model, self.world_size, self.data_mode, self.optimizer, self.seed,
-                           self.feature, self.resume_from, self.micro_batches, self.reverse_micro)
+                           self.feature, self.resume_from, self.micro_batches, self.reverse_micro, self.nudge)
 
     @classmethod
     def of_row(cls, row) -> "Scenario":
         """The scenario of a scenarios-table row."""
         return cls(row.impl, row.model, int(row.world_size), row.data_mode, row.optimizer, seed=int(row.seed),
                    feature=feature_of(row), resume_from=resume_of(row), micro_batches=micro_batches_of(row),
-                   reverse_micro=reverse_micro_of(row))
+                   reverse_micro=reverse_micro_of(row), nudge=_stored_int(row, "nudge", 0))
 
     @property
     def device_type(self) -> str:
@@ -167,7 +173,7 @@ class Scenario:
         per_rank = (self.impl != REFERENCE_IMPL and self.feature in ROUNDED_PER_RANK and self.data_mode == "split")
         return dataclasses.replace(self, impl=REFERENCE_IMPL, world_size=1, data_mode="replicated",
                                    feature="plain" if plain else self.feature, resume_from=0,
-                                   micro_batches=self.world_size if per_rank else 1, reverse_micro=False)
+                                   micro_batches=self.world_size if per_rank else 1, reverse_micro=False, nudge=0)
 
     def noise_probes(self) -> list["Scenario"]:
         """Split data at W ranks: the plain model doing this run's step on the same global batch cut into
@@ -176,27 +182,36 @@ class Scenario:
         split computation without any sharding code; how far it lands from the full-batch reference,
         parameter by parameter, is the model's own sensitivity to that cut (its noise floor,
         harness/core/policy.py NOISE_FLOOR), and for a model whose layers use batch statistics it is the
-        equivalent computation itself. Beyond 2 ranks a second probe takes the slices in reverse order:
-        autograd then sums the same slice gradients in another order, as a sharded reduction may. None for
-        replicated data or a reference; for a feature whose split runs are compared with the rank-order
-        micro-batch reference itself (ROUNDED_PER_RANK), only the reversed one."""
-        if self.impl == REFERENCE_IMPL or self.data_mode != "split":
+        equivalent computation itself. Where more than 2 micro-batch gradients are summed (beyond 2 ranks,
+        or 2 ranks with the feature's own micro-batches) a second probe takes the slices in reverse order:
+        autograd then sums the same gradients in another order, as a sharded reduction may (2 addends
+        sum alike in either order). None for replicated data or a reference; for a feature whose split
+        runs are compared with the rank-order micro-batch reference itself (ROUNDED_PER_RANK), only the
+        reversed one. Under a NUDGED feature (clip), at W > 1 in either data mode, one more probe per world
+        size has its clipping coefficient nudged by W ulps: what the sharded norm's other order of summation
+        changes."""
+        if self.impl == REFERENCE_IMPL:
             return []
-        ref = self.reference()
-        if self.feature in ROUNDED_PER_RANK:  # its reference is the rank-order probe: only the order is left
-            return [ref.replace(reverse_micro=True)] if ref.micro_batches > 2 else []
+        ref, k = self.reference(), passes_per_step(self.feature)
         sizes = sorted({self.world_size, self.resume_from} - {0, 1})
+        nudged = self.feature in NUDGED
+        if self.data_mode != "split":
+            return [ref.replace(nudge=w) for w in sizes] if nudged else []
+        if self.feature in ROUNDED_PER_RANK:  # its reference is the rank-order probe: only the order is left
+            return [ref.replace(reverse_micro=True)] if ref.micro_batches * k > 2 else []
         return [ref.replace(micro_batches=w, reverse_micro=rev) for w in sizes
-                for rev in ((False, True) if w > 2 else (False,))]
+                for rev in ((False, True) if w * k > 2 else (False,))] + \
+            [ref.replace(micro_batches=w, nudge=w) for w in sizes if nudged]
 
     def rank_order_probe(self, at: int | None = None) -> "Scenario | None":
         """The noise probe a run is held against directly: for a split run, the probe in rank order at its
         own world size (or at `at`, another world size its trajectory was trained at); for a probe in
         reverse order, its twin in rank order (what the order changed)."""
-        if self.reverse_micro:
-            return self.replace(reverse_micro=False)
+        if self.reverse_micro or self.nudge:
+            return self.replace(reverse_micro=False, nudge=0) if self.micro_batches > 1 else None
         at = self.world_size if at is None else at
-        return next((p for p in self.noise_probes() if p.micro_batches == at and not p.reverse_micro), None)
+        return next((p for p in self.noise_probes()
+                     if p.micro_batches == at and not p.reverse_micro and not p.nudge), None)
 
     def saver(self) -> "Scenario | None":
         """The run whose checkpoint a ckpt run resumes from: the same implementation's plain run at
@@ -241,15 +256,17 @@ class Scenario:
 
 def scenario_id(impl: str, model: str, world_size: int, data_mode: str, optimizer: str | None = None,
                 seed: int = 0, feature: str = "plain", resume_from: int = 0, micro_batches: int = 1,
-                reverse_micro: bool = False) -> str:
-    """The one way ids are made: ``impl-model-wsW-mode[-optimizer][-feature][-fromW][-microK][-seedN]``.
+                reverse_micro: bool = False, nudge: int = 0) -> str:
+    """The one way ids are made: ``impl-model-wsW-mode[-optimizer][-feature][-fromW][-microK][-nudgeN][-seedN]``.
     Runs that train no optimizer (the per-sample norms, measured on one backward) leave it out; the plain
     feature is left out; ``-fromW`` names the world size a resumed (ckpt) run's checkpoint was saved at,
-    ``-microK`` the micro-batches a reference sums (Scenario.micro_batches), ``-microKrev`` in reverse order."""
+    ``-microK`` the micro-batches a reference sums (Scenario.micro_batches), ``-microKrev`` in reverse order,
+    ``-nudgeN`` a probe's clipping coefficient nudged by N ulps (Scenario.nudge)."""
     parts = [_slug(impl), _slug(model), f"ws{world_size}", data_mode] + ([optimizer] if optimizer else [])
     parts += [feature] if feature != "plain" else []
     parts += [f"from{resume_from}"] if resume_from else []
     parts += [f"micro{micro_batches}{'rev' if reverse_micro else ''}"] if micro_batches > 1 else []
+    parts += [f"nudge{nudge}"] if nudge else []
     return "-".join(parts) + (f"-seed{seed}" if seed else "")
 
 

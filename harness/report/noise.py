@@ -22,7 +22,9 @@ def _noise_section(tables: dict) -> list[str]:
            "full batch is its noise floor. A parameter whose gradient is at its rounding-noise level (an attention "
            "key bias, a bias before a BatchNorm) moves by about lr whichever way its noise points under AdamW: it is "
            f"**model-sensitive, held to its noise floor** ({NOISE_FLOOR_FACTOR:g} x the floor) instead of the tier's "
-           "bound. Every other parameter keeps the tier's bound unchanged.", ""]
+           "bound; under AdamW to the larger of that and AdamW's reach (the most two runs can part by in that many "
+           "steps, whatever their gradients: a trajectory set by rounding residues has no tighter bound). Every other "
+           "parameter keeps the tier's bound unchanged.", ""]
     hot = table[table.sensitive > 0]
     per_model = table.groupby("model").agg(probes=("probe", "size"), params=("params", "max"),
                                            sensitive=("sensitive", "max")).reset_index()

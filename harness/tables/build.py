@@ -21,7 +21,7 @@ from harness.tables.schema import columns
 def _scenario_fields(sc: Scenario) -> dict:
     return {"scenario": sc.id, "impl": sc.impl, "model": sc.model, "world_size": sc.world_size,
             "data_mode": sc.data_mode, "optimizer": sc.optimizer, "seed": sc.seed, "feature": sc.feature,
-            "resume_from": sc.resume_from, "micro_batches": sc.micro_batches, "reverse_micro": sc.reverse_micro}
+            "resume_from": sc.resume_from, "micro_batches": sc.micro_batches, "reverse_micro": sc.reverse_micro, "nudge": sc.nudge}
 
 
 class _Snapshots:
@@ -84,6 +84,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
         base = _scenario_fields(sc)
         if "ranks" not in res:
             status, why = ("unsupported", res["unsupported"]) if "unsupported" in res else ("error", res["error"])
+            status, why = model_limit(sc, status, why, results)
             scen_rows.append({**base, **_settings(sc), "status": status, "error": why,
                               "failed_rank": res.get("failed_rank")})
             continue
@@ -103,15 +104,15 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             probe = sc.rank_order_probe()
             d_probe = _diffs(cur, snaps.get(probe.id, k)) if probe is not None and probe.id in by_id else {}
             rank_rows += _rank_diffs(sc.id, k, res["ranks"], cur, ref, ws1, d_ref, d_ws1)
+            twin = sc.factor_twin()
+            d_twin = _diffs(cur, snaps.get(twin.id, k)) if twin is not None and twin.id in by_id else {}
             for name, t in cur.items():
                 param_rows.append({"scenario": sc.id, "step": k, "param": name, "numel": t.numel(),
                                    "diff_ref": d_ref.get(name, math.nan), "diff_ws1": d_ws1.get(name, math.nan),
-                                   "diff_probe": d_probe.get(name, math.nan),
+                                   "diff_probe": d_probe.get(name, math.nan), "diff_factor": d_twin.get(name, math.nan),
                                    "sum": float(t.double().sum())})
             wr, mr = _worst(d_ref)
             w1, m1 = _worst(d_ws1)
-            twin = sc.factor_twin()
-            d_twin = _diffs(cur, snaps.get(twin.id, k)) if twin is not None and twin.id in by_id else {}
             wt, mt = _worst(d_twin)
             wp, mp = _worst(d_probe)
             g1 = math.nan
@@ -152,6 +153,31 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             "comm": comm_rows, "coverage": cover_rows, "gathered": gathered_rows, "rank_diffs": rank_rows}
     return {name: pd.DataFrame(r, columns=columns(name)) for name, r in rows.items()}
 
+
+
+def model_limit(sc: Scenario, status: str, error: str, results: dict[str, dict]) -> tuple[str, str]:
+    """(status, error) of a failed scenario, told apart from an implementation's failure where the plain
+    model fails too. A sharded run that fails as a plain run it is compared with fails (the same last line)
+    is `unsupported`: the model cannot run that scenario, whoever shards it (a BatchNorm under the bf16
+    policy, a 1-sample micro-batch of batch statistics). A failed plain run keeps its failure (no yardstick
+    is no pass) but says first that no implementation is involved."""
+    if status != "error":
+        return status, error
+    last = _last_line(error)
+    if sc.impl == REFERENCE_IMPL:
+        return status, (f"model limit: the plain model itself fails in this scenario, no implementation involved "
+                        f"({last}):\n{error}")
+    for dep in (sc.reference(), *sc.noise_probes()):
+        theirs = results.get(dep.id, {})
+        if "error" in theirs and _last_line(theirs["error"]) == last:
+            return "unsupported", (f"model limit: fails as the plain model fails in {dep.id} ({last}); the model "
+                                   "cannot run this scenario, whoever shards it")
+    return status, error
+
+
+def _last_line(error: str) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else ""
 
 
 def _settings(sc: Scenario) -> dict:

@@ -39,7 +39,8 @@ class Table:
 #               summing the W ranks' micro-batches in rank order (Scenario.rank_order_probe), worst_param_probe
 #               where
 #   params      the full, unsharded parameter under its module path; diff_probe: vs the noise probe in rank
-#               order (Scenario.rank_order_probe: a split run's at its W, a reversed probe's twin)
+#               order (Scenario.rank_order_probe: a split run's at its W, a reversed probe's twin); diff_factor
+#               (split data, accum / no_sync): vs the same implementation's plain step at W x k ranks
 #   scenarios   global_batch: samples per step over all ranks (optional when reading: a run stored
 #               before it was recorded has none); failed_rank: the rank a failure started on;
 #               param_bytes: the full parameters;
@@ -59,8 +60,9 @@ class Table:
 SCENARIO_IDS = ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed")
 # after the ids; optional when reading: a run stored before features existed is plain, trained from scratch,
 # one micro-batch per step (micro_batches: Scenario.micro_batches, > 1 only for a reference; reverse_micro:
-# a noise probe's micro-batches in reverse rank order)
-FEATURE = ("feature", "resume_from", "micro_batches", "reverse_micro")
+# a noise probe's micro-batches in reverse rank order; nudge: a noise probe's clipping coefficient moved by
+# that many ulps)
+FEATURE = ("feature", "resume_from", "micro_batches", "reverse_micro", "nudge")
 
 TABLES: dict[str, Table] = {t.name: t for t in (
     Table("steps", "scenario x step", SCENARIO_IDS + FEATURE + (
@@ -70,7 +72,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           required=SCENARIO_IDS + ("step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1",
                                    "worst_param_ws1")),
     Table("params", "scenario x step x parameter", (
-        "scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum", "diff_probe"),
+        "scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum", "diff_probe", "diff_factor"),
           required=("scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum")),
     Table("scenarios", "scenario", SCENARIO_IDS + FEATURE + (
         "steps", "lr", "global_batch", "status", "error", "failed_rank", "final_loss", "param_sum", "max_diff_ref",

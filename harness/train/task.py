@@ -97,7 +97,7 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
             adapter.after_backward(wrapped, optimizer)
             mark("after_backward")
             grad_sq = _local_grad_sq(wrapped) if first_copy else 0.0  # before clipping: measured by the harness
-            clip_norm = _clip(adapter, wrapped, sc.feature)
+            clip_norm = _clip(adapter, wrapped, sc.feature, sc.nudge)
             mark("optimizer")
             optimizer.step()
             mark("optimizer")
@@ -138,12 +138,13 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
             "step_time_s": sum(times) / len(times) if times else math.nan, "snapshot_dir": str(snap_dir)}
 
 
-def _clip(adapter, wrapped, feature: str) -> float:
-    """Clip the gradients for a clip feature; the norm before clipping the adapter reports (NaN: none)."""
+def _clip(adapter, wrapped, feature: str, nudge: int = 0) -> float:
+    """Clip the gradients for a clip feature; the norm before clipping the adapter reports (NaN: none).
+    `nudge` (a noise probe's Scenario.nudge): the coefficient max_norm / norm moved by that many ulps."""
     if feature not in CLIP:
         return math.nan
     norm_type, max_norm = CLIP[feature]
-    return float(adapter.clip_grad_norm(wrapped, max_norm, norm_type))
+    return float(adapter.clip_grad_norm(wrapped, max_norm * (1 + nudge * 2.0 ** -23), norm_type))
 
 
 def _marker(timeline: UnitTimeline, mem: PeakMemory | None):

@@ -21,12 +21,15 @@ def test_plain_ids_are_unchanged_and_a_feature_is_named_before_the_seed():
 def test_a_feature_is_compared_with_the_plain_model_doing_the_same():
     cells = build_matrix(["fsdp_impl"], ["mlp"], [2], ["split"], ["sgd"], features=("plain", "accum"))
     refs = {c.id for c in cells if c.impl == "reference"}
-    # each with its noise probe: the same step on the two ranks' slices (split data at W = 2)
+    # each with its noise probe: the same step on the two ranks' slices (split data at W = 2); with the
+    # feature's own micro-batches 4 gradients are summed, so a second probe sums them in reverse order
     assert refs == {"reference-mlp-ws1-replicated-sgd", "reference-mlp-ws1-replicated-sgd-accum",
-                    "reference-mlp-ws1-replicated-sgd-micro2", "reference-mlp-ws1-replicated-sgd-accum-micro2"}
+                    "reference-mlp-ws1-replicated-sgd-micro2", "reference-mlp-ws1-replicated-sgd-accum-micro2",
+                    "reference-mlp-ws1-replicated-sgd-accum-micro2rev"}
     accum = next(c for c in cells if c.feature == "accum" and c.world_size == 2)
     assert {d.id for d in accum.dependencies()} == {"reference-mlp-ws1-replicated-sgd-accum",
                                                    "reference-mlp-ws1-replicated-sgd-accum-micro2",
+                                                   "reference-mlp-ws1-replicated-sgd-accum-micro2rev",
                                                    "fsdp_impl-mlp-ws1-split-sgd-accum"}
     # beyond two ranks a second probe sums the slices in reverse order; replicated data has none
     at4 = Scenario("fsdp_impl", "mlp", 4, "split", "sgd", feature="ckpt", resume_from=8)
@@ -116,6 +119,28 @@ def test_a_feature_the_adapter_cannot_do_is_unsupported_not_run_and_never_a_pass
     tables["verdicts"] = [v]
     text = report.write_report(tables, {}, tmp_path / "r.md").read_text()
     assert "1 unsupported (not run)" in text and "## Unsupported" in text and "Overall: PASS" not in text
+
+
+def test_a_scenario_that_fails_as_the_plain_model_fails_is_the_models_limit_not_the_implementations():
+    from harness.core.outcome import outcome
+    from harness.tables.build import build_tables
+
+    sc = Scenario("fsdp_impl", "bn_mlp", 2, "replicated", "adamw", feature="bf16")
+    ref = sc.reference()
+    boom = "Traceback (most recent call last):\n  File \"m.py\", line 1\nRuntimeError: expected scalar type BFloat16 but found Float\n"
+    other = "Traceback (most recent call last):\nRuntimeError: shard offset out of range\n"
+    tables = build_tables([ref, sc], {ref.id: {"error": boom}, sc.id: {"error": boom}})
+    status = dict(zip(tables["scenarios"].scenario, tables["scenarios"].status))
+    errors = dict(zip(tables["scenarios"].scenario, tables["scenarios"].error))
+    assert status == {ref.id: "error", sc.id: "unsupported"}
+    assert errors[sc.id].startswith("model limit: fails as the plain model fails in " + ref.id)
+    assert errors[ref.id].startswith("model limit: the plain model itself fails") and "BFloat16" in errors[ref.id]
+    # the yardstick is broken, so the run is no pass; the implementation did not run to its end
+    out = outcome(tables["scenarios"], pd.DataFrame(columns=["scenario", "check", "status", "message"]))
+    assert out.word == "NOT RUN" and out.impls[0].unsupported == 1
+    # another error than the plain model's is the implementation's own failure
+    tables = build_tables([ref, sc], {ref.id: {"error": boom}, sc.id: {"error": other}})
+    assert dict(zip(tables["scenarios"].scenario, tables["scenarios"].status))[sc.id] == "error"
 
 
 def test_the_built_in_adapters_declare_what_they_support():

@@ -154,8 +154,9 @@ def test_two_factorisations_of_the_global_batch_must_agree_within_the_split_boun
     assert (twin.world_size, twin.feature) == (2, "plain")
     tables = _with(check_tables([(sc.reference(), LOSSES, ZERO, ZERO), (sc, LOSSES, ZERO, ZERO),
                                  (twin, LOSSES, ZERO, ZERO)]), feature={sc.id: "no_sync", twin.id: "plain"})
-    tables["steps"]["max_diff_factor"] = [diff if s == sc.id else math.nan for s in tables["steps"].scenario]
-    tables["steps"]["worst_param_factor"] = "fc2.weight"
+    params = tables["params"]
+    params["diff_factor"] = [(diff if p == "fc2.weight" else 0.0) if s == sc.id else math.nan
+                             for s, p in zip(params.scenario, params.param)]
     [v] = feature_checks.factorisations_agree(tables)
     assert v.scenario == sc.id and v.status == status  # the split bound for SGD, 3 steps: 3e-6
     if status == "fail":
