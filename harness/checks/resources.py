@@ -81,10 +81,25 @@ def _at_most(check: str, row, measured: float, bound: float, message: str, where
 
 def _max_over_ranks(mem: pd.DataFrame, sid: str, *categories: str) -> float:
     """Max over ranks of the categories' bytes summed per rank; NaN if a category was not recorded."""
-    rows = mem[(mem.scenario == sid) & mem.category.isin(categories)]
-    if set(rows.category) != set(categories):
+    per_rank = _per_rank(mem)
+    parts = [per_rank.get((sid, c)) for c in dict.fromkeys(categories)]
+    if any(p is None for p in parts):
         return math.nan
-    return float(rows.groupby("rank")["bytes"].sum().max())
+    return float(pd.concat(parts).groupby(level=0).sum().max())
+
+
+_INDEXED: list = []  # [(the memory table, its stamp, (scenario, category) -> bytes per rank)]: the last one indexed
+
+
+def _per_rank(mem: pd.DataFrame) -> dict:
+    """The memory table's bytes per rank for each (scenario, category), indexed once per table (the checks
+    ask for every scenario: a scan of the whole table each time made verdicts quadratic in the run)."""
+    stamp = (len(mem), float(mem["bytes"].sum()) if len(mem) else 0.0)  # a table changed in place is indexed anew
+    if not _INDEXED or _INDEXED[0][0] is not mem or _INDEXED[0][1] != stamp:
+        index = {key: g.groupby("rank")["bytes"].sum() for key, g in mem.groupby(["scenario", "category"])} \
+            if len(mem) else {}
+        _INDEXED[:] = [(mem, stamp, index)]
+    return _INDEXED[0][2]
 
 
 def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
