@@ -157,20 +157,22 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
 
 def model_limit(sc: Scenario, status: str, error: str, results: dict[str, dict]) -> tuple[str, str]:
     """(status, error) of a failed scenario, told apart from an implementation's failure where the plain
-    model fails too. A sharded run that fails as a plain run it is compared with fails (the same last line)
-    is `unsupported`: the model cannot run that scenario, whoever shards it (a BatchNorm under the bf16
+    model fails too. A sharded run that fails as a plain run it is compared with fails (that run's exception
+    line raised on one of its ranks) is `unsupported`: the model cannot run that scenario, whoever shards it (a BatchNorm under the bf16
     policy, a 1-sample micro-batch of batch statistics). A failed plain run keeps its failure (no yardstick
     is no pass) but says first that no implementation is involved."""
     if status != "error":
         return status, error
-    last = _last_line(error)
     if sc.impl == REFERENCE_IMPL:
         return status, (f"model limit: the plain model itself fails in this scenario, no implementation involved "
-                        f"({last}):\n{error}")
+                        f"({_last_line(error)}):\n{error}")
+    mine = {line.strip() for line in str(error).splitlines()}
     for dep in (sc.reference(), *sc.noise_probes()):
         theirs = results.get(dep.id, {})
-        if "error" in theirs and _last_line(theirs["error"]) == last:
-            return "unsupported", (f"model limit: fails as the plain model fails in {dep.id} ({last}); the model "
+        raised = _last_line(theirs.get("error", ""))
+        # the plain run's exception line, raised on some rank of this run ("rank 3 failed too: <it>" included)
+        if raised and (raised in mine or any(line.endswith(": " + raised) for line in mine)):
+            return "unsupported", (f"model limit: fails as the plain model fails in {dep.id} ({raised}); the model "
                                    "cannot run this scenario, whoever shards it")
     return status, error
 

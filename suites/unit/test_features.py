@@ -138,6 +138,10 @@ def test_a_scenario_that_fails_as_the_plain_model_fails_is_the_models_limit_not_
     # the yardstick is broken, so the run is no pass; the implementation did not run to its end
     out = outcome(tables["scenarios"], pd.DataFrame(columns=["scenario", "check", "status", "message"]))
     assert out.word == "NOT RUN" and out.impls[0].unsupported == 1
+    # raised on one rank of a larger world, the others reporting they failed too
+    multi = "rank 0 of World(8) failed:\n" + boom + "rank 7 failed too: RuntimeError: expected scalar type BFloat16 but found Float\n"
+    tables = build_tables([ref, sc], {ref.id: {"error": boom}, sc.id: {"error": multi}})
+    assert dict(zip(tables["scenarios"].scenario, tables["scenarios"].status))[sc.id] == "unsupported"
     # another error than the plain model's is the implementation's own failure
     tables = build_tables([ref, sc], {ref.id: {"error": boom}, sc.id: {"error": other}})
     assert dict(zip(tables["scenarios"].scenario, tables["scenarios"].status))[sc.id] == "error"
