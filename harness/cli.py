@@ -1,7 +1,8 @@
 """Command line: `python -m harness run|report|compare|plan ...` (also installed as `fsdp-harness`).
 
 `run` exits with the run's outcome (harness.session): 0 PASS, 1 FAIL (a verdict failed or a
-scenario errored), 2 bad input, 3 NOT RUN (an implementation under test ran no scenario to its end).
+scenario errored), 2 bad input, 3 NOT RUN (an implementation under test ran no scenario to its end);
+130 with the one line "interrupted" when Ctrl-C, SIGTERM or SIGHUP ends it, whatever it was doing.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import sys
 from pathlib import Path
 
 from harness import options as opt
-from harness.session import (EXIT_FAILED, EXIT_NOT_RUN, EXIT_OK, EXIT_USAGE, Session, SessionOptions,
-                             load_report_sections)
+from harness.session import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NOT_RUN, EXIT_OK, EXIT_USAGE, Session,
+                             SessionOptions, load_report_sections)
 
 EXIT_STATUSES = (f"exit status: {EXIT_OK} PASS (every implementation under test ran, no verdict failed); "
                  f"{EXIT_FAILED} FAIL (a verdict failed or a scenario errored); {EXIT_USAGE} bad input; "
                  f"{EXIT_NOT_RUN} NOT RUN (an implementation under test ran no scenario to its end: every one "
-                 "unsupported or errored)")
+                 f"unsupported or errored); {EXIT_INTERRUPTED} interrupted (Ctrl-C, SIGTERM, SIGHUP)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
         raise  # argparse's own exits (--help, usage errors), before the clauses below import anything
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
-        return 130
+        return EXIT_INTERRUPTED
     except argparse.ArgumentTypeError as e:
         parser.exit(EXIT_USAGE, f"error: {e}\n")
     except _input_errors() as e:

@@ -6,7 +6,8 @@ The exit status follows the run's outcome (harness.core.outcome): EXIT_OK when e
 under test ran and no verdict failed; EXIT_FAILED when a verdict failed or a scenario errored;
 EXIT_NOT_RUN when an implementation under test ran no scenario to its end (every one unsupported or
 errored), so that a run which verified nothing is never read as a pass; EXIT_USAGE (the CLI's) for
-bad input.
+bad input; EXIT_INTERRUPTED (the CLI's, 128 + SIGINT as a shell reports it) for a run ended by Ctrl-C,
+SIGTERM or SIGHUP, with the one line "interrupted" and no outputs written.
 
 Both entries build a `Session` from the same options and get the same tables, verdicts, report,
 baseline and exit status. Outputs (the report with its plots, the `<report>_tables/` folder and a
@@ -35,6 +36,7 @@ if TYPE_CHECKING:  # torch and pandas load only once a run starts: a usage error
     from harness.execute.executor import RunResult
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUN = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130
 # Packages that add a section to the report: each registers it when imported (harness.report.sections).
 REPORT_SECTION_PACKAGES = ("harness.per_sample",)
 
