@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import shutil
 import sys
 import tempfile
@@ -92,6 +93,9 @@ class Session:
         if under_torchrun and options.per_sample:
             raise opt.argparse.ArgumentTypeError("--per-sample is not available under torchrun yet; run it "
                                                  "without torchrun (python -m harness run --per-sample ...)")
+        if under_torchrun:  # before anything runs: one usage line, not a progress line first
+            from harness.execute.launch import check_job_fits
+            check_job_fits(options.matrix.world_sizes, int(os.environ["WORLD_SIZE"]))
         backend = options.matrix.backend
         self.baseline = opt.load_baseline_option(options.baseline, options.gate, backend, options.gate_strict)
         self.result: RunResult | None = None

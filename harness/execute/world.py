@@ -36,7 +36,8 @@ from typing import Any, Iterator
 import torch
 
 from harness.execute import worker
-from harness.execute.worker import RankContext, launched_by_torchrun
+from harness.execute.launch import launched_by_torchrun
+from harness.execute.worker import RankContext
 
 __all__ = ["World", "WorldPool", "RankContext", "WorldError", "RankFailed", "WorldHung",
            "launched_by_torchrun"]
