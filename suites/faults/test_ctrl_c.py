@@ -24,9 +24,9 @@ from harness.session import EXIT_INTERRUPTED
 from suites.faults.processes import alive, in_session, kill_session, start, wait_session_empty
 from suites.faults.scenarios import FA
 
-# two scenarios in the world of 1 (the reference's and fsdp_impl's), then the world of 2
-SMALL = ["--world-sizes", "1,2", "--models", "mlp", "--impl", "fsdp_impl", "--data-modes", "replicated",
-         "--optimizers", "adamw", "--steps", "3"]
+# two scenarios (the reference's and fsdp_impl's) in one world of 1 rank
+SMALL = ["--world-sizes", "1", "--models", "mlp", "--impl", "fsdp_impl", "--data-modes", "replicated",
+         "--optimizers", "adamw", "--steps", "2"]
 CLI = [sys.executable, "-m", "harness", "run"]
 
 
