@@ -1,7 +1,8 @@
 """Command line: `python -m harness run|report|compare|plan ...` (also installed as `fsdp-harness`).
 
 `run` exits with the run's outcome (harness.session): 0 PASS, 1 FAIL (a verdict failed or a
-scenario errored), 2 bad input, 3 NOT RUN (an implementation under test ran no scenario to its end).
+scenario errored), 2 bad input, 3 NOT RUN (an implementation under test ran no scenario to its end);
+130 with the one line "interrupted" when Ctrl-C, SIGTERM or SIGHUP ends it, whatever it was doing.
 """
 
 from __future__ import annotations
@@ -13,17 +14,40 @@ import sys
 from pathlib import Path
 
 from harness import options as opt
-from harness.session import (EXIT_FAILED, EXIT_NOT_RUN, EXIT_OK, EXIT_USAGE, Session, SessionOptions,
-                             load_report_sections)
+from harness.execute.launch import NotLaunchedHere, a_torchrun_rank_but_0, launched_by_torchrun, let_rank_0_say
+from harness.session import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NOT_RUN, EXIT_OK, EXIT_USAGE, Session,
+                             SessionOptions, load_report_sections)
 
 EXIT_STATUSES = (f"exit status: {EXIT_OK} PASS (every implementation under test ran, no verdict failed); "
                  f"{EXIT_FAILED} FAIL (a verdict failed or a scenario errored); {EXIT_USAGE} bad input; "
                  f"{EXIT_NOT_RUN} NOT RUN (an implementation under test ran no scenario to its end: every one "
-                 "unsupported or errored)")
+                 f"unsupported or errored); {EXIT_INTERRUPTED} interrupted (Ctrl-C, SIGTERM, SIGHUP)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Under torchrun every rank has the same command line and the same job, so an error in them is
+    every rank's: rank 0 alone says it (`exit_for_the_job`)."""
+
+    def error(self, message):
+        if a_torchrun_rank_but_0():
+            self.exit_for_the_job(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+        super().error(message)
+
+    def exit_for_the_job(self, status: int, message: str):
+        """Exit on an error that every rank of a torchrun job meets alike: on a rank other than 0,
+        silent while rank 0 says it and ends the job (harness.execute.launch.let_rank_0_say); if the
+        job goes on nevertheless, the error is this rank's own: said, with the rank."""
+        if a_torchrun_rank_but_0():
+            try:
+                let_rank_0_say()
+            except KeyboardInterrupt:  # the job's Ctrl-C: rank 0 says it
+                sys.exit(status)
+            message = f"rank {os.environ['RANK']}: {message}"
+        self.exit(status, message)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m harness", description="FSDP equivalence harness")
+    p = _Parser(prog="python -m harness", description="FSDP equivalence harness")
     sub = p.add_subparsers(dest="verb", required=True)
 
     run = sub.add_parser("run", help=f"run the matrix, write the report; exit {EXIT_OK} PASS, {EXIT_FAILED} FAIL, "
@@ -57,7 +81,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def cmd_run(ns) -> int:
     options = SessionOptions.from_namespace(ns)  # cross-option errors first: torch is not loaded yet
-    from harness.execute.worker import launched_by_torchrun
     under_torchrun = launched_by_torchrun()
     quiet = ns.quiet or (under_torchrun and int(os.environ.get("RANK", "0")) != 0)
     session = Session(options, say=(lambda line: None) if quiet else None, under_torchrun=under_torchrun)
@@ -126,11 +149,13 @@ def main(argv=None) -> int:
         raise  # argparse's own exits (--help, usage errors), before the clauses below import anything
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
-        return 130
+        return EXIT_INTERRUPTED
+    except NotLaunchedHere as e:  # no job: said at once
+        parser.exit(EXIT_USAGE, f"error: {e}\n")
     except argparse.ArgumentTypeError as e:
-        parser.exit(EXIT_USAGE, f"error: {e}\n")
+        parser.exit_for_the_job(EXIT_USAGE, f"error: {e}\n")
     except _input_errors() as e:
-        parser.exit(EXIT_USAGE, f"error: {e}\n")
+        parser.exit_for_the_job(EXIT_USAGE, f"error: {e}\n")
     except _output_errors() as e:  # a full disk, no permission: one line, the earlier outputs left in place
         parser.exit(EXIT_FAILED, f"error: {e}\n")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from harness.core import names
 from harness.core.policy import Bounds
+from harness.report.runs import KEEP_RUNS
 from harness.core.scenario import (
     ACCUM_MICRO_BATCHES,
     DATA_MODES,
@@ -28,6 +29,8 @@ DEFAULT_MODELS = ("mlp", "tinylm", "tinylm_tied")
 DEFAULT_WORLD_SIZES = (1, 2, 4, 8)
 # Generated output goes apart from the committed reports (git-ignored); the committed
 # reports/verification.md is refreshed on purpose with --report reports/verification.md.
+# the default report: written in a new folder reports/runs/<time>/, which reports/latest then points
+# at (harness.report.runs), so that runs never replace each other's outputs
 DEFAULT_REPORT = Path("reports/latest/verification.md")
 
 
@@ -248,7 +251,9 @@ def gate_spec(text: str) -> dict:
 def add_output_arguments(add) -> None:
     """--report, --no-report and --per-sample: what a session adds to the matrix and writes."""
     add("--report", type=report_path, default=None,
-        help=f"markdown report, written with <stem>_plots/ and <stem>_tables/ beside it (default {DEFAULT_REPORT})")
+        help="markdown report, written exactly there with <stem>_plots/ and <stem>_tables/ beside it (default: "
+             f"{DEFAULT_REPORT.name} in a new folder reports/runs/<time>/, which {DEFAULT_REPORT.parent} points at; "
+             f"the newest {KEEP_RUNS} runs are kept)")
     add("--no-report", action="store_true", help="write no report and no tables")
     add("--per-sample", action="store_true",
         help="also check per-sample gradient norms (DP-SGD) at the same world sizes (mlp; Opacus if installed)")

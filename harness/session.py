@@ -6,19 +6,22 @@ The exit status follows the run's outcome (harness.core.outcome): EXIT_OK when e
 under test ran and no verdict failed; EXIT_FAILED when a verdict failed or a scenario errored;
 EXIT_NOT_RUN when an implementation under test ran no scenario to its end (every one unsupported or
 errored), so that a run which verified nothing is never read as a pass; EXIT_USAGE (the CLI's) for
-bad input.
+bad input; EXIT_INTERRUPTED (the CLI's, 128 + SIGINT as a shell reports it) for a run ended by Ctrl-C,
+SIGTERM or SIGHUP, with the one line "interrupted" and no outputs written.
 
 Both entries build a `Session` from the same options and get the same tables, verdicts, report,
 baseline and exit status. Outputs (the report with its plots, the `<report>_tables/` folder and a
 saved baseline) are staged in a temp folder and swapped into place together, so a reader never
 sees a report from one run beside tables from another, and an interrupted run leaves the previous
-outputs as they were.
+outputs as they were. The default report goes to a folder of the run's own, `reports/runs/<time>/`,
+with `reports/latest` pointing at the newest (harness.report.runs); `--report PATH` writes PATH.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import shutil
 import sys
 import tempfile
@@ -35,6 +38,7 @@ if TYPE_CHECKING:  # torch and pandas load only once a run starts: a usage error
     from harness.execute.executor import RunResult
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUN = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130
 # Packages that add a section to the report: each registers it when imported (harness.report.sections).
 REPORT_SECTION_PACKAGES = ("harness.per_sample",)
 
@@ -42,7 +46,9 @@ REPORT_SECTION_PACKAGES = ("harness.per_sample",)
 @dataclass(frozen=True)
 class SessionOptions:
     matrix: opt.MatrixOptions
-    report: Path | None = opt.DEFAULT_REPORT  # None: write no outputs (report, tables) at all
+    # None: write no outputs (report, tables) at all; DEFAULT_REPORT: in a new folder under
+    # reports/runs/, which reports/latest then points at (harness.report.runs)
+    report: Path | None = opt.DEFAULT_REPORT
     per_sample: bool = False
     baseline: str | None = None  # a name under reports/baselines/ or a path
     gate: dict | None = None  # per-field tolerances (harness.gate.tolerance.parse_gate)
@@ -87,10 +93,15 @@ class Session:
         if under_torchrun and options.per_sample:
             raise opt.argparse.ArgumentTypeError("--per-sample is not available under torchrun yet; run it "
                                                  "without torchrun (python -m harness run --per-sample ...)")
+        if under_torchrun:  # before anything runs: one usage line, not a progress line first
+            from harness.execute.launch import check_job_fits
+            check_job_fits(options.matrix.world_sizes, int(os.environ["WORLD_SIZE"]))
         backend = options.matrix.backend
         self.baseline = opt.load_baseline_option(options.baseline, options.gate, backend, options.gate_strict)
         self.result: RunResult | None = None
         self.is_writer = True  # False on torchrun ranks other than 0
+        self.report = options.report  # where the report is: in its run's folder once written
+        self.notes: list[str] = []  # what writing the outputs moved or removed besides (harness.report.runs)
 
     # Runtime #
 
@@ -151,8 +162,10 @@ class Session:
     # Outputs #
 
     def write_outputs(self) -> list[Path]:
-        """Report (+ plots), tables and a saved baseline, swapped into place together."""
+        """Report (+ plots), tables and a saved baseline, swapped into place together; the default
+        report in a new run folder, which `reports/latest` then points at."""
         from harness.gate.baseline import baseline_file, baseline_text
+        from harness.report import runs
         from harness.report.markdown import stage_report
         from harness.tables.store import stage_run, swap_into_place, writing
         res, o = self.result, self.options
@@ -173,12 +186,19 @@ class Session:
             return staging[-1]
 
         moves: list[tuple[Path, Path]] = []
+        run_folder = None
+        report = o.report
         try:
-            if o.report is not None:
-                tmp = stage_dir(Path(o.report))
-                with writing(o.report):  # staging: a full disk here is the same one-line error
-                    moves += stage_report(res.tables, res.env, o.report, tmp)
-                    moves.append((stage_run(res.tables, res.env, tmp / "tables"), tables_dir(o.report)))
+            if report == opt.DEFAULT_REPORT:
+                with writing(runs.RUNS):
+                    run_folder, new = runs.new_run_folder()
+                made.extend(new)
+                report = run_folder / opt.DEFAULT_REPORT.name
+            if report is not None:
+                tmp = stage_dir(Path(report))
+                with writing(report):  # staging: a full disk here is the same one-line error
+                    moves += stage_report(res.tables, res.env, report, tmp)
+                    moves.append((stage_run(res.tables, res.env, tmp / "tables"), tables_dir(report)))
             if o.save_baseline:
                 dst = baseline_file(o.save_baseline, res.env)
                 staged = stage_dir(dst) / "baseline.json"
@@ -193,6 +213,10 @@ class Session:
                     folder.rmdir()  # only if empty: a failed write leaves no new empty folder behind
             raise
         _remove(staging)
+        self.report = report
+        if run_folder is not None:
+            with writing(runs.LATEST):
+                self.notes = runs.publish(run_folder)
         return [dst for _, dst in moves]
 
     def outcome(self) -> Outcome:
@@ -224,7 +248,7 @@ class Session:
         parts = [f"{o.word}: {n[PASS]} passed, {n[FAIL]} failed, {n[KNOWN]} known deviations, {n[SKIP]} skipped"
                  f"{unsupported}{reference}", o.runs, o.gate,
                  f"in {self.result.wall_s:.1f}s" if self.result else "",
-                 f"report: {self.options.report}" if self.options.report is not None else ""]
+                 f"report: {self.report}" if self.report is not None else ""]
         return "; ".join(p for p in parts if p)
 
     def finish(self) -> int:
@@ -234,6 +258,8 @@ class Session:
             return EXIT_OK
         for path in self.write_outputs():
             self.say(f"wrote {path}")
+        for note in self.notes:
+            self.say(note)
         return self.exit_status()
 
 

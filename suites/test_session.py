@@ -1,6 +1,7 @@
 """One session behind both entries: `python -m harness run` and the pytest plugin give the same
 tables, verdicts and report for the same options; the matrix runs once under pytest-xdist; `-k`
-runs only what the selected tests need; output never lands on the committed reports.
+runs only what the selected tests need; output never lands on the committed reports, and each run's
+default output has a folder of its own.
 
 Each test runs the entry point in a subprocess on a small slice (mlp, W 1 and 2, 2 steps), in a
 fresh working directory, so the default output location is the one a user gets.
@@ -62,11 +63,14 @@ def test_a_world_size_list_without_1_passes_on_correct_code(cli_dir):
     assert list(cross["status"]) == ["pass"] and list(cross["scenario"]) == ["fsdp_impl-mlp-ws2-replicated-sgd"]
 
 
-def test_default_output_goes_to_reports_latest_not_the_committed_report(cli_dir):
-    assert (cli_dir / REPORT).is_file() and (cli_dir / "reports" / "latest" / "verification_plots").is_dir()
+def test_default_output_goes_to_a_run_folder_that_reports_latest_points_at_not_the_committed_report(cli_dir):
+    latest = cli_dir / "reports" / "latest"
+    assert latest.is_symlink() and latest.resolve().parent == (cli_dir / "reports" / "runs").resolve()
+    assert (cli_dir / REPORT).is_file() and (latest / "verification_plots").is_dir()
     assert not (cli_dir / "reports" / "verification.md").exists()
-    ignored = subprocess.run(["git", "check-ignore", "-q", str(REPORT)], cwd=ROOT).returncode
-    assert ignored == 0, "reports/latest/ must be git-ignored"
+    for generated in ("reports/latest", "reports/runs/20260101-000000/verification.md"):
+        ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", generated], cwd=ROOT).returncode
+        assert ignored == 0, f"{generated} must be git-ignored"
 
 
 def test_pytest_and_the_cli_write_the_same_tables_and_verdicts(cli_dir, tmp_path):

@@ -36,7 +36,6 @@ rendezvous endpoint of your choice) so that no fixed port is used.
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import gc
 import os
@@ -55,18 +54,12 @@ import torch.distributed as dist
 from harness.core.policy import Bounds
 from harness.core.scenario import Scenario
 from harness.execute.executor import RunResult, execute, run_matrix
-from harness.execute.worker import (
-    TORCHRUN_VARIABLES,
-    RankContext,
-    device_for,
-    launched_by_torchrun,
-    root_cause,
-    setup_process,
-)
+from harness.execute.launch import (TORCHRUN_VARIABLES, NotLaunchedHere, TorchrunUsageError, check_job_fits,
+                                   launched_by_torchrun, peer_wait_s)
+from harness.execute.worker import RankContext, device_for, root_cause, setup_process
 
 __all__ = ["run_matrix_under_torchrun", "TorchrunPool", "TorchrunError", "TorchrunUsageError"]
 
-STORE_WAIT_MIN_S = 5.0  # the least wait for the job's store (check_launched_here)
 GRACE_S = 10.0  # at most, after the timeout: time for a rank whose collective timed out to report it
 HARD_EXIT_AFTER_S = 300.0  # a rank stuck past timeout + this exits even if rank 0 never finished
 _POLL_S = 0.05
@@ -75,10 +68,6 @@ _runs = 0  # calls in this process; every rank makes the same calls, so keys agr
 
 class TorchrunError(RuntimeError):
     """The torchrun job cannot run the matrix (not launched by torchrun, rank 0 went silent)."""
-
-
-class TorchrunUsageError(argparse.ArgumentTypeError):
-    """The matrix does not fit the job (more ranks than torchrun started); one line, exit 2."""
 
 
 def run_matrix_under_torchrun(scenarios: list[Scenario], *, timeout_s: float = 300.0,
@@ -131,19 +120,19 @@ def check_launched_here() -> None:
     where it hosts the store ("True") the store listens before any worker starts, and where rank 0
     hosts it ("False") rank 0 opens it on joining the group. So: the variable must be there, and the
     store must answer at MASTER_ADDR:MASTER_PORT (rank 0 of a job without the agent's store opens it
-    itself) within `store_wait_s()`. Polled in Python: Ctrl-C ends the wait. TorchrunUsageError else."""
+    itself) within `peer_wait_s()`. Polled in Python: Ctrl-C ends the wait. NotLaunchedHere else."""
     rank, agent_store = int(os.environ["RANK"]), os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
     names = f"TORCHELASTIC_RUN_ID={os.environ.get('TORCHELASTIC_RUN_ID')} and RANK={rank}"
     advice = ("left over from another job? unset TORCHELASTIC_RUN_ID RANK WORLD_SIZE MASTER_ADDR MASTER_PORT for a "
               "plain run, or launch with torchrun")
     if agent_store is None or "MASTER_PORT" not in os.environ:
         missing = "TORCHELASTIC_USE_AGENT_STORE" if agent_store is None else "MASTER_PORT"
-        raise TorchrunUsageError(f"{names} are set, but {missing}, which torchrun's agent sets with them, is not: "
-                                 f"{advice}")
+        raise NotLaunchedHere(f"{names} are set, but {missing}, which torchrun's agent sets with them, is not: "
+                              f"{advice}")
     if rank == 0 and agent_store != "True":
         return
     where = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    wait_s = store_wait_s()
+    wait_s = peer_wait_s()
     deadline = time.monotonic() + wait_s
     said = False
     while True:
@@ -158,24 +147,10 @@ def check_launched_here() -> None:
             sys.stderr.flush()
             said = True
         if time.monotonic() >= deadline:
-            raise TorchrunUsageError(f"{names} are set, but nothing answers at MASTER_ADDR:MASTER_PORT "
-                                     f"({where[0]}:{where[1]}), where torchrun's store would be, after {wait_s:.0f} s "
-                                     f"({reason}): {advice}")
+            raise NotLaunchedHere(f"{names} are set, but nothing answers at MASTER_ADDR:MASTER_PORT "
+                                  f"({where[0]}:{where[1]}), where torchrun's store would be, after {wait_s:.0f} s "
+                                  f"({reason}): {advice}")
         time.sleep(0.2)
-
-
-def store_wait_s() -> float:
-    """How long a rank waits for the job's store: rank 0 opens it after the same start-up as this
-    process (interpreter, torch, harness, options), so twice this process's age so far, at least
-    STORE_WAIT_MIN_S."""
-    try:
-        with open("/proc/self/stat") as f:
-            started = int(f.read().rpartition(")")[2].split()[19]) / os.sysconf("SC_CLK_TCK")
-        with open("/proc/uptime") as f:
-            age = float(f.read().split()[0]) - started
-    except (OSError, ValueError, IndexError):
-        age = STORE_WAIT_MIN_S
-    return max(STORE_WAIT_MIN_S, 2 * age)
 
 
 def _preload(scenarios: list[Scenario]) -> None:
@@ -190,11 +165,7 @@ def _preload(scenarios: list[Scenario]) -> None:
 
 def _check_fits(scenarios: list[Scenario], job_size: int) -> str:
     """The one backend of the matrix; TorchrunUsageError if a scenario needs more ranks than the job."""
-    too_big = sorted({s.world_size for s in scenarios if s.world_size > job_size})
-    if too_big:
-        raise TorchrunUsageError(
-            f"--world-sizes: {','.join(map(str, too_big))} need more ranks than torchrun started "
-            f"({job_size}); launch at least {too_big[-1]} (e.g. --nproc_per_node={too_big[-1]}) or drop them")
+    check_job_fits([s.world_size for s in scenarios], job_size)
     backends = sorted({s.backend for s in scenarios}) or ["gloo"]
     if len(backends) > 1:
         raise TorchrunUsageError(f"--backend: one torchrun job runs one backend, got {', '.join(backends)}")

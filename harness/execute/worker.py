@@ -91,16 +91,6 @@ def main(rank: int, world_size: int, backend: str, store_path: str, conn: Connec
         dist.destroy_process_group()
 
 
-TORCHRUN_VARIABLES = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR")
-
-
-def launched_by_torchrun() -> bool:
-    """Started by torchrun: its elastic agent sets TORCHELASTIC_RUN_ID (torch's own test,
-    dist.is_torchelastic_launched) besides RANK / WORLD_SIZE / MASTER_ADDR, which alone may be
-    stale exports in the user's shell."""
-    return all(k in os.environ for k in TORCHRUN_VARIABLES)
-
-
 def _serve(ctx: RankContext, conn: Connection) -> None:
     while True:
         try:

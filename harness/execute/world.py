@@ -8,7 +8,9 @@ is killed: no worker outlives a failure, a ``close()``, Ctrl-C, ``atexit`` or th
 
 The process that builds a world or a pool (the parent, never a worker) unwinds on SIGTERM and
 SIGHUP as on Ctrl-C: they raise KeyboardInterrupt in its main thread, so worlds are killed and
-temp dirs removed on the way out (see ``unwind_on_termination``).
+temp dirs removed on the way out (see ``unwind_on_termination``). Ctrl-C while a world or the
+forkserver is still starting unwinds the same way, with no traceback from a child (see
+[Note: Ctrl-C while a world starts]).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from typing import Any, Iterator
 import torch
 
 from harness.execute import worker
-from harness.execute.worker import RankContext, launched_by_torchrun
+from harness.execute.launch import launched_by_torchrun
+from harness.execute.worker import RankContext
 
 __all__ = ["World", "WorldPool", "RankContext", "WorldError", "RankFailed", "WorldHung",
            "launched_by_torchrun"]
@@ -115,8 +118,10 @@ class World:
             self._start()
             self.pids: list[int] = [proc.pid for proc in self._procs]
             self._collect("start", time.monotonic() + timeout_s)
-        except BaseException:
+        except BaseException as exc:
             self._kill()
+            if isinstance(exc, KeyboardInterrupt) and start_method == "forkserver":
+                _stop_forkserver()  # it may still be importing torch: it would outlive us by seconds
             raise
 
     @property
@@ -171,22 +176,24 @@ class World:
 
     def _start(self) -> None:
         ctx = mp.get_context(self.start_method)
-        if self.start_method == "forkserver":
-            _socket_dir_that_fits()
-            ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
         lifeline_r, self._lifeline = ctx.Pipe(duplex=False)  # we never write: EOF = we are gone
         store_path = os.path.join(self._tmp, "store")
         with _env(_WORKER_ENV), _main_hidden():  # inherited by workers and a new forkserver
+            if self.start_method == "forkserver":
+                _socket_dir_that_fits()
+                ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
+                _start_forkserver()
             for rank in range(self.world_size):
                 parent_end, child_end = ctx.Pipe()
                 proc = ctx.Process(
                     target=worker.main, name=f"world{self.world_size}-rank{rank}",
                     args=(rank, self.world_size, self.backend, store_path, child_end, lifeline_r,
                           self._stack_paths[rank]))
-                proc.start()
-                child_end.close()
-                self._procs.append(proc)
-                self._conns.append(parent_end)
+                with _ctrl_c_after_hand_over():
+                    proc.start()
+                    child_end.close()
+                    self._procs.append(proc)
+                    self._conns.append(parent_end)
         lifeline_r.close()
 
     def _collect(self, fn: str, deadline: float) -> list:
@@ -318,6 +325,77 @@ class WorldPool:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+# [Note: Ctrl-C while a world starts] A Ctrl-C reaches every process of the foreground group: the
+# parent, the forkserver and the workers. The forkserver ignores SIGINT only once it has imported its
+# preload (torch: seconds), and a worker it forks gets the forkserver's original handler back until
+# worker.main ignores SIGINT; a Ctrl-C in either window printed a KeyboardInterrupt traceback from
+# that child. So the forkserver starts with SIGINT blocked (``_start_forkserver``): the mask is
+# inherited across fork and exec, so neither it nor a worker ever takes a SIGINT before ignoring it
+# (setting SIG_IGN drops a pending one). The parent alone turns a Ctrl-C into KeyboardInterrupt: it
+# kills the world, and a forkserver that may still be importing (``_stop_forkserver``). Within
+# ``Process.start`` the parent hands a worker its task over a pipe; interrupted before it has written
+# it, it would leave the new worker to fail on a short read, with a traceback. So a Ctrl-C there is
+# held until the worker is recorded (``_ctrl_c_after_hand_over``), except where the parent waits for
+# the forkserver's reply, which comes after the task is written and may take the forkserver's whole
+# start-up: there it raises at once.
+
+
+def _start_forkserver() -> None:
+    """Start multiprocessing's forkserver, if it is not running, with SIGINT blocked in it (see
+    [Note: Ctrl-C while a world starts]); a Ctrl-C meanwhile reaches this thread once unblocked.
+    The resource tracker first: starting it unblocks SIGINT on its way out."""
+    from multiprocessing import forkserver, resource_tracker
+    resource_tracker.ensure_running()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def _stop_forkserver() -> None:
+    """Kill the forkserver this process started (the next world starts another)."""
+    from multiprocessing import forkserver
+    server = forkserver._forkserver  # multiprocessing's own instance; _stop closes, reaps, unlinks
+    if server._forkserver_pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(server._forkserver_pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        server._stop()
+
+
+def _forkserver_reply_code():
+    from multiprocessing import forkserver
+    return getattr(getattr(forkserver, "read_signed", None), "__code__", None)
+
+
+@contextlib.contextmanager
+def _ctrl_c_after_hand_over() -> Iterator[None]:
+    """Hold a Ctrl-C until the block ends, except in the wait for the forkserver's reply (see
+    [Note: Ctrl-C while a world starts]). Only where Ctrl-C raises KeyboardInterrupt in this thread:
+    an ignored SIGINT, or a handler of the program's own, is left alone."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    held: list[int] = []
+    waiting_for_reply = _forkserver_reply_code()
+
+    def hold(signum: int, frame) -> None:
+        if frame is not None and frame.f_code is waiting_for_reply:
+            raise KeyboardInterrupt
+        held.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if held:
+            raise KeyboardInterrupt  # a Ctrl-C outranks whatever else ended the block
 
 
 # [Note: forkserver socket path] The forkserver listens on an AF_UNIX socket at

@@ -1,69 +1,190 @@
-"""Ctrl-C of `python -m harness run` and of a pytest-xdist run, mid-matrix: a non-zero exit, one
-line, and no process left behind (the subprocesses run in a session of their own, looked up by
-session id in /proc).
+"""Ctrl-C of `python -m harness run` at each moment of a run (the forkserver starting, a world
+starting, mid-step, the report being written, the gate) and of a pytest-xdist run: exit
+EXIT_INTERRUPTED, the one line "interrupted", no traceback, no process left behind, no report.
+
+The subprocesses run in a session of their own, looked up by session id in /proc. Each test
+interrupts at its moment for certain, whatever the load: it waits until /proc or the file system
+shows that moment, and where the moment is short it freezes the process that would leave it
+(SIGSTOP), sends Ctrl-C to the whole process group as a terminal does, then lets it go on (SIGCONT).
+The moments that nothing outside the process shows, or too briefly (a world worker before its
+entry point, the gate), are held by suites/faults/paused_cli.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from suites.faults.processes import in_session, kill_session, start, wait_session_empty
+from harness.session import EXIT_INTERRUPTED
+from suites.faults.processes import alive, in_session, kill_session, start, wait_session_empty
 from suites.faults.scenarios import FA
 
+# two scenarios (the reference's and fsdp_impl's) in one world of 1 rank
+SMALL = ["--world-sizes", "1", "--models", "mlp", "--impl", "fsdp_impl", "--data-modes", "replicated",
+         "--optimizers", "adamw", "--steps", "2"]
+CLI = [sys.executable, "-m", "harness", "run"]
 
-def _interrupt_when(proc: subprocess.Popen, ready, within_s: float = 120) -> int:
-    """Wait until ``ready(forkserver processes)``, then Ctrl-C the session as a terminal would
-    (SIGINT to the whole foreground process group); returns the count just before."""
+
+def _poll(proc: subprocess.Popen, find, within_s: float = 120, every_s: float = 0.01):
+    """``find()``'s first true value, polled while ``proc`` runs."""
     deadline = time.monotonic() + within_s
-    count = 0
     while time.monotonic() < deadline and proc.poll() is None:
-        count = _forkserver_processes(in_session(proc.pid))
-        if ready(count):
-            break
-        time.sleep(0.2)
+        found = find()
+        if found:
+            return found
+        time.sleep(every_s)
     assert proc.poll() is None, f"exited early ({proc.returncode}): {proc.communicate()}"
+    raise AssertionError(f"not seen within {within_s} s")
+
+
+def _ctrl_c(proc: subprocess.Popen, frozen: int | None = None, until=None) -> None:
+    """SIGINT to the whole process group, as a terminal's Ctrl-C; then, once ``until()`` holds, let
+    ``frozen`` go on."""
     os.killpg(proc.pid, signal.SIGINT)
-    return count
+    if until is not None:
+        _poll(proc, until)
+    if frozen is not None:
+        with contextlib.suppress(ProcessLookupError):  # the run may have killed it already
+            os.kill(frozen, signal.SIGCONT)
 
 
-def test_ctrl_c_of_the_cli_exits_non_zero_with_one_line_and_no_orphans(tmp_path):
-    # rank 1 hangs with a timeout far away: the world of 2 is certainly mid-run at the Ctrl-C
-    proc = start([sys.executable, "-m", "harness", "run", "--world-sizes", "1,2", "--models", "mlp",
-                  "--impl", f"{FA}:hang_rank1", "--data-modes", "replicated", "--optimizers", "adamw",
-                  "--steps", "3", "--scenario-timeout", "600", "--report", str(tmp_path / "r.md")])
+def _assert_interrupted(proc: subprocess.Popen, report: Path, timeout: float = 60) -> None:
+    """``report`` is in a folder the run had to make: no report, no half of one, no staging or backup
+    folder, and no empty folder is left."""
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == EXIT_INTERRUPTED, (proc.returncode, err)
+    assert "Traceback" not in err + out, err
+    tail = [line for line in err.splitlines() if not line.startswith(("running ", "["))]
+    assert tail == ["interrupted"], err
+    assert wait_session_empty(proc.pid, 10) == []
+    assert not report.parent.exists(), list(report.parent.iterdir())
+
+
+def test_ctrl_c_while_the_forkserver_starts(tmp_path):
+    """The forkserver is still importing torch (it ignores SIGINT only once it has): frozen there,
+    it gets the Ctrl-C in its imports (before the fix: a traceback ending in KeyboardInterrupt)."""
+    report = tmp_path / "out" / "r.md"
+    proc = start([*CLI, *SMALL, "--report", str(report)])
     try:
-        # the forkserver and the 2 workers of the world of 2 (the world of 1 had 1)
-        assert _interrupt_when(proc, lambda n: n >= 3) >= 3
-        out, err = proc.communicate(timeout=60)
-        assert proc.returncode not in (0, None)
-        assert "Traceback" not in err + out
-        tail = [line for line in err.splitlines() if not line.startswith(("running ", "["))]
-        assert tail == ["interrupted"], err
-        assert wait_session_empty(proc.pid, 10) == []
-        assert not (tmp_path / "r.md").exists()  # no half-written report
+        server = _poll(proc, lambda: next(iter(_forkservers(proc, _importing)), None))
+        os.kill(server, signal.SIGSTOP)
+        assert _importing(server), "the forkserver finished starting before it could be frozen"
+        _ctrl_c(proc, frozen=server)
+        _assert_interrupted(proc, report)
     finally:
         kill_session(proc)
 
 
-def _forkserver_processes(pids: list[int]) -> int:
-    """How many of ``pids`` run multiprocessing's forkserver code and are past their start: each
-    forkserver and every world worker forked from it (they keep its command line) that ignores
-    SIGINT, as the forkserver does and a worker does from its entry point on. A worker still in
-    multiprocessing's bootstrap is a world starting, not a run mid-way."""
-    return sum(1 for p in pids if b"multiprocessing.forkserver" in _cmdline(p) and _ignores_sigint(p))
+def test_ctrl_c_while_a_world_starts(tmp_path):
+    """The world of 1's worker is forked but has not reached its entry point (held there by
+    paused_cli, with the signal handling of multiprocessing's bootstrap) and the parent waits for it
+    to be ready. The parent is frozen until the worker has taken the SIGINT (before the fix: a
+    traceback ending in KeyboardInterrupt, then its end) or holds it blocked: otherwise the parent
+    would often kill it first."""
+    proc, report = _start_paused(tmp_path, "harness.execute.worker:main", *SMALL)
+    try:
+        [worker] = _forkservers(proc, lambda pid: not _ignores_sigint(pid))  # the forkserver ignores it
+        os.kill(proc.pid, signal.SIGSTOP)
+        _ctrl_c(proc, frozen=proc.pid, until=lambda: not alive(worker) or _holds_sigint(worker))
+        _assert_interrupted(proc, report)
+    finally:
+        kill_session(proc)
+
+
+def test_ctrl_c_of_the_cli_exits_non_zero_with_one_line_and_no_orphans(tmp_path):
+    """Mid-step: rank 1 hangs with a timeout far away, so the world of 2 is certainly mid-run."""
+    report = tmp_path / "out" / "r.md"
+    proc = start([*CLI, "--world-sizes", "1,2", "--models", "mlp", "--impl", f"{FA}:hang_rank1",
+                  "--data-modes", "replicated", "--optimizers", "adamw", "--steps", "3", "--scenario-timeout", "600",
+                  "--report", str(report)])
+    try:
+        # the forkserver and the 2 workers of the world of 2 (the world of 1 had 1)
+        _poll(proc, lambda: len(_forkservers(proc, _ignores_sigint)) >= 3, every_s=0.2)
+        _ctrl_c(proc)
+        _assert_interrupted(proc, report)
+    finally:
+        kill_session(proc)
+
+
+def test_ctrl_c_while_the_report_is_written(tmp_path):
+    """Frozen while its outputs are staged beside the report (.fsdp-harness-out-*) and before the
+    tables, the last of them, are in place: nothing of the report may be left."""
+    report = tmp_path / "out" / "r.md"
+    proc = start([*CLI, *SMALL, "--report", str(report)])
+    try:
+        _poll(proc, lambda: list(report.parent.glob(".fsdp-harness-out-*")))
+        os.kill(proc.pid, signal.SIGSTOP)
+        assert list(report.parent.glob(".fsdp-harness-out-*")) and not (report.parent / "r_tables").exists(), \
+            "the report was written before the run could be frozen"
+        _ctrl_c(proc, frozen=proc.pid)
+        _assert_interrupted(proc, report)
+    finally:
+        kill_session(proc)
+
+
+def test_ctrl_c_during_the_gate(tmp_path):
+    proc, report = _start_paused(tmp_path, "harness.gate.compare:compare", *SMALL, "--baseline", "default")
+    try:
+        _ctrl_c(proc)
+        _assert_interrupted(proc, report)
+    finally:
+        kill_session(proc)
+
+
+def _start_paused(tmp_path: Path, target: str, *args: str) -> tuple[subprocess.Popen, Path]:
+    """The CLI run paused at ``target`` (suites/faults/paused_cli.py), once it is there; its report."""
+    report, marker = tmp_path / "out" / "r.md", tmp_path / "paused"
+    proc = start([sys.executable, "-m", "suites.faults.paused_cli", target, str(marker), "run", *args,
+                  "--report", str(report)])
+    try:
+        _poll(proc, marker.exists, every_s=0.1)
+    except BaseException:
+        kill_session(proc)
+        raise
+    return proc, report
+
+
+def _forkservers(proc: subprocess.Popen, keep) -> list[int]:
+    """The processes of ``proc``'s session that run multiprocessing's forkserver code (the
+    forkserver, and every world worker forked from it: they keep its command line) and pass ``keep``."""
+    return [p for p in in_session(proc.pid) if b"multiprocessing.forkserver" in _cmdline(p) and keep(p)]
+
+
+def _signals(pid: int, field: str) -> int:
+    """A signal mask of /proc/<pid>/status (SigIgn, SigCgt, SigBlk, ShdPnd: pending); 0 if the
+    process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return int(next(line.split()[1] for line in f if line.startswith(f"{field}:")), 16)
+    except (OSError, StopIteration):
+        return 0
+
+
+def _has(mask: int, sig: signal.Signals) -> bool:
+    return bool(mask >> (sig - 1) & 1)
 
 
 def _ignores_sigint(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            mask = next(line.split()[1] for line in f if line.startswith("SigIgn:"))
-    except (OSError, StopIteration):
-        return False
-    return bool(int(mask, 16) >> (signal.SIGINT - 1) & 1)
+    """Past its start: the forkserver ignores SIGINT once its imports are done, a worker from its
+    entry point on (a worker still in multiprocessing's bootstrap is a world starting)."""
+    return _has(_signals(pid, "SigIgn"), signal.SIGINT)
+
+
+def _holds_sigint(pid: int) -> bool:
+    """SIGINT is blocked and pending: the process will not take it."""
+    return _has(_signals(pid, "SigBlk"), signal.SIGINT) and _has(_signals(pid, "ShdPnd"), signal.SIGINT)
+
+
+def _importing(pid: int) -> bool:
+    """The forkserver's interpreter is up (it catches SIGINT) and its imports are not done (it
+    catches SIGCHLD from then on, and ignores SIGINT)."""
+    caught = _signals(pid, "SigCgt")
+    return _has(caught, signal.SIGINT) and not _has(caught, signal.SIGCHLD)
 
 
 def _cmdline(pid: int) -> bytes:
@@ -81,7 +202,8 @@ def test_ctrl_c_of_a_pytest_xdist_run_leaves_no_orphans(tmp_path):
                   "--steps", "3", "--scenario-timeout", "600", "--report", str(tmp_path / "r.md")])
     try:
         # the matrix runs once, in one xdist worker: its forkserver and the hanging world of 2
-        assert _interrupt_when(proc, lambda n: n >= 3, within_s=180) >= 3
+        _poll(proc, lambda: len(_forkservers(proc, _ignores_sigint)) >= 3, within_s=180, every_s=0.2)
+        _ctrl_c(proc)
         proc.communicate(timeout=90)
         assert proc.returncode not in (0, None)
         assert wait_session_empty(proc.pid, 15) == []

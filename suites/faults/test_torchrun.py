@@ -77,6 +77,32 @@ def test_under_torchrun_a_scenario_larger_than_the_job_is_one_clear_error(monkey
                                "launch at least 4 (e.g. --nproc_per_node=4) or drop them")
 
 
+@pytest.mark.parametrize("bad, error", [
+    (["--world-sizes", "1,2,4"], "error: --world-sizes: 4 need more ranks than torchrun started (2); launch at least "
+                                 "4 (e.g. --nproc_per_node=4) or drop them"),
+    (["--world-sizes", "1,x"], "python -m harness run: error: argument --world-sizes: "),
+], ids=["larger-than-the-job", "not-a-number"])
+def test_under_torchrun_a_usage_error_is_said_once_by_rank_0_before_anything_runs(tmp_path, bad, error):
+    """Every rank meets it; rank 0 alone says it and exits 2 (EXIT_USAGE), the other ranks wait
+    silently until torchrun stops them. What torchrun itself prints of a failed job (its log lines,
+    its ChildFailedError traceback and summary, its own exit status 1) is not the harness's to change."""
+    report = tmp_path / "r.md"
+    proc = start([*TORCHRUN, "-m", "harness", "run", *bad, "--impl", "fsdp_impl", "--models", "mlp",
+                  "--report", str(report)])
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+        ours = [line for line in stderr.splitlines() if "error:" in line and "Error" not in line]
+        assert len(ours) == 1 and ours[0].startswith(error), stderr
+        assert not re.search(r"^(running|rank \d+:) ", stderr, flags=re.M), stderr
+        # torchrun's summary: rank 0 is the root cause, with the harness's usage status
+        root_cause = stderr.partition("Root Cause")[2]
+        assert re.search(r"rank\s+: 0 \(local_rank: 0\)\n\s+exitcode\s+: 2 ", root_cause), stderr
+        assert proc.returncode != 0 and not report.exists()
+        assert wait_session_empty(proc.pid, 10) == []
+    finally:
+        kill_session(proc)
+
+
 def test_torchrun_cli_smoke_writes_one_report_from_rank_0(tmp_path):
     """Also the features that make groups (hsdp: every rank of the job makes them, in one order) and
     that order runs (ckpt: resumed runs after their savers)."""

@@ -1,12 +1,22 @@
-"""What the fsdp_impl world tests share (test_fsdp_impl.py, test_fsdp_hybrid.py, test_fsdp_checkpoint.py)."""
+"""What the fsdp_impl world tests share (test_fsdp_impl.py, test_fsdp_hybrid.py, test_fsdp_checkpoint.py),
+and the report tests' stand-in plots (`fast_plots`)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from harness.execute.world import World
+from harness.report import plots
+
+
+@pytest.fixture
+def fast_plots(monkeypatch):
+    """Stand-in plot functions (PNG rendering costs ~0.3 s each)."""
+    for name in ("plot_loss", "plot_diff", "plot_memory"):
+        monkeypatch.setattr(plots, name, lambda *args, **_kw: Path(args[-1]).write_bytes(b"stub"))
 
 
 @pytest.fixture(scope="module")

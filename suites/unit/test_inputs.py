@@ -157,13 +157,6 @@ def test_the_cli_and_plugin_use_the_name_parser_for_save_baseline():
 
 # -- output errors ---------------------------------------------------------------------------------
 
-@pytest.fixture
-def fast_plots(monkeypatch):
-    """Stand-in plot functions (PNG rendering costs ~0.3 s each)."""
-    for name in ("plot_loss", "plot_diff", "plot_memory"):
-        monkeypatch.setattr(plots, name, lambda *args, **_kw: Path(args[-1]).write_bytes(b"stub"))
-
-
 def _os_error(code: int, when=lambda *args: True, real=None):
     """A stand-in for an os / pathlib call that fails with `code` when `when(*args)` holds."""
     def call(*args, **kwargs):
@@ -329,15 +322,6 @@ def test_a_usage_error_imports_no_torch():
     assert "divisible" in out.stderr
 
 
-def _session_with_result(report: Path | None, save_baseline: str | None):
-    from harness.execute.executor import RunResult
-    from harness.session import Session, SessionOptions
-    session = Session(SessionOptions(opt.MatrixOptions(), report=report, save_baseline=save_baseline))
-    tables = syn.make_tables(world_sizes=(1,), modes=("replicated",))
-    session.result = RunResult([], tables, [], {"device": "cpu", "torch": "2.13.0+cpu", "cpu_capability": "AVX2"}, 0.0)
-    return session
-
-
 def test_each_output_is_staged_beside_its_destination_so_file_systems_may_differ(tmp_path, monkeypatch):
     """A report on one file system (a tmpfs /tmp) and the baselines on another: os.replace cannot
     cross them, so every staged output must sit in the folder it is moved into."""
@@ -355,7 +339,7 @@ def test_each_output_is_staged_beside_its_destination_so_file_systems_may_differ
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(store.os, "replace", replace_within_one_folder)
     report = tmp_path / "elsewhere" / "r.md"
-    written = _session_with_result(report, "xfs").write_outputs()
+    written = syn.session_with_result(report, "xfs").write_outputs()
     baseline = Path("reports/baselines/xfs/cpu-avx2-torch2.13.0_cpu.json")
     assert report.is_file() and baseline.is_file()
     assert report in written and baseline in written
@@ -371,7 +355,7 @@ def test_a_failed_baseline_write_leaves_no_new_empty_folder(tmp_path, monkeypatc
 
     monkeypatch.setattr(store.os, "replace", refuse)
     with pytest.raises(store.OutputError):
-        _session_with_result(None, "full").write_outputs()
+        syn.session_with_result(None, "full").write_outputs()
     assert not Path("reports").exists()
 
 

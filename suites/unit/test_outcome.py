@@ -10,7 +10,7 @@ import pytest
 from harness.checks.numeric import verdict_table
 from harness.core.outcome import FAILED, NOT_RUN, PASSED, outcome
 from harness.core.verdict import FAIL, PASS, SKIP, UNSUPPORTED, Verdict
-from harness.session import EXIT_FAILED, EXIT_NOT_RUN, EXIT_OK, EXIT_USAGE, Session
+from harness.session import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NOT_RUN, EXIT_OK, EXIT_USAGE, Session
 
 REF = "reference-mlp-ws1-replicated-sgd"
 
@@ -79,14 +79,15 @@ def test_the_gate_says_what_it_compared_or_why_it_compared_nothing():
     assert outcome(*_case({"fsdp_impl": ["ok"]})).gate == ""  # no baseline, no gate
 
 
-def test_not_run_has_an_exit_status_of_its_own():
-    assert len({EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUN}) == 4
+def test_not_run_and_interrupted_have_exit_statuses_of_their_own():
+    assert len({EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUN, EXIT_INTERRUPTED}) == 5
 
 
 def _session(states: dict[str, list[str]], extra=()):
     cells, verdicts = _case(states, extra=extra)
     session = Session.__new__(Session)
     session.options = type("O", (), {"report": None})()
+    session.report = None
     session.result = type("R", (), {"verdicts": [Verdict(r.check, r.scenario, r.status, None, None, message=r.message)
                                                  for r in verdicts.itertuples()],
                                     "tables": {"scenarios": cells}, "wall_s": 1.0})()

@@ -28,13 +28,6 @@ def tables() -> dict[str, pd.DataFrame]:
     return syn.make_tables()
 
 
-@pytest.fixture
-def fast_plots(monkeypatch):
-    """Stand-in plot functions (PNG rendering costs ~0.3 s each); real plots are tested once below."""
-    for name in ("plot_loss", "plot_diff", "plot_memory"):
-        monkeypatch.setattr(plots, name, lambda *args, **_kw: Path(args[-1]).write_bytes(b"stub"))
-
-
 @pytest.fixture(scope="module")
 def rendered(tables, tmp_path_factory) -> tuple[Path, str]:
     path = report.write_report(tables, syn.ENV, tmp_path_factory.mktemp("rep") / "verify.md")

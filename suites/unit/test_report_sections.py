@@ -14,20 +14,13 @@ import pytest
 import harness.per_sample  # noqa: F401  (registers its section, as the entry points do)
 from harness.per_sample.section import per_sample_section
 from harness.report import markdown as report
-from harness.report import plots, sections
+from harness.report import sections
 from harness.tables.store import save_tables
 
 from . import synthetic_tables as syn
 
 REPORT_PACKAGE = Path(report.__file__).parent
 PER_SAMPLE_HEAD = "## Per-sample gradient norms"
-
-
-@pytest.fixture
-def fast_plots(monkeypatch):
-    """Stand-in plot functions (PNG rendering costs ~0.3 s each)."""
-    for name in ("plot_loss", "plot_diff", "plot_memory"):
-        monkeypatch.setattr(plots, name, lambda *args, **_kw: Path(args[-1]).write_bytes(b"stub"))
 
 
 def _tables(per_sample: bool = True) -> dict:
