@@ -46,6 +46,12 @@ _WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # before torch l
 # imported once, in the forkserver; torch._inductor.config is what use_deterministic_algorithms
 # imports (seconds per worker otherwise), and it pulls in torch.distributed.fsdp / .tensor too.
 _PRELOAD = ["torch", "torch.distributed", "torch._inductor.config", worker.__name__]
+
+
+def preload(*modules: str) -> None:
+    """Have the forkserver import `modules` too, once, before it forks any worker (each fresh world's
+    workers would import them again otherwise). No effect once the forkserver runs."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 _FAILURE_GRACE_S = 1.0  # after a first failure, time left for the other ranks to report theirs
 _STACK_WAIT_S = 3.0  # how long a stuck rank gets to write its stack
 _CLOSE_WAIT_S = 5.0  # how long a clean close waits before killing
