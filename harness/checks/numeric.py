@@ -83,6 +83,26 @@ def ranks_off(tables, sid: str, at: Crossing | None, col: str, bound: float) -> 
         f"; only {who}'s rows of {at.param} crossed it (ranks {', '.join(map(str, held))} within the bound)")
 
 
+def reduction_hint(steps: pd.DataFrame, sid: str, upto: int | None) -> tuple[int | None, str]:
+    """Replicated data: where some rank put another gradient into a reduction than the others at or before
+    step `upto` (steps.reduction_ranks): (that rank where it is one, else None; a phrase for the message)."""
+    if "reduction_ranks" not in steps or not len(steps):
+        return None, ""
+    mine = steps[(steps.scenario == sid) & steps.reduction_ranks.map(lambda r: isinstance(r, str) and r != "")]
+    if upto is not None:
+        mine = mine[mine.step <= upto]
+    if not len(mine):
+        return None, ""
+    first = mine.sort_values("step").iloc[0]
+    ranks = [int(r) for r in str(first.reduction_ranks).split(",")]
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    return (ranks[0] if len(ranks) == 1 else None), (
+        f"; at step {int(first.step)} {who} put a different gradient into the reduction than the other ranks (with "
+        "replicated data every rank computes the same one: the fault is before the reduction, on that rank)"
+        if len(ranks) == 1 else f"; at step {int(first.step)} the ranks put different gradients into the reduction "
+        f"({who}; with replicated data every rank computes the same one: the fault is before the reduction)")
+
+
 def not_measured(check: str, row, what: str, bound: float | None = None) -> Verdict:
     """A check that applies but could not run: a FAIL that says what was missing."""
     return Verdict(check, row.scenario, FAIL, None, bound, message=f"could not be checked: {what}")
@@ -151,6 +171,9 @@ def cross_ws_replicated(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             at, worst = _first_crossing(steps, row.scenario, "max_diff_ws1", bound)
             bound_at = bound
         rank, whose = ranks_off(tables, row.scenario, at, "diff_ws1", bound_at)
+        if at is not None:
+            sender, sent = reduction_hint(steps, row.scenario, at.step)
+            rank, whose = (rank if rank is not None else sender), whose + sent
         msg = (f"max |param diff| vs world size 1 = {_fmt(worst)} (bound < {bound:g}{'; ' + why if why else ''})"
                f"{note}{whose}")
         passed = at is None and not (probes and math.isnan(worst))
@@ -186,9 +209,11 @@ def grads_match_ws1(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         first = bad.iloc[0]
         what = ("missing" if math.isnan(first.grad_diff_ws1) else "a different number of non-zero values"
                 if math.isinf(first.grad_diff_ws1) else f"max |sorted diff| {_fmt(first.grad_diff_ws1)}")
+        sender, sent = reduction_hint(steps, row.scenario, int(first.step))
         out.append(judge("grads_match_ws1", row, False, worst, 0.0,
                             f"the gradient the optimizers applied differs from world size 1 from step "
-                            f"{int(first.step)}: {what}", step=int(first.step), param="gradient values", where=what))
+                            f"{int(first.step)}: {what}{sent}", step=int(first.step), param="gradient values",
+                            where=what, rank=sender))
     return out
 
 

@@ -39,6 +39,7 @@ bytes rather than dropped silently.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
@@ -79,6 +80,15 @@ def _size(x: Any) -> Size:
     if isinstance(x, (list, tuple)):
         return sum((_size(y) for y in x), Size())
     return Size()
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    """The tensors of an argument: a tensor, or a (nested) list of them."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y)]
+    return []
 
 
 def _pg_size(pg: Any) -> int:
@@ -131,6 +141,15 @@ _FUNCTIONAL: dict[str, tuple[str, Callable[[tuple], Size]]] = {
     "isend": ("send", lambda a: _size(a[0])),
     "irecv": ("recv", lambda a: _size(a[0])),
     "batch_p2p_ops": ("p2p", lambda a: _size(a[3])),
+}
+# op name -> the argument that holds a reduction's input (what each rank contributes to the sum), for the
+# collectives that sum across ranks: fingerprinted when a counter is asked to (CommCounter(fingerprint=True))
+_REDUCTION_INPUT = {
+    "_reduce_scatter_base_": 1, "reduce_scatter_": 1, "reduce_scatter_tensor_coalesced_": 1, "allreduce_": 0,
+    "allreduce_coalesced_": 0, "alltoall_": 1, "alltoall_base_": 1, "reduce_": 0,
+    "reduce_scatter_tensor": 0, "reduce_scatter_tensor_out": 0, "reduce_scatter_tensor_coalesced": 0,
+    "all_reduce": 0, "all_reduce_": 0, "all_reduce_coalesced": 0, "all_reduce_coalesced_": 0,
+    "all_to_all_single": 0,
 }
 _NAMESPACES = {"c10d": _C10D, "_c10d_functional": _FUNCTIONAL,
                "_c10d_functional_autograd": _FUNCTIONAL, "c10d_functional": _FUNCTIONAL}
@@ -231,14 +250,19 @@ class CommCounter(TorchDispatchMode):
     Usage: ``with CommCounter() as cc: step(); cc.summary()``. Re-entering resets the counts.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fingerprint: bool = False) -> None:
         super().__init__()
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
         self.sizes: dict[tuple[str, str], Size] = defaultdict(Size)
+        self.fingerprint = fingerprint
+        # (collective, elements, hash of the bytes) of each reduction's input, in issue order (fingerprint=True;
+        # this thread's and autograd's, at the dispatcher)
+        self.reduction_inputs: list[tuple[str, int, str]] = []
 
     def __enter__(self) -> "CommCounter":
         self.calls.clear()
         self.sizes.clear()
+        self.reduction_inputs.clear()
         with _LOCK:
             if not _ACTIVE:
                 _patch()
@@ -269,7 +293,21 @@ class CommCounter(TorchDispatchMode):
         found = _classify(func, tuple(args))
         if found is not None:
             self._record(*found)
+            if self.fingerprint:
+                self._fingerprint(found[0], func, args)
         return func(*args, **kwargs)
+
+    def _fingerprint(self, collective: str, func: Any, args: tuple) -> None:
+        """Hash what this rank puts into a reduction, before it runs (the input of an in-place all-reduce
+        is overwritten by it)."""
+        index = _REDUCTION_INPUT.get(func._overloadpacket.__name__)
+        if index is None or index >= len(args):
+            return
+        tensors = _tensors(args[index])
+        digest = hashlib.blake2b(digest_size=8)
+        for t in tensors:
+            digest.update(t.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        self.reduction_inputs.append((collective, sum(t.numel() for t in tensors), digest.hexdigest()))
 
     def summary(self) -> list[dict]:
         """One dict per collective and element type seen: {"collective", "dtype", "calls",

@@ -92,7 +92,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
         ref_id = sc.reference().id
         ws1_id = sc.ws1().id if sc.impl != REFERENCE_IMPL else None
         final, compared = {}, math.nan
-        for rec in r0["steps"]:
+        for i, rec in enumerate(r0["steps"]):
             k = rec["step"]
             cur = snaps.get(sc.id, k) or {}
             ref = snaps.get(ref_id, k) if ref_id in by_id else None
@@ -123,7 +123,8 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                                "grad_diff_ws1": g1, "clip_norm": rec.get("clip_norm", math.nan),
                                "max_diff_factor": mt, "worst_param_factor": wt,
                                "max_diff_probe": mp, "worst_param_probe": wp,
-                               "replicas_differ": rec.get("replicas_differ", math.nan)})
+                               "replicas_differ": rec.get("replicas_differ", math.nan),
+                               "reduction_ranks": reduction_ranks(res["ranks"], i, r0.get("param_tensors", 0))})
             final = {"final_loss": rec["loss"], "param_sum": sum(float(t.double().sum()) for t in cur.values()),
                      "max_diff_ref": mr, "max_diff_ws1": m1}
         restore = _restore(sc, snaps, by_id)
@@ -153,6 +154,31 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             "comm": comm_rows, "coverage": cover_rows, "gathered": gathered_rows, "rank_diffs": rank_rows}
     return {name: pd.DataFrame(r, columns=columns(name)) for name, r in rows.items()}
 
+
+
+def reduction_ranks(ranks: list[dict], i: int, param_tensors: int) -> str | float:
+    """Replicated data: the ranks whose inputs to the step's gradient reductions differ from the rest's
+    (every rank computes the same gradient, so a correct one puts the same values in), comma-separated;
+    '' where all agree; NaN where not recorded. Reductions of at most one element per parameter tensor
+    (a clipping norm from each rank's own shard) are left out. Named: the ranks outside the largest group
+    of ranks that agree, or every rank where no group is largest (2 ranks that differ)."""
+    seen = []
+    for rank in ranks:
+        recs = rank.get("steps", [])
+        inputs = recs[i].get("reduction_inputs") if i < len(recs) else None
+        if inputs is None:
+            return math.nan
+        seen.append(tuple(tuple(x) for x in inputs if x[1] > param_tensors))
+    groups: dict[tuple, list[int]] = {}
+    for rank, key in zip((r["rank"] for r in ranks), seen):
+        groups.setdefault(key, []).append(rank)
+    if len(groups) < 2:
+        return ""
+    sizes = sorted((len(g) for g in groups.values()), reverse=True)
+    if sizes[0] == sizes[1]:  # no majority: every rank is in question
+        return ",".join(str(r["rank"]) for r in ranks)
+    largest = max(groups.values(), key=len)
+    return ",".join(str(r) for g in groups.values() if g is not largest for r in g)
 
 
 def model_limit(sc: Scenario, status: str, error: str, results: dict[str, dict]) -> tuple[str, str]:

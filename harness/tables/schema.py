@@ -33,6 +33,9 @@ class Table:
 #               world size 1 (0: bitwise the same values; inf: a different count)
 #               max_diff_factor (split data, accum / no_sync at W): max |param diff| vs the same
 #               implementation's plain step at W x k ranks (the same micro-batches), worst_param_factor where
+#               reduction_ranks (replicated data, W > 1, not hsdp): the ranks whose inputs to the step's
+#               gradient reductions (hashed as the rank issued them) differ from the other ranks', comma-separated
+#               ('' when all agree)
 #               replicas_differ (hsdp, W > 2): ranks whose own parameter parts differ bit for bit from the
 #               first replica's rank with the same index after the step (0 when the replicas agree)
 #               max_diff_probe (split data at W): max |param diff| vs the noise probe at W, the plain model
@@ -68,7 +71,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("steps", "scenario x step", SCENARIO_IDS + FEATURE + (
         "step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1",
         "grad_diff_ws1", "clip_norm", "max_diff_factor", "worst_param_factor", "replicas_differ", "max_diff_probe",
-        "worst_param_probe"),
+        "worst_param_probe", "reduction_ranks"),
           required=SCENARIO_IDS + ("step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1",
                                    "worst_param_ws1")),
     Table("params", "scenario x step x parameter", (

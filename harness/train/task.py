@@ -79,7 +79,8 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
         x, y = x.to(device), y.to(device)
         batch = (inputs, targets, x, y, idx)  # the harness's own tensors, not the implementation's
         measure_mem = step == measured
-        counter = CommCounter()
+        # replicated data: every rank computes the same gradient, so what each puts into a reduction is compared
+        counter = CommCounter(fingerprint=sc.data_mode == "replicated" and ctx.world_size > 1 and sc.feature != "hsdp")
         mem = None
         if measure_mem:  # the peak tracker also counts what the implementation holds outside model and optimizer
             optimizers = census.optimizers(optimizer)  # the adapter's and any inside it
@@ -126,7 +127,8 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
             for k in tot:
                 tot[k] += row[k]
         steps.append({"step": step, "loss": loss_value, "grad_norm": math.sqrt(grad_sq), "clip_norm": clip_norm,
-                      "replicas_differ": _replicas_differ(wrapped, sc, ctx)})
+                      "replicas_differ": _replicas_differ(wrapped, sc, ctx),
+                      "reduction_inputs": list(counter.reduction_inputs) if counter.fingerprint else None})
         _snapshot(adapter, wrapped, snap_dir / f"step{step}.pt", ctx.rank)
         ckpt.save_after(step, adapter, wrapped, optimizer, steps)
 

@@ -54,6 +54,7 @@ from suites.mutants.gradient_mutants import (
     GradsNotCleared,
     GradSummed,
     LastRankNegated,
+    LastRankScaledInput,
     LowPrecisionReduce,
     TiedReducedTwice,
 )
@@ -108,7 +109,7 @@ def _spec(name: str) -> str:
 
 # the names adapters are loaded by ("suites.mutants.catalog:grad_summed"): readable scenario ids
 grad_summed, averaged_twice, bf16_reduce = GradSummed, AveragedTwice, LowPrecisionReduce
-last_rank_negated = LastRankNegated
+last_rank_negated, last_rank_scaled_input = LastRankNegated, LastRankScaledInput
 tied_reduced_twice, grads_not_cleared, frozen_updated = TiedReducedTwice, GradsNotCleared, FrozenUpdated
 wrong_shard_offset, padding_not_zeroed, padding_in_view = WrongShardOffset, PaddingNotZeroed, PaddingInView
 nested_duplication, stale_shard, reshard_skipped = NestedDuplication, StaleShard, ReshardSkipped
@@ -137,6 +138,9 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("last_rank_negated", _spec("last_rank_negated"), "cross_ws_replicated",
            "the last rank's reduced gradient comes back negated (one rank's path only)", world_sizes=(1, 2, 4),
            one_rank=True),
+    Mutant("last_rank_scaled_input", _spec("last_rank_scaled_input"), "cross_ws_replicated",
+           "the last rank's gradient doubled before the reduction (one rank's local gradient wrong)",
+           world_sizes=(1, 4), one_rank=True),
     Mutant("averaged_twice", _spec("averaged_twice"), "cross_ws_replicated",
            "gradients divided by W twice"),
     Mutant("wrong_shard_offset", _spec("wrong_shard_offset"), "cross_ws_replicated",

@@ -42,6 +42,18 @@ class LastRankNegated(ReductionReplaced):
         return shard.neg_() if w > 1 and dist.get_rank(group) == w - 1 else shard
 
 
+class LastRankScaledInput(ReductionReplaced):
+    """The last rank's gradient is doubled before it enters the reduction (one rank's local gradient wrong:
+    its loss scaled twice, say). After the mean every rank's shard is wrong alike, so the rows say nothing
+    of the rank; what each rank puts into the reduction does."""
+
+    name = "mutant:last_rank_scaled_input"
+
+    def reduce(self, mean, full_grad, group, reduce_dtype):
+        w = dist.get_world_size(group)
+        return mean(full_grad * 2 if w > 1 and dist.get_rank(group) == w - 1 else full_grad, group, reduce_dtype)
+
+
 class LowPrecisionReduce(ReductionReplaced):
     """Gradients reduced in bf16 although the policy says fp32 params / fp64 reduce: the gradient is
     cast to bf16 before the exchange (half the bytes) and summed in bf16."""

@@ -410,3 +410,19 @@ def test_a_check_that_raises_fails_the_scenarios_it_applies_to_and_the_run_goes_
     assert {v.scenario for v in mine} == set(ok.scenario)
     assert all(v.status == "fail" and "ValueError" in v.message and "NaN to integer" in v.message for v in mine)
     assert any(v.check == "ws1_exact" and v.status == "pass" for v in verdicts)
+
+
+def test_the_rank_whose_gradient_into_the_reduction_differs_is_named():
+    """Replicated data: every rank puts the same gradient into a reduction; the rank that does not is named,
+    a clipping norm's one element per tensor (each rank's own shard) is not compared, and with 2 ranks that
+    differ neither is singled out."""
+    from harness.tables.build import reduction_ranks
+
+    def ranks(*inputs):
+        return [{"rank": r, "steps": [{"reduction_inputs": x}]} for r, x in enumerate(inputs)]
+
+    same, other, norm = ("all_to_all", 100, "aa"), ("all_to_all", 100, "bb"), ("all_reduce", 1, "cc")
+    assert reduction_ranks(ranks([same], [same], [same], [other]), 0, param_tensors=4) == "3"
+    assert reduction_ranks(ranks([same, norm], [same, ("all_reduce", 1, "dd")]), 0, param_tensors=4) == ""
+    assert reduction_ranks(ranks([same], [other]), 0, param_tensors=4) == "0,1"
+    assert math.isnan(reduction_ranks(ranks(None, None), 0, param_tensors=4))
