@@ -8,14 +8,16 @@ import math
 
 from harness.checks.noise_floor import batch_stats_of, holding, probe_maxima
 from harness.checks.numeric import _ROW, Check, _fmt, _ok, first_param_crossing, judge, not_measured
-from harness.core.policy import Bounds
+from harness.core.policy import BF16_SPLIT, Bounds
 from harness.core.scenario import (
     REFERENCE_IMPL,
     Scenario,
     ckpt_step,
     feature_of,
+    has,
     passes_per_step,
     resume_of,
+    rounded_per_rank,
     shard_size,
 )
 from harness.core.verdict import SKIP, Verdict
@@ -50,7 +52,7 @@ def bf16_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     out = []
     sc, steps = tables["scenarios"], tables["steps"]
     for row in _ok(sc).itertuples():
-        if row.impl != REFERENCE_IMPL or feature_of(row) != "bf16":
+        if row.impl != REFERENCE_IMPL or not has(feature_of(row), "bf16"):
             continue
         drift = steps[steps.scenario == row.scenario].max_diff_ref
         if not len(drift) or drift.isna().all():
@@ -66,9 +68,9 @@ def bf16_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """Split data, k micro-batches at W ranks (accum, no_sync) against the same implementation's plain
     step at W x k ranks: two factorisations (world size x local batch x micro-batches) of one global
-    batch, the same micro-batches, so the same training within the split tier's bound, parameter by
-    parameter, at every step. Both compute the W x k micro-batch gradients the run's noise probes compute
-    and differ from them in the order of summation only, so each parameter is held as split data holds it
+    batch, W x k pieces of one size grouped otherwise, so the same training within the split tier's bound,
+    parameter by parameter, at every step. Each is a cut of the batch like the run's noise probes, so
+    each parameter is held as split data holds it
     (harness/core/policy.py [Note: noise floor]): the tier's bound, or a model-sensitive parameter's floor
     or reach. Both are also held to the full batch; this holds the implementation to itself."""
     out = []
@@ -87,6 +89,13 @@ def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             out.append(Verdict("factorisations_agree", row.scenario, SKIP, None, None, message=(
                 f"does not apply: its other factorisation, {twin.id} ({int(row.world_size) * k} ranks x 1 "
                 f"micro-batch), {why}")))
+            continue
+        if rounded_per_rank(scen.feature):
+            out.append(Verdict("factorisations_agree", row.scenario, SKIP, None, None, message=(
+                f"does not apply: {BF16_SPLIT}; a rank's {k} micro-batches (contiguous pieces of its slice) are "
+                f"not the {int(row.world_size) * k} ranks' slices, so the two round different groups of samples "
+                "to bf16: two different computations, each held to its own micro-batch reference by "
+                "split_matches_full_batch")))
             continue
         probes = scen.noise_probes()
         lost = [p.id for p in probes if p.id not in done]
@@ -115,6 +124,8 @@ def replicas_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         if not _hybrid(row):
             continue
         mine = steps[steps.scenario == row.scenario].sort_values("step")
+        if resume_of(row):  # the steps before the checkpoint are its saver's, on the saver's mesh
+            mine = mine[mine.step > ckpt_step(int(row.steps))]
         if not len(mine) or mine.replicas_differ.isna().any():
             out.append(not_measured("replicas_agree", row, "no comparison of the replicas' parameters recorded", 0.0))
             continue
@@ -133,7 +144,7 @@ def replicas_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 
 
 def _hybrid(row) -> bool:
-    return (row.status == "ok" and feature_of(row) == "hsdp"
+    return (row.status == "ok" and has(feature_of(row), "hsdp")
             and shard_size("hsdp", int(row.world_size)) < int(row.world_size))
 
 
@@ -147,7 +158,7 @@ def _resumed(row) -> bool:
 
 
 def _bf16_reference(row) -> bool:
-    return row.status == "ok" and row.impl == REFERENCE_IMPL and feature_of(row) == "bf16"
+    return row.status == "ok" and row.impl == REFERENCE_IMPL and has(feature_of(row), "bf16")
 
 
 FEATURE_CHECKS = (
