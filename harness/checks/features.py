@@ -143,9 +143,46 @@ def replicas_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     return out
 
 
+def ranks_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    """W > 1: every rank records the same loss and the same clipping norm (what its clip_grad_norm returned)
+    as rank 0 at every step, bitwise: both are global figures. An implementation whose ranks > 0 return the
+    norm of their own shard, or compute another loss, fails here, naming the rank and the figure."""
+    out = []
+    sc, steps = tables["scenarios"], tables["steps"]
+    for row in _ok(sc).itertuples():
+        if int(row.world_size) < 2:
+            continue
+        mine = steps[steps.scenario == row.scenario].sort_values("step")
+        if resume_of(row):  # the steps before the checkpoint are its saver's
+            mine = mine[mine.step > ckpt_step(int(row.steps))]
+        if not len(mine) or "reports_differ" not in mine:
+            out.append(not_measured("ranks_agree", row, "no comparison of the ranks' step records", 0.0))
+            continue
+        said = mine.reports_differ.fillna("").astype(str)
+        bad = mine[said != ""]
+        if not len(bad):
+            out.append(judge("ranks_agree", row, True, 0.0, 0.0,
+                             f"all {int(row.world_size)} ranks record rank 0's loss and clipping norm at every step"))
+            continue
+        first = bad.iloc[0]
+        rank, rest = str(first.reports_differ).split(",")[0].split(":", 1)
+        field, value = rest.split("=", 1)
+        theirs = getattr(first, "loss" if field == "loss" else "clip_norm")
+        out.append(judge("ranks_agree", row, False, None, 0.0,
+                         f"rank {rank} recorded {field} {value} at step {int(first.step)} where rank 0 recorded "
+                         f"{theirs!r} (a global figure, the same on every rank); ranks and fields that differ: "
+                         f"{first.reports_differ}", step=int(first.step), param=field, rank=int(rank),
+                         where=f"rank {rank} {field}"))
+    return out
+
+
 def _hybrid(row) -> bool:
     return (row.status == "ok" and has(feature_of(row), "hsdp")
             and shard_size("hsdp", int(row.world_size)) < int(row.world_size))
+
+
+def _multi_rank_ok(row) -> bool:
+    return row.status == "ok" and int(row.world_size) > 1
 
 
 def _factorised(row) -> bool:
@@ -164,6 +201,7 @@ def _bf16_reference(row) -> bool:
 FEATURE_CHECKS = (
     Check(ckpt_restored, _resumed, {"scenarios": _ROW + ("steps", "restore_diff")}),
     Check(bf16_acts, _bf16_reference, {"scenarios": _ROW, "steps": ("scenario", "step", "max_diff_ref")}),
+    Check(ranks_agree, _multi_rank_ok, {"scenarios": _ROW + ("steps",), "steps": ("scenario", "step", "loss")}),
     Check(replicas_agree, _hybrid, {"scenarios": _ROW, "steps": ("scenario", "step", "replicas_differ")}),
     Check(factorisations_agree, _factorised, {"scenarios": _ROW + ("steps", "lr"),
                                               "params": ("scenario", "step", "param", "diff_factor")}),
