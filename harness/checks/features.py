@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from harness.checks.noise_floor import batch_stats_of, holding, probe_maxima
-from harness.checks.numeric import _ROW, Check, _fmt, _ok, first_param_crossing, judge, not_measured
+from harness.checks.numeric import _ROW, Check, _fmt, _ok, by_scenario, first_param_crossing, judge, not_measured
 from harness.core.policy import BF16_SPLIT, Bounds
 from harness.core.scenario import (
     REFERENCE_IMPL,
@@ -76,7 +76,7 @@ def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     out = []
     sc, params = tables["scenarios"], tables["params"]
     done, known = set(_ok(sc).scenario), set(sc.scenario)
-    by_scenario = dict(tuple(params.groupby("scenario"))) if len(params) else {}
+    params_of = by_scenario(params)
     maxima = probe_maxima(tables)
     for row in _ok(sc).itertuples():
         scen = Scenario.of_row(row)
@@ -104,7 +104,7 @@ def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             out.append(not_measured("factorisations_agree", row, f"the noise probe {lost[0]} did not complete", bound))
             continue
         hold = holding(row, maxima, probes, bool(batch_stats_of(row)), bounds)
-        rows = by_scenario.get(row.scenario)
+        rows = params_of.get(row.scenario)
         at, worst = first_param_crossing(rows, "diff_factor", hold.held, bound, set(hold.hot))
         msg = (f"{int(row.world_size)} ranks x {k} micro-batches vs {int(row.world_size) * k} ranks x 1: max |param "
                f"diff| {_fmt(worst)} (bound {bound:.3g}, the split tier's)")
