@@ -97,13 +97,22 @@ def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                 "to bf16: two different computations, each held to its own micro-batch reference by "
                 "split_matches_full_batch")))
             continue
-        probes = scen.noise_probes()
+        layers = batch_stats_of(row)
+        if layers:
+            out.append(Verdict("factorisations_agree", row.scenario, SKIP, None, None, message=(
+                f"does not apply: the model normalises with batch statistics ({layers}), and a rank's {k} "
+                f"micro-batches (contiguous pieces of its slice) are not the {int(row.world_size) * k} ranks' "
+                "slices: each normalises another group of samples, two different computations, each held to its "
+                "own ranks' micro-batches by split_matches_full_batch")))
+            continue
+        # the floors of both cuts: at W = 1 the run has no probe of its own, its twin's slices have one
+        probes = list(dict.fromkeys(scen.noise_probes() + twin.noise_probes()))
         lost = [p.id for p in probes if p.id not in done]
         bound = bounds.split_bound(row.optimizer, row.lr, int(row.steps))
         if lost:
             out.append(not_measured("factorisations_agree", row, f"the noise probe {lost[0]} did not complete", bound))
             continue
-        hold = holding(row, maxima, probes, bool(batch_stats_of(row)), bounds)
+        hold = holding(row, maxima, probes, False, bounds)
         rows = params_of.get(row.scenario)
         at, worst = first_param_crossing(rows, "diff_factor", hold.held, bound, set(hold.hot))
         msg = (f"{int(row.world_size)} ranks x {k} micro-batches vs {int(row.world_size) * k} ranks x 1: max |param "

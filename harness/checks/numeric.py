@@ -327,6 +327,11 @@ def converges(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     sc, steps = tables["scenarios"], tables["steps"]
     losses_of = _trajectories(steps)
     for row in _ok(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
+        if row.data_mode == "split" and batch_stats_of(row) and resumed_across_sizes(row):
+            out.append(Verdict("converges", row.scenario, SKIP, None, 0.0, message=(
+                f"does not apply: {BATCH_STATS_SPLIT.format(layers=batch_stats_of(row))}; a run resumed at another "
+                "world size normalised two different cuts of the batch, whose loss no single plain run traces")))
+            continue
         ref_id, losses = split_yardstick(row), losses_of.get(row.scenario, [])
         ref = losses_of.get(ref_id)
         if ref is None or not losses:
