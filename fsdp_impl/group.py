@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_flat, hybrid_reduce_mean, reduce_scatter_mean
+from .collectives import all_gather_flat, holds_exactly, hybrid_reduce_mean, reduce_scatter_mean
 from .mixed_precision import MixedPrecisionPolicy
 from .param import ShardedParam, ShardState
 
@@ -111,22 +111,22 @@ class ParamGroup:
 
     # -- gradients ------------------------------------------------------------------------------
     def reduce_grads(self) -> None:
-        """Reduce every unsharded gradient of the unit to the mean over all ranks (collective) and add
-        this rank's rows to the sharded gradients; the unsharded gradients are released."""
-        todo = [p for p in self.params if p.requires_grad and p.unsharded_grad() is not None]
+        """Reduce every unsharded gradient of the unit (with what passes without sync held) to the mean over
+        all ranks (collective) and add this rank's rows to the sharded gradients; the unsharded gradients are
+        released."""
+        taken = self._take_grads()
+        todo = list(taken)
         if self.world_size == 1 and self.replicate_group is None:
             # one rank: the mean is the gradient itself, cast where the policy says; each becomes (or is added
             # to) the sharded gradient without the flat reduce buffer, a copy of the whole unit's gradients
             for p in todo:
-                grad, p.unsharded.grad = p.unsharded.grad, None
+                grad = taken.pop(p)
                 mean = reduce_scatter_mean(grad.reshape(-1), self.group, self.mp.reduce_dtype or wider(grad.dtype),
                                            p.dtype)
                 p.add_reduced_grad(mean.to(p.dtype))
             return
-        for dtype, params in buckets(todo, lambda p: p.unsharded.grad.dtype):
-            grads = [p.unsharded.grad.reshape(p.rows, p.row_numel) for p in params]
-            for p in params:
-                p.unsharded.grad = None
+        for dtype, params in buckets(todo, lambda p: taken[p].dtype):
+            grads = [taken.pop(p).reshape(p.rows, p.row_numel) for p in params]
             # (W, sum of c x row): chunk r is every parameter's rows for rank r, zero rows padding
             send = torch._chunk_cat(grads, dim=0, num_chunks=self.world_size)
             del grads
@@ -141,6 +141,35 @@ class ParamGroup:
             for (target, part), ps in _cast_by_target(reduced, params):
                 for p, seg in zip(ps, part):
                     p.add_reduced_grad(seg)
+
+
+    def hold_grads(self) -> None:
+        """A backward pass with the reduction switched off: where the policy reduces in a wider dtype than
+        the unsharded gradient (bf16 compute, fp32 reduction), each unsharded gradient is added into an
+        accumulator of the reduction's dtype and released, so micro-batches add up as the reduction would
+        (in fp32), not rounded to bf16 at every pass. Elsewhere autograd's accumulation is already that."""
+        reduce_dtype = self.mp.reduce_dtype
+        for p in self.params:
+            grad = p.unsharded_grad()
+            if grad is None or reduce_dtype is None or not holds_exactly(reduce_dtype, grad.dtype) \
+                    or reduce_dtype == grad.dtype:
+                continue
+            p.unsharded.grad = None
+            p.held_grad = grad.to(reduce_dtype) if p.held_grad is None else p.held_grad.add_(grad)
+
+    def _take_grads(self) -> dict:
+        """parameter -> the gradient to reduce: its held accumulator plus this pass's unsharded gradient (added
+        in the accumulator's dtype), both released from the parameter."""
+        out = {}
+        for p in self.params:
+            grad, held = p.unsharded_grad(), p.held_grad
+            if not p.requires_grad or (grad is None and held is None):
+                continue
+            if grad is not None:
+                p.unsharded.grad = None
+            p.held_grad = None
+            out[p] = grad if held is None else held if grad is None else held.add_(grad)
+        return out
 
 
 def buckets(params: list[ShardedParam], key) -> list[tuple[torch.dtype, list[ShardedParam]]]:

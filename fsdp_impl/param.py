@@ -60,6 +60,8 @@ class ShardedParam:
         self.shape = param.shape
         self.dtype, self.device, self.requires_grad = param.dtype, param.device, param.requires_grad
         self.param_dtype = param_dtype or param.dtype  # of the unsharded parameter and its gradient
+        # passes without the reduction under a wider reduction dtype: their gradients summed in it (ParamGroup.hold_grads)
+        self.held_grad: torch.Tensor | None = None
         self.mesh, self.rank, self.world_size = mesh, rank, world_size
         self.rows = param.shape[0]
         self.row_numel = math.prod(param.shape[1:])

@@ -193,6 +193,8 @@ class UnitState:
     def _finish(self) -> None:
         if self.params.sync_grads:
             self.params.reduce_grads()
+        else:
+            self.params.hold_grads()
         self.params.reshard()
 
     def _final_callback(self) -> None:

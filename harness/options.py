@@ -17,11 +17,13 @@ from harness.report.runs import KEEP_RUNS
 from harness.core.scenario import (
     ACCUM_MICRO_BATCHES,
     DATA_MODES,
-    FEATURES,
     HSDP_REPLICAS,
     OPTIMIZERS,
     Scenario,
     build_matrix,
+    check_feature,
+    has,
+    passes_per_step,
 )
 
 DEFAULT_IMPLS = ("fsdp_impl", "torch_fsdp2")
@@ -69,7 +71,12 @@ def choices(valid: tuple[str, ...]):
 
 data_modes = choices(DATA_MODES)
 optimizers = choices(OPTIMIZERS)
-features = choices(FEATURES)
+def features(text: str) -> tuple[str, ...]:
+    """A comma list of cells, each a feature or features composed with '+' (run together, in one run)."""
+    try:
+        return tuple(dict.fromkeys(check_feature(i) for i in _items(text)))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def models(text: str) -> tuple[str, ...]:
@@ -314,20 +321,20 @@ class MatrixOptions:
                 raise argparse.ArgumentTypeError(
                     f"--data-modes split needs the global batch ({self.global_batch}) divisible by every world size; "
                     f"{bad} do not divide it (set --global-batch)")
-        if "hsdp" in self.features:
+        if any(has(f, "hsdp") for f in self.features):
             odd = [w for w in self.world_sizes if w > 1 and w % HSDP_REPLICAS]
             if odd:
                 raise argparse.ArgumentTypeError(
                     f"--features hsdp runs {HSDP_REPLICAS} replicas of W/{HSDP_REPLICAS} ranks each, so a world size "
                     f"above 1 must divide by {HSDP_REPLICAS}; {odd} do not (1 is one replica of one rank, the "
                     f"comparison run)")
-        if {"accum", "no_sync"} & set(self.features):
+        if any(passes_per_step(f) > 1 for f in self.features):
             k = ACCUM_MICRO_BATCHES
             per = [(w, self.global_batch // w if "split" in self.data_modes else self.global_batch) for w in self.world_sizes]
             bad = [w for w, n in per if n % k]
             if bad:
                 raise argparse.ArgumentTypeError(
-                    f"--features {'/'.join(f for f in self.features if f != 'plain')} splits each rank's batch into "
+                    f"--features {'/'.join(f for f in self.features if passes_per_step(f) > 1)} splits each rank's batch into "
                     f"{k} micro-batches; at world size(s) {bad} the "
                     f"local batch of global batch {self.global_batch} does not divide by {k} (set --global-batch)")
         if self.backend == "nccl":
@@ -360,8 +367,9 @@ def add_matrix_arguments(add) -> None:
              "one optimizer step), no_sync (the same with the reduction switched off on all but the last), "
              "clip / clip_inf (global gradient-norm clipping, L2 / infinity), ac (activation checkpointing on "
              "every unit), ckpt (resumed at each world size from a sharded checkpoint saved at every other one), "
-             "bf16 (bf16 compute, fp32 master weights and reduction), hsdp (2 replicas x W/2 shards); comma list "
-             "(default plain)")
+             "bf16 (bf16 compute, fp32 master weights and reduction), hsdp (2 replicas x W/2 shards). A comma list "
+             "runs each as its own cells; '+' composes features in one run (hsdp+clip, accum+clip+bf16), "
+             "compared with the plain model doing the same composition (default plain)")
     add("--steps", type=steps, default=None, help="training steps per scenario, at least 2 (default 10)")
     add("--seeds", type=seeds, default=None, help="comma list of seeds (default 0)")
     add("--lr", type=positive_float, default=None, help="learning rate (default 1e-2)")

@@ -102,13 +102,15 @@ class _Completed(Adapter):
 
 def missing_capability(adapter: object, feature: str) -> str | None:
     """Why `adapter` cannot run `feature` (one line), or None when it can."""
-    from harness.core.scenario import FEATURE_NEEDS
+    from harness.core.scenario import FEATURE_NEEDS, parts
 
-    missing = [m for m in FEATURE_NEEDS.get(feature, ()) if not callable(getattr(adapter, m, None))]
-    if not missing:
-        return None
-    return (f"adapter '{getattr(adapter, 'name', adapter)}' has no {' or '.join(m + '()' for m in missing)} "
-            f"method, which feature '{feature}' needs (see harness/adapters/base.py)")
+    for part in parts(feature):  # a composition needs what each of its features needs
+        missing = [m for m in FEATURE_NEEDS.get(part, ()) if not callable(getattr(adapter, m, None))]
+        if missing:
+            return (f"adapter '{getattr(adapter, 'name', adapter)}' has no {' or '.join(m + '()' for m in missing)} "
+                    f"method, which feature '{part}'" + (f" of '{feature}'" if part != feature else "")
+                    + " needs (see harness/adapters/base.py)")
+    return None
 
 
 def torch_clip(parameters, max_norm: float, norm_type: float) -> float:

@@ -7,15 +7,17 @@ from __future__ import annotations
 import math
 
 from harness.checks.noise_floor import batch_stats_of, holding, probe_maxima
-from harness.checks.numeric import _ROW, Check, _fmt, _ok, first_param_crossing, judge, not_measured
-from harness.core.policy import Bounds
+from harness.checks.numeric import _ROW, Check, _fmt, _ok, by_scenario, first_param_crossing, judge, not_measured
+from harness.core.policy import BF16_SPLIT, Bounds
 from harness.core.scenario import (
     REFERENCE_IMPL,
     Scenario,
     ckpt_step,
     feature_of,
+    has,
     passes_per_step,
     resume_of,
+    rounded_per_rank,
     shard_size,
 )
 from harness.core.verdict import SKIP, Verdict
@@ -50,7 +52,7 @@ def bf16_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     out = []
     sc, steps = tables["scenarios"], tables["steps"]
     for row in _ok(sc).itertuples():
-        if row.impl != REFERENCE_IMPL or feature_of(row) != "bf16":
+        if row.impl != REFERENCE_IMPL or not has(feature_of(row), "bf16"):
             continue
         drift = steps[steps.scenario == row.scenario].max_diff_ref
         if not len(drift) or drift.isna().all():
@@ -66,15 +68,15 @@ def bf16_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """Split data, k micro-batches at W ranks (accum, no_sync) against the same implementation's plain
     step at W x k ranks: two factorisations (world size x local batch x micro-batches) of one global
-    batch, the same micro-batches, so the same training within the split tier's bound, parameter by
-    parameter, at every step. Both compute the W x k micro-batch gradients the run's noise probes compute
-    and differ from them in the order of summation only, so each parameter is held as split data holds it
+    batch, W x k pieces of one size grouped otherwise, so the same training within the split tier's bound,
+    parameter by parameter, at every step. Each is a cut of the batch like the run's noise probes, so
+    each parameter is held as split data holds it
     (harness/core/policy.py [Note: noise floor]): the tier's bound, or a model-sensitive parameter's floor
     or reach. Both are also held to the full batch; this holds the implementation to itself."""
     out = []
     sc, params = tables["scenarios"], tables["params"]
     done, known = set(_ok(sc).scenario), set(sc.scenario)
-    by_scenario = dict(tuple(params.groupby("scenario"))) if len(params) else {}
+    params_of = by_scenario(params)
     maxima = probe_maxima(tables)
     for row in _ok(sc).itertuples():
         scen = Scenario.of_row(row)
@@ -88,14 +90,30 @@ def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                 f"does not apply: its other factorisation, {twin.id} ({int(row.world_size) * k} ranks x 1 "
                 f"micro-batch), {why}")))
             continue
-        probes = scen.noise_probes()
+        if rounded_per_rank(scen.feature):
+            out.append(Verdict("factorisations_agree", row.scenario, SKIP, None, None, message=(
+                f"does not apply: {BF16_SPLIT}; a rank's {k} micro-batches (contiguous pieces of its slice) are "
+                f"not the {int(row.world_size) * k} ranks' slices, so the two round different groups of samples "
+                "to bf16: two different computations, each held to its own micro-batch reference by "
+                "split_matches_full_batch")))
+            continue
+        layers = batch_stats_of(row)
+        if layers:
+            out.append(Verdict("factorisations_agree", row.scenario, SKIP, None, None, message=(
+                f"does not apply: the model normalises with batch statistics ({layers}), and a rank's {k} "
+                f"micro-batches (contiguous pieces of its slice) are not the {int(row.world_size) * k} ranks' "
+                "slices: each normalises another group of samples, two different computations, each held to its "
+                "own ranks' micro-batches by split_matches_full_batch")))
+            continue
+        # the floors of both cuts: at W = 1 the run has no probe of its own, its twin's slices have one
+        probes = list(dict.fromkeys(scen.noise_probes() + twin.noise_probes()))
         lost = [p.id for p in probes if p.id not in done]
         bound = bounds.split_bound(row.optimizer, row.lr, int(row.steps))
         if lost:
             out.append(not_measured("factorisations_agree", row, f"the noise probe {lost[0]} did not complete", bound))
             continue
-        hold = holding(row, maxima, probes, bool(batch_stats_of(row)), bounds)
-        rows = by_scenario.get(row.scenario)
+        hold = holding(row, maxima, probes, False, bounds)
+        rows = params_of.get(row.scenario)
         at, worst = first_param_crossing(rows, "diff_factor", hold.held, bound, set(hold.hot))
         msg = (f"{int(row.world_size)} ranks x {k} micro-batches vs {int(row.world_size) * k} ranks x 1: max |param "
                f"diff| {_fmt(worst)} (bound {bound:.3g}, the split tier's)")
@@ -115,6 +133,8 @@ def replicas_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         if not _hybrid(row):
             continue
         mine = steps[steps.scenario == row.scenario].sort_values("step")
+        if resume_of(row):  # the steps before the checkpoint are its saver's, on the saver's mesh
+            mine = mine[mine.step > ckpt_step(int(row.steps))]
         if not len(mine) or mine.replicas_differ.isna().any():
             out.append(not_measured("replicas_agree", row, "no comparison of the replicas' parameters recorded", 0.0))
             continue
@@ -132,9 +152,46 @@ def replicas_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     return out
 
 
+def ranks_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    """W > 1: every rank records the same loss and the same clipping norm (what its clip_grad_norm returned)
+    as rank 0 at every step, bitwise: both are global figures. An implementation whose ranks > 0 return the
+    norm of their own shard, or compute another loss, fails here, naming the rank and the figure."""
+    out = []
+    sc, steps = tables["scenarios"], tables["steps"]
+    for row in _ok(sc).itertuples():
+        if int(row.world_size) < 2:
+            continue
+        mine = steps[steps.scenario == row.scenario].sort_values("step")
+        if resume_of(row):  # the steps before the checkpoint are its saver's
+            mine = mine[mine.step > ckpt_step(int(row.steps))]
+        if not len(mine) or "reports_differ" not in mine:
+            out.append(not_measured("ranks_agree", row, "no comparison of the ranks' step records", 0.0))
+            continue
+        said = mine.reports_differ.fillna("").astype(str)
+        bad = mine[said != ""]
+        if not len(bad):
+            out.append(judge("ranks_agree", row, True, 0.0, 0.0,
+                             f"all {int(row.world_size)} ranks record rank 0's loss and clipping norm at every step"))
+            continue
+        first = bad.iloc[0]
+        rank, rest = str(first.reports_differ).split(",")[0].split(":", 1)
+        field, value = rest.split("=", 1)
+        theirs = getattr(first, "loss" if field == "loss" else "clip_norm")
+        out.append(judge("ranks_agree", row, False, None, 0.0,
+                         f"rank {rank} recorded {field} {value} at step {int(first.step)} where rank 0 recorded "
+                         f"{theirs!r} (a global figure, the same on every rank); ranks and fields that differ: "
+                         f"{first.reports_differ}", step=int(first.step), param=field, rank=int(rank),
+                         where=f"rank {rank} {field}"))
+    return out
+
+
 def _hybrid(row) -> bool:
-    return (row.status == "ok" and feature_of(row) == "hsdp"
+    return (row.status == "ok" and has(feature_of(row), "hsdp")
             and shard_size("hsdp", int(row.world_size)) < int(row.world_size))
+
+
+def _multi_rank_ok(row) -> bool:
+    return row.status == "ok" and int(row.world_size) > 1
 
 
 def _factorised(row) -> bool:
@@ -147,12 +204,13 @@ def _resumed(row) -> bool:
 
 
 def _bf16_reference(row) -> bool:
-    return row.status == "ok" and row.impl == REFERENCE_IMPL and feature_of(row) == "bf16"
+    return row.status == "ok" and row.impl == REFERENCE_IMPL and has(feature_of(row), "bf16")
 
 
 FEATURE_CHECKS = (
     Check(ckpt_restored, _resumed, {"scenarios": _ROW + ("steps", "restore_diff")}),
     Check(bf16_acts, _bf16_reference, {"scenarios": _ROW, "steps": ("scenario", "step", "max_diff_ref")}),
+    Check(ranks_agree, _multi_rank_ok, {"scenarios": _ROW + ("steps",), "steps": ("scenario", "step", "loss")}),
     Check(replicas_agree, _hybrid, {"scenarios": _ROW, "steps": ("scenario", "step", "replicas_differ")}),
     Check(factorisations_agree, _factorised, {"scenarios": _ROW + ("steps", "lr"),
                                               "params": ("scenario", "step", "param", "diff_factor")}),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from harness.core.policy import NOISE_FLOOR_FACTOR, Bounds, model_sensitive, noise_floor_bound
-from harness.core.scenario import ROUNDED_PER_RANK, REFERENCE_IMPL, Scenario, feature_of, resume_of
+from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of, resume_of, rounded_per_rank
 
 SENSITIVITY_COLUMNS = ("probe", "model", "optimizer", "seed", "feature", "micro_batches", "params", "sensitive",
                        "tier_bound", "which")
@@ -107,8 +107,12 @@ def batch_stats_of(row) -> str:
 def split_yardstick(row) -> str:
     """The id of the run a split row's numbers are held to: the full-batch reference, or for a model with
     batch statistics the noise probe in rank order at the world size its first step was trained at (the
-    equivalent computation; a resumed run's first steps are its saver's)."""
+    equivalent computation; a resumed run's first steps are its saver's). Under a composition that rounds
+    each rank's gradient (bf16+ckpt) a run resumed at another world size is held where its first steps were
+    trained: to its saver's reference, the ranks' micro-batches at resume_from."""
     sc = Scenario.of_row(row)
+    if row.data_mode == "split" and rounded_per_rank(sc.feature) and resumed_across_sizes(row):
+        return sc.saver().reference().id
     probe = sc.rank_order_probe(at=sc.resume_from or sc.world_size)  # a resumed run's first steps: its saver's
     if row.data_mode == "split" and batch_stats_of(row) and probe is not None:
         return probe.id
@@ -129,7 +133,7 @@ def sensitivity_table(tables, bounds: Bounds = Bounds()) -> pd.DataFrame:
             probe, stats = Scenario.of_row(r), bool(batch_stats_of(r))
             if stats and probe.micro_batches > 1 and not (probe.reverse_micro or probe.nudge):  # the yardstick itself
                 continue
-            floor = floors(maxima, [probe], against_probe=stats or probe.feature in ROUNDED_PER_RANK)
+            floor = floors(maxima, [probe], against_probe=stats or rounded_per_rank(probe.feature))
             hot = sensitive(floor, tier)
             which = "; ".join(f"{p} (floor {f:.3g})" for p, f in sorted(hot.items(), key=lambda kv: -kv[1]))
             rows.append({"probe": r.scenario, "model": r.model, "optimizer": r.optimizer, "seed": int(r.seed),
@@ -141,7 +145,7 @@ def sensitivity_table(tables, bounds: Bounds = Bounds()) -> pd.DataFrame:
 def _is_probe(row) -> bool:
     """A reference run that is some run's noise probe (not a ROUNDED_PER_RANK run's reference)."""
     sc = Scenario.of_row(row)
-    return sc.nudge > 0 or (sc.micro_batches > 1 and (sc.feature not in ROUNDED_PER_RANK or sc.reverse_micro))
+    return sc.nudge > 0 or (sc.micro_batches > 1 and (not rounded_per_rank(sc.feature) or sc.reverse_micro))
 
 
 def resumed_across_sizes(row) -> bool:

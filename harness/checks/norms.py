@@ -16,7 +16,7 @@ import math
 from harness.checks.numeric import _ROW, Check, _fmt, _not_reference, _ok, _reference_id, judge, not_measured
 from harness.checks.noise_floor import batch_stats_of, split_yardstick
 from harness.core.policy import BATCH_STATS_SPLIT, Bounds
-from harness.core.scenario import CLIP, REFERENCE_IMPL, Scenario, widest
+from harness.core.scenario import REFERENCE_IMPL, Scenario, clip_of, widest
 from harness.core.verdict import Verdict
 
 
@@ -78,10 +78,10 @@ def clip_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     sc, steps = tables["scenarios"], tables["steps"]
     norms = {s: g.sort_values("step") for s, g in steps.groupby("scenario")} if len(steps) else {}
     for row in sc[sc.status == "ok"].itertuples():
-        feature = Scenario.of_row(row).feature
-        if feature not in CLIP:
+        clip = clip_of(Scenario.of_row(row).feature)
+        if clip is None:
             continue
-        norm_type, max_norm = CLIP[feature]
+        norm_type, max_norm = clip
         mine = norms.get(row.scenario)
         if mine is None or "clip_norm" not in mine or mine.clip_norm.isna().any():
             out.append(not_measured("clip_acts", row, "no norm before clipping recorded at every step"))
@@ -119,7 +119,7 @@ def clip_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 
 
 def _clip_row(row) -> bool:
-    return row.status == "ok" and Scenario.of_row(row).feature in CLIP
+    return row.status == "ok" and clip_of(Scenario.of_row(row).feature) is not None
 
 
 NORM_CHECKS = (

@@ -10,8 +10,8 @@ import pandas as pd
 
 from harness.checks.noise_floor import (batch_stats_of, holding, probe_maxima, resumed_across_sizes,
                                         split_yardstick)
-from harness.core.policy import BATCH_STATS_SPLIT, BF16_SPLIT, NOT_EXACT, Bounds, known_deviation
-from harness.core.scenario import REFERENCE_IMPL, ROUNDED_PER_RANK, Scenario, feature_of, widest
+from harness.core.policy import BATCH_STATS_SPLIT, BF16_SPLIT, Bounds, known_deviation, not_exact
+from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of, resume_of, rounded_per_rank, widest
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, UNSUPPORTED, VERDICT_COLUMNS, Verdict
 
 
@@ -103,6 +103,15 @@ def reduction_hint(steps: pd.DataFrame, sid: str, upto: int | None) -> tuple[int
         f"({who}; with replicated data every rank computes the same one: the fault is before the reduction)")
 
 
+_EMPTY = pd.DataFrame(columns=["step", "param", "loss", "sum"])
+
+
+def by_scenario(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """A table's rows per scenario, split once (a check that filtered the whole table for each scenario was
+    quadratic in the run: minutes on a sweep of thousands of scenarios)."""
+    return dict(tuple(table.groupby("scenario", sort=False))) if len(table) else {}
+
+
 def not_measured(check: str, row, what: str, bound: float | None = None) -> Verdict:
     """A check that applies but could not run: a FAIL that says what was missing."""
     return Verdict(check, row.scenario, FAIL, None, bound, message=f"could not be checked: {what}")
@@ -151,6 +160,7 @@ def cross_ws_replicated(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     sc, steps, params = tables["scenarios"], tables["steps"], tables["params"]
     done = set(_ok(sc).scenario)
     maxima = probe_maxima(tables)
+    params_of = by_scenario(params)
     for row in _ok(sc)[lambda d: (_widest(d) > 1) & (d.data_mode == "replicated")].itertuples():
         ws1 = _ws1_id(row)
         bound, why = bounds.replicated_bound(feature_of(row), row.optimizer, row.lr, int(row.steps))
@@ -163,7 +173,7 @@ def cross_ws_replicated(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         note = ""
         if probes:
             hold = holding(row, maxima, probes, False, bounds)
-            mine = params[params.scenario == row.scenario]
+            mine = params_of.get(row.scenario, params.iloc[:0])
             at, worst = first_param_crossing(mine, "diff_ws1", hold.held, bound, set(hold.hot))
             bound_at = hold.held.get(at.param, bound) if at else bound
             note = hold.note(mine.groupby("param").diff_ws1.max()) if hold.hot else ""
@@ -190,9 +200,9 @@ def grads_match_ws1(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     sc, steps = tables["scenarios"], tables["steps"]
     done = set(_ok(sc).scenario)
     for row in _ok(sc)[lambda d: (_widest(d) > 1) & (d.data_mode == "replicated")].itertuples():
-        if feature_of(row) in NOT_EXACT:
+        if not_exact(feature_of(row)):
             out.append(Verdict("grads_match_ws1", row.scenario, SKIP, None, None,
-                               message=f"does not apply: {NOT_EXACT[feature_of(row)]}"))
+                               message=f"does not apply: {not_exact(feature_of(row))}"))
             continue
         ws1 = _ws1_id(row)
         mine = steps[steps.scenario == row.scenario].sort_values("step")
@@ -225,7 +235,7 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
     out = []
     sc, params = tables["scenarios"], tables["params"]
     done = set(_ok(sc).scenario)
-    by_scenario = dict(tuple(params.groupby("scenario"))) if len(params) else {}
+    params_of = by_scenario(params)
     maxima = probe_maxima(tables)
     for row in _ok(sc)[lambda d: (_widest(d) > 1) & (d.data_mode == "split")].itertuples():
         bound = bounds.split_bound(row.optimizer, row.lr, int(row.steps))
@@ -238,8 +248,15 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
                                     bound))
             continue
         layers, col = batch_stats_of(row), "diff_ref"
-        rounded = feature_of(row) in ROUNDED_PER_RANK  # its reference is the ranks' micro-batches already
+        rounded = rounded_per_rank(feature_of(row))  # its reference is the ranks' micro-batches already
         against = "full-batch training"
+        if rounded and resumed_across_sizes(row):
+            out.append(Verdict("split_matches_full_batch", row.scenario, SKIP, None, bound, message=(
+                f"does not apply: {BF16_SPLIT}; a run resumed at another world size rounded its first steps' "
+                f"gradients over {resume_of(row)} ranks and the rest over {int(row.world_size)}, which no single "
+                "plain run reproduces (its restore is held by ckpt_restored, its step-1 norm and its loss by its "
+                "saver's yardstick)")))
+            continue
         if layers and not rounded:
             if resumed_across_sizes(row):
                 out.append(Verdict("split_matches_full_batch", row.scenario, SKIP, None, bound, message=(
@@ -252,9 +269,9 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
             against = f"full-batch training in {scen.reference().micro_batches} micro-batches"
             why += f"; {BF16_SPLIT}"
         hold = holding(row, maxima, probes, bool(layers) or rounded, bounds)
-        rows = by_scenario.get(row.scenario)
+        rows = params_of.get(row.scenario)
         if layers and not rounded and int(row.world_size) > 2 and rows is not None and len(rows):
-            rows, why = _first_step_only(rows, by_scenario, probes, why)
+            rows, why = _first_step_only(rows, params_of, probes, why)
         at, worst = first_param_crossing(rows, col, hold.held, bound, set(hold.hot))
         msg = f"max |param diff| vs {against} = {_fmt(worst)} (bound {bound:.3g} = {why})"
         if hold.hot:
@@ -265,13 +282,13 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
     return out
 
 
-def _first_step_only(rows: pd.DataFrame, by_scenario: dict, probes, why: str) -> tuple[pd.DataFrame, str]:
+def _first_step_only(rows: pd.DataFrame, params_of: dict, probes, why: str) -> tuple[pd.DataFrame, str]:
     """A model with batch statistics at W > 2 ranks: only the first step is held. Beyond it two correct
     orders of summation of the same slice gradients part by more than rounding, since each rank's batch
     statistics amplify the difference step by step ([Note: noise floor], BATCH_STATS_SPLIT); the reversed
     probe's parting from the rank-order one is shown as the evidence."""
     first = int(rows.step.min())
-    rev = pd.concat([by_scenario[p.id] for p in probes if p.reverse_micro and p.id in by_scenario] or
+    rev = pd.concat([params_of[p.id] for p in probes if p.reverse_micro and p.id in params_of] or
                     [pd.DataFrame(columns=["step", "diff_probe"])])
     spread = rev.groupby("step").diff_probe.max() if len(rev) else pd.Series(dtype=float)
     parted = (f": the plain model's two orders of summation part by {_fmt(float(spread.get(first, math.nan)))} at "
@@ -310,6 +327,11 @@ def converges(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     sc, steps = tables["scenarios"], tables["steps"]
     losses_of = _trajectories(steps)
     for row in _ok(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
+        if row.data_mode == "split" and batch_stats_of(row) and resumed_across_sizes(row):
+            out.append(Verdict("converges", row.scenario, SKIP, None, 0.0, message=(
+                f"does not apply: {BATCH_STATS_SPLIT.format(layers=batch_stats_of(row))}; a run resumed at another "
+                "world size normalised two different cuts of the batch, whose loss no single plain run traces")))
+            continue
         ref_id, losses = split_yardstick(row), losses_of.get(row.scenario, [])
         ref = losses_of.get(ref_id)
         if ref is None or not losses:
@@ -329,10 +351,10 @@ def converges(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 def finite(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """No NaN or Inf in any loss or parameter: a NaN must never pass a diff comparison."""
     out = []
-    steps, params = tables["steps"], tables["params"]
+    steps, params = by_scenario(tables["steps"]), by_scenario(tables["params"])
     for row in _ok(tables["scenarios"]).itertuples():
-        s = steps[steps.scenario == row.scenario].sort_values("step")
-        p = params[params.scenario == row.scenario].sort_values(["step", "param"])
+        s = steps[row.scenario].sort_values("step") if row.scenario in steps else _EMPTY
+        p = params[row.scenario].sort_values(["step", "param"]) if row.scenario in params else _EMPTY
         if not len(s) or not len(p):
             out.append(not_measured("finite", row, "no losses or no parameters were recorded"))
             continue

@@ -16,7 +16,8 @@ import pandas as pd
 from harness.checks.numeric import Check, judge, not_measured
 from harness.core.policy import Bounds
 from harness.core.scenario import (
-    CLIP,
+    clip_of,
+    has,
     Scenario,
     feature_of,
     holds_unsharded_grads,
@@ -257,13 +258,13 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         all_reduce = elements.get("all_reduce", 0.0)
         # clipping all-reduces the global gradient norm: a few elements (at most one per parameter
         # tensor) a step, not the gradient; anything beyond that counts as a gradient all-reduce
-        norm_reduce = min(all_reduce, float(row.param_tensors)) if feature in CLIP else 0.0
+        norm_reduce = min(all_reduce, float(row.param_tensors)) if clip_of(feature) else 0.0
         all_reduce -= norm_reduce
         # hybrid sharding: the replicas then average their reduced shards, T / S elements of the rank's
         # own, by an all-reduce (FSDP2) or any of the reductions above
         # (an all-reduce may be written as a reduce-scatter and an all-gather of the reduced parts: that
         # all-gather is allowed beside the parameters')
-        replicas_t = t / shards(row) if feature == "hsdp" else 0.0
+        replicas_t = t / shards(row) if has(feature, "hsdp") else 0.0
         replica_reduce = min(all_reduce, replicas_t * (1 + bounds.comm_slack) + allowance / shards(row))
         t += replicas_t
         ideal_gather += replicas_t

@@ -32,6 +32,64 @@ REFERENCE_IMPL = "reference"
 #            ranks; gradients averaged over all W ranks (the adapter's wrap_hybrid)
 FEATURES = ("plain", "accum", "no_sync", "clip", "clip_inf", "ac", "ckpt", "bf16", "hsdp")
 ACCUM_MICRO_BATCHES = 2
+# Compositions: features joined by COMPOSE ("hsdp+clip") act together in one run, in FEATURES order
+# whatever order they are written in. These pairs cannot: two micro-batch schemes, two clipping norms, and
+# bf16 with hsdp (the adapter protocol has no hybrid mixed-precision wrap).
+COMPOSE = "+"
+EXCLUSIVE = (("accum", "no_sync"), ("clip", "clip_inf"), ("bf16", "hsdp"))
+
+
+def parts(feature: str) -> tuple[str, ...]:
+    """The features a (composed) feature is made of, in FEATURES order; () for plain."""
+    return tuple(f for f in FEATURES if f != "plain" and f in feature.split(COMPOSE))
+
+
+def has(feature: str, name: str) -> bool:
+    """Whether a (composed) feature includes `name`."""
+    return name in feature.split(COMPOSE)
+
+
+def compose(names) -> str:
+    """The canonical name of these features together ('plain' for none)."""
+    names = set(names)
+    chosen = [f for f in FEATURES if f != "plain" and f in names]
+    return COMPOSE.join(chosen) or "plain"
+
+
+def without(feature: str, *names: str) -> str:
+    """The composition less `names` ('plain' when nothing is left)."""
+    return compose(f for f in parts(feature) if f not in names)
+
+
+def check_feature(text: str) -> str:
+    """`text` (a feature, or features joined by '+') as its canonical name; ValueError (one line) if a part is
+    unknown, repeated, or cannot be composed with another."""
+    names = [t.strip() for t in text.split(COMPOSE)]
+    unknown = [n for n in names if n not in FEATURES]
+    if unknown:
+        where = f" in {text!r}" if len(names) > 1 else ""
+        raise ValueError(f"unknown feature {unknown[0]!r}{where}; choose from {', '.join(FEATURES)} "
+                         f"(compose them with {COMPOSE!r}, e.g. hsdp{COMPOSE}clip)")
+    if len(set(names)) < len(names):
+        raise ValueError(f"{text!r} names a feature twice")
+    if "plain" in names and len(names) > 1:
+        raise ValueError(f"{text!r}: plain is the step without features; it composes with nothing")
+    for a, b in EXCLUSIVE:
+        if a in names and b in names:
+            raise ValueError(f"{a}{COMPOSE}{b} cannot be composed: " + (
+                "two micro-batch schemes" if a == "accum" else "two clipping norms" if a == "clip" else
+                "the adapter protocol has no hybrid mixed-precision wrap (wrap_mixed_precision or wrap_hybrid)"))
+    return compose(names)
+
+
+def clip_of(feature: str) -> tuple[float, float] | None:
+    """(norm type, max norm) of the composition's clipping part, None without one."""
+    return next((CLIP[f] for f in parts(feature) if f in CLIP), None)
+
+
+def rounded_per_rank(feature: str) -> bool:
+    """Whether the composition rounds each rank's gradient before the reduction (ROUNDED_PER_RANK)."""
+    return any(f in ROUNDED_PER_RANK for f in parts(feature))
 # feature -> (norm type, max norm): below the smallest pre-clip norm the default models reach in 10
 # steps under seeds 0-4 (L2 0.20, inf 0.033 on mlp), so clipping acts at every step (checked per run)
 CLIP = {"clip": (2.0, 0.1), "clip_inf": (float("inf"), 0.01)}
@@ -67,7 +125,7 @@ def hsdp_mesh(world_size: int) -> tuple[int, int]:
 
 def shard_size(feature: str, world_size: int) -> int:
     """Ranks one parameter is sharded over: all of them, or one replica's under hybrid sharding."""
-    return hsdp_mesh(world_size)[1] if feature == "hsdp" else world_size
+    return hsdp_mesh(world_size)[1] if has(feature, "hsdp") else world_size
 
 
 def _stored_int(row, column: str, default: int) -> int:
@@ -109,17 +167,17 @@ def feature_of(row) -> str:
 
 def passes_per_step(feature: str) -> int:
     """Forward and backward passes in one training step: each gathers the parameters."""
-    return ACCUM_MICRO_BATCHES if feature in ("accum", "no_sync") else 1
+    return ACCUM_MICRO_BATCHES if has(feature, "accum") or has(feature, "no_sync") else 1
 
 
 def reductions_per_step(feature: str) -> int:
     """Gradient reductions in one training step."""
-    return ACCUM_MICRO_BATCHES if feature == "accum" else 1
+    return ACCUM_MICRO_BATCHES if has(feature, "accum") else 1
 
 
 def holds_unsharded_grads(feature: str) -> bool:
     """Whether the step keeps every unit's unsharded gradient between passes (no reduction until the last)."""
-    return feature == "no_sync"
+    return has(feature, "no_sync")
 
 
 @dataclass(frozen=True)
@@ -145,6 +203,10 @@ class Scenario:
     # (max_norm x (1 + nudge x 2^-23)), as a sharded norm summed from W partial sums may move it
     nudge: int = 0
 
+    def __post_init__(self) -> None:
+        if COMPOSE in self.feature:  # one name per composition, whatever order it was written in
+            object.__setattr__(self, "feature", check_feature(self.feature))
+
     @property
     def id(self) -> str:
         """Stable readable id, e.g. ``fsdp_impl-mlp-ws4-split-adamw`` (``...-adamw-accum`` with a feature)."""
@@ -169,10 +231,10 @@ class Scenario:
         data at W ranks under a feature that rounds per rank (ROUNDED_PER_RANK) is compared with the plain
         model summing the gradients of the W ranks' micro-batches. The plain model in bf16 is itself
         compared with the plain model in fp32 on the whole batch (what bf16 alone does)."""
-        plain = self.feature in NUMBERS_UNCHANGED or (self.impl == REFERENCE_IMPL and self.feature == "bf16")
-        per_rank = (self.impl != REFERENCE_IMPL and self.feature in ROUNDED_PER_RANK and self.data_mode == "split")
+        dropped = NUMBERS_UNCHANGED + (("bf16",) if self.impl == REFERENCE_IMPL else ())
+        per_rank = self.impl != REFERENCE_IMPL and rounded_per_rank(self.feature) and self.data_mode == "split"
         return dataclasses.replace(self, impl=REFERENCE_IMPL, world_size=1, data_mode="replicated",
-                                   feature="plain" if plain else self.feature, resume_from=0,
+                                   feature=without(self.feature, *dropped), resume_from=0,
                                    micro_batches=self.world_size if per_rank else 1, reverse_micro=False, nudge=0)
 
     def noise_probes(self) -> list["Scenario"]:
@@ -194,10 +256,10 @@ class Scenario:
             return []
         ref, k = self.reference(), passes_per_step(self.feature)
         sizes = sorted({self.world_size, self.resume_from} - {0, 1})
-        nudged = self.feature in NUDGED
+        nudged = any(has(self.feature, f) for f in NUDGED)
         if self.data_mode != "split":
             return [ref.replace(nudge=w) for w in sizes] if nudged else []
-        if self.feature in ROUNDED_PER_RANK:  # its reference is the rank-order probe: only the order is left
+        if rounded_per_rank(self.feature):  # its reference is the rank-order probe: only the order is left
             return [ref.replace(reverse_micro=True)] if ref.micro_batches * k > 2 else []
         return [ref.replace(micro_batches=w, reverse_micro=rev) for w in sizes
                 for rev in ((False, True) if w * k > 2 else (False,))] + \
@@ -216,10 +278,10 @@ class Scenario:
     def saver(self) -> "Scenario | None":
         """The run whose checkpoint a ckpt run resumes from: the same implementation's plain run at
         `resume_from` ranks (it saves after ckpt_step(steps)); None for any other run."""
-        if self.feature != "ckpt":
+        if not has(self.feature, "ckpt"):
             return None
-        return dataclasses.replace(self, world_size=self.resume_from or self.world_size, feature="plain",
-                                   resume_from=0)
+        return dataclasses.replace(self, world_size=self.resume_from or self.world_size,
+                                   feature=without(self.feature, "ckpt"), resume_from=0)
 
     def dependencies(self) -> list["Scenario"]:
         """The runs this one's checks compare with: the reference, the noise probes of split data, for a
@@ -234,18 +296,21 @@ class Scenario:
     def ws1(self) -> "Scenario":
         """The same implementation at world size 1, same data mode and feature: the cross-world-size
         comparison; for a resumed run, the uninterrupted plain run (what it must go on like)."""
-        if self.feature == "ckpt":
-            return dataclasses.replace(self, world_size=1, feature="plain", resume_from=0)
+        if has(self.feature, "ckpt"):
+            return dataclasses.replace(self, world_size=1, feature=without(self.feature, "ckpt"), resume_from=0)
         return self.at_world_size(1)
 
     def factor_twin(self) -> "Scenario | None":
-        """Split data with k micro-batches at W: the same implementation's plain step at W x k ranks
-        trains on the same micro-batches of the same global batch (W x local batch x k = the global
-        batch, the micro-batch of W x k ranks), so the two factorisations must agree. None otherwise."""
+        """Split data with k micro-batches at W: the same implementation's step at W x k ranks (the same
+        composition without its micro-batches, from scratch)
+        trains on the same global batch in W x k pieces of the same size (grouped otherwise: a rank's
+        micro-batches are contiguous pieces of its strided slice), so the two factorisations must agree
+        within rounding. None otherwise."""
         k = passes_per_step(self.feature)
         if self.data_mode != "split" or k == 1 or self.impl == REFERENCE_IMPL:
             return None
-        return dataclasses.replace(self, world_size=self.world_size * k, feature="plain", resume_from=0)
+        return dataclasses.replace(self, world_size=self.world_size * k,
+                                   feature=without(self.feature, "accum", "no_sync", "ckpt"), resume_from=0)
 
     def at_world_size(self, world_size: int) -> "Scenario":
         return dataclasses.replace(self, world_size=world_size)
@@ -295,7 +360,7 @@ def build_matrix(
 
 def _sources(feature: str, world_size: int, world_sizes) -> list[int]:
     """resume_from values of a cell: every other world size of the run for ckpt, else none (0)."""
-    if feature != "ckpt":
+    if not has(feature, "ckpt"):
         return [0]
     return [w for w in world_sizes if w != world_size] or [world_size]
 

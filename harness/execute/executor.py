@@ -31,7 +31,7 @@ from harness.adapters.base import AdapterError, missing_capability
 from harness.checks.numeric import run_checks, verdict_table
 from harness.core.environment import environment
 from harness.core.policy import Bounds
-from harness.core.scenario import FEATURE_NEEDS, Scenario, ckpt_step
+from harness.core.scenario import FEATURE_NEEDS, Scenario, ckpt_step, parts
 from harness.core.verdict import Verdict
 from harness.execute.worker import root_cause
 from harness.execute.world import RankFailed, WorldError, WorldHung, WorldPool, preload
@@ -89,7 +89,7 @@ class ReusedWorlds:
 
 def unsupported(sc: Scenario) -> str | None:
     """Why `sc`'s adapter cannot run its feature, or None (plain scenarios need no look at the adapter)."""
-    if sc.feature not in FEATURE_NEEDS:
+    if not any(f in FEATURE_NEEDS for f in parts(sc.feature)):
         return None
     adapter = _adapter(sc.impl)
     return None if adapter is None else missing_capability(adapter, sc.feature)

@@ -52,7 +52,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from harness.core.policy import Bounds
-from harness.core.scenario import Scenario
+from harness.core.scenario import Scenario, has
 from harness.execute.executor import RunResult, execute, run_matrix
 from harness.execute.launch import (TORCHRUN_VARIABLES, NotLaunchedHere, TorchrunUsageError, check_job_fits,
                                    launched_by_torchrun, peer_wait_s)
@@ -231,7 +231,7 @@ class TorchrunPool:
         w, key = sc.world_size, f"{i}/"
         started = time.monotonic()
         self.group(w)  # every rank, in the same order; no reference kept here (see drop_group)
-        if sc.feature == "hsdp":
+        if has(sc.feature, "hsdp"):
             self.hybrid_groups(w)  # every rank of the job takes part in making them
         if self.rank < w:
             outcome = self._train(key, w, payload)

@@ -124,7 +124,8 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                                "max_diff_factor": mt, "worst_param_factor": wt,
                                "max_diff_probe": mp, "worst_param_probe": wp,
                                "replicas_differ": rec.get("replicas_differ", math.nan),
-                               "reduction_ranks": reduction_ranks(res["ranks"], i, r0.get("param_tensors", 0))})
+                               "reduction_ranks": reduction_ranks(res["ranks"], i, r0.get("param_tensors", 0)),
+                               "reports_differ": reports_differ(res["ranks"], i)})
             final = {"final_loss": rec["loss"], "param_sum": sum(float(t.double().sum()) for t in cur.values()),
                      "max_diff_ref": mr, "max_diff_ws1": m1}
         restore = _restore(sc, snaps, by_id)
@@ -154,6 +155,27 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             "comm": comm_rows, "coverage": cover_rows, "gathered": gathered_rows, "rank_diffs": rank_rows}
     return {name: pd.DataFrame(r, columns=columns(name)) for name, r in rows.items()}
 
+
+
+REPORTED = ("loss", "clip_norm")  # what every rank's step record says that must be the same on every rank
+
+
+def reports_differ(ranks: list[dict], i: int) -> str:
+    """What a rank's step record says that differs from rank 0's (the loss, the norm its clip_grad_norm
+    returned: global figures, the same on every rank), as 'rank:field=value' comma-separated ('' where all
+    agree): the tables keep rank 0's records, so a rank that reports a figure of its own shows only here."""
+    first = ranks[0].get("steps", [])
+    if i >= len(first):
+        return ""
+    out = []
+    for rank in ranks[1:]:
+        recs = rank.get("steps", [])
+        mine = recs[i] if i < len(recs) else {}
+        for field in REPORTED:
+            a, b = first[i].get(field, math.nan), mine.get(field, math.nan)
+            if not (a == b or (a != a and b != b)):  # bitwise the same, NaN alike
+                out.append(f"{rank['rank']}:{field}={b!r}")
+    return ",".join(out)
 
 
 def reduction_ranks(ranks: list[dict], i: int, param_tensors: int) -> str | float:

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from harness.core.scenario import FEATURES, hsdp_mesh, passes_per_step, reductions_per_step
+from harness.core.scenario import check_feature, has, hsdp_mesh, passes_per_step, reductions_per_step
 from harness.train.data import local_slice
 
 # bf16: the dtypes of the mixed-precision policy every implementation (and the plain reference) is given
@@ -20,9 +20,9 @@ def wrap_for(feature: str, adapter, model, units, *, ctx):
     """The adapter's wrap for the feature: under a mixed-precision policy (bf16), on a hybrid mesh
     (hsdp), else plain ``wrap``. `ctx`: the rank's RankContext (harness.execute.worker)."""
     group, device = ctx.group, ctx.device
-    if feature == "bf16":
+    if has(feature, "bf16"):
         return adapter.wrap_mixed_precision(model, units, group=group, device=device, **BF16_POLICY)
-    if feature == "hsdp":
+    if has(feature, "hsdp"):
         shard_group, replicate_group = ctx.hybrid or hybrid_groups(group)
         return adapter.wrap_hybrid(model, units, group=group, device=device, shard_group=shard_group,
                                    replicate_group=replicate_group)
@@ -111,8 +111,7 @@ def forward_backward(feature: str, spec, model, x: torch.Tensor, y: torch.Tensor
     cut into the feature's own micro-batches as such a rank cuts it, a forward and backward each, every
     loss scaled by 1 / (their count), the gradients summed by autograd; `reverse`: the slices in reverse
     rank order (a noise probe's other order of summation)."""
-    if feature not in FEATURES:
-        raise ValueError(f"unknown feature {feature!r}; features: {', '.join(FEATURES)}")
+    check_feature(feature)  # ValueError for an unknown one
     k = passes_per_step(feature)  # clipping and checkpointing act outside this: one pass, as plain
     switched = reductions_per_step(feature) < k  # the reduction runs on the last pass only
     if switched and set_sync is None:
@@ -127,7 +126,7 @@ def forward_backward(feature: str, spec, model, x: torch.Tensor, y: torch.Tensor
             set_sync(i == k - 1)
         mark("forward")
         out = mark("after_forward", model(xm))
-        loss = spec.loss(out.float() if feature == "bf16" else out, ym)  # the loss in fp32, as plain
+        loss = spec.loss(out.float() if has(feature, "bf16") else out, ym)  # the loss in fp32, as plain
         if k > 1:
             loss = loss / k
         mark("backward")

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from harness.adapters import load_adapter
-from harness.core.scenario import CLIP, Scenario, shard_size
+from harness.core.scenario import Scenario, clip_of, has, shard_size
 from harness.execute.scratch import writing_into
 from harness.measure import CommCounter, PeakMemory
 from harness.measure.census import Census
@@ -57,7 +57,7 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
     model = model.to(device)
     sizes = _param_bytes(model, units)
     timeline = UnitTimeline(model, units)  # found on the plain model, looked at while the wrapped one trains
-    if sc.feature == "ac":
+    if has(sc.feature, "ac"):
         checkpoint_units(units)
     wrapped = wrap_for(sc.feature, adapter, model, units, ctx=ctx)
     optimizer = adapter.make_optimizer(wrapped, name=sc.optimizer, lr=sc.lr)
@@ -80,7 +80,7 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
         batch = (inputs, targets, x, y, idx)  # the harness's own tensors, not the implementation's
         measure_mem = step == measured
         # replicated data: every rank computes the same gradient, so what each puts into a reduction is compared
-        counter = CommCounter(fingerprint=sc.data_mode == "replicated" and ctx.world_size > 1 and sc.feature != "hsdp")
+        counter = CommCounter(fingerprint=sc.data_mode == "replicated" and ctx.world_size > 1 and not has(sc.feature, "hsdp"))
         mem = None
         if measure_mem:  # the peak tracker also counts what the implementation holds outside model and optimizer
             optimizers = census.optimizers(optimizer)  # the adapter's and any inside it
@@ -143,9 +143,10 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
 def _clip(adapter, wrapped, feature: str, nudge: int = 0) -> float:
     """Clip the gradients for a clip feature; the norm before clipping the adapter reports (NaN: none).
     `nudge` (a noise probe's Scenario.nudge): the coefficient max_norm / norm moved by that many ulps."""
-    if feature not in CLIP:
+    clip = clip_of(feature)
+    if clip is None:
         return math.nan
-    norm_type, max_norm = CLIP[feature]
+    norm_type, max_norm = clip
     return float(adapter.clip_grad_norm(wrapped, max_norm * (1 + nudge * 2.0 ** -23), norm_type))
 
 
@@ -244,7 +245,7 @@ def _replicas_differ(wrapped, sc: Scenario, ctx) -> float:
     any other feature. Read from every rank, so a replica that drifts shows even when the parameters
     the adapter reports come from the first replica alone."""
     shard = shard_size(sc.feature, ctx.world_size)
-    if sc.feature != "hsdp" or shard == ctx.world_size:
+    if not has(sc.feature, "hsdp") or shard == ctx.world_size:
         return math.nan
     digest = hashlib.blake2b(digest_size=16)
     for p in wrapped.parameters():

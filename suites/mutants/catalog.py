@@ -42,6 +42,8 @@ from suites.mutants.feature_mutants import (
     CkptLastRankShifted,
     CkptOptimizerStateShifted,
     ClipLocalNorm,
+    ClipNormReportedLocal,
+    HeldInParamDtype,
     ReplicasNotAveraged,
     SyncIgnored,
     SyncNeverRestored,
@@ -96,7 +98,7 @@ class Mutant:
     # first step at which a numeric check must see it, as (earliest, latest): the fault cannot act
     # before `earliest`; `latest` is the step by which the fault has changed an update directly
     at_steps: tuple[int, int] | None = (1, 1)
-    kind: str = "numeric"  # "numeric" | "memory" | "traffic" | "per_sample"
+    kind: str = "numeric"  # "numeric" | "memory" | "traffic" | "per_sample" | "report" (what a rank says)
     # the fault sits in one rank's path (the last rank's, at W > 1): each catching verdict names that rank
     one_rank: bool = False
     features: tuple[str, ...] = ("plain",)  # what a step does (harness.core.scenario.FEATURES)
@@ -120,6 +122,7 @@ fp32_reduce, tie_broken, optimizer_delegated = Fp32Reduce, TieBroken, OptimizerD
 grad_overwritten = GradOverwritten
 sync_ignored, sync_never_restored, accum_averaged = SyncIgnored, SyncNeverRestored, AccumAveraged
 clip_local_norm, bf16_optimizer_step, ac_reduced_twice = ClipLocalNorm, Bf16OptimizerStep, AcReducedTwice
+clip_norm_reported_local, held_in_param_dtype = ClipNormReportedLocal, HeldInParamDtype
 bf16_summed = Bf16Summed
 replicas_not_averaged = ReplicasNotAveraged
 ckpt_last_rank_shifted, ckpt_optimizer_state_shifted = CkptLastRankShifted, CkptOptimizerStateShifted
@@ -223,6 +226,12 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("clip_local_norm", _spec("clip_local_norm"), "clip_acts",
            "gradients clipped by the norm of the rank's own shard instead of the global norm",
            features=("clip", "clip_inf"), optimizers=("adamw",)),
+    Mutant("held_in_param_dtype", _spec("held_in_param_dtype"), "ws1_exact",
+           "under bf16 with the reduction switched off, the micro-batches' gradients summed in bf16, not fp32",
+           features=("no_sync+bf16",), optimizers=("adamw",)),
+    Mutant("clip_norm_reported_local", _spec("clip_norm_reported_local"), "ranks_agree",
+           "clipping by the global norm, but ranks > 0 return their own shard's norm (rank 0 the global one)",
+           features=("clip",), optimizers=("adamw",), at_steps=None, kind="report"),
     Mutant("bf16_optimizer_step", _spec("bf16_optimizer_step"), "ws1_exact",
            "under the bf16 policy the optimizer steps bf16 master parameters (each update rounded to bf16)",
            features=("bf16",), optimizers=("adamw",)),

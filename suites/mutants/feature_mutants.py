@@ -34,6 +34,18 @@ class SyncIgnored(MutantAdapter):
         return None
 
 
+class HeldInParamDtype(MutantAdapter):
+    """Under bf16 with the reduction switched off, the unreduced gradients of the micro-batches add up in
+    bf16, as autograd leaves them (each pass's sum rounded to 8 significant bits), not in the reduction's
+    fp32: only the composition no_sync+bf16 has such a sum; either feature alone is right."""
+
+    name = "mutant:held_in_param_dtype"
+
+    def mutate(self, wrapped):
+        for _, g in _groups(wrapped):
+            g.hold_grads = lambda: None
+
+
 class SyncNeverRestored(MutantAdapter):
     """The switch turns the reduction off and never back on: the accumulated gradient is never
     reduced, so the sharded parameters get no gradient at all. At every world size, W = 1 included
@@ -94,6 +106,24 @@ class ClipLocalNorm(MutantAdapter):
 
         local = _with_globals(clip.clip_grad_norm_, all_reduce_norm=lambda value, op, group: None)
         return float(local(wrapped, max_norm, norm_type))
+
+
+class ClipNormReportedLocal(MutantAdapter):
+    """Clipping by the global norm, as it should, but ranks > 0 return the norm of their own shard (the global
+    one on rank 0 only): the tables keep rank 0's records, so only every rank's word shows it."""
+
+    name = "mutant:clip_norm_reported_local"
+
+    def clip_grad_norm(self, wrapped, max_norm, norm_type):
+        import torch
+        import torch.distributed as dist
+        from fsdp_impl import clip_grad_norm_
+
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                 for p in wrapped.parameters() if p.grad is not None]
+        local = float(torch.linalg.vector_norm(torch.cat([g.reshape(-1).float() for g in grads]), norm_type))
+        total = float(clip_grad_norm_(wrapped, max_norm, norm_type))
+        return total if dist.get_rank() == 0 else local
 
 
 class Bf16OptimizerStep(MutantAdapter):

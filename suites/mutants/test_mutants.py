@@ -109,7 +109,7 @@ def test_catalogue_is_complete_and_well_formed():
     assert ISSUE_FAULTS <= set(names), sorted(ISSUE_FAULTS - set(names))
     for m in CATALOGUE:
         assert m.expected in HARNESS_CHECKS | {"per_sample_norms"}, m.expected
-        assert m.kind in ("numeric", "memory", "traffic", "per_sample") and m.what
+        assert m.kind in ("numeric", "memory", "traffic", "per_sample", "report") and m.what
         assert m.models and set(m.models) <= set(MODELS), f"{m.name}: {m.models} not all in the zoo"
         assert (m.at_steps is not None) == (m.kind == "numeric"), m.name
         if m.kind != "per_sample":

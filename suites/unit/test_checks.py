@@ -346,6 +346,7 @@ def _expected_applicable(sc_row) -> set[str]:
         if sc_row["world_size"] == 1:
             names.add("ws1_exact")
     if sc_row["world_size"] > 1:
+        names.add("ranks_agree")
         names |= {"replicated": {"cross_ws_replicated", "grads_match_ws1"},
                   "split": {"split_matches_full_batch"}}[sc_row["data_mode"]]
         if sc_row["sharded"]:

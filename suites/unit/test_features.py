@@ -250,6 +250,6 @@ def test_the_features_option_reaches_the_matrix_and_refuses_a_bad_name():
     ids = {s.id for s in options.matrix_from(ns).scenarios()}
     assert {"fsdp_impl-mlp-ws2-split-sgd", "fsdp_impl-mlp-ws2-split-sgd-no_sync",
             "reference-mlp-ws1-replicated-sgd-no_sync"} <= ids
-    with pytest.raises(argparse.ArgumentTypeError, match="unknown 'zero'; choose from plain, accum"):
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown feature 'zero'; choose from plain, accum"):
         options.features("plain,zero")
     assert options.matrix_from(parser.parse_args([])).features == ("plain",)  # the default keeps today's step

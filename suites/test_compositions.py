@@ -1,0 +1,79 @@
+"""Features composed in one run (`--features hsdp+clip`): each composition compared with the plain model
+doing the same composition, bounds composed by the rule in harness/core/policy.py [Note: compositions].
+
+CI runs the everyday pairs on fsdp_impl and FSDP2 (mlp, W 1,2,4, both data modes, AdamW, 3 steps); every
+supported pair runs in the slow tier (`--slow`)."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+
+from harness.core.scenario import EXCLUSIVE, FEATURES, Scenario, build_matrix, check_feature, parts
+from harness.core.verdict import FAIL, PASS
+from harness.execute.executor import run_matrix
+
+IMPLS = ("fsdp_impl", "torch_fsdp2")
+CI_COMPOSITIONS = ("hsdp+clip", "hsdp+no_sync", "hsdp+ckpt", "accum+clip", "no_sync+clip", "bf16+accum",
+                   "bf16+ckpt", "bf16+clip_inf", "ac+bf16", "ckpt+no_sync")
+
+
+def every_pair() -> list[str]:
+    """Every pair of features that composes (EXCLUSIVE pairs left out)."""
+    names = [f for f in FEATURES if f != "plain"]
+    return [f"{a}+{b}" for a, b in itertools.combinations(names, 2)
+            if (a, b) not in EXCLUSIVE and (b, a) not in EXCLUSIVE]
+
+
+def _run(compositions, world_sizes, steps):
+    scenarios = build_matrix(IMPLS, ["mlp"], list(world_sizes), ("replicated", "split"), ("adamw",), steps=steps,
+                             features=tuple(check_feature(c) for c in compositions))
+    return scenarios, run_matrix(scenarios)
+
+
+@pytest.fixture(scope="module")
+def ci_run():
+    return _run(CI_COMPOSITIONS, (1, 2, 4), steps=3)
+
+
+def test_the_ci_compositions_run_and_pass_for_fsdp_impl_and_fsdp2(ci_run):
+    scenarios, res = ci_run
+    failed = [str(v) for v in res.verdicts if v.status == FAIL]
+    assert not failed, "\n".join(failed)
+    ran = {v.scenario for v in res.verdicts if v.check == "completed" and v.status == PASS}
+    for comp in map(check_feature, CI_COMPOSITIONS):
+        mine = [s for s in scenarios if s.feature == comp and s.impl in IMPLS and s.world_size > 1]
+        assert mine and all(s.id in ran for s in mine), comp
+
+
+def test_each_composition_is_compared_with_the_plain_model_doing_the_same(ci_run):
+    """The reference keeps every part that changes the numbers (hsdp, ac and ckpt leave them as the plain
+    step has them); a resumed run's saver runs the composition without ckpt."""
+    sc = Scenario("fsdp_impl", "mlp", 2, "split", "adamw", feature="clip+hsdp")
+    assert sc.feature == "clip+hsdp" and sc.reference().feature == "clip"
+    assert Scenario("fsdp_impl", "mlp", 2, "split", "adamw", feature="accum+bf16").reference().feature == "accum+bf16"
+    resumed = Scenario("fsdp_impl", "mlp", 2, "replicated", "adamw", feature="bf16+ckpt", resume_from=4)
+    assert resumed.saver().feature == "bf16" and resumed.saver().world_size == 4
+    # the checks see each part: clipping acted, the replicas agree, the checkpoint restored
+    _, res = ci_run
+    seen = {(v.check, s) for v in res.verdicts for s in [v.scenario] if v.status == PASS}
+    for check, comp in (("clip_acts", "hsdp+clip"), ("replicas_agree", "hsdp+no_sync"),
+                        ("ckpt_restored", "ckpt+no_sync"), ("ckpt_restored", "hsdp+ckpt")):
+        assert any(c == check and f"-{check_feature(comp)}" in s for c, s in seen), (check, comp)
+
+
+def test_a_composition_that_cannot_be_composed_is_refused_in_one_line():
+    for bad, why in (("accum+no_sync", "two micro-batch schemes"), ("clip+clip_inf", "two clipping norms"),
+                     ("hsdp+bogus", "unknown feature 'bogus' in 'hsdp+bogus'"), ("clip+clip", "names a feature twice")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            check_feature(bad)
+    assert check_feature("clip+hsdp") == check_feature("hsdp+clip") and parts("hsdp+clip") == ("clip", "hsdp")
+
+
+@pytest.mark.slow
+def test_every_supported_pair_passes_for_fsdp_impl_and_fsdp2():
+    _, res = _run(every_pair(), (1, 2, 4), steps=4)
+    failed = [str(v) for v in res.verdicts if v.status == FAIL]
+    assert not failed, "\n".join(failed)
