@@ -90,20 +90,16 @@ def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                 f"does not apply: its other factorisation, {twin.id} ({int(row.world_size) * k} ranks x 1 "
                 f"micro-batch), {why}")))
             continue
-        if rounded_per_rank(scen.feature):
+        # a rank's k micro-batches (contiguous pieces of its slice) are not the W x k ranks' slices: where each
+        # group of samples is rounded (bf16) or normalised (batch statistics) on its own, two computations
+        apart = (f"{BF16_SPLIT}; the two round different groups of samples to bf16" if rounded_per_rank(scen.feature)
+                 else f"the model normalises with batch statistics ({batch_stats_of(row)}); the two normalise "
+                 "different groups of samples" if batch_stats_of(row) else "")
+        if apart:
             out.append(Verdict("factorisations_agree", row.scenario, SKIP, None, None, message=(
-                f"does not apply: {BF16_SPLIT}; a rank's {k} micro-batches (contiguous pieces of its slice) are "
-                f"not the {int(row.world_size) * k} ranks' slices, so the two round different groups of samples "
-                "to bf16: two different computations, each held to its own micro-batch reference by "
-                "split_matches_full_batch")))
-            continue
-        layers = batch_stats_of(row)
-        if layers:
-            out.append(Verdict("factorisations_agree", row.scenario, SKIP, None, None, message=(
-                f"does not apply: the model normalises with batch statistics ({layers}), and a rank's {k} "
-                f"micro-batches (contiguous pieces of its slice) are not the {int(row.world_size) * k} ranks' "
-                "slices: each normalises another group of samples, two different computations, each held to its "
-                "own ranks' micro-batches by split_matches_full_batch")))
+                f"does not apply: {apart}, since a rank's {k} micro-batches (contiguous pieces of its slice) are not "
+                f"the {int(row.world_size) * k} ranks' slices: two different computations, each held to its own "
+                "ranks' micro-batches by split_matches_full_batch")))
             continue
         # the floors of both cuts: at W = 1 the run has no probe of its own, its twin's slices have one
         probes = list(dict.fromkeys(scen.noise_probes() + twin.noise_probes()))
