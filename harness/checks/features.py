@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
+
 from harness.checks.noise_floor import batch_stats_of, holding, probe_maxima
 from harness.checks.numeric import _ROW, Check, _fmt, _ok, by_scenario, first_param_crossing, judge, not_measured
 from harness.core.policy import BF16_SPLIT, Bounds
@@ -124,13 +126,11 @@ def replicas_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     replica's rank with the same index (the replicas average the same gradient and step alike).
     Read on every rank: the parameters the adapter reports may come from the first replica alone."""
     out = []
-    sc, steps = tables["scenarios"], tables["steps"]
+    sc, steps_of = tables["scenarios"], by_scenario(tables["steps"])
     for row in _ok(sc).itertuples():
         if not _hybrid(row):
             continue
-        mine = steps[steps.scenario == row.scenario].sort_values("step")
-        if resume_of(row):  # the steps before the checkpoint are its saver's, on the saver's mesh
-            mine = mine[mine.step > ckpt_step(int(row.steps))]
+        mine = _own_steps(steps_of, row)
         if not len(mine) or mine.replicas_differ.isna().any():
             out.append(not_measured("replicas_agree", row, "no comparison of the replicas' parameters recorded", 0.0))
             continue
@@ -153,13 +153,11 @@ def ranks_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     as rank 0 at every step, bitwise: both are global figures. An implementation whose ranks > 0 return the
     norm of their own shard, or compute another loss, fails here, naming the rank and the figure."""
     out = []
-    sc, steps = tables["scenarios"], tables["steps"]
+    sc, steps_of = tables["scenarios"], by_scenario(tables["steps"])
     for row in _ok(sc).itertuples():
         if int(row.world_size) < 2:
             continue
-        mine = steps[steps.scenario == row.scenario].sort_values("step")
-        if resume_of(row):  # the steps before the checkpoint are its saver's
-            mine = mine[mine.step > ckpt_step(int(row.steps))]
+        mine = _own_steps(steps_of, row)
         if not len(mine) or "reports_differ" not in mine:
             out.append(not_measured("ranks_agree", row, "no comparison of the ranks' step records", 0.0))
             continue
@@ -179,6 +177,16 @@ def ranks_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                          f"{first.reports_differ}", step=int(first.step), param=field, rank=int(rank),
                          where=f"rank {rank} {field}"))
     return out
+
+
+def _own_steps(steps_of: dict, row) -> pd.DataFrame:
+    """The steps-table rows of the steps a run trained itself, in order: a resumed run's steps before its
+    checkpoint are its saver's, recorded on the saver's ranks and mesh."""
+    mine = steps_of.get(row.scenario)
+    if mine is None:
+        return pd.DataFrame(columns=["step", "replicas_differ", "reports_differ"])
+    mine = mine.sort_values("step")
+    return mine[mine.step > ckpt_step(int(row.steps))] if resume_of(row) else mine
 
 
 def _hybrid(row) -> bool:
