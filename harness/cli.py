@@ -1,4 +1,4 @@
-"""Command line: `python -m harness run|report|compare|plan ...` (also installed as `fsdp-harness`).
+"""Command line: `python -m harness run|report|compare|plan|localize ...` (also installed as `fsdp-harness`).
 
 `run` exits with the run's outcome (harness.session): 0 PASS, 1 FAIL (a verdict failed or a
 scenario errored), 2 bad input, 3 NOT RUN (an implementation under test ran no scenario to its end);
@@ -69,6 +69,18 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     opt.add_allow_large(plan.add_argument)
 
+    loc = sub.add_parser("localize", help="replay one scenario and its yardstick with every op traced on every "
+                                          "rank and name where they first parted; exit 0 none beyond rounding, "
+                                          "1 a divergence, 2 bad input")
+    loc.add_argument("scenario", help="a scenario id, as the report and the console name it "
+                                      "(e.g. fsdp_impl-mlp-ws4-split-adamw-clip)")
+    loc.add_argument("--steps", type=opt.steps, default=10, help="the run's training steps (default 10)")
+    loc.add_argument("--lr", type=opt.positive_float, default=1e-2, help="the run's learning rate (default 1e-2)")
+    loc.add_argument("--global-batch", type=opt.positive_int, default=16, help="the run's global batch (default 16)")
+    loc.add_argument("--up-to", type=opt.positive_int, default=None, metavar="STEP",
+                     help="trace the steps up to this one only (default: every step)")
+    loc.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+
     cmp_ = sub.add_parser("compare", help="compare a stored run with a baseline or with another stored run "
                                           "(the same comparison as --baseline)")
     cmp_.add_argument("tables_dir", type=Path, help="the <report>_tables directory of a run")
@@ -117,6 +129,18 @@ def cmd_plan(ns) -> int:
     return EXIT_OK
 
 
+def cmd_localize(ns) -> int:
+    """The localiser on one scenario (harness.localize)."""
+    from harness.localize.replay import localize, scenario_of_id
+    try:
+        sc = scenario_of_id(ns.scenario, steps=ns.steps, lr=ns.lr, global_batch=ns.global_batch, backend=ns.backend)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    found = localize(sc, steps=ns.up_to)
+    print("\n".join(found.lines()))
+    return EXIT_FAILED if found.diverged else EXIT_OK
+
+
 def cmd_compare(ns) -> int:
     """The gate's own comparison (harness.gate.compare.comparison), shown as a table."""
     from harness.core.environment import machine_kind
@@ -144,7 +168,8 @@ def main(argv=None) -> int:
     parser = _parser()
     try:
         ns = parser.parse_args(argv)
-        return {"run": cmd_run, "report": cmd_report, "compare": cmd_compare, "plan": cmd_plan}[ns.verb](ns)
+        return {"run": cmd_run, "report": cmd_report, "compare": cmd_compare, "plan": cmd_plan,
+                "localize": cmd_localize}[ns.verb](ns)
     except SystemExit:
         raise  # argparse's own exits (--help, usage errors), before the clauses below import anything
     except KeyboardInterrupt:

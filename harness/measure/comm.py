@@ -226,6 +226,18 @@ def _unpatch() -> None:
     _SAVED.clear()
 
 
+def tensor_digest(*tensors: torch.Tensor, with_shape: bool = False) -> str:
+    """A hash of the tensors' bytes (and shapes and dtypes, `with_shape`), read from a copy: a numpy view of
+    the tensor's own storage would make that storage non-resizable, and implementations resize theirs."""
+    digest = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        if with_shape:
+            digest.update(f"{tuple(t.shape)}{t.dtype}".encode())
+        if t.numel():
+            digest.update(t.detach().reshape(-1).to("cpu", copy=True).contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def _classify(func: Any, args: tuple) -> tuple[str, Size] | None:
     """(collective, size) for a collective op, None for any other op."""
     packet = getattr(func, "_overloadpacket", None)
@@ -304,10 +316,7 @@ class CommCounter(TorchDispatchMode):
         if index is None or index >= len(args):
             return
         tensors = _tensors(args[index])
-        digest = hashlib.blake2b(digest_size=8)
-        for t in tensors:
-            digest.update(t.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        self.reduction_inputs.append((collective, sum(t.numel() for t in tensors), digest.hexdigest()))
+        self.reduction_inputs.append((collective, sum(t.numel() for t in tensors), tensor_digest(*tensors)))
 
     def summary(self) -> list[dict]:
         """One dict per collective and element type seen: {"collective", "dtype", "calls",

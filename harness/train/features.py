@@ -103,14 +103,16 @@ def rank_slices(x: torch.Tensor, y: torch.Tensor, ranks: int) -> list[tuple[torc
 def forward_backward(feature: str, spec, model, x: torch.Tensor, y: torch.Tensor,
                      mark: Callable = lambda phase, value=None: value,
                      set_sync: Callable[[bool], None] | None = None, micro: int = 1,
-                     reverse: bool = False) -> torch.Tensor:
+                     reverse: bool = False, slices_summed: bool = False) -> torch.Tensor:
     """Forward and backward of one step on this rank's batch; returns the loss of the whole local batch
     (detached). `mark(phase, value)` is told where the step is (harness.measure.timeline);
     `set_sync(enabled)` switches the gradient reduction (the adapter's set_gradient_sync). `micro` > 1
     (a reference's Scenario.micro_batches): the batch in the slices `micro` split ranks would take, each
     cut into the feature's own micro-batches as such a rank cuts it, a forward and backward each, every
     loss scaled by 1 / (their count), the gradients summed by autograd; `reverse`: the slices in reverse
-    rank order (a noise probe's other order of summation)."""
+    rank order (a noise probe's other order of summation); `slices_summed` (the localiser's yardstick): each
+    slice's passes scaled as the rank that takes it scales them (1 / the feature's own micro-batches), so the
+    slices' gradients add up to `micro` times the mean, each computed as that rank computes it."""
     check_feature(feature)  # ValueError for an unknown one
     k = passes_per_step(feature)  # clipping and checkpointing act outside this: one pass, as plain
     switched = reductions_per_step(feature) < k  # the reduction runs on the last pass only
@@ -119,16 +121,16 @@ def forward_backward(feature: str, spec, model, x: torch.Tensor, y: torch.Tensor
     slices = rank_slices(x, y, micro) if micro > 1 else [(x, y)]
     slices = slices[::-1] if reverse else slices
     batches = [mb for xs, ys in slices for mb in micro_batches(xs, ys, k)]
-    k = len(batches)
+    scale = k if slices_summed else len(batches)
     total = None
     for i, (xm, ym) in enumerate(batches):
         if switched:
-            set_sync(i == k - 1)
+            set_sync(i == len(batches) - 1)
         mark("forward")
         out = mark("after_forward", model(xm))
         loss = spec.loss(out.float() if has(feature, "bf16") else out, ym)  # the loss in fp32, as plain
-        if k > 1:
-            loss = loss / k
+        if scale > 1:
+            loss = loss / scale
         mark("backward")
         loss.backward()
         total = loss.detach() if total is None else total + loss.detach()

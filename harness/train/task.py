@@ -19,6 +19,7 @@ import torch.distributed as dist
 from harness.adapters import load_adapter
 from harness.core.scenario import Scenario, clip_of, has, shard_size
 from harness.execute.scratch import writing_into
+from harness.localize.trace import StepTracer
 from harness.measure import CommCounter, PeakMemory
 from harness.measure.census import Census
 from harness.measure.memory import local_tensor
@@ -45,10 +46,11 @@ def train_scenario(ctx, payload: dict) -> dict:
         ckpt = Checkpointing(payload, snap_dir, ctx.rank)
         # what the process holds before the scenario is not the scenario's
         with Census(ctx.device, keep_frozen=True) as census:
-            return _train(ctx, sc, spec, adapter, census, snap_dir, ckpt)
+            return _train(ctx, sc, spec, adapter, census, snap_dir, ckpt, payload.get("trace"))
 
 
-def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckpt: "Checkpointing") -> dict:
+def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckpt: "Checkpointing",
+           trace: dict | None = None) -> dict:
     device = ctx.device
     torch.manual_seed(sc.seed)
     model = spec.build()
@@ -57,6 +59,8 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
     model = model.to(device)
     sizes = _param_bytes(model, units)
     timeline = UnitTimeline(model, units)  # found on the plain model, looked at while the wrapped one trains
+    # the localiser's replay: every op of the steps up to trace["steps"] (harness.localize)
+    tracer = StepTracer(model, units, trace["keep_bytes"], trace.get("pass_grads", False)) if trace else None
     if has(sc.feature, "ac"):
         checkpoint_units(units)
     wrapped = wrap_for(sc.feature, adapter, model, units, ctx=ctx)
@@ -79,6 +83,9 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
         x, y = x.to(device), y.to(device)
         batch = (inputs, targets, x, y, idx)  # the harness's own tensors, not the implementation's
         measure_mem = step == measured
+        traced = tracer is not None and step <= trace["steps"]
+        if traced:
+            tracer.begin_step(step, wrapped, trace.get("force_dir"))
         # replicated data: every rank computes the same gradient, so what each puts into a reduction is compared
         counter = CommCounter(fingerprint=sc.data_mode == "replicated" and ctx.world_size > 1 and not has(sc.feature, "hsdp"))
         mem = None
@@ -92,16 +99,25 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
         # The tracker (a dispatch mode plus global module hooks) is left on every path: a step that
         # raises must not leave it installed for the next scenario in this process.
         mark = _marker(timeline, mem)
-        with counter, (mem if mem is not None else contextlib.nullcontext()):
+        mark = tracer.marking(mark) if traced else mark
+        with counter, (mem if mem is not None else contextlib.nullcontext()), \
+                (tracer if traced else contextlib.nullcontext()):
+            summed = traced and trace.get("slices_summed", False)
             loss = forward_backward(sc.feature, spec, wrapped, x, y, mark, set_sync, micro=sc.micro_batches,
-                                    reverse=sc.reverse_micro)
+                                    reverse=sc.reverse_micro, slices_summed=summed)
             adapter.after_backward(wrapped, optimizer)
             mark("after_backward")
+            if traced:
+                tracer.end_backward(wrapped, divide_by=sc.micro_batches if summed else 1)
             grad_sq = _local_grad_sq(wrapped) if first_copy else 0.0  # before clipping: measured by the harness
             clip_norm = _clip(adapter, wrapped, sc.feature, sc.nudge)
+            if traced and clip_of(sc.feature) is not None:
+                tracer.end_clip(wrapped)
             mark("optimizer")
             optimizer.step()
             mark("optimizer")
+            if traced:
+                tracer.end_step(wrapped)
         _sync(device)
         if mem is None:
             times.append(time.perf_counter() - t0)
@@ -132,6 +148,9 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
         _snapshot(adapter, wrapped, snap_dir / f"step{step}.pt", ctx.rank)
         ckpt.save_after(step, adapter, wrapped, optimizer, steps)
 
+    if tracer is not None:
+        (snap_dir / "trace").mkdir(parents=True, exist_ok=True)
+        tracer.save(snap_dir / "trace" / f"rank{ctx.rank}.pt")
     trained = max(1, sc.steps - start)  # the steps this run trained itself
     comm = [{"collective": c, "dtype": d, **{k: v / trained for k, v in tot.items()}}
             for (c, d), tot in sorted(comm_totals.items())]

@@ -1,0 +1,178 @@
+"""Replay a scenario and its yardstick with every rank traced, and say where they parted.
+
+The yardstick is the plain model in one process on the same global batch, doing the steps the scenario's
+own reference does (harness.core.scenario.Scenario.reference); with split data it sums the W ranks'
+slices as micro-batches (rank r's slice as its micro-batch r), so that each of a rank's passes has a
+counterpart computed on the same samples with the same shapes. Two runs per localisation (three for a
+resumed run: its checkpoint's saver runs first, untraced).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from harness.core.scenario import REFERENCE_IMPL, Scenario, ckpt_step, has, passes_per_step
+from harness.localize.compare import Point, localise
+
+KEEP_BYTES = 32 << 20  # per rank: op outputs kept with their values (beyond it, hashes only)
+
+
+def yardstick(sc: Scenario) -> Scenario:
+    """The plain run `sc` is localised against (see the module docstring)."""
+    ref = sc.reference()
+    if sc.data_mode == "split" and sc.world_size > 1:
+        ref = ref.replace(micro_batches=sc.world_size)
+    return ref
+
+
+@dataclass
+class Localised:
+    scenario: Scenario
+    yardstick: Scenario
+    point: Point | None
+    steps: list[int]
+
+    @property
+    def diverged(self) -> bool:
+        """Whether the run parted from its yardstick beyond a reduction's rounding."""
+        return self.point is not None and not self.point.rounding
+
+    def lines(self) -> list[str]:
+        """The chain, one level per line."""
+        sc, p = self.scenario, self.point
+        head = f"{sc.id} against {self.yardstick.id}, steps {self.steps[0]}-{self.steps[-1]}:"
+        if p is None:
+            return [head, "  no divergence: every traced op and every rank's parameters, gradients and updates "
+                          "match the yardstick bit for bit"]
+        if p.rounding:
+            head += (" no divergence beyond rounding: the gradients after the reduction differ from the "
+                     "yardstick's by no more than summing the same terms in another order gives (2 (n-1) u "
+                     "sum|g_i| per element), first at")
+        lines = [head, f"  step         {p.step}"]
+        if p.pass_ is not None:
+            lines.append(f"  micro-batch  {p.pass_} of {passes_per_step(sc.feature)} on the rank")
+        lines += [f"  phase        {p.phase}" + (" (rounding only)" if p.rounding else ""),
+                  f"  module       {p.module}", f"  op           {p.op}",
+                  f"  rank         {', '.join(map(str, p.ranks))} of {sc.world_size}",
+                  f"  element      {p.detail}"]
+        if p.context:
+            lines.append("  the yardstick's ops of that module around it:")
+            lines += [f"    {op:<48} {mark}" for op, mark in p.context]
+        return lines
+
+
+def replay(sc: Scenario, *, pool, workdir: Path, steps: int | None = None,
+           keep_bytes: int = KEEP_BYTES) -> Localised:
+    """Run `sc` and its yardstick traced up to `steps` (default: all) in `pool`'s worlds, and compare."""
+    from harness.execute.executor import TASK, payload_of
+
+    last = min(steps or sc.steps, sc.steps)
+    ref = yardstick(sc)
+    savers = {sc.saver()} if sc.saver() is not None else set()
+    traced = {"steps": last, "keep_bytes": keep_bytes}
+    start = ckpt_step(sc.steps) if has(sc.feature, "ckpt") and sc.resume_from else 0
+    step_list = list(range(start + 1, last + 1))
+
+    def run(scenario: Scenario, trace: dict | None) -> None:
+        payload = payload_of(scenario, workdir, savers)
+        if trace is not None:
+            payload["trace"] = trace
+        pool.get(scenario.world_size, scenario.backend).call(TASK, payload)
+
+    for saver in savers:
+        run(saver, None)
+    run(sc, traced)
+    traces = _load(workdir / sc.id / "trace", sc.world_size)
+    force_dir = workdir / "forced"
+    force_dir.mkdir(exist_ok=True)
+    for step in step_list[:-1]:  # the parameters the run under test holds after each step, from its ranks
+        full = assemble(traces, step)
+        if full:
+            torch.save(full, force_dir / f"step{step}.pt")
+    run(ref, {**traced, "pass_grads": ref.micro_batches * passes_per_step(ref.feature) > 1,
+              "slices_summed": ref.micro_batches > 1, "force_dir": str(force_dir)})
+    ref_trace = _load(workdir / ref.id / "trace", 1)[0]
+    point = localise(ref_trace, traces, split=sc.data_mode == "split" and sc.world_size > 1,
+                     passes=passes_per_step(sc.feature), steps=step_list, resumed_at=start)
+    return Localised(sc, ref, point, step_list)
+
+
+def assemble(traces: list[dict], step: int) -> dict[str, torch.Tensor]:
+    """The full parameters after `step`, put together from the rows every rank held (its own word is not
+    asked: harness.localize.trace keeps what the rank holds). A parameter no rank holds whole or as dim-0
+    rows covering it is left out (the yardstick keeps its own)."""
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    for trace in traces:
+        state = next((s["params"] for s in trace["state"] if s["step"] == step and s["what"] == "params_after"), {})
+        for name, (rows, local) in state.items():
+            pieces.setdefault(name, {})
+            if rows is None:
+                pieces[name].setdefault(-1, local)
+            elif rows[1] > rows[0]:
+                pieces[name].setdefault(rows[0], local[:rows[1] - rows[0]])
+    full = {}
+    for name, parts in pieces.items():
+        if -1 in parts:  # a whole copy
+            full[name] = parts[-1]
+            continue
+        at, chunks = 0, []
+        for first in sorted(parts):
+            if first != at:
+                break
+            chunks.append(parts[first])
+            at += parts[first].shape[0]
+        else:
+            full[name] = torch.cat(chunks)
+    return full
+
+
+def _load(folder: Path, ranks: int) -> list[dict]:
+    return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
+
+
+def localize(sc: Scenario, *, steps: int | None = None, timeout_s: float = 300.0) -> Localised:
+    """`replay` in worlds and a temp dir of its own."""
+    from harness.execute.world import WorldPool
+
+    if sc.impl == REFERENCE_IMPL:
+        raise ValueError(f"{sc.id} is the plain reference itself: there is nothing to localise it against")
+    with WorldPool(timeout_s=timeout_s) as pool, tempfile.TemporaryDirectory(prefix="fsdp-localize-") as d:
+        return replay(sc, pool=pool, workdir=Path(d), steps=steps)
+
+
+def scenario_of_id(text: str, *, steps: int = 10, lr: float = 1e-2, global_batch: int = 16,
+                   backend: str = "gloo") -> Scenario:
+    """The scenario an id names (harness.core.scenario.scenario_id), with the run's steps, lr and global batch
+    (an id does not carry them); ValueError (one line) for text that is not such an id."""
+    import re
+
+    from harness.core.names import BUILTIN_ADAPTERS, HF_PREFIX, MODELS, STANDARD_MODELS
+    from harness.core.scenario import DATA_MODES, OPTIMIZERS, check_feature
+
+    tokens = text.strip().split("-")
+    at = next((i for i, t in enumerate(tokens) if re.fullmatch(r"ws\d+", t) and i >= 2), None)
+    if at is None or len(tokens) < at + 3 or tokens[at + 1] not in DATA_MODES or tokens[at + 2] not in OPTIMIZERS:
+        raise ValueError(f"{text!r} is not a scenario id (impl-model-wsW-mode-optimizer[-feature][-fromW][-seedN], "
+                         "as the report and the console name them)")
+    impl, model = "-".join(tokens[:at - 1]), tokens[at - 1]
+    if impl not in BUILTIN_ADAPTERS:
+        impl = "cs336:" + impl[len("cs336."):] if impl.startswith("cs336.") else ":".join(impl.rsplit(".", 1))
+    if model not in MODELS + STANDARD_MODELS:
+        model = HF_PREFIX + model[3:] if model.startswith("hf.") else ":".join(model.rsplit(".", 1))
+    fields = {"feature": "plain"}
+    for t in tokens[at + 3:]:
+        for key, pattern in (("resume_from", r"from(\d+)"), ("seed", r"seed(\d+)"), ("nudge", r"nudge(\d+)")):
+            m = re.fullmatch(pattern, t)
+            if m:
+                fields[key] = int(m.group(1))
+                break
+        else:
+            if re.fullmatch(r"micro\d+(rev)?", t):
+                raise ValueError(f"{text!r} is a reference or noise probe: there is nothing to localise it against")
+            fields["feature"] = check_feature(t)
+    return Scenario(impl, model, int(tokens[at][2:]), tokens[at + 1], tokens[at + 2], steps=steps, lr=lr,
+                    global_batch=global_batch, backend=backend, **fields)

@@ -1,0 +1,276 @@
+"""The rank side of the localiser: what every operation of a traced step produced, seen through torch.
+
+`StepTracer` watches a rank train from the outside: a ``TorchDispatchMode`` sees every aten op and
+collective the process runs (whatever implementation issues it), global module hooks say which module
+of the plain model runs in forward, and the autograd nodes a module's forward created are tagged with
+its name (``Node.metadata``), so an op of the backward is named by the node the engine is running
+(``torch._C._current_autograd_node``). Nothing of the adapter is asked or changed.
+
+Per op it keeps a record: step, pass (the micro-batch index of the step), phase, module, op name, the
+shape, dtype and a hash of the output's bytes, and the output itself while the rank's kept values stay
+under `keep_bytes`. Around the op records it keeps the rank's state, with values: the parameters it
+holds at the start of each step, its gradients after the backward and the reduction, after clipping,
+and the parameters after the optimizer step, each with the dim-0 rows of the full parameter it holds
+(read from the DTensor's own spec; a plain tensor of the full shape holds them all).
+
+Phases (what `mark` says, as harness.train.features.forward_backward and harness.train.task call it):
+``forward`` (an op outside any autograd node), ``recomputation`` (a module's forward run again inside
+the backward: activation checkpointing), ``backward`` (an op the engine runs for a node); ops after the
+backward (the reduction's tail, clipping, the optimizer step) are compared through the state, not op
+by op: their operands are shards, the reference's are full tensors. Collectives are recorded in every
+phase with a hash of what the rank put in (before it runs), for the report's context and to tell which
+rank put something else into a reduction.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from harness.measure.comm import _DTensor, _classify, _REDUCTION_INPUT, _tensors, tensor_digest
+from harness.measure.memory import local_tensor
+
+TAG = "harness_localize_module"  # the key of a node's metadata that names the module that made it
+PREP = "harness_localize_prep"  # ... that says whether it only prepares parameters (_param_only)
+# ops whose output is memory not yet written, not a value, or autograd's bookkeeping (the same values as
+# their input, made where autograd saves a tensor, which activation checkpointing changes): never compared
+UNWRITTEN = {"detach", "alias", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_", "resize_",
+             "record_stream", "_local_scalar_dense"}
+# wrapper modules' attribute names: a wrapped model's parameter names without them are the plain model's
+WRAPPER_PARTS = {"module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
+
+
+def digest(t: torch.Tensor) -> str:
+    return tensor_digest(t, with_shape=True)
+
+
+def _outputs(x) -> list[torch.Tensor]:
+    """The tensors of a module's or op's output: a tensor, (nested) sequences, dicts (HF ModelOutput)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _outputs(v)]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _outputs(v)]
+    return []
+
+
+def _param_only(node) -> bool:
+    """Whether every path from this autograd node leads to parameters alone (AccumulateGrad) through ops of
+    one input: the backward of ops that prepared a parameter. Kept in the node's metadata."""
+    md = node.metadata
+    if PREP not in md:
+        nexts = [n for n, _ in node.next_functions if n is not None]
+        md[PREP] = bool(nexts) and all(type(n).__name__ == "AccumulateGrad" or _param_only(n) for n in nexts)
+    return md[PREP]
+
+
+class StepTracer(TorchDispatchMode):
+    """Records the traced steps of one rank. `model`: the plain model before any implementation wraps it
+    (its module names are the ones both runs are compared by)."""
+
+    def __init__(self, model: torch.nn.Module, units, keep_bytes: int = 32 << 20, pass_grads: bool = False):
+        super().__init__()
+        self.names = {id(m): name or "(model)" for name, m in model.named_modules()}
+        self.units = [self.names[id(u)] for u in units]
+        # the reference of a step with several passes: its gradients after each pass, whose differences are
+        # the terms a sharded run sums in another order (the rounding a reduction may legitimately add)
+        self.pass_grads = pass_grads
+        self._wrapped = None
+        self.param_names = {name for name, _ in model.named_parameters()}
+        self.keep_bytes, self.kept_bytes = keep_bytes, 0
+        self.ops: list[dict] = []
+        self.values: dict[int, torch.Tensor] = {}  # op record index -> its output, while under keep_bytes
+        self.state: list[dict] = []  # {"step", "what", "params": {name: (rows, tensor)}}
+        self.step, self.pass_, self.phase = 0, -1, None
+        self._stack: list[str] = []
+        self._hooks = []
+
+    # -- the harness says where the step is ----------------------------------------------------------
+    def begin_step(self, step: int, wrapped, force_dir: str | None = None) -> None:
+        """Before step `step`. `force_dir` (the yardstick's replay): where the run under test's parameters
+        after each step are (step<k>.pt, full tensors assembled from its ranks' rows): the yardstick starts
+        the step from them, so that every step is compared from the same parameters even after the runs
+        parted by a reduction's rounding."""
+        self.step, self.pass_, self.phase, self._wrapped = step, -1, None, wrapped
+        forced = Path(force_dir) / f"step{step - 1}.pt" if force_dir else None
+        if forced is not None and forced.exists():
+            params = {self.plain_name(n): p for n, p in wrapped.named_parameters()}
+            with torch.no_grad():
+                for name, full in torch.load(forced, weights_only=True).items():
+                    if name in params:
+                        params[name].copy_(full)
+        self._params = [local_tensor(p) for p in wrapped.parameters()]
+        self._keep_state("params_before", wrapped, grads=False)
+
+    def marking(self, mark):
+        """The step's `mark(phase, value)` that also tells this tracer where the step is."""
+        def both(phase: str, value=None):
+            if phase == "forward":
+                if self.pass_grads and self.pass_ >= 0:  # (a yardstick's: summed slices, not divided yet)
+                    self.phase = None
+                    self._keep_state("grads_pass", self._wrapped, grads=True)
+                self.pass_ += 1
+                self.phase = "forward"
+            elif phase == "backward":
+                self.phase = "backward"
+            return mark(phase, value)
+        return both
+
+    def end_backward(self, wrapped, divide_by: int = 1) -> None:
+        """After the backward and the adapter's after_backward: the gradients the reduction left.
+        `divide_by`: a yardstick that summed the ranks' slices makes its gradient their mean here."""
+        self.phase = None
+        if divide_by > 1:
+            with torch.no_grad():
+                for p in wrapped.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(divide_by)
+            for snap in self.state:  # the step's gradients after each pass, on the same scale
+                if snap["step"] == self.step and snap["what"] == "grads_pass":
+                    for _, g in snap["params"].values():
+                        g.div_(divide_by)
+        self._keep_state("grads_reduced", wrapped, grads=True)
+
+    def end_clip(self, wrapped) -> None:
+        self._keep_state("grads_clipped", wrapped, grads=True)
+
+    def end_step(self, wrapped) -> None:
+        self._keep_state("params_after", wrapped, grads=False)
+
+    # -- observation ---------------------------------------------------------------------------------
+    def __enter__(self):
+        from torch.utils.checkpoint import set_checkpoint_early_stop
+
+        nn_hooks = torch.nn.modules.module
+        self._hooks = [nn_hooks.register_module_forward_pre_hook(self._pre),
+                       nn_hooks.register_module_forward_hook(self._post)]
+        # a recomputation that stops early (once the saved tensors it needs are back) leaves its modules'
+        # forward hooks unrun; the whole recomputation runs the same ops to the same values
+        self._early_stop = set_checkpoint_early_stop(False)
+        self._early_stop.__enter__()
+        self._stack.clear()
+        self._prepared = WeakIdKeyDictionary()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._early_stop.__exit__(*exc)
+        return super().__exit__(*exc)
+
+    def _pre(self, module, args):
+        name = self.names.get(id(module))
+        if name is not None:
+            self._stack.append(name)
+
+    def _post(self, module, args, output):
+        name = self.names.get(id(module))
+        if name is None:
+            return
+        if self._stack and self._stack[-1] == name:
+            self._stack.pop()
+        # the nodes this call made (inner modules tagged theirs first): the backward ops they run are its
+        todo = [t.grad_fn for t in _outputs(output) if t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node is None or TAG in node.metadata:
+                continue
+            node.metadata[TAG] = name
+            todo.extend(n for n, _ in node.next_functions)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if _DTensor is not None and _DTensor in types:
+            return NotImplemented  # its local ops come back here
+        collective = _classify(func, tuple(args))
+        if collective is not None and self.step:
+            self._collective(func, collective[0], args)
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.phase is not None and collective is None:
+            self._op(func, out, self._from_params(args, kwargs))
+        return out
+
+    def _from_params(self, args, kwargs) -> bool:
+        """Whether every tensor the op reads is a parameter or made from parameters alone (a cast, a
+        transpose): how an implementation prepares its parameters is its own, so such ops are not held
+        to the yardstick's; the first op that computes with them is."""
+        tensors = _outputs(list(args) + list(kwargs.values()))
+        if not tensors:
+            return False
+        params = {id(p) for p in self._params}
+        return all(id(t) in params or t in self._prepared for t in tensors)
+
+    def _where(self) -> tuple[str, str]:
+        node = torch._C._current_autograd_node()
+        if node is None:  # in the backward phase: after the engine is done (the caller's own bookkeeping)
+            phase = self.phase if self.phase == "forward" else "after backward"
+            return phase, self._stack[-1] if self._stack else "(outside modules)"
+        if self._stack:  # a module's forward inside the backward: activation checkpointing's recomputation
+            return "recomputation", self._stack[-1]
+        module = node.metadata.get(TAG, "(outside modules)")
+        if type(node).__name__ == "AccumulateGrad":  # summing into .grad, and the hooks run after it
+            return "gradient accumulation", module
+        if _param_only(node):  # the backward of a parameter's preparation (a cast, a transpose)
+            return "parameter preparation", module
+        return "backward", module
+
+    def _op(self, func, out, prep: bool) -> None:
+        name = func._overloadpacket.__name__
+        tensors = _outputs(out)
+        if prep:
+            for t in tensors:
+                self._prepared[t] = True
+        phase, module = self._where()
+        rec = {"i": len(self.ops), "step": self.step, "pass": self.pass_, "phase": phase, "module": module,
+               "op": str(func).removesuffix(".default"), "shape": [list(t.shape) for t in tensors],
+               "dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else "",
+               "digest": None if name in UNWRITTEN or not tensors else "|".join(digest(t) for t in tensors),
+               "prep": prep}
+        self.ops.append(rec)
+        if rec["digest"] is not None and len(tensors) == 1:
+            t = tensors[0]
+            size = t.numel() * t.element_size()
+            if self.kept_bytes + size <= self.keep_bytes:
+                self.kept_bytes += size
+                self.values[rec["i"]] = t.detach().cpu().clone()
+
+    def _collective(self, func, kind: str, args) -> None:
+        index = _REDUCTION_INPUT.get(func._overloadpacket.__name__)
+        sent = _tensors(args[index]) if index is not None and index < len(args) else []
+        phase, module = self._where() if self.phase is not None else ("after backward", "(outside modules)")
+        self.ops.append({"i": len(self.ops), "step": self.step, "pass": self.pass_, "phase": phase,
+                         "module": module, "op": f"{kind} ({func._overloadpacket.__name__})", "collective": kind,
+                         "shape": [list(t.shape) for t in sent], "dtype": "",
+                         "digest": None, "sent": "|".join(digest(t) for t in sent) if sent else None})
+
+    def _keep_state(self, what: str, wrapped, grads: bool) -> None:
+        from harness.train.task import rows_held  # the DTensor rows, as the tables read them
+
+        rows = rows_held(wrapped)
+        held = {}
+        for name, p in wrapped.named_parameters():
+            t = p.grad if grads else p
+            if t is None:
+                continue
+            plain = self.plain_name(name)
+            local = local_tensor(t).detach().to("cpu", torch.float32).clone()
+            held[plain] = (rows.get(name), local)
+        self.state.append({"step": self.step, "what": what, "pass": self.pass_, "params": held})
+
+    def plain_name(self, name: str) -> str:
+        """A wrapped model's parameter name as the plain model has it (wrapper modules' parts dropped)."""
+        if name in self.param_names:
+            return name
+        return ".".join(p for p in name.split(".") if p not in WRAPPER_PARTS)
+
+    def save(self, path: Path) -> None:
+        torch.save({"ops": self.ops, "values": self.values, "state": self.state, "units": self.units,
+                    "kept_bytes": self.kept_bytes, "keep_bytes": self.keep_bytes}, path)

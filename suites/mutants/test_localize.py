@@ -1,0 +1,97 @@
+"""The localiser names where each numeric mutant's defect is (suites/mutants/localised.py), and names nothing
+beyond rounding on correct implementations. A few cells run in every CI run; the whole catalogue with --slow
+(about a minute)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from harness.core.scenario import Scenario
+from harness.localize.replay import replay, scenario_of_id
+from suites.mutants.catalog import CATALOGUE
+from suites.mutants.localised import NOT_LOCALISED, ROUNDING, WHERE, cell
+
+QUICK = {"grad_summed", "wrong_shard_offset", "stale_shard", "clip_local_norm", "bf16_optimizer_step",
+         "ckpt_last_rank_shifted", "last_rank_negated"}
+NUMERIC = [m for m in CATALOGUE if m.kind == "numeric"]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from harness.execute.world import WorldPool
+
+    with WorldPool() as p:
+        yield p
+
+
+def _localise(sc: Scenario, pool):
+    with tempfile.TemporaryDirectory(prefix="fsdp-localize-test-") as d:
+        return replay(sc, pool=pool, workdir=Path(d))
+
+
+def test_every_numeric_mutant_says_where_its_defect_is_or_why_not():
+    names = {m.name for m in NUMERIC}
+    assert names == set(WHERE) | set(NOT_LOCALISED), (names ^ (set(WHERE) | set(NOT_LOCALISED)))
+    assert not set(WHERE) & set(NOT_LOCALISED)
+
+
+@pytest.mark.parametrize("m", [pytest.param(m, id=m.name, marks=[] if m.name in QUICK else [pytest.mark.slow])
+                               for m in NUMERIC if m.name in WHERE])
+def test_the_localiser_names_the_mutants_phase_and_module(m, pool):
+    found = _localise(cell(m), pool)
+    assert found.point is not None, "\n".join(found.lines())
+    assert (found.point.phase, found.point.module) == WHERE[m.name], "\n".join(found.lines())
+    assert found.point.rounding == (m.name in ROUNDING), "\n".join(found.lines())
+    if getattr(m, "one_rank", False) and found.point.phase != "gradient reduction":
+        assert found.point.ranks == [cell(m).world_size - 1], "\n".join(found.lines())
+
+
+@pytest.mark.parametrize("m", [pytest.param(m, id=m.name, marks=pytest.mark.slow) for m in NUMERIC
+                               if m.name in NOT_LOCALISED])
+def test_a_mutant_the_localiser_cannot_name_shows_no_divergence(m, pool):
+    assert not _localise(cell(m), pool).diverged
+
+
+@pytest.mark.parametrize("impl,model,ws,mode,feature", [
+    ("fsdp_impl", "tinylm_tied", 2, "replicated", "plain"),
+    ("fsdp_impl", "mlp", 4, "split", "accum+clip"),
+    ("torch_fsdp2", "mlp", 2, "split", "bf16"),
+    ("ddp", "mlp", 2, "replicated", "ac"),
+])
+def test_correct_implementations_part_from_the_yardstick_by_rounding_at_most(impl, model, ws, mode, feature, pool):
+    found = _localise(Scenario(impl, model, ws, mode, "adamw", steps=3, feature=feature), pool)
+    assert not found.diverged, "\n".join(found.lines())
+    if found.point is not None:  # the only parting allowed: a reduction's order of summation
+        assert found.point.phase == "gradient reduction" and found.point.rounding
+
+
+def test_a_split_run_at_4_ranks_parts_by_the_order_of_summation_alone(pool):
+    """4 ranks' gradients summed by the implementation's reduction, 4 micro-batches summed by autograd in the
+    yardstick: another order, named as rounding at the reduction, and every later step still compared (the
+    yardstick starts each step from the run's parameters)."""
+    found = _localise(Scenario("fsdp_impl", "mlp", 4, "split", "adamw", steps=3), pool)
+    assert found.point is not None and found.point.rounding and found.point.phase == "gradient reduction"
+    assert found.point.step == 1 and found.steps == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_fsdp2_at_8_ranks_parts_by_its_fp32_reduction_alone(pool):
+    """The README's worked example: FSDP2 sums 8 equal gradients in fp32 (replicated data), an ulp or two
+    off the plain gradient; fsdp_impl sums in fp64 and rounds once."""
+    found = _localise(Scenario("torch_fsdp2", "mlp", 8, "replicated", "adamw", steps=2), pool)
+    assert found.point is not None and found.point.rounding and found.point.phase == "gradient reduction"
+    assert not _localise(Scenario("fsdp_impl", "mlp", 8, "replicated", "adamw", steps=2), pool).diverged
+
+
+def test_ids_name_the_scenario_they_were_made_from():
+    for sc in (Scenario("fsdp_impl", "mlp", 4, "split", "adamw", feature="accum+clip", seed=3),
+               Scenario("suites.mutants.catalog:grad_summed", "hf:gpt2", 2, "replicated", "sgd"),
+               Scenario("torch_fsdp2", "tinylm", 2, "replicated", "adamw", feature="ckpt", resume_from=4)):
+        assert scenario_of_id(sc.id, steps=sc.steps) == sc
+    with pytest.raises(ValueError, match="not a scenario id"):
+        scenario_of_id("fsdp_impl-mlp")
+    with pytest.raises(ValueError, match="reference or noise probe"):
+        scenario_of_id("reference-mlp-ws1-replicated-adamw-micro4")
