@@ -29,6 +29,7 @@ from harness.core.scenario import (
 DEFAULT_IMPLS = ("fsdp_impl", "torch_fsdp2")
 DEFAULT_MODELS = ("mlp", "tinylm", "tinylm_tied")
 DEFAULT_WORLD_SIZES = (1, 2, 4, 8)
+DEFAULT_LOCALIZE = 2  # failing scenarios a run localises (harness.localize.auto)
 # Generated output goes apart from the committed reports (git-ignored); the committed
 # reports/verification.md is refreshed on purpose with --report reports/verification.md.
 # the default report: written in a new folder reports/runs/<time>/, which reports/latest then points
@@ -135,6 +136,13 @@ def positive_int(text: str) -> int:
     n = _integer(text)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def non_negative_int(text: str) -> int:
+    n = _integer(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
     return n
 
 
@@ -264,6 +272,11 @@ def add_output_arguments(add) -> None:
     add("--no-report", action="store_true", help="write no report and no tables")
     add("--per-sample", action="store_true",
         help="also check per-sample gradient norms (DP-SGD) at the same world sizes (mlp; Opacus if installed)")
+    add("--localize", type=non_negative_int, default=None, metavar="N",
+        help=f"after the run, localise the first N scenarios with a failing numeric check (default {DEFAULT_LOCALIZE}; "
+             "0: none): "
+             "each is replayed with its yardstick, every op traced, and the report's 'Where it diverged' names "
+             "the step, phase, module, op, rank and element where they first parted")
 
 
 def add_gate_arguments(add) -> None:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # torch and pandas load only once a run starts: a usage error
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUN = 0, 1, 2, 3
 EXIT_INTERRUPTED = 130
 # Packages that add a section to the report: each registers it when imported (harness.report.sections).
-REPORT_SECTION_PACKAGES = ("harness.per_sample",)
+REPORT_SECTION_PACKAGES = ("harness.per_sample", "harness.localize")
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class SessionOptions:
     gate: dict | None = None  # per-field tolerances (harness.gate.tolerance.parse_gate)
     save_baseline: str | None = None
     gate_strict: bool = False  # a gate that compared nothing fails (harness.gate.compare)
+    localize: int = opt.DEFAULT_LOCALIZE  # failing scenarios localised after the run (harness.localize.auto)
 
     @classmethod
     def from_namespace(cls, ns) -> "SessionOptions":
@@ -61,7 +62,12 @@ class SessionOptions:
         report = None if getattr(ns, "no_report", False) else getattr(ns, "report", None) or opt.DEFAULT_REPORT
         return cls(opt.matrix_from(ns), report, bool(getattr(ns, "per_sample", False)),
                    getattr(ns, "baseline", None), getattr(ns, "gate", None), getattr(ns, "save_baseline", None),
-                   bool(getattr(ns, "gate_strict", False)))
+                   bool(getattr(ns, "gate_strict", False)), _localize_count(ns))
+
+
+def _localize_count(ns) -> int:
+    value = getattr(ns, "localize", None)
+    return opt.DEFAULT_LOCALIZE if value is None else int(value)
 
 
 def load_report_sections() -> None:
@@ -136,6 +142,11 @@ class Session:
             res = run_matrix(scenarios, timeout_s=m.timeout_s, bounds=m.bounds, progress=progress)
         if self.command is not None:
             res.env["command"] = self.command
+        if self.options.localize and not self.under_torchrun:
+            from harness.checks.numeric import verdict_table
+            from harness.localize.auto import localise_failures
+            localise_failures(res, self.options.localize, timeout_s=m.timeout_s, say=self.say)
+            res.tables["verdicts"] = verdict_table(res.verdicts)
         if self.options.per_sample:
             self.say("per-sample gradient norms ...")
             self._add_per_sample(res)

@@ -101,11 +101,12 @@ def first_unmatched(ref_ops: list[dict], ops: list[dict]):
     anywhere = defaultdict(list)  # (op, digest) -> the rank's ops, for those an implementation runs elsewhere
     for o in ops:
         by_module[o["module"]].append(o)
-        anywhere[(o["op"], o["digest"])].append(o)
+        anywhere[(o["op"], o["digest"], str(o["shape"]))].append(o)
     pos, used = defaultdict(int), set()
     for r in ref_ops:
         seq, i = by_module[r["module"]], pos[r["module"]]
-        while i < len(seq) and (seq[i]["i"] in used or not (seq[i]["op"] == r["op"] and seq[i]["digest"] == r["digest"])):
+        while i < len(seq) and (seq[i]["i"] in used or not (seq[i]["op"] == r["op"] and seq[i]["digest"] == r["digest"]
+                                                             and seq[i]["shape"] == r["shape"])):
             i += 1
         if i < len(seq):
             used.add(seq[i]["i"])
@@ -113,7 +114,7 @@ def first_unmatched(ref_ops: list[dict], ops: list[dict]):
             continue
         # an op the implementation runs in another module's hooks (a cast of the parameters for mixed
         # precision, made by its pre-forward hook where the plain model casts before the call)
-        elsewhere = next((o for o in anywhere[(r["op"], r["digest"])] if o["i"] not in used), None)
+        elsewhere = next((o for o in anywhere[(r["op"], r["digest"], str(r["shape"]))] if o["i"] not in used), None)
         if elsewhere is not None:
             used.add(elsewhere["i"])
             continue

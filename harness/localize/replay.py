@@ -41,6 +41,16 @@ class Localised:
         """Whether the run parted from its yardstick beyond a reduction's rounding."""
         return self.point is not None and not self.point.rounding
 
+    def short(self) -> str:
+        """The chain on one line."""
+        p = self.point
+        if p is None:
+            return "no divergence from the yardstick in the traced steps"
+        parts = [f"step {p.step}"] + ([f"micro-batch {p.pass_}"] if p.pass_ is not None else [])
+        parts += [p.phase + (" (rounding only)" if p.rounding else ""), p.module, p.op,
+                  f"rank{'s' if len(p.ranks) > 1 else ''} {','.join(map(str, p.ranks))}", p.detail]
+        return ", ".join(parts)
+
     def lines(self) -> list[str]:
         """The chain, one level per line."""
         sc, p = self.scenario, self.point

@@ -33,6 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from harness.measure.comm import _DTensor, _classify, _REDUCTION_INPUT, _tensors, tensor_digest
 from harness.measure.memory import local_tensor
 
+COMPARED = ("forward", "recomputation", "backward")  # the phases whose ops are compared op by op (compare.py)
 TAG = "harness_localize_module"  # the key of a node's metadata that names the module that made it
 PREP = "harness_localize_prep"  # ... that says whether it only prepares parameters (_param_only)
 # ops whose output is memory not yet written, not a value, or autograd's bookkeeping (the same values as
@@ -41,10 +42,6 @@ UNWRITTEN = {"detach", "alias", "empty", "empty_like", "empty_strided", "new_emp
              "record_stream", "_local_scalar_dense"}
 # wrapper modules' attribute names: a wrapped model's parameter names without them are the plain model's
 WRAPPER_PARTS = {"module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
-
-
-def digest(t: torch.Tensor) -> str:
-    return tensor_digest(t, with_shape=True)
 
 
 def _outputs(x) -> list[torch.Tensor]:
@@ -87,6 +84,7 @@ class StepTracer(TorchDispatchMode):
         self.state: list[dict] = []  # {"step", "what", "params": {name: (rows, tensor)}}
         self.step, self.pass_, self.phase = 0, -1, None
         self._stack: list[str] = []
+        self._op_names: dict = {}
         self._hooks = []
 
     # -- the harness says where the step is ----------------------------------------------------------
@@ -104,6 +102,7 @@ class StepTracer(TorchDispatchMode):
                     if name in params:
                         params[name].copy_(full)
         self._params = [local_tensor(p) for p in wrapped.parameters()]
+        self._param_ids = {id(p) for p in self._params}
         self._keep_state("params_before", wrapped, grads=False)
 
     def marking(self, mark):
@@ -205,8 +204,7 @@ class StepTracer(TorchDispatchMode):
         tensors = _outputs(list(args) + list(kwargs.values()))
         if not tensors:
             return False
-        params = {id(p) for p in self._params}
-        return all(id(t) in params or t in self._prepared for t in tensors)
+        return all(id(t) in self._param_ids or t in self._prepared for t in tensors)
 
     def _where(self) -> tuple[str, str]:
         node = torch._C._current_autograd_node()
@@ -229,11 +227,14 @@ class StepTracer(TorchDispatchMode):
             for t in tensors:
                 self._prepared[t] = True
         phase, module = self._where()
+        op = self._op_names.get(func)
+        if op is None:
+            op = self._op_names[func] = str(func).removesuffix(".default")
+        compared = phase in COMPARED and name not in UNWRITTEN and tensors
         rec = {"i": len(self.ops), "step": self.step, "pass": self.pass_, "phase": phase, "module": module,
-               "op": str(func).removesuffix(".default"), "shape": [list(t.shape) for t in tensors],
+               "op": op, "shape": [list(t.shape) for t in tensors],
                "dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else "",
-               "digest": None if name in UNWRITTEN or not tensors else "|".join(digest(t) for t in tensors),
-               "prep": prep}
+               "digest": "|".join(tensor_digest(t) for t in tensors) if compared else None, "prep": prep}
         self.ops.append(rec)
         if rec["digest"] is not None and len(tensors) == 1:
             t = tensors[0]
@@ -249,7 +250,7 @@ class StepTracer(TorchDispatchMode):
         self.ops.append({"i": len(self.ops), "step": self.step, "pass": self.pass_, "phase": phase,
                          "module": module, "op": f"{kind} ({func._overloadpacket.__name__})", "collective": kind,
                          "shape": [list(t.shape) for t in sent], "dtype": "",
-                         "digest": None, "sent": "|".join(digest(t) for t in sent) if sent else None})
+                         "digest": None, "sent": "|".join(tensor_digest(t) for t in sent) if sent else None})
 
     def _keep_state(self, what: str, wrapped, grads: bool) -> None:
         from harness.train.task import rows_held  # the DTensor rows, as the tables read them

@@ -39,8 +39,9 @@ bytes rather than dropped silently.
 
 from __future__ import annotations
 
-import hashlib
+import ctypes
 import threading
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -227,15 +228,22 @@ def _unpatch() -> None:
 
 
 def tensor_digest(*tensors: torch.Tensor, with_shape: bool = False) -> str:
-    """A hash of the tensors' bytes (and shapes and dtypes, `with_shape`), read from a copy: a numpy view of
-    the tensor's own storage would make that storage non-resizable, and implementations resize theirs."""
-    digest = hashlib.blake2b(digest_size=8)
+    """A CRC-32 of the tensors' bytes (and shapes and dtypes, `with_shape`), read in place where the tensor is
+    a contiguous CPU one (a copy otherwise): neither a numpy view, which would make the tensor's storage
+    non-resizable (implementations resize theirs), nor a copy of every tensor an op makes."""
+    crc = 0
     for t in tensors:
         if with_shape:
-            digest.update(f"{tuple(t.shape)}{t.dtype}".encode())
-        if t.numel():
-            digest.update(t.detach().reshape(-1).to("cpu", copy=True).contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+            crc = zlib.crc32(f"{tuple(t.shape)}{t.dtype}".encode(), crc)
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            crc = zlib.crc32((ctypes.c_char * nbytes).from_address(t.data_ptr()), crc)
+    return f"{crc:08x}"
 
 
 def _classify(func: Any, args: tuple) -> tuple[str, Size] | None:

@@ -106,6 +106,11 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           "reference and vs world size 1: which ranks' rows parted", required=()),
     Table("verdicts", "verdict", tuple(VERDICT_COLUMNS),
           required=("check", "scenario", "status", "measured", "bound", "where", "message", "step", "param")),
+    Table("localised", "failing scenario localised (the first --localize N)", (
+        "scenario", "yardstick", "steps", "step", "micro_batch", "phase", "module", "op", "ranks", "element",
+        "rounding", "context"),
+          "where the scenario first parted from its yardstick (harness.localize); element: the parameter or op "
+          "output element with both values; context: the yardstick's ops of that module around it", required=()),
     Table("per_sample", "model x impl x data mode x world size x sample", (
         "model", "impl", "data_mode", "world_size", "sample", "norm", "truth"), "with `--per-sample`"),
     Table("per_sample_summary", "model x impl x data mode x world size", (

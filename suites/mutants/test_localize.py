@@ -95,3 +95,26 @@ def test_ids_name_the_scenario_they_were_made_from():
         scenario_of_id("fsdp_impl-mlp")
     with pytest.raises(ValueError, match="reference or noise probe"):
         scenario_of_id("reference-mlp-ws1-replicated-adamw-micro4")
+
+
+def test_a_failing_run_localises_its_first_failing_scenarios_into_the_report(tmp_path):
+    """The session localises the first --localize N failing scenarios: the "localised" table, the chain in
+    those verdicts' messages, the report's "Where it diverged" section; N = 0 localises none."""
+    from harness import options as opt
+    from harness.session import Session, SessionOptions
+
+    matrix = opt.MatrixOptions(impls=("suites.mutants.catalog:stale_shard",), models=("mlp",), world_sizes=(1, 2),
+                               data_modes=("replicated",), optimizers=("adamw",), steps=3)
+    session = Session(SessionOptions(matrix, tmp_path / "v.md", localize=1), say=lambda line: None)
+    res = session.run()
+    loc = res.tables["localised"]
+    assert len(loc) == 1 and (loc.phase.iloc[0], loc.module.iloc[0]) == ("forward", "layers.0"), loc.to_dict("records")
+    scenario = loc.scenario.iloc[0]
+    failing = [v for v in res.verdicts if v.scenario == scenario and not v.passed]
+    assert failing and all("Where it diverged: step 2" in v.message for v in failing if v.check != "memory_sharding")
+    session.write_outputs()
+    report = session.report.read_text()
+    assert "## Where it diverged" in report and f"### {scenario}" in report
+
+    quiet = Session(SessionOptions(matrix, None, localize=0), say=lambda line: None).run()
+    assert "localised" not in quiet.tables
