@@ -117,12 +117,14 @@ class CatalogueRun:
     wall_s: float
     run: object = None  # the RunResult of the matrix
     false_alarms: list = field(default_factory=list)  # false_alarms.FalseAlarmRun per seed
+    localised: dict = field(default_factory=dict)  # mutant name -> harness.localize.replay.Localised, or an error
 
 
 def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), pool=None,
-                  progress=None, false_alarm_models=fa.DEFAULT_MODELS) -> CatalogueRun:
+                  progress=None, false_alarm_models=fa.DEFAULT_MODELS, localise: bool = False) -> CatalogueRun:
     """Run every mutant (and the controls) in one matrix; then the per-sample mutants; then the
-    correct implementations' full matrix on `false_alarm_models` under each of `false_alarm_seeds`."""
+    correct implementations' full matrix on `false_alarm_models` under each of `false_alarm_seeds`;
+    `localise`: each numeric mutant localised in its catalogue cell (suites/mutants/localised.py)."""
     from harness.execute.executor import run_matrix
     from harness.execute.world import WorldPool
 
@@ -151,10 +153,32 @@ def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), poo
         wall_s = time.perf_counter() - t0
         alarms = [fa.run_false_alarms(fa.full_matrix(s, false_alarm_models), seed=s, pool=pool, progress=progress)
                   for s in false_alarm_seeds]
+        located = localise_catalogue({m.name for m in mutants}, pool) if localise else {}
     finally:
         if own_pool:
             pool.close()
-    return CatalogueRun(results, controls, wall_s, res, alarms)
+    return CatalogueRun(results, controls, wall_s, res, alarms, located)
+
+
+def localise_catalogue(names: set[str], pool) -> dict:
+    """Each numeric mutant of `names` localised in its catalogue cell (its own models, whatever models the
+    score ran it on: the expected modules are those of its cell)."""
+    import tempfile
+    from pathlib import Path
+
+    from harness.localize.replay import replay
+    from suites.mutants.localised import cell
+
+    out = {}
+    for m in CATALOGUE:
+        if m.name not in names or m.kind != "numeric":
+            continue
+        with tempfile.TemporaryDirectory(prefix="fsdp-localize-") as d:
+            try:
+                out[m.name] = replay(cell(m), pool=pool, workdir=Path(d))
+            except Exception as e:  # shown in the report as not localised, with why
+                out[m.name] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"
+    return out
 
 
 def _run_per_sample(m: Mutant, pool, seed: int) -> tuple[list[Verdict], list[Verdict]]:
@@ -215,8 +239,9 @@ def _false_alarm_section(runs: list) -> list[str]:
 
 
 def escaped_or_alarmed(run: CatalogueRun) -> bool:
-    """True when the harness missed a mutant, failed a control, or raised a false alarm."""
+    """True when the harness missed a mutant, failed a control, raised a false alarm, or mislocalised."""
     return (not all(r.caught for r in run.results.values())
+            or not all(localised_ok(n, f) for n, f in run.localised.items())
             or any(v.status == FAIL for v in run.controls)
             or any(r.false_alarms or r.unjudged for r in run.false_alarms))
 
@@ -246,8 +271,44 @@ def render(run: CatalogueRun, *, full: bool = False) -> str:
               f"{', '.join(c for c, _ in CONTROLS)}) in the same cells: "
               + ("no check failed." if not bad_controls else f"{len(bad_controls)} FAILED:")]
     lines += [f"- {v}" for v in bad_controls] + [""]
+    lines += _localised_section(run.localised)
     lines += _false_alarm_section(run.false_alarms)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def localised_ok(m_name: str, found) -> bool:
+    """Whether the localiser named the mutant's recorded phase and module (suites/mutants/localised.py), or
+    named nothing beyond rounding where the record says it cannot."""
+    from suites.mutants.localised import NOT_LOCALISED, ROUNDING, WHERE
+
+    if isinstance(found, str):
+        return False
+    if m_name in NOT_LOCALISED:
+        return not found.diverged
+    p = found.point
+    return p is not None and (p.phase, p.module) == WHERE.get(m_name) and p.rounding == (m_name in ROUNDING)
+
+
+def _localised_section(located: dict) -> list[str]:
+    from suites.mutants.localised import NOT_LOCALISED, WHERE, cell
+
+    if not located:
+        return []
+    rows = []
+    for name, found in located.items():
+        want = WHERE.get(name)
+        named = found if isinstance(found, str) else found.short()
+        rows.append({"mutant": name, "cell": cell(next(m for m in CATALOGUE if m.name == name)).id,
+                     "defect is in": f"{want[0]}, {want[1]}" if want else f"(cannot: {NOT_LOCALISED.get(name, '?')})",
+                     "localiser named": named, "right?": "yes" if localised_ok(name, found) else "**NO**"})
+    ok = sum(r["right?"] == "yes" for r in rows)
+    exceptions = [n for n in located if n in NOT_LOCALISED]
+    return ["## Localised", "",
+            f"**{ok - len(exceptions)}/{len(rows) - len(exceptions)} numeric mutants localised** to the phase and "
+            "module where their defect is (`python -m harness localize`, harness/localize/), each in one cell"
+            + (f"; {len(exceptions)} cannot be, each with its cause ({', '.join(exceptions)}): the localiser "
+               "names nothing beyond rounding there, as it should" if exceptions else "") + ".", "",
+            pd.DataFrame(rows).to_markdown(index=False), ""]
 
 
 def _model_list(text: str) -> tuple[str, ...]:
@@ -272,6 +333,8 @@ def main(argv=None) -> int:
     p.add_argument("--full-matrix", action="store_true",
                    help="run every mutant at world sizes 1,2,4,8 and 10 steps (about 20 minutes on 2 cores) "
                         "instead of the small cells the CI suite uses")
+    p.add_argument("--no-localise", action="store_true",
+                   help="skip the second score: each numeric mutant localised in its cell (about a minute)")
     p.add_argument("--quiet", action="store_true")
     ns = p.parse_args(argv)
     names = [n for n in ns.only.split(",") if n]
@@ -283,7 +346,7 @@ def main(argv=None) -> int:
     progress = None if ns.quiet else (
         lambda i, n, sc, s: sys.stderr.write(f"[mutants] {i:>3}/{n} {sc.id:<64} {s:5.1f}s\n"))
     run = run_catalogue(mutants, false_alarm_seeds=ns.false_alarm_seeds, progress=progress,
-                        false_alarm_models=ns.false_alarm_models)
+                        false_alarm_models=ns.false_alarm_models, localise=not ns.no_localise)
     path = write_text_atomic(ns.out, render(run, full=ns.full_matrix))
     caught = sum(r.caught for r in run.results.values())
     alarms = sum(len(r.false_alarms) for r in run.false_alarms)

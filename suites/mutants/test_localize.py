@@ -118,3 +118,34 @@ def test_a_failing_run_localises_its_first_failing_scenarios_into_the_report(tmp
 
     quiet = Session(SessionOptions(matrix, None, localize=0), say=lambda line: None).run()
     assert "localised" not in quiet.tables
+
+
+def _correct_cells() -> list[Scenario]:
+    """Every feature (and the CI compositions) in both data modes at 2 and 4 ranks on the mlp and the tied
+    tinylm, AdamW, 3 steps, for fsdp_impl, FSDP2 with an exact (fp64) reduction and DDP where they support it."""
+    from harness.core.scenario import FEATURES
+    from harness.execute.executor import unsupported
+
+    cells = []
+    for impl in ("fsdp_impl", "torch_fsdp2_fp64reduce", "ddp"):
+        for feature in FEATURES:
+            for model in ("mlp", "tinylm_tied"):
+                for ws in (2, 4):
+                    for mode in ("replicated", "split"):
+                        sc = Scenario(impl, model, ws, mode, "adamw", steps=3, feature=feature,
+                                      resume_from=(6 - ws if feature == "ckpt" else 0))
+                        if not unsupported(sc):
+                            cells.append(sc)
+    return cells
+
+
+@pytest.mark.slow
+def test_correct_implementations_show_no_divergence_over_every_feature(pool):
+    """Over every feature and both data modes (about 90 cells per implementation), the localiser names no
+    divergence beyond a reduction's rounding for fsdp_impl, FSDP2 reducing in fp64, and DDP."""
+    diverged = []
+    for sc in _correct_cells():
+        found = _localise(sc, pool)
+        if found.diverged:
+            diverged.append("\n".join(found.lines()))
+    assert not diverged, "\n\n".join(diverged)
