@@ -72,8 +72,8 @@ def held_state(optimizers, names: dict[int, str], own: int = 1) -> dict:
 
 def _part(p: torch.Tensor, value) -> dict | str:
     """Where one state value's elements sit in the whole value; a string says why that is unknown."""
-    if not isinstance(value, torch.Tensor):
-        return {"value": value}
+    if not isinstance(value, torch.Tensor):  # as itself where a weights-only load reads it back, else as text
+        return {"value": value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)}
     if DTensor is not None and isinstance(value, DTensor):
         if any(isinstance(pl, Partial) for pl in value.placements):
             return f"a DTensor with placements {value.placements}: partial sums, not elements"

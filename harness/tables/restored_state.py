@@ -28,7 +28,11 @@ def compare_files(saved: Path, restored: Path) -> dict:
     if not (saved.exists() and restored.exists()):
         missing = [p.name for p in (saved, restored) if not p.exists()]
         return _result(math.nan, "", None, f"no {' or '.join(missing)} written", "")
-    return compare(torch.load(saved, weights_only=True), torch.load(restored, weights_only=True))
+    try:
+        both = [torch.load(p, weights_only=True) for p in (saved, restored)]
+    except Exception as exc:  # noqa: BLE001 (an unreadable file is a comparison that could not be made)
+        return _result(math.nan, "", None, f"cannot read {saved.name} / {restored.name}: {type(exc).__name__}: {exc}", "")
+    return compare(*both)
 
 
 def compare(saved: list[dict], restored: list[dict]) -> dict:

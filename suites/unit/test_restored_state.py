@@ -142,3 +142,14 @@ def test_dtensor_state_at_two_ranks_is_placed_where_one_rank_holds_it(world, imp
     part["local"], part["offset"] = part["local"].flip(0), (2, 0)
     got = compare(one, two)
     assert got["state_restore_diff"] == math.inf and "0.weight exp_avg[4, 0]: held by no rank" in got["state_restore_where"]
+
+
+def test_values_that_are_not_tensors_are_compared_as_values():
+    saved = [_rank({"w": {"step": {"value": 3}}})]
+    assert compare(saved, [_rank({"w": {"step": {"value": 3}}})] * 2)["state_restore_diff"] == 0.0
+    assert compare(saved, [_rank({"w": {"step": _scalar(3.0)}})])["state_restore_diff"] == 0.0  # a tensor now
+    got = compare(saved, [_rank({"w": {"step": {"value": 2}}})])
+    assert got["state_restore_diff"] == 1.0 and got["state_restore_where"].startswith("w step on rank 0: 2 after loading, 3 saved")
+    got = compare(saved, [_rank({"w": {"step": _rows(W["w"], 0, 5)}})])
+    assert got["state_restore_diff"] == math.inf and "holds a tensor of shape (5, 2) after loading" in \
+        got["state_restore_where"]
