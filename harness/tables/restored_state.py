@@ -31,7 +31,8 @@ def compare_files(saved: Path, restored: Path) -> dict:
     try:
         both = [torch.load(p, weights_only=True) for p in (saved, restored)]
     except Exception as exc:  # noqa: BLE001 (an unreadable file is a comparison that could not be made)
-        return _result(math.nan, "", None, f"cannot read {saved.name} / {restored.name}: {type(exc).__name__}: {exc}", "")
+        why = f"cannot read {saved.name} / {restored.name}: {type(exc).__name__}: {exc}"
+        return _result(math.nan, "", None, why, "")
     return compare(*both)
 
 

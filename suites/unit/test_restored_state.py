@@ -55,7 +55,8 @@ def test_a_misplaced_element_is_named_with_its_parameter_key_index_rank_and_valu
 
 def test_a_step_counter_left_at_zero_is_caught_alone():
     got = compare(_cut(W, TWO), _cut(W, THREE, step=0.0))
-    assert got["state_restore_diff"] == 3.0 and "w step on rank 0: 0 after loading, 3 saved" in got["state_restore_where"]
+    assert got["state_restore_diff"] == 3.0
+    assert "w step on rank 0: 0 after loading, 3 saved" in got["state_restore_where"]
     assert "3 of " in got["state_restore_where"]  # one step per loading rank
 
 
@@ -66,7 +67,8 @@ def test_state_missing_or_extra_after_loading_fails_as_missing_not_as_a_number()
     assert got["state_restore_diff"] == math.inf and "w exp_avg[3, 0]: held by no rank" in got["state_restore_where"]
     fresh = [_rank({}) for _ in THREE]  # an optimizer that loaded nothing
     got = compare(_cut(W, TWO), fresh)
-    assert got["state_restore_diff"] == math.inf and "saved, held by no rank after loading" in got["state_restore_where"]
+    assert got["state_restore_diff"] == math.inf
+    assert "saved, held by no rank after loading" in got["state_restore_where"]
     extra = _cut(W, THREE)
     extra[0]["state"]["w"]["exp_avg_sq"] = _rows(W["w"], 0, 2)
     assert "exp_avg_sq: held after loading, not saved" in compare(_cut(W, TWO), extra)["state_restore_where"]
@@ -141,7 +143,8 @@ def test_dtensor_state_at_two_ranks_is_placed_where_one_rank_holds_it(world, imp
     assert got["state_restore_where"].startswith("0.weight exp_avg[") and " on rank 1: " in got["state_restore_where"]
     part["local"], part["offset"] = part["local"].flip(0), (2, 0)
     got = compare(one, two)
-    assert got["state_restore_diff"] == math.inf and "0.weight exp_avg[4, 0]: held by no rank" in got["state_restore_where"]
+    assert got["state_restore_diff"] == math.inf
+    assert "0.weight exp_avg[4, 0]: held by no rank" in got["state_restore_where"]
 
 
 def test_values_that_are_not_tensors_are_compared_as_values():
@@ -149,7 +152,8 @@ def test_values_that_are_not_tensors_are_compared_as_values():
     assert compare(saved, [_rank({"w": {"step": {"value": 3}}})] * 2)["state_restore_diff"] == 0.0
     assert compare(saved, [_rank({"w": {"step": _scalar(3.0)}})])["state_restore_diff"] == 0.0  # a tensor now
     got = compare(saved, [_rank({"w": {"step": {"value": 2}}})])
-    assert got["state_restore_diff"] == 1.0 and got["state_restore_where"].startswith("w step on rank 0: 2 after loading, 3 saved")
+    assert got["state_restore_diff"] == 1.0
+    assert got["state_restore_where"].startswith("w step on rank 0: 2 after loading, 3 saved")
     got = compare(saved, [_rank({"w": {"step": _rows(W["w"], 0, 5)}})])
     assert got["state_restore_diff"] == math.inf and "holds a tensor of shape (5, 2) after loading" in \
         got["state_restore_where"]
