@@ -248,13 +248,26 @@ def first_point(ref: dict, mine: dict, *, rank: int, world_size: int, split: boo
             if found is None:
                 continue
             name, detail, within = found
-            op = ("the reduction of the unit's gradients" if what == "grads_reduced" else
+            op = (_reduction_op(mine, step, unit_of(name, units)) if what == "grads_reduced" else
                   "the clipping coefficient applied" if what == "grads_clipped" else "the optimizer's update")
             point = Point(step, slot, phase, unit_of(name, units), op, detail, rounding=within)
             if not within:
                 return point
             rounded = rounded or point
     return rounded
+
+
+def _reduction_op(trace: dict, step: int, unit: str) -> str:
+    """The reduction collectives the rank issued for `unit` in the step (by the module whose backward issued
+    them), or what it issued at all; "no collective" where it reduced nothing (one rank)."""
+    sent = [o for o in trace["ops"] if o["step"] == step and o.get("sent")]
+    mine = [o for o in sent if o["module"] == unit or o["module"].startswith(unit + ".")] if unit != "(root)" else []
+    chosen = mine or sent
+    if not chosen:
+        return "the gradient as the backward left it (no reduction collective ran)"
+    kinds = sorted({o["op"] for o in chosen})
+    where = f"issued in {unit}'s backward" if mine else "issued in the step"
+    return f"the gradient reduction: {', '.join(kinds)} x{len(chosen)} {where}"
 
 
 def _pass_point(ref: dict, mine: dict, step: int, j: int, r_pass: int) -> Point | None:
