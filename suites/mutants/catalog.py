@@ -156,7 +156,7 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("tail_before_last_dropped", _spec("tail_before_last_dropped"), "rows_trained",
            "an uneven parameter's short chunk assumed to be the last rank's: where the real tail sits on an "
            "earlier rank, that rank's gradient is dropped as padding and the optimizer never moves its rows",
-           models=("tied_vocab33",), world_sizes=(1, 8)),
+           models=("tied_vocab33",), data_modes=("replicated",), world_sizes=(1, 8)),
     Mutant("padding_not_zeroed", _spec("padding_not_zeroed"), "grad_norm_matches",
            "padding rows kept in the last ranks' shards, never zeroed and fed stale memory by the reduce buffer: "
            "the optimizer writes values into them, which leak into the gradient norm"),
