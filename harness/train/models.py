@@ -284,12 +284,7 @@ GPT2_MEDIUM = LMConfig(vocab=50257, d_model=1024, n_heads=16, n_layers=24, d_ff=
 # sharding costs show; small enough to train a few steps on a 2-core CPU (harness/bench).
 LM_50M = LMConfig(vocab=16384, d_model=512, n_heads=8, n_layers=12, d_ff=1376, seq_len=32, context=32)
 
-# A tied vocabulary of 4 x 8 + 1 = 33 rows: not divisible by 2, 4 or 8, and at 8 ranks it leaves a rank
-# past the data. Shard(0) gives each rank ceil(33 / W) rows: 17 + 16 at W = 2, 9 + 9 + 9 + 6 at W = 4, and at
-# W = 8 five rows to ranks 0-5, the last 3 rows (30-32) to rank 6, which is not the last rank, and none to
-# rank 7 (5 x 7 = 35 > 33). No other parameter of the zoo puts its real tail on a rank other than the last
-# at 2, 4 or 8 ranks (mlp: 37, 29, 7 rows; tinylm: 61, 86). Every other dimension (16, 32) divides by 8, so
-# the vocabulary is the model's only uneven parameter. Small: 1 block, d_model 16, 2 heads.
+# tied_vocab33 (why 33 rows: _tied_vocab33_spec below)
 VOCAB33 = LMConfig(vocab=33, d_model=16, n_heads=2, n_layers=1, d_ff=32, seq_len=8, context=8, tied=True)
 
 
@@ -308,14 +303,29 @@ def every_id_batch(vocab: int, seq_len: int, global_batch: int, step: int, seed:
     return seq[:, :-1], seq[:, 1:]
 
 
+def _tied_vocab33_spec() -> ModelSpec:
+    """A 1-block decoder (d_model 16, 2 heads) whose TIED vocabulary has 4 x 8 + 1 = 33 rows, trained on
+    batches that hold every id as an input and a target (every_id_batch), so every row trains.
+
+    Why 33: no world size of the matrix divides it (2, 4, 8), and at 8 ranks its layout is one no other
+    zoo parameter has. Shard(0) gives each rank c = ceil(33 / W) rows: 17 + 16 at W = 2, 9 + 9 + 9 + 6 at
+    W = 4, and at W = 8 five rows to ranks 0-5, the last 3 rows (30-32) to rank 6 and none to rank 7
+    (5 x 7 = 35 > 33): a rank before the last holds a short chunk (more than none, fewer than c). The mlp's
+    37, 29 and 7 rows and tinylm's 61 and 86 are uneven too, but their short chunk is the last rank's (7 rows
+    at 8 ranks: one row on each of ranks 0-6, a full chunk, none on rank 7). Every other dimension (16, 32)
+    divides by 8, so the vocabulary is the model's only uneven parameter: a fault that shows on it is the
+    vocabulary's. The tie keeps embedding and head in the root unit (_lm_units)."""
+    return ModelSpec("tied_vocab33", lambda: TransformerLM(VOCAB33),
+                     lambda n, step, seed: every_id_batch(VOCAB33.vocab, VOCAB33.seq_len, n, step, seed),
+                     lm_loss, _lm_units)
+
+
 MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec("mlp", MLP, _mlp_batch, F.mse_loss, lambda m: list(m.layers)),
     "mlp_frozen": ModelSpec("mlp_frozen", FrozenMLP, _mlp_batch, F.mse_loss, lambda m: list(m.layers)),
     "tinylm": _lm_spec("tinylm", TINYLM),
     "tinylm_tied": _lm_spec("tinylm_tied", LMConfig(tied=True)),
-    "tied_vocab33": ModelSpec("tied_vocab33", lambda: TransformerLM(VOCAB33),
-                              lambda n, step, seed: every_id_batch(VOCAB33.vocab, VOCAB33.seq_len, n, step, seed),
-                              lm_loss, _lm_units),
+    "tied_vocab33": _tied_vocab33_spec(),
     "gpt2_medium": _lm_spec("gpt2_medium", GPT2_MEDIUM),
     "lm_50m": _lm_spec("lm_50m", LM_50M),
 }
