@@ -40,6 +40,7 @@ WHERE = {
     "replicas_not_averaged": (REDUCTION, "layers.0"),
     "ckpt_last_rank_shifted": ("checkpoint load", "layers.0"),
     "ckpt_optimizer_state_shifted": ("optimizer step", "layers.0"),  # the state loaded shifted: the update
+    "tail_before_last_dropped": (REDUCTION, "(root)"),  # rank 6's short chunk of the tied embedding's gradient
     "ckpt_step_restarted": ("optimizer step", "layers.0"),  # the step counter loaded as 0: the update
 }
 # name -> why the localiser names nothing for it
