@@ -214,14 +214,16 @@ def compare_state(mine: dict, ref: dict, allowance: dict | None = None, what: st
 
 # ------------------------------------------------------------------------------------------- a rank ---
 def first_point(ref: dict, mine: dict, *, rank: int, world_size: int, split: bool, passes: int,
-                steps: list[int], resumed_at: int = 0) -> Point | None:
+                steps: list[int], resumed_at: int = 0, carried: bool = False) -> Point | None:
     """Where rank `rank`'s trace `mine` first parts from the yardstick's `ref` beyond rounding; else the
     first place they part by a reduction's rounding alone (Point.rounding), or None. The yardstick starts
     each step after the first from the parameters the run holds (replay.assemble), so a step is compared
     from the same parameters even after an earlier step's rounding; the optimizer's update is compared
-    only while nothing has been rounded apart (its state carries the rounding)."""
+    only while nothing has been rounded apart (its state carries the rounding); `carried`: a resumed run's
+    checkpoint came from a trajectory the yardstick's differs from by rounding (another world size), so its
+    updates are not compared from the start."""
     units = ref.get("units", [])
-    rounded = None
+    rounded, apart = None, carried
     for step in steps:
         before = compare_state(_state(mine, step, "params_before") or {}, _state(ref, step, "params_before") or {},
                                what="parameter")
@@ -238,7 +240,7 @@ def first_point(ref: dict, mine: dict, *, rank: int, world_size: int, split: boo
         allowance = {k: 2 * max(n - 1, 0) * U32 * v for k, v in terms.items() if v is not None}
         for what in ("grads_reduced", "grads_clipped", "params_after"):
             theirs, ours = _state(ref, step, what), _state(mine, step, what)
-            if theirs is None or ours is None or (what == "params_after" and rounded is not None):
+            if theirs is None or ours is None or (what == "params_after" and apart):
                 continue
             slot, phase = STATE_SLOTS[what]
             bound = allowance if what == "grads_reduced" else (
@@ -253,7 +255,7 @@ def first_point(ref: dict, mine: dict, *, rank: int, world_size: int, split: boo
             point = Point(step, slot, phase, unit_of(name, units), op, detail, rounding=within)
             if not within:
                 return point
-            rounded = rounded or point
+            rounded, apart = rounded or point, True
     return rounded
 
 
@@ -301,13 +303,13 @@ def reduction_rank(traces: list[dict], step: int) -> int | None:
 
 
 def localise(ref: dict, traces: list[dict], *, split: bool, passes: int, steps: list[int],
-             resumed_at: int = 0) -> Point | None:
+             resumed_at: int = 0, carried: bool = False) -> Point | None:
     """The earliest point over the ranks where the run parted from its yardstick, with every rank that
     parted there (Point.ranks), or None when every traced step matches."""
     points = {}
     for rank, mine in enumerate(traces):
         p = first_point(ref, mine, rank=rank, world_size=len(traces), split=split, passes=passes,
-                        steps=steps, resumed_at=resumed_at)
+                        steps=steps, resumed_at=resumed_at, carried=carried)
         if p is not None:
             points[rank] = p
     if not points:

@@ -4,7 +4,8 @@ The yardstick is the plain model in one process on the same global batch, doing 
 own reference does (harness.core.scenario.Scenario.reference); with split data it sums the W ranks'
 slices as micro-batches (rank r's slice as its micro-batch r), so that each of a rank's passes has a
 counterpart computed on the same samples with the same shapes. Two runs per localisation (three for a
-resumed run: its checkpoint's saver runs first, untraced).
+resumed run: its checkpoint's saver runs first, traced up to its save, and the yardstick starts the resumed
+run's first step from what the saver's ranks held: the checkpoint load is held to the saved parameters).
 """
 
 from __future__ import annotations
@@ -93,12 +94,15 @@ def replay(sc: Scenario, *, pool, workdir: Path, steps: int | None = None,
             payload["trace"] = trace
         pool.get(scenario.world_size, scenario.backend).call(TASK, payload)
 
-    for saver in savers:
-        run(saver, None)
-    run(sc, traced)
-    traces = _load(workdir / sc.id / "trace", sc.world_size)
     force_dir = workdir / "forced"
     force_dir.mkdir(exist_ok=True)
+    saved = {}
+    for saver in savers:  # what it saved: the parameters the resumed run must load, from the saver's ranks
+        run(saver, {"steps": start, "keep_bytes": 0})
+        saved = assemble(_load(workdir / saver.id / "trace", saver.world_size), start)
+        torch.save(saved, force_dir / f"step{start}.pt")
+    run(sc, traced)
+    traces = _load(workdir / sc.id / "trace", sc.world_size)
     for step in step_list[:-1]:  # the parameters the run under test holds after each step, from its ranks
         full = assemble(traces, step)
         if full:
@@ -106,8 +110,12 @@ def replay(sc: Scenario, *, pool, workdir: Path, steps: int | None = None,
     run(ref, {**traced, "pass_grads": ref.micro_batches * passes_per_step(ref.feature) > 1,
               "slices_summed": ref.micro_batches > 1, "force_dir": str(force_dir)})
     ref_trace = _load(workdir / ref.id / "trace", 1)[0]
+    # a checkpoint saved at another world size carries that trajectory's rounding (and its optimizer state's)
+    natural = next((st["params"] for st in ref_trace["state"] if st["step"] == start and st["what"] == "params_after"),
+                   {})
+    carried = any(name in natural and not torch.equal(full, natural[name][1]) for name, full in saved.items())
     point = localise(ref_trace, traces, split=sc.data_mode == "split" and sc.world_size > 1,
-                     passes=passes_per_step(sc.feature), steps=step_list, resumed_at=start)
+                     passes=passes_per_step(sc.feature), steps=step_list, resumed_at=start, carried=carried)
     return Localised(sc, ref, point, step_list)
 
 
