@@ -27,7 +27,7 @@ from harness.core.scenario import (
 )
 from harness.core.verdict import Verdict
 from harness.measure import ideal_comm_elements, ideal_state_bytes
-from harness.measure.timeline import ALLOWED, PHASES, ROOT_FREE
+from harness.measure.timeline import ALLOWED, ROOT_FREE, expected_phases
 
 STATE_CATEGORIES = ("params", "grads", "optimizer_state")
 # Gradient reductions after which each rank holds only its own part, and the share of a call's
@@ -201,12 +201,14 @@ def peak_params_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 def units_gathered(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """Sharded, W > 1: at no moment of the measured step more units hold their full parameters than
     ZeRO-3 lets them (harness.measure.timeline.ALLOWED: 2 in forward and backward, the unit running
-    and one prefetched; 1 between forward and backward; none after backward, the root included).
+    and one prefetched; 1 between forward and backward; none after backward, the root included; under
+    eval, 2 in its no_grad forward and none after it, the root aside).
     Counted in units, not bytes, so a unit left gathered after its forward fails on any model."""
     out, gathered = [], tables["gathered"]
     for row in _measured_rows(tables, "units_gathered", out, multi_rank=True).itertuples():
         g = gathered[gathered.scenario == row.scenario]
-        missing = [p for p in PHASES if p not in set(g.phase)]
+        phases = expected_phases(feature_of(row))
+        missing = [p for p in phases if p not in set(g.phase)]
         if g.empty or missing:
             out.append(not_measured("units_gathered", row, f"no moments of {', '.join(missing)} recorded"))
             continue
@@ -225,9 +227,9 @@ def units_gathered(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             if root_kept:
                 problems.append(f"{at}: the root's own parameters still gathered")
         most = g.groupby("phase").units.max()
-        msg = ("most units gathered at once: " + ", ".join(f"{p.replace('_', ' ')} {int(most[p])}" for p in PHASES)
-               + " (allowed " + ", ".join(str(ALLOWED[p]) for p in PHASES) + "; the root may stay gathered until "
-               "backward ends)")
+        msg = ("most units gathered at once: " + ", ".join(f"{p.replace('_', ' ')} {int(most[p])}" for p in phases)
+               + " (allowed " + ", ".join(str(ALLOWED[p]) for p in phases) + "; the root may stay gathered until "
+               "backward ends" + (", and from the eval forward on" if "eval" in phases else "") + ")")
         out.append(judge("units_gathered", row, not problems, worst, 0, msg if not problems else
                          f"{msg}; {problems[0]}", where="; ".join(problems[:3])))
     return out
@@ -251,8 +253,12 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         ideal = ideal_comm_elements(int(p), shards(row), int(row.trainable_elements))
         feature = Scenario.of_row(row).feature  # each micro-batch gathers; each reduces unless switched off
         passes, reductions = passes_per_step(feature), reductions_per_step(feature)
-        ideal_gather, t = passes * float(ideal["all_gather"]), reductions * float(ideal["reduce_scatter"])
+        # eval: one more forward per step, under no_grad: one more all-gather of the parameters (P)
+        evals = 1 if has(feature, "eval") else 0
+        ideal_gather = (passes + evals / 2) * float(ideal["all_gather"])
+        t = reductions * float(ideal["reduce_scatter"])
         allowance = passes * gather_padding(row, bounds) / width
+        gather_allowance = 2 * allowance + evals * gather_padding(row, bounds) / width
         gather = elements.get("all_gather", 0.0)
         scatter = _reduced(elements, shards(row))
         all_reduce = elements.get("all_reduce", 0.0)
@@ -275,8 +281,9 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         types = sorted(set(c[c.collective.isin((*SCATTER_COLLECTIVES, "all_reduce"))].dtype.astype(str)))
         problems = []
         per, per_r = (f"{n} x " if n > 1 else "" for n in (passes, reductions))  # passes, reductions per step
-        if gather > ideal_gather * (1 + bounds.comm_slack) + 2 * allowance:
-            problems.append(f"all_gather {gather:,.0f} elements > {per}2P = {ideal_gather:,.0f}")
+        plus_eval = " + P (the eval forward)" if evals else ""
+        if gather > ideal_gather * (1 + bounds.comm_slack) + gather_allowance:
+            problems.append(f"all_gather {gather:,.0f} elements > {per}2P{plus_eval} = {ideal_gather:,.0f}")
         if not t <= reduce <= t * (1 + bounds.comm_slack) + allowance:
             what = "trainable" if t != reductions * p else "P ="
             problems.append(f"gradient reduction {reduce:,.0f} elements != {per_r}{what} {t:,.0f}")
@@ -286,10 +293,10 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         msg = (f"per step: all_gather {gather:,.0f} elements ({gather / p:.2f}P), gradient reduction "
                f"{reduce:,.0f} elements ({reduce / p:.2f}P) in {', '.join(types) or 'no type'}, "
                f"{reduce_bytes:,.0f} B: traffic factor {factor:.2f}x the parameters' {8 * width:g}-bit elements; "
-               f"ZeRO-3 ideal {per}2P + {per_r}P with P = {p:,.0f} elements"
+               f"ZeRO-3 ideal {per}2P{plus_eval} + {per_r}P with P = {p:,.0f} elements"
                + (f"; the clipping norm's all_reduce {norm_reduce:,.0f} elements" if norm_reduce else "")
                + (f"; the replicas' average of their shards T/S = {replicas_t:,.0f} elements" if replicas_t else ""))
-        limit = (ideal_gather + t) * (1 + bounds.comm_slack) + 3 * allowance  # the most both conditions above allow together
+        limit = (ideal_gather + t) * (1 + bounds.comm_slack) + gather_allowance + allowance  # the most both conditions above allow together
         out.append(judge("comm_volume", row, not problems, (gather + reduce) / p, limit / p,
                          msg + f"; allowed up to {limit / p:.3g}P with padding", where="; ".join(problems)))
     return out
