@@ -14,7 +14,7 @@ import math
 import pandas as pd
 
 from harness.checks.numeric import Check, judge, not_measured
-from harness.core.policy import Bounds
+from harness.core.policy import ROOT_AFTER_EVAL, Bounds
 from harness.core.scenario import (
     clip_of,
     has,
@@ -111,7 +111,7 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     for row in _measured_rows(tables, "memory_sharding", out).itertuples():
         ideal = ideal_state_bytes(int(row.param_bytes), row.optimizer, shards(row), sharded=bool(row.sharded))
         allowance = shard_padding(row, bounds)
-        worst, worst_limit, where, total_measured = 0.0, 1.0, "", 0.0
+        worst, worst_limit, where, total_measured, over = 0.0, 1.0, "", 0.0, []
         for cat in STATE_CATEGORIES:
             measured = _max_over_ranks(mem, row.scenario, f"state_{cat}")
             if math.isnan(measured):
@@ -123,6 +123,7 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             ratio = measured / ideal[cat] if ideal[cat] else math.inf
             if ratio > worst:
                 worst, worst_limit = ratio, (limit / ideal[cat] if ideal[cat] else math.inf)
+            over += [cat] if measured > limit else []
             if measured > limit and not where:
                 where = (f"{cat}: {measured:,.0f} B per rank > ideal {ideal[cat]:,.0f} B "
                          f"({ratio:.2f}x; allowed {limit:,.0f} B)")
@@ -131,10 +132,15 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                            + bounds.held_elsewhere_bytes)
         if math.isnan(elsewhere) or math.isnan(elsewhere_limit):
             where = where or "other: not measured (no census of what the rank holds)"
-        elif elsewhere > elsewhere_limit and not where:
+        elif elsewhere > elsewhere_limit:
+            over.append("other")
+        if "other" in over and not where:
             where = (f"other: {elsewhere:,.0f} B per rank held outside parameters, gradients and optimizer "
                      f"state (allowed {elsewhere_limit:,.0f} B: the model's buffers + 1% + "
                      f"{bounds.held_elsewhere_bytes:,} B)")
+        if over == ["params"] and where.startswith("params:") and _root_kept_after_eval(row, mem, ideal, allowance,
+                                                                                       bounds):
+            where += f" ({ROOT_AFTER_EVAL}: over by at most its {float(row.root_bytes):,.0f} B)"
         kind = "sharded over" if row.sharded else "replicated on"
         mesh = f" of each of {int(row.world_size) // shards(row)} replicas" if shards(row) != int(row.world_size) else ""
         msg = (f"per-rank state {total_measured:,.0f} B vs ideal {sum(ideal.values()):,.0f} B "
@@ -144,6 +150,17 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         out.append(judge("memory_sharding", row, not where, worst, worst_limit,
                          msg if not where else f"{msg}; {where}", where=where))
     return out
+
+
+def _root_kept_after_eval(row, mem: pd.DataFrame, ideal: dict, allowance: float, bounds: Bounds) -> bool:
+    """Feature eval: whether the parameters held after the step exceed their limit by no more than the
+    root's own parameters in full (what an implementation that keeps the root gathered after the no_grad
+    forward holds); the caller asks only where every other category is within its limit."""
+    if not has(feature_of(row), "eval") or math.isnan(float(getattr(row, "root_bytes", math.nan))):
+        return False
+    held = _max_over_ranks(mem, row.scenario, "state_params")
+    limit = ideal["params"] * (1 + bounds.memory_sharding_slack) + allowance
+    return limit < held <= limit + float(row.root_bytes)
 
 
 def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
@@ -216,7 +233,7 @@ def units_gathered(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             out.append(not_measured("units_gathered", row, "no unit was ever seen holding its full parameters: "
                                     "the implementation keeps them where the model's modules do not point"))
             continue
-        problems, worst = [], 0
+        problems, worst, root_after_eval = [], 0, 0
         for r in g.itertuples():
             units_over = int(r.units) - ALLOWED[r.phase]
             root_kept = bool(r.root) and r.phase not in ROOT_FREE
@@ -226,10 +243,13 @@ def units_gathered(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                 problems.append(f"{at}: {int(r.units)} units gathered at once ({r.which}), {ALLOWED[r.phase]} allowed")
             if root_kept:
                 problems.append(f"{at}: the root's own parameters still gathered")
+                root_after_eval += r.phase == "after_eval"
+        if problems and root_after_eval == len(problems):  # one cause, named as such (policy: ROOT_AFTER_EVAL)
+            problems[0] += f" ({ROOT_AFTER_EVAL}, on {len(problems)} ranks)"
         most = g.groupby("phase").units.max()
         msg = ("most units gathered at once: " + ", ".join(f"{p.replace('_', ' ')} {int(most[p])}" for p in phases)
                + " (allowed " + ", ".join(str(ALLOWED[p]) for p in phases) + "; the root may stay gathered until "
-               "backward ends" + (", and from the eval forward on" if "eval" in phases else "") + ")")
+               "backward ends" + (" and during the eval forward" if "eval" in phases else "") + ")")
         out.append(judge("units_gathered", row, not problems, worst, 0, msg if not problems else
                          f"{msg}; {problems[0]}", where="; ".join(problems[:3])))
     return out

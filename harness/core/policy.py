@@ -231,6 +231,16 @@ _DDP_FP32_RING = (
     "(measured at 8 ranks: 5.96e-08 on mlp after 7 AdamW steps, 1.19e-07 on tinylm after 10 SGD steps, "
     "the same figures as FSDP2)")
 
+# feature eval: what a check says when the only excess is the root's own parameters left gathered after the
+# no_grad forward (harness/checks/resources.py units_gathered, memory_sharding); FSDP2 does that by design
+ROOT_AFTER_EVAL = "the root's own parameters kept gathered after the eval forward"
+_FSDP2_ROOT_AFTER_NO_GRAD = (
+    "FSDP2 keeps the root module's parameters unsharded after its forward (fully_shard sets the root's "
+    "reshard_after_forward to False unless it is passed explicitly: pytorch #155319), expecting the backward "
+    "to follow; after a forward under torch.no_grad() none follows, so they stay gathered until the next "
+    "training step's backward reshards them (pytorch #149029; model.reshard() or reshard_after_forward=True "
+    "on the root frees them). fsdp_impl reshards every unit after a no_grad forward")
+
 KNOWN_DEVIATIONS = (
     KnownDeviation("torch_fsdp2", "cross_ws_replicated", 3, _FSDP2_FP32_RING),
     KnownDeviation("ddp", "cross_ws_replicated", 3, _DDP_FP32_RING),
@@ -240,6 +250,10 @@ KNOWN_DEVIATIONS = (
     # the eval loss of those parameters (feature eval, replicated data: bitwise W = 1's elsewhere)
     KnownDeviation("torch_fsdp2", "eval_matches", 3, _FSDP2_FP32_RING),
     KnownDeviation("ddp", "eval_matches", 3, _DDP_FP32_RING),
+    KnownDeviation("torch_fsdp2", "units_gathered", 2, _FSDP2_ROOT_AFTER_NO_GRAD, feature="eval",
+                   when=ROOT_AFTER_EVAL),
+    KnownDeviation("torch_fsdp2", "memory_sharding", 1, _FSDP2_ROOT_AFTER_NO_GRAD, feature="eval",
+                   when=ROOT_AFTER_EVAL),
     KnownDeviation(
         "torch_fsdp2", "peak_params_bound", 2,
         "FSDP2 on gloo now and then holds one more gathered unit at the step's peak than the bound's two "

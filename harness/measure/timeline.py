@@ -25,10 +25,11 @@ gathered from forward to the end of backward, as FSDP2 keeps them):
     after_eval       0   once that forward and its loss are done: no backward follows a no_grad
                          forward, so nothing else would reshard what it gathered (pytorch #149029)
 
-The root's own parameters may stay gathered in the eval phases too: FSDP2 keeps the root unsharded
-after every forward unless reshard_after_forward=True is passed for it explicitly (pytorch #155319),
-and after a no_grad forward the next training step's backward is the first to reshard it. Only the
-phases of the scenario's feature are expected (`expected_phases`): eval and after_eval under eval.
+The root's own parameters may stay gathered during the eval forward, as during a training one, but
+not after it, where no backward will come to reshard them. FSDP2 keeps them (it keeps the root
+unsharded after every forward unless reshard_after_forward=True is passed for it: pytorch #149029,
+#155319; a documented deviation, harness/core/policy.py). Only the phases of the scenario's feature
+are expected (`expected_phases`): eval and after_eval under eval.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ PHASES = ("forward", "after_forward", "backward", "after_backward", "optimizer",
 ALLOWED = {"forward": 2, "after_forward": 1, "backward": 2, "after_backward": 0, "optimizer": 0, "eval": 2,
            "after_eval": 0}
 # phases in which the root may stay gathered
-ROOT_FREE = ("forward", "after_forward", "backward", "eval", "after_eval")
+ROOT_FREE = ("forward", "after_forward", "backward", "eval")
 EVAL_PHASES = ("eval", "after_eval")  # only under feature eval
 
 

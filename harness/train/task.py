@@ -299,7 +299,9 @@ def _replicas_differ(wrapped, sc: Scenario, ctx) -> float:
         return math.nan
     digest = hashlib.blake2b(digest_size=16)
     for p in wrapped.parameters():
-        digest.update(local_tensor(p).detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        # a copy: a numpy view would make the implementation's own storage non-resizable (FSDP2's root, left
+        # unsharded after an eval forward, then fails to free it in the next backward)
+        digest.update(local_tensor(p).detach().to("cpu", copy=True).reshape(-1).view(torch.uint8).numpy().tobytes())
     every = [None] * ctx.world_size
     dist.all_gather_object(every, digest.hexdigest(), group=ctx.group)
     return float(sum(every[r] != every[r % shard] for r in range(ctx.world_size)))
