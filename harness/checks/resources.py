@@ -138,8 +138,10 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             where = (f"other: {elsewhere:,.0f} B per rank held outside parameters, gradients and optimizer "
                      f"state (allowed {elsewhere_limit:,.0f} B: the model's buffers + 1% + "
                      f"{bounds.held_elsewhere_bytes:,} B)")
-        if over == ["params"] and where.startswith("params:") and _root_kept_after_eval(row, mem, ideal, allowance,
-                                                                                       bounds):
+        excess = {"params": lambda: _max_over_ranks(mem, row.scenario, "state_params") - (
+                      ideal["params"] * (1 + bounds.memory_sharding_slack) + allowance),
+                  "other": lambda: elsewhere - elsewhere_limit}
+        if len(over) == 1 and where.startswith(f"{over[0]}:") and _root_kept_after_eval(row, excess[over[0]]()):
             where += f" ({ROOT_AFTER_EVAL}: over by at most its {float(row.root_bytes):,.0f} B)"
         kind = "sharded over" if row.sharded else "replicated on"
         mesh = f" of each of {int(row.world_size) // shards(row)} replicas" if shards(row) != int(row.world_size) else ""
@@ -152,15 +154,13 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     return out
 
 
-def _root_kept_after_eval(row, mem: pd.DataFrame, ideal: dict, allowance: float, bounds: Bounds) -> bool:
-    """Feature eval: whether the parameters held after the step exceed their limit by no more than the
-    root's own parameters in full (what an implementation that keeps the root gathered after the no_grad
-    forward holds); the caller asks only where every other category is within its limit."""
-    if not has(feature_of(row), "eval") or math.isnan(float(getattr(row, "root_bytes", math.nan))):
-        return False
-    held = _max_over_ranks(mem, row.scenario, "state_params")
-    limit = ideal["params"] * (1 + bounds.memory_sharding_slack) + allowance
-    return limit < held <= limit + float(row.root_bytes)
+def _root_kept_after_eval(row, excess: float) -> bool:
+    """Feature eval: whether what a rank holds after the step exceeds its limit (in one category: the
+    parameters, or memory outside them, where an implementation keeps a flat buffer) by no more than the
+    root's own parameters in full: what an implementation that keeps the root gathered after the no_grad
+    forward holds (harness/core/policy.py ROOT_AFTER_EVAL)."""
+    root = float(getattr(row, "root_bytes", math.nan))
+    return has(feature_of(row), "eval") and root == root and 0 < excess <= root
 
 
 def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:

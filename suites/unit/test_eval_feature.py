@@ -171,3 +171,28 @@ def test_the_eval_forward_is_one_more_gather_of_the_parameters_and_no_more():
         [v] = [v for v in resources.comm_volume(t) if v.scenario == sc.id]
         assert v.status == status, v
         assert "2P + P (the eval forward)" in v.message
+
+
+@pytest.mark.parametrize("impl, extra, grads_over, status", [
+    ("torch_fsdp2", "root", False, "known"),  # the root's own parameters, gathered: FSDP2's documented deviation
+    ("torch_fsdp2", "root+1", False, "fail"),  # more than the root could be
+    ("torch_fsdp2", "root", True, "fail"),  # and something else over too
+    ("fsdp_impl", "root", False, "fail")])  # anyone else
+def test_state_held_after_the_eval_pass_is_known_for_fsdp2_only_where_its_root_is_the_whole_excess(
+        impl, extra, grads_over, status):
+    sc = Scenario(impl, "mlp", 2, "replicated", "adamw", steps=3, feature="eval")
+    t = _tables(sc, EVAL)
+    row = t["scenarios"][t["scenarios"].scenario == sc.id].iloc[0]
+    p, root = int(row.param_bytes), int(row.root_bytes)
+    t["scenarios"]["impl"] = impl
+    # the most the shard may hold (1% and the padding allowance), plus the root in full (plus one byte)
+    limit = p // 2 * (1 + Bounds().memory_sharding_slack) + resources.shard_padding(row)
+    params = int(limit) + root + (1 if extra == "root+1" else 0)
+    cats = {"state_params": params, "state_grads": p // 2 * (3 if grads_over else 1),
+            "state_optimizer_state": p, "state_other": 0, "state_buffers": 0}
+    t["memory"] = pd.DataFrame([dict(scenario=sc.id, rank=r, category=c, bytes=b) for r in (0, 1)
+                                for c, b in cats.items()])
+    [v] = [v for v in resources.memory_sharding(t) if v.scenario == sc.id]
+    assert v.status == status, v
+    assert ("root's own parameters kept gathered after the eval forward" in v.message) == (
+        extra == "root" and not grads_over)
