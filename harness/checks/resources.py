@@ -141,7 +141,8 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         excess = {"params": lambda: _max_over_ranks(mem, row.scenario, "state_params") - (
                       ideal["params"] * (1 + bounds.memory_sharding_slack) + allowance),
                   "other": lambda: elsewhere - elsewhere_limit}
-        if len(over) == 1 and where.startswith(f"{over[0]}:") and _root_kept_after_eval(row, excess[over[0]]()):
+        if (len(over) == 1 and over[0] in excess and where.startswith(f"{over[0]}:")
+                and _root_kept_after_eval(row, excess[over[0]]())):
             where += f" ({ROOT_AFTER_EVAL}: over by at most its {float(row.root_bytes):,.0f} B)"
         kind = "sharded over" if row.sharded else "replicated on"
         mesh = f" of each of {int(row.world_size) // shards(row)} replicas" if shards(row) != int(row.world_size) else ""
