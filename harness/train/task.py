@@ -182,7 +182,7 @@ def _held_out(sc: Scenario, spec, step: int, ctx) -> list[tuple[torch.Tensor, to
 def _global_eval_loss(losses: list[float], sc: Scenario, ctx) -> float:
     """The eval loss of the global held-out batch: with split data the mean of the W ranks' equal slices'
     means, summed in float64 in one all-reduce as the training loss is (_global_loss_and_sq); a reference
-    summing micro-batches takes the mean of its slices' the same way, in rank order."""
+    that takes its ranks' slices sums their means exactly (math.fsum), as W float32 values add up in float64."""
     if sc.data_mode != "split" or ctx.world_size == 1:
         return math.fsum(losses) / len(losses) if len(losses) > 1 else losses[0]
     t = torch.tensor([losses[0]], dtype=torch.float64, device=ctx.device)
