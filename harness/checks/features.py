@@ -1,6 +1,6 @@
 """Checks that only some features have: a checkpoint restores what was saved (ckpt), mixed precision
 acts at all (bf16), the replicas of a hybrid mesh hold the same parameters (hsdp), two factorisations
-of one global batch agree (accum, no_sync). The per-step equivalence of every feature is checked by harness/checks/numeric.py."""
+of one global batch agree (accum, no_sync), the eval loss matches (eval). The per-step equivalence of every feature is checked by harness/checks/numeric.py."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import math
 
 import pandas as pd
 
-from harness.checks.noise_floor import batch_stats_of, holding, probe_maxima
+from harness.checks.noise_floor import batch_stats_of, holding, probe_maxima, resumed_across_sizes, split_yardstick
 from harness.checks.numeric import _ROW, Check, _fmt, _ok, by_scenario, first_param_crossing, judge, not_measured
-from harness.core.policy import BF16_SPLIT, Bounds
+from harness.core.policy import BATCH_STATS_SPLIT, BF16_SPLIT, NOISE_FLOOR_FACTOR, Bounds, not_exact
 from harness.core.scenario import (
     REFERENCE_IMPL,
     Scenario,
@@ -21,6 +21,7 @@ from harness.core.scenario import (
     resume_of,
     rounded_per_rank,
     shard_size,
+    widest,
 )
 from harness.core.verdict import SKIP, Verdict
 
@@ -173,8 +174,8 @@ def replicas_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 
 
 def ranks_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
-    """W > 1: every rank records the same loss and the same clipping norm (what its clip_grad_norm returned)
-    as rank 0 at every step, bitwise: both are global figures. An implementation whose ranks > 0 return the
+    """W > 1: every rank records the same loss, the same clipping norm (what its clip_grad_norm returned) and
+    the same eval loss as rank 0 at every step, bitwise: all are global figures. An implementation whose ranks > 0 return the
     norm of their own shard, or compute another loss, fails here, naming the rank and the figure."""
     out = []
     sc, steps_of = tables["scenarios"], by_scenario(tables["steps"])
@@ -189,12 +190,13 @@ def ranks_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         bad = mine[said != ""]
         if not len(bad):
             out.append(judge("ranks_agree", row, True, 0.0, 0.0,
-                             f"all {int(row.world_size)} ranks record rank 0's loss and clipping norm at every step"))
+                             f"all {int(row.world_size)} ranks record rank 0's loss, clipping norm and eval loss at "
+                             "every step"))
             continue
         first = bad.iloc[0]
         rank, rest = str(first.reports_differ).split(",")[0].split(":", 1)
         field, value = rest.split("=", 1)
-        theirs = getattr(first, "loss" if field == "loss" else "clip_norm")
+        theirs = getattr(first, field if field in ("loss", "eval_loss") else "clip_norm", None)
         out.append(judge("ranks_agree", row, False, None, 0.0,
                          f"rank {rank} recorded {field} {value} at step {int(first.step)} where rank 0 recorded "
                          f"{theirs!r} (a global figure, the same on every rank); ranks and fields that differ: "
@@ -222,6 +224,57 @@ def _multi_rank_ok(row) -> bool:
     return row.status == "ok" and int(row.world_size) > 1
 
 
+def eval_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    """Feature eval: the loss of the no_grad forward on the held-out batch after each step against the
+    yardstick's, by the tier of the data mode (harness/core/policy.py [Note: eval loss]): bitwise the plain
+    model's at W = 1 and the same implementation's at W = 1 with replicated data; with split data (or L2
+    clipping) the split yardstick's within the relative tier or twice the noise probes' spread."""
+    out = []
+    sc = tables["scenarios"]
+    done = set(_ok(sc).scenario)
+    evals = {s: g.sort_values("step").set_index("step").eval_loss for s, g in by_scenario(tables["steps"]).items()}
+    for row in _ok(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
+        if not has(feature_of(row), "eval"):
+            continue
+        scen = Scenario.of_row(row)
+        exact = widest(row) == 1 or (row.data_mode == "replicated" and not not_exact(scen.feature))
+        if row.data_mode == "split" and batch_stats_of(row) and resumed_across_sizes(row):
+            out.append(Verdict("eval_matches", row.scenario, SKIP, None, 0.0, message=(
+                f"does not apply: {BATCH_STATS_SPLIT.format(layers=batch_stats_of(row))}; a run resumed at another "
+                "world size normalised two different cuts of the batch, whose eval loss no single plain run traces")))
+            continue
+        yard = scen.reference().id if widest(row) == 1 else scen.ws1().id if exact else split_yardstick(row)
+        mine, theirs = evals.get(row.scenario), evals.get(yard)
+        probes = [] if exact else [p.id for p in scen.noise_probes() if p.id != yard]
+        lost = [i for i in (yard, *probes) if i not in done or evals.get(i) is None or evals[i].isna().all()]
+        if mine is None or lost or mine.isna().all():
+            what = f"no eval loss of {lost[0]}" if lost else f"no eval loss recorded for {row.scenario}"
+            out.append(not_measured("eval_matches", row, what, 0.0))
+            continue
+        floor = max((float((evals[p] - theirs).abs().max()) for p in probes), default=0.0)
+        if exact:
+            bound, why = pd.Series(0.0, index=mine.index), (
+                "bitwise, as ws1_exact holds the training loss" if widest(row) == 1 else
+                "bitwise: replicated data, parameters held bitwise to world size 1")
+        else:
+            tier = bounds.eval_loss_rel * theirs.abs()
+            bound = tier.clip(lower=NOISE_FLOOR_FACTOR * floor)
+            why = (f"{bounds.eval_loss_rel:g} x |its eval loss|, or {NOISE_FLOOR_FACTOR:g} x the noise probes' "
+                   f"spread {_fmt(floor)} where larger")
+        diff = (mine - theirs.reindex(mine.index)).abs()
+        over = diff[diff.isna() | (diff > bound.reindex(mine.index))]  # bitwise tiers: a bound of 0
+        worst = float(diff.max())
+        msg = f"max |eval loss diff| vs {yard} = {_fmt(worst)} over {len(mine)} steps (bound: {why})"
+        if not len(over):
+            out.append(judge("eval_matches", row, True, worst, float(bound.max()), msg))
+            continue
+        k = int(over.index[0])
+        out.append(judge("eval_matches", row, False, worst, float(bound.max()),
+                         f"{msg}; first at step {k}: {float(mine[k])!r} vs {float(theirs.get(k, math.nan))!r}", step=k,
+                         param="eval loss", where=_fmt(float(diff[k]))))
+    return out
+
+
 def _factorised(row) -> bool:
     return row.status == "ok" and row.data_mode == "split" and passes_per_step(feature_of(row)) > 1 \
         and row.impl != REFERENCE_IMPL
@@ -229,6 +282,10 @@ def _factorised(row) -> bool:
 
 def _resumed(row) -> bool:
     return row.status == "ok" and resume_of(row) > 0
+
+
+def _evaluated(row) -> bool:
+    return row.status == "ok" and row.impl != REFERENCE_IMPL and has(feature_of(row), "eval")
 
 
 def _bf16_reference(row) -> bool:
@@ -240,6 +297,7 @@ FEATURE_CHECKS = (
     Check(bf16_acts, _bf16_reference, {"scenarios": _ROW, "steps": ("scenario", "step", "max_diff_ref")}),
     Check(ranks_agree, _multi_rank_ok, {"scenarios": _ROW + ("steps",), "steps": ("scenario", "step", "loss")}),
     Check(replicas_agree, _hybrid, {"scenarios": _ROW, "steps": ("scenario", "step", "replicas_differ")}),
+    Check(eval_matches, _evaluated, {"scenarios": _ROW + ("steps",), "steps": ("scenario", "step", "eval_loss")}),
     Check(factorisations_agree, _factorised, {"scenarios": _ROW + ("steps", "lr"),
                                               "params": ("scenario", "step", "param", "diff_factor")}),
 )

@@ -14,7 +14,7 @@ import math
 import pandas as pd
 
 from harness.checks.numeric import Check, judge, not_measured
-from harness.core.policy import Bounds
+from harness.core.policy import ROOT_AFTER_EVAL, Bounds
 from harness.core.scenario import (
     clip_of,
     has,
@@ -27,7 +27,7 @@ from harness.core.scenario import (
 )
 from harness.core.verdict import Verdict
 from harness.measure import ideal_comm_elements, ideal_state_bytes
-from harness.measure.timeline import ALLOWED, PHASES, ROOT_FREE
+from harness.measure.timeline import ALLOWED, ROOT_FREE, expected_phases
 
 STATE_CATEGORIES = ("params", "grads", "optimizer_state")
 # Gradient reductions after which each rank holds only its own part, and the share of a call's
@@ -111,7 +111,7 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     for row in _measured_rows(tables, "memory_sharding", out).itertuples():
         ideal = ideal_state_bytes(int(row.param_bytes), row.optimizer, shards(row), sharded=bool(row.sharded))
         allowance = shard_padding(row, bounds)
-        worst, worst_limit, where, total_measured = 0.0, 1.0, "", 0.0
+        worst, worst_limit, where, total_measured, over = 0.0, 1.0, "", 0.0, []
         for cat in STATE_CATEGORIES:
             measured = _max_over_ranks(mem, row.scenario, f"state_{cat}")
             if math.isnan(measured):
@@ -123,6 +123,7 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             ratio = measured / ideal[cat] if ideal[cat] else math.inf
             if ratio > worst:
                 worst, worst_limit = ratio, (limit / ideal[cat] if ideal[cat] else math.inf)
+            over += [cat] if measured > limit else []
             if measured > limit and not where:
                 where = (f"{cat}: {measured:,.0f} B per rank > ideal {ideal[cat]:,.0f} B "
                          f"({ratio:.2f}x; allowed {limit:,.0f} B)")
@@ -131,10 +132,18 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                            + bounds.held_elsewhere_bytes)
         if math.isnan(elsewhere) or math.isnan(elsewhere_limit):
             where = where or "other: not measured (no census of what the rank holds)"
-        elif elsewhere > elsewhere_limit and not where:
+        elif elsewhere > elsewhere_limit:
+            over.append("other")
+        if "other" in over and not where:
             where = (f"other: {elsewhere:,.0f} B per rank held outside parameters, gradients and optimizer "
                      f"state (allowed {elsewhere_limit:,.0f} B: the model's buffers + 1% + "
                      f"{bounds.held_elsewhere_bytes:,} B)")
+        excess = {"params": lambda: _max_over_ranks(mem, row.scenario, "state_params") - (
+                      ideal["params"] * (1 + bounds.memory_sharding_slack) + allowance),
+                  "other": lambda: elsewhere - elsewhere_limit}
+        if (len(over) == 1 and over[0] in excess and where.startswith(f"{over[0]}:")
+                and _root_kept_after_eval(row, excess[over[0]]())):
+            where += f" ({ROOT_AFTER_EVAL}: over by at most its {float(row.root_bytes):,.0f} B)"
         kind = "sharded over" if row.sharded else "replicated on"
         mesh = f" of each of {int(row.world_size) // shards(row)} replicas" if shards(row) != int(row.world_size) else ""
         msg = (f"per-rank state {total_measured:,.0f} B vs ideal {sum(ideal.values()):,.0f} B "
@@ -144,6 +153,15 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         out.append(judge("memory_sharding", row, not where, worst, worst_limit,
                          msg if not where else f"{msg}; {where}", where=where))
     return out
+
+
+def _root_kept_after_eval(row, excess: float) -> bool:
+    """Feature eval: whether what a rank holds after the step exceeds its limit (in one category: the
+    parameters, or memory outside them, where an implementation keeps a flat buffer) by no more than the
+    root's own parameters in full: what an implementation that keeps the root gathered after the no_grad
+    forward holds (harness/core/policy.py ROOT_AFTER_EVAL)."""
+    root = float(getattr(row, "root_bytes", math.nan))
+    return has(feature_of(row), "eval") and root == root and 0 < excess <= root
 
 
 def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
@@ -201,12 +219,14 @@ def peak_params_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 def units_gathered(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """Sharded, W > 1: at no moment of the measured step more units hold their full parameters than
     ZeRO-3 lets them (harness.measure.timeline.ALLOWED: 2 in forward and backward, the unit running
-    and one prefetched; 1 between forward and backward; none after backward, the root included).
+    and one prefetched; 1 between forward and backward; none after backward, the root included; under
+    eval, 2 in its no_grad forward and none after it, the root aside).
     Counted in units, not bytes, so a unit left gathered after its forward fails on any model."""
     out, gathered = [], tables["gathered"]
     for row in _measured_rows(tables, "units_gathered", out, multi_rank=True).itertuples():
         g = gathered[gathered.scenario == row.scenario]
-        missing = [p for p in PHASES if p not in set(g.phase)]
+        phases = expected_phases(feature_of(row))
+        missing = [p for p in phases if p not in set(g.phase)]
         if g.empty or missing:
             out.append(not_measured("units_gathered", row, f"no moments of {', '.join(missing)} recorded"))
             continue
@@ -214,7 +234,7 @@ def units_gathered(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             out.append(not_measured("units_gathered", row, "no unit was ever seen holding its full parameters: "
                                     "the implementation keeps them where the model's modules do not point"))
             continue
-        problems, worst = [], 0
+        problems, worst, root_after_eval = [], 0, 0
         for r in g.itertuples():
             units_over = int(r.units) - ALLOWED[r.phase]
             root_kept = bool(r.root) and r.phase not in ROOT_FREE
@@ -224,10 +244,13 @@ def units_gathered(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                 problems.append(f"{at}: {int(r.units)} units gathered at once ({r.which}), {ALLOWED[r.phase]} allowed")
             if root_kept:
                 problems.append(f"{at}: the root's own parameters still gathered")
+                root_after_eval += r.phase == "after_eval"
+        if problems and root_after_eval == len(problems):  # one cause, named as such (policy: ROOT_AFTER_EVAL)
+            problems[0] += f" ({ROOT_AFTER_EVAL}, on {len(problems)} ranks)"
         most = g.groupby("phase").units.max()
-        msg = ("most units gathered at once: " + ", ".join(f"{p.replace('_', ' ')} {int(most[p])}" for p in PHASES)
-               + " (allowed " + ", ".join(str(ALLOWED[p]) for p in PHASES) + "; the root may stay gathered until "
-               "backward ends)")
+        msg = ("most units gathered at once: " + ", ".join(f"{p.replace('_', ' ')} {int(most[p])}" for p in phases)
+               + " (allowed " + ", ".join(str(ALLOWED[p]) for p in phases) + "; the root may stay gathered until "
+               "backward ends" + (" and during the eval forward" if "eval" in phases else "") + ")")
         out.append(judge("units_gathered", row, not problems, worst, 0, msg if not problems else
                          f"{msg}; {problems[0]}", where="; ".join(problems[:3])))
     return out
@@ -251,8 +274,12 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         ideal = ideal_comm_elements(int(p), shards(row), int(row.trainable_elements))
         feature = Scenario.of_row(row).feature  # each micro-batch gathers; each reduces unless switched off
         passes, reductions = passes_per_step(feature), reductions_per_step(feature)
-        ideal_gather, t = passes * float(ideal["all_gather"]), reductions * float(ideal["reduce_scatter"])
+        # eval: one more forward per step, under no_grad: one more all-gather of the parameters (P)
+        evals = 1 if has(feature, "eval") else 0
+        ideal_gather = (passes + evals / 2) * float(ideal["all_gather"])
+        t = reductions * float(ideal["reduce_scatter"])
         allowance = passes * gather_padding(row, bounds) / width
+        gather_allowance = 2 * allowance + evals * gather_padding(row, bounds) / width
         gather = elements.get("all_gather", 0.0)
         scatter = _reduced(elements, shards(row))
         all_reduce = elements.get("all_reduce", 0.0)
@@ -275,8 +302,9 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         types = sorted(set(c[c.collective.isin((*SCATTER_COLLECTIVES, "all_reduce"))].dtype.astype(str)))
         problems = []
         per, per_r = (f"{n} x " if n > 1 else "" for n in (passes, reductions))  # passes, reductions per step
-        if gather > ideal_gather * (1 + bounds.comm_slack) + 2 * allowance:
-            problems.append(f"all_gather {gather:,.0f} elements > {per}2P = {ideal_gather:,.0f}")
+        plus_eval = " + P (the eval forward)" if evals else ""
+        if gather > ideal_gather * (1 + bounds.comm_slack) + gather_allowance:
+            problems.append(f"all_gather {gather:,.0f} elements > {per}2P{plus_eval} = {ideal_gather:,.0f}")
         if not t <= reduce <= t * (1 + bounds.comm_slack) + allowance:
             what = "trainable" if t != reductions * p else "P ="
             problems.append(f"gradient reduction {reduce:,.0f} elements != {per_r}{what} {t:,.0f}")
@@ -286,10 +314,10 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         msg = (f"per step: all_gather {gather:,.0f} elements ({gather / p:.2f}P), gradient reduction "
                f"{reduce:,.0f} elements ({reduce / p:.2f}P) in {', '.join(types) or 'no type'}, "
                f"{reduce_bytes:,.0f} B: traffic factor {factor:.2f}x the parameters' {8 * width:g}-bit elements; "
-               f"ZeRO-3 ideal {per}2P + {per_r}P with P = {p:,.0f} elements"
+               f"ZeRO-3 ideal {per}2P{plus_eval} + {per_r}P with P = {p:,.0f} elements"
                + (f"; the clipping norm's all_reduce {norm_reduce:,.0f} elements" if norm_reduce else "")
                + (f"; the replicas' average of their shards T/S = {replicas_t:,.0f} elements" if replicas_t else ""))
-        limit = (ideal_gather + t) * (1 + bounds.comm_slack) + 3 * allowance  # the most both conditions above allow together
+        limit = (ideal_gather + t) * (1 + bounds.comm_slack) + gather_allowance + allowance  # the most both conditions above allow together
         out.append(judge("comm_volume", row, not problems, (gather + reduce) / p, limit / p,
                          msg + f"; allowed up to {limit / p:.3g}P with padding", where="; ".join(problems)))
     return out

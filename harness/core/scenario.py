@@ -30,7 +30,18 @@ REFERENCE_IMPL = "reference"
 #            parameters, gradients reduced and stepped in fp32 (the adapter's wrap_mixed_precision)
 #   hsdp     hybrid sharding: HSDP_REPLICAS replicas of the model, each sharded over W / HSDP_REPLICAS
 #            ranks; gradients averaged over all W ranks (the adapter's wrap_hybrid)
-FEATURES = ("plain", "accum", "no_sync", "clip", "clip_inf", "ac", "ckpt", "bf16", "hsdp")
+#   eval     an evaluation pass, as a training loop validates between steps: AFTER the optimizer step (and
+#            before the gradients are zeroed), a torch.no_grad() forward of the wrapped model on a held-out
+#            batch, eval_batch(step): the model's batch of step -k, which no training step draws (they are
+#            1, 2, ...), of the global batch size, deterministic from (seed, step). It is replicated: every
+#            rank evaluates the whole held-out batch in either data mode, so each rank's loss is the global
+#            batch's mean with no collective (and a model with batch statistics normalises the batch the
+#            reference normalises). The model stays in training mode (the harness never calls eval(): every
+#            dropout is 0, and BatchNorm's running statistics are per rank under split data). The eval loss is
+#            recorded per step and held to the reference's (harness/checks/features.py eval_matches); the
+#            timeline marks the pass and the moment after it (every child unit resharded:
+#            harness/measure/timeline.py). Needs no adapter method: the training step's numbers are unchanged
+FEATURES = ("plain", "accum", "no_sync", "clip", "clip_inf", "ac", "ckpt", "bf16", "hsdp", "eval")
 ACCUM_MICRO_BATCHES = 2
 # Compositions: features joined by COMPOSE ("hsdp+clip") act together in one run, in FEATURES order
 # whatever order they are written in. These pairs cannot: two micro-batch schemes, two clipping norms, and

@@ -21,6 +21,15 @@ gathered from forward to the end of backward, as FSDP2 keeps them):
     backward         2   the unit running and one prefetched
     after_backward   0   everything resharded, root included
     optimizer        0   root included
+    eval             2   feature eval: a torch.no_grad() forward after the optimizer step, as forward
+    after_eval       0   once that forward and its loss are done: no backward follows a no_grad
+                         forward, so nothing else would reshard what it gathered (pytorch #149029)
+
+The root's own parameters may stay gathered during the eval forward, as during a training one, but
+not after it, where no backward will come to reshard them. FSDP2 keeps them (it keeps the root
+unsharded after every forward unless reshard_after_forward=True is passed for it: pytorch #149029,
+#155319; a documented deviation, harness/core/policy.py). Only the phases of the scenario's feature
+are expected (`expected_phases`): eval and after_eval under eval.
 """
 
 from __future__ import annotations
@@ -35,11 +44,21 @@ try:
 except ImportError:  # torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["UnitTimeline", "PHASES", "ALLOWED", "ROOT"]
+__all__ = ["UnitTimeline", "PHASES", "ALLOWED", "ROOT", "expected_phases"]
 
-PHASES = ("forward", "after_forward", "backward", "after_backward", "optimizer")
-ALLOWED = {"forward": 2, "after_forward": 1, "backward": 2, "after_backward": 0, "optimizer": 0}
-ROOT_FREE = ("forward", "after_forward", "backward")  # phases in which the root may stay gathered
+PHASES = ("forward", "after_forward", "backward", "after_backward", "optimizer", "eval", "after_eval")
+ALLOWED = {"forward": 2, "after_forward": 1, "backward": 2, "after_backward": 0, "optimizer": 0, "eval": 2,
+           "after_eval": 0}
+# phases in which the root may stay gathered
+ROOT_FREE = ("forward", "after_forward", "backward", "eval")
+EVAL_PHASES = ("eval", "after_eval")  # only under feature eval
+
+
+def expected_phases(feature: str) -> tuple[str, ...]:
+    """The phases a measured step of `feature` goes through (every one must be seen)."""
+    from harness.core.scenario import has
+
+    return PHASES if has(feature, "eval") else tuple(p for p in PHASES if p not in EVAL_PHASES)
 ROOT = "(root)"
 
 

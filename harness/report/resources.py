@@ -71,12 +71,14 @@ def _gathered_table(tables: dict, rows: pd.DataFrame) -> list[str]:
         return []
     by = g.groupby(["phase", "world_size"]).agg(units=("units", "max"), root=("root", "any"))
     cell = by.apply(lambda r: f"{int(r['units'])}" + (" + root" if r["root"] else ""), axis=1).unstack("world_size")
-    cell = cell.loc[[p for p in PHASES if p in cell.index]]
+    seen = [p for p in PHASES if p in cell.index]  # the eval phases only where a scenario evaluated
+    cell = cell.loc[seen]
     cell.columns = [f"W={c}" for c in cell.columns]
     cell.index = [p.replace("_", " ") for p in cell.index]
-    allowed = ", ".join(f"{p.replace('_', ' ')} {ALLOWED[p]}" for p in PHASES)
+    allowed = ", ".join(f"{p.replace('_', ' ')} {ALLOWED[p]}" for p in seen)
+    root = "until backward ends" + (" and during the eval forward" if "eval" in seen else "")
     return [f"Units holding their full parameters at once, the most at one moment of each phase (ZeRO-3 allows "
-            f"{allowed}; the root until backward ends):", "", md_table(cell.rename_axis("phase").reset_index()), ""]
+            f"{allowed}; the root {root}):", "", md_table(cell.rename_axis("phase").reset_index()), ""]
 
 
 def _comm_section(tables: dict) -> list[str]:

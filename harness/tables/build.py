@@ -128,7 +128,8 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                                "max_diff_probe": mp, "worst_param_probe": wp,
                                "replicas_differ": rec.get("replicas_differ", math.nan),
                                "reduction_ranks": reduction_ranks(res["ranks"], i, r0.get("param_tensors", 0)),
-                               "reports_differ": reports_differ(res["ranks"], i)})
+                               "reports_differ": reports_differ(res["ranks"], i),
+                               "eval_loss": rec.get("eval_loss", math.nan)})
             final = {"final_loss": rec["loss"], "param_sum": sum(float(t.double().sum()) for t in cur.values()),
                      "max_diff_ref": mr, "max_diff_ws1": m1}
         restore = _restore(sc, snaps, by_id)
@@ -166,12 +167,13 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
 
 
 
-REPORTED = ("loss", "clip_norm")  # what every rank's step record says that must be the same on every rank
+# what every rank's step record says that must be the same on every rank
+REPORTED = ("loss", "clip_norm", "eval_loss")
 
 
 def reports_differ(ranks: list[dict], i: int) -> str:
     """What a rank's step record says that differs from rank 0's (the loss, the norm its clip_grad_norm
-    returned: global figures, the same on every rank), as 'rank:field=value' comma-separated ('' where all
+    returned, the eval loss: global figures, the same on every rank), as 'rank:field=value' comma-separated ('' where all
     agree): the tables keep rank 0's records, so a rank that reports a figure of its own shows only here."""
     first = ranks[0].get("steps", [])
     if i >= len(first):

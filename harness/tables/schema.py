@@ -33,8 +33,10 @@ class Table:
 #               world size 1 (0: bitwise the same values; inf: a different count)
 #               max_diff_factor (split data, accum / no_sync at W): max |param diff| vs the same
 #               implementation's plain step at W x k ranks (the same micro-batches), worst_param_factor where
-#               reports_differ: what ranks > 0 recorded for the step (loss, the norm clip_grad_norm returned)
-#               that differs from rank 0's, 'rank:field=value' comma-separated ('' when every rank agrees)
+#               reports_differ: what ranks > 0 recorded for the step (loss, the norm clip_grad_norm returned,
+#               the eval loss) that differs from rank 0's, 'rank:field=value' comma-separated ('' when every rank agrees)
+#               eval_loss (feature eval): the loss of the no_grad forward on the step's held-out batch, after
+#               the optimizer step (NaN otherwise)
 #               reduction_ranks (replicated data, W > 1, not hsdp): the ranks whose inputs to the step's
 #               gradient reductions (hashed as the rank issued them) differ from the other ranks', comma-separated
 #               ('' when all agree)
@@ -78,7 +80,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("steps", "scenario x step", SCENARIO_IDS + FEATURE + (
         "step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1",
         "grad_diff_ws1", "clip_norm", "max_diff_factor", "worst_param_factor", "replicas_differ", "max_diff_probe",
-        "worst_param_probe", "reduction_ranks", "reports_differ"),
+        "worst_param_probe", "reduction_ranks", "reports_differ", "eval_loss"),
           required=SCENARIO_IDS + ("step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1",
                                    "worst_param_ws1")),
     Table("params", "scenario x step x parameter", (

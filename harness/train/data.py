@@ -18,6 +18,14 @@ def global_batch(spec: ModelSpec, global_batch: int, step: int, seed: int) -> tu
     return spec.make_batch(global_batch, step, seed)
 
 
+def eval_batch(spec: ModelSpec, global_batch: int, step: int, seed: int) -> tuple[Tensor, Tensor]:
+    """The held-out batch evaluated after step `step` (feature eval): the model's batch of step -`step`,
+    which no training step draws (training steps are 1, 2, ...); the same on every rank."""
+    if step < 1:
+        raise ValueError(f"an eval batch follows a training step (1, 2, ...), got step {step}")
+    return spec.make_batch(global_batch, -step, seed)
+
+
 def local_slice(
     inputs: Tensor, targets: Tensor, rank: int, world_size: int, mode: str
 ) -> tuple[Tensor, Tensor, Tensor]:

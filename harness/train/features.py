@@ -135,3 +135,21 @@ def forward_backward(feature: str, spec, model, x: torch.Tensor, y: torch.Tensor
         loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
     return total
+
+
+def evaluate(feature: str, spec, model, batches: list[tuple[torch.Tensor, torch.Tensor]],
+             mark: Callable = lambda phase, value=None: value) -> list[float]:
+    """The evaluation pass (feature eval): a forward of `model` under torch.no_grad() on each held-out
+    (inputs, targets) in `batches` (the rank's slice; a reference's micro-batches: the slices its ranks
+    take), each loss taken as the training step takes it (in fp32 under bf16). `mark` hears "eval"
+    before each forward and "after_eval" once the last and its loss are done: no backward follows a
+    no_grad forward, so whatever the implementation gathered for it must be resharded by then
+    (harness.measure.timeline). Returns each batch's mean loss."""
+    losses = []
+    with torch.no_grad():
+        for x, y in batches:
+            mark("eval")
+            out = model(x)
+            losses.append(float(spec.loss(out.float() if has(feature, "bf16") else out, y)))
+    mark("after_eval")
+    return losses

@@ -26,8 +26,8 @@ from harness.measure.memory import local_tensor, optimizer_list
 from harness.measure.optim_state import param_names, save_held_state
 from harness.measure.timeline import UnitTimeline
 from harness.train.checkpointing import Checkpointing
-from harness.train.data import global_batch, local_slice
-from harness.train.features import checkpoint_units, forward_backward, wrap_for
+from harness.train.data import eval_batch, global_batch, local_slice
+from harness.train.features import checkpoint_units, evaluate, forward_backward, rank_slices, wrap_for
 from harness.train.models import get_model_spec
 from harness.train.user_models import check_batch, check_built
 
@@ -87,7 +87,9 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
         check_batch(sc.model, (inputs, targets), sc.global_batch)
         x, y, idx = local_slice(inputs, targets, ctx.rank, ctx.world_size, sc.data_mode)
         x, y = x.to(device), y.to(device)
-        batch = (inputs, targets, x, y, idx)  # the harness's own tensors, not the implementation's
+        held_out = _held_out(sc, spec, step, ctx) if has(sc.feature, "eval") else []
+        # the harness's own tensors, not the implementation's
+        batch = (inputs, targets, x, y, idx, *(t for xy in held_out for t in xy))
         measure_mem = step == measured
         traced = tracer is not None and step <= trace["steps"]
         if traced:
@@ -106,24 +108,27 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
         # raises must not leave it installed for the next scenario in this process.
         mark = _marker(timeline, mem)
         mark = tracer.marking(mark) if traced else mark
-        with counter, (mem if mem is not None else contextlib.nullcontext()), \
-                (tracer if traced else contextlib.nullcontext()):
-            summed = traced and trace.get("slices_summed", False)
-            loss = forward_backward(sc.feature, spec, wrapped, x, y, mark, set_sync, micro=sc.micro_batches,
-                                    reverse=sc.reverse_micro, slices_summed=summed)
-            adapter.after_backward(wrapped, optimizer)
-            mark("after_backward")
-            if traced:
-                tracer.end_backward(wrapped, divide_by=sc.micro_batches if summed else 1)
-            grad_sq = _local_grad_sq(wrapped) if first_copy else 0.0  # before clipping: measured by the harness
-            clip_norm = _clip(adapter, wrapped, sc.feature, sc.nudge)
-            if traced and clip_of(sc.feature) is not None:
-                tracer.end_clip(wrapped)
-            mark("optimizer")
-            optimizer.step()
-            mark("optimizer")
-            if traced:
-                tracer.end_step(wrapped)
+        eval_losses = []
+        with counter, (mem if mem is not None else contextlib.nullcontext()):
+            with tracer if traced else contextlib.nullcontext():
+                summed = traced and trace.get("slices_summed", False)
+                loss = forward_backward(sc.feature, spec, wrapped, x, y, mark, set_sync, micro=sc.micro_batches,
+                                        reverse=sc.reverse_micro, slices_summed=summed)
+                adapter.after_backward(wrapped, optimizer)
+                mark("after_backward")
+                if traced:
+                    tracer.end_backward(wrapped, divide_by=sc.micro_batches if summed else 1)
+                grad_sq = _local_grad_sq(wrapped) if first_copy else 0.0  # before clipping: measured by the harness
+                clip_norm = _clip(adapter, wrapped, sc.feature, sc.nudge)
+                if traced and clip_of(sc.feature) is not None:
+                    tracer.end_clip(wrapped)
+                mark("optimizer")
+                optimizer.step()
+                mark("optimizer")
+                if traced:
+                    tracer.end_step(wrapped)
+            if held_out:  # inside the measured window: the timeline and the peak see it
+                eval_losses = evaluate(sc.feature, spec, wrapped, held_out, mark)
         _sync(device)
         if mem is None:
             times.append(time.perf_counter() - t0)
@@ -143,12 +148,14 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
                                   grad_sq, adds_up, ctx, snap_dir / f"step{step}.grads.pt")
         else:
             loss_value, grad_sq = _global_loss_and_sq(loss, grad_sq, adds_up, ctx)
+        eval_loss = _global_eval_loss(eval_losses, sc, ctx) if held_out else math.nan
         optimizer.zero_grad(set_to_none=True)
         for row in counter.summary():
             tot = comm_totals.setdefault((row["collective"], row["dtype"]), {"calls": 0, "elements": 0, "bytes": 0})
             for k in tot:
                 tot[k] += row[k]
         steps.append({"step": step, "loss": loss_value, "grad_norm": math.sqrt(grad_sq), "clip_norm": clip_norm,
+                      "eval_loss": eval_loss,
                       "replicas_differ": _replicas_differ(wrapped, sc, ctx),
                       "reduction_inputs": list(counter.reduction_inputs) if counter.fingerprint else None})
         _snapshot(adapter, wrapped, snap_dir / f"step{step}.pt", ctx.rank)
@@ -163,6 +170,30 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
     return {"scenario": sc.id, "rank": ctx.rank, "steps": steps, "memory": memory, "comm": comm, "gathered": gathered,
             "sharded": bool(adapter.sharded), "rows": rows_held(wrapped), **sizes,
             "step_time_s": sum(times) / len(times) if times else math.nan, "snapshot_dir": str(snap_dir)}
+
+
+def _held_out(sc: Scenario, spec, step: int, ctx) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Feature eval: what this rank evaluates after step `step`: its slice of the held-out batch, cut as the
+    data mode cuts the training batch (the whole batch with replicated data); a reference that sums the
+    micro-batches of `micro_batches` ranks evaluates each of their slices."""
+    inputs, targets = eval_batch(spec, sc.global_batch, step, sc.seed)
+    check_batch(sc.model, (inputs, targets), sc.global_batch)
+    if sc.micro_batches > 1:
+        slices = rank_slices(inputs, targets, sc.micro_batches)
+    else:
+        slices = [local_slice(inputs, targets, ctx.rank, ctx.world_size, sc.data_mode)[:2]]
+    return [(x.to(ctx.device), y.to(ctx.device)) for x, y in slices]
+
+
+def _global_eval_loss(losses: list[float], sc: Scenario, ctx) -> float:
+    """The eval loss of the global held-out batch: with split data the mean of the W ranks' equal slices'
+    means, summed in float64 in one all-reduce as the training loss is (_global_loss_and_sq); a reference
+    that takes its ranks' slices sums their means exactly (math.fsum), as W float32 values add up in float64."""
+    if sc.data_mode != "split" or ctx.world_size == 1:
+        return math.fsum(losses) / len(losses) if len(losses) > 1 else losses[0]
+    t = torch.tensor([losses[0]], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, group=ctx.group)
+    return float(t[0]) / ctx.world_size
 
 
 def _clip(adapter, wrapped, feature: str, nudge: int = 0) -> float:
@@ -181,7 +212,7 @@ def _marker(timeline: UnitTimeline, mem: PeakMemory | None):
         return lambda phase, value=None: value
 
     def mark(phase: str, value=None):
-        if phase == "forward":
+        if phase in ("forward", "eval"):
             mem.next_forward()
         return timeline.mark(phase, value)
     return mark
@@ -274,7 +305,9 @@ def _replicas_differ(wrapped, sc: Scenario, ctx) -> float:
         return math.nan
     digest = hashlib.blake2b(digest_size=16)
     for p in wrapped.parameters():
-        digest.update(local_tensor(p).detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        # a copy: a numpy view would make the implementation's own storage non-resizable (FSDP2's root, left
+        # unsharded after an eval forward, then fails to free it in the next backward)
+        digest.update(local_tensor(p).detach().to("cpu", copy=True).reshape(-1).view(torch.uint8).numpy().tobytes())
     every = [None] * ctx.world_size
     dist.all_gather_object(every, digest.hexdigest(), group=ctx.group)
     return float(sum(every[r] != every[r % shard] for r in range(ctx.world_size)))

@@ -70,7 +70,7 @@ from suites.mutants.hidden_mutants import (
     ReduceToOwners,
     UnitBufferKept,
 )
-from suites.mutants.memory_mutants import OptimizerStateUnsharded, ReshardSkipped
+from suites.mutants.memory_mutants import NoGradForwardUnsharded, OptimizerStateUnsharded, ReshardSkipped
 from suites.mutants.meta_init_mutants import MetaInit, MetaInitRngOrder
 from suites.mutants.per_sample_mutants import per_sample_task  # noqa: F401 (named by a spec below)
 from suites.mutants.sharding_mutants import (
@@ -127,6 +127,7 @@ clip_local_norm, bf16_optimizer_step, ac_reduced_twice = ClipLocalNorm, Bf16Opti
 clip_norm_reported_local, held_in_param_dtype = ClipNormReportedLocal, HeldInParamDtype
 bf16_summed = Bf16Summed
 replicas_not_averaged = ReplicasNotAveraged
+no_grad_forward_unsharded = NoGradForwardUnsharded
 ckpt_last_rank_shifted, ckpt_optimizer_state_shifted = CkptLastRankShifted, CkptOptimizerStateShifted
 ckpt_step_restarted = CkptStepRestarted
 tail_before_last_dropped = TailBeforeLastDropped
@@ -176,6 +177,12 @@ CATALOGUE: tuple[Mutant, ...] = (
            "no reshard after forward: every unit stays unsharded until its backward (memory only)",
            models=("mlp", "tinylm", "tinylm_tied"), data_modes=("replicated",), at_steps=None,
            kind="memory"),
+    # only a forward under no_grad shows it: the eval feature's, after the optimizer step (no other feature
+    # runs one; suites/mutants/test_eval_mutant.py runs it through each of them)
+    Mutant("no_grad_forward_unsharded", _spec("no_grad_forward_unsharded"), "units_gathered",
+           "no reshard after a forward under torch.no_grad() (an evaluation pass): every unit stays gathered "
+           "until the next training backward (memory only; pytorch #149029)", data_modes=("replicated",),
+           optimizers=("adamw",), at_steps=None, kind="memory", features=("eval",)),
     Mutant("optimizer_state_unsharded", _spec("optimizer_state_unsharded"), "memory_sharding",
            "optimizer state kept for the whole parameter on every rank (memory only)",
            data_modes=("replicated",), at_steps=None, kind="memory"),  # memory does not depend on the mode

@@ -30,12 +30,18 @@ def quick_matrix() -> list[Scenario]:
     runs fsdp_impl's and FSDP2's in its own matrix, at every world size), and every other feature for
     all three with AdamW and replicated data on mlp and tinylm_tied (how a feature treats gradients
     depends neither on the optimizer nor on the data split; tinylm_tied has the tied weight, mlp the
-    smallest rows; the full tier runs every combination)."""
+    smallest rows; the full tier runs every combination). The eval pass, whose forward changes no
+    gradient, runs in two cells only: FSDP2 and DDP on the mlp at W = 2 with split data (each rank
+    evaluates its slice, the loss is all-reduced); fsdp_impl's eval runs as the control beside the
+    no_grad_forward_unsharded mutant (replicated data, W = 1, 2)."""
     plain = build_matrix(("ddp",), list(DEFAULT_MODELS), [1, 2], DATA_MODES, OPTIMIZERS, steps=3)
-    others = [f for f in FEATURES if f != "plain"]
+    others = [f for f in FEATURES if f not in ("plain", "eval")]
     featured = build_matrix(CORRECT, ["mlp", "tinylm_tied"], [1, 2], ("replicated",), ("adamw",), steps=3,
                             features=others)
-    return plain + [c for c in featured if c not in plain]
+    evaluated = build_matrix(("torch_fsdp2", "ddp"), ["mlp"], [2], ("split",), ("adamw",), steps=3,
+                             features=("eval",))
+    cells = plain + [c for c in featured if c not in plain]
+    return cells + [c for c in evaluated if c not in cells]
 
 
 def full_matrix(seed: int, models=DEFAULT_MODELS) -> list[Scenario]:

@@ -1,5 +1,5 @@
-"""Mutants that change memory only, not the numbers: full parameters kept after forward,
-optimizer state for the whole parameter on every rank.
+"""Mutants that change memory only, not the numbers: full parameters kept after forward (every
+forward, or only a forward under torch.no_grad()), optimizer state for the whole parameter on every rank.
 """
 
 from __future__ import annotations
@@ -18,6 +18,35 @@ class ReshardSkipped(MutantAdapter):
     def mutate(self, wrapped):
         for _, state in _units(wrapped):
             state.reshard_after_forward = False
+
+
+class NoGradForwardUnsharded(MutantAdapter):
+    """The reshard after forward skipped when the forward ran under torch.no_grad(), as if the
+    post-backward would reshard (none comes: no graph was built), the class of pytorch #149029: every
+    unit stays gathered after an evaluation forward until the next training step's backward reshards
+    it. A training forward (grad enabled) is left as the product has it, so the numbers are unchanged
+    and only a no_grad forward shows it. Injected into each unit's registered post-forward hook: the
+    product's own hook runs, with that unit's reshard a no-op while grad is disabled."""
+
+    name = "mutant:no_grad_forward_unsharded"
+
+    def mutate(self, wrapped):
+        import torch
+
+        for _, state in _units(wrapped):
+            hooks = state.module._forward_hooks
+            key = next(k for k, h in hooks.items() if h == state._post_forward)
+
+            def post_forward(module, args, output, state=state, product=hooks[key]):
+                if torch.is_grad_enabled():
+                    return product(module, args, output)
+                state.params.reshard = lambda: None  # this unit's own ParamGroup, for this call only
+                try:
+                    return product(module, args, output)
+                finally:
+                    del state.params.reshard
+
+            hooks[key] = post_forward
 
 
 class OptimizerStateUnsharded(MutantAdapter):

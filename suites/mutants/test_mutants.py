@@ -161,3 +161,21 @@ def test_a_unit_left_gathered_fails_on_every_model_and_world_size(catalogue_run)
     multi = {s.id for s in cells if s.world_size > 1}
     assert {s.model for s in cells} == {"mlp", "tinylm", "tinylm_tied"} and set(r.scenarios) >= multi
     assert multi and {v.scenario for v in r.failed if v.check == "units_gathered"} == multi
+
+
+@pytest.mark.slow
+def test_a_unit_left_gathered_after_a_no_grad_forward_is_seen_by_eval_and_by_no_other_single_feature(pool):
+    """no_grad_forward_unsharded (pytorch #149029's class) breaks nothing a training step does: through
+    every other feature, in both data modes at W = 1, 2, no check fails (only the eval pass runs a forward
+    under no_grad); with eval, units_gathered fails at W = 2 (test_mutant_is_caught, the catalogue's cells)."""
+    from harness.core.scenario import FEATURES
+    from suites.mutants.score import scenarios_of
+
+    m = next(m for m in CATALOGUE if m.name == "no_grad_forward_unsharded")
+    others = tuple(f for f in FEATURES if f != "eval")
+    wide = dataclasses.replace(m, features=others, data_modes=("replicated", "split"))
+    r = run_catalogue([wide], pool=pool).results[m.name]
+    assert {s.feature for s in scenarios_of(wide)} == set(others) and len(r.scenarios) == len(scenarios_of(wide))
+    assert not r.failed, "\n".join(str(v) for v in r.failed)
+    seen = run_catalogue([m], pool=pool).results[m.name]
+    assert {v.check for v in seen.failed} >= {"units_gathered"}
