@@ -40,6 +40,8 @@ class Table:
 #               ('' when all agree)
 #               replicas_differ (hsdp, W > 2): ranks whose own parameter parts differ bit for bit from the
 #               first replica's rank with the same index after the step (0 when the replicas agree)
+#               jitter_delays, jitter_s (jitter): the delays injected in the step and their seconds, summed
+#               over the ranks (0 without jitter)
 #               max_diff_probe (split data at W): max |param diff| vs the noise probe at W, the plain model
 #               summing the W ranks' micro-batches in rank order (Scenario.rank_order_probe), worst_param_probe
 #               where
@@ -56,7 +58,10 @@ class Table:
 #               normalise with batch statistics (BatchNorm), comma-separated; restore_diff (ckpt, resumed
 #               runs): max |difference|
 #               between the parameters right after loading and the saver's at that step, restore_param
-#               where it is; state_bytes: max over ranks of params +
+#               where it is; calm_step, calm_param, calm_element (jitter): the first step, parameter and element
+#               (with both values) where the run's parameters differ bit for bit from its calm twin's (the same
+#               run without jitter; calm_step NaN: nowhere), calm_compared the steps whose parameters were
+#               compared; state_bytes: max over ranks of params +
 #               grads + optimizer state held after the measured step (harness.measure.census, which
 #               also records buffers and other apart); peak_bytes: max over ranks
 #   memory      bytes on that rank: the peak by category during the measured step, and the state
@@ -73,7 +78,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("steps", "scenario x step", SCENARIO_IDS + FEATURE + (
         "step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1",
         "grad_diff_ws1", "clip_norm", "max_diff_factor", "worst_param_factor", "replicas_differ", "max_diff_probe",
-        "worst_param_probe", "reduction_ranks", "reports_differ"),
+        "worst_param_probe", "reduction_ranks", "reports_differ", "jitter_delays", "jitter_s"),
           required=SCENARIO_IDS + ("step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1",
                                    "worst_param_ws1")),
     Table("params", "scenario x step x parameter", (
@@ -85,7 +90,8 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         "param_bytes", "trainable_bytes", "param_elements", "trainable_elements", "largest_unit_bytes",
         "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "buffer_bytes", "batch_stats", "params_compared",
         "restore_diff",
-        "restore_param", "state_bytes", "peak_bytes", "step_time_s"),
+        "restore_param", "calm_step", "calm_param", "calm_element", "calm_compared", "state_bytes", "peak_bytes",
+        "step_time_s"),
           required=SCENARIO_IDS + ("steps", "lr", "status", "error", "final_loss", "param_sum", "max_diff_ref",
                                    "max_diff_ws1", "state_bytes", "peak_bytes", "step_time_s")),
     Table("memory", "scenario x rank x category", ("scenario", "rank", "category", "bytes"),

@@ -12,6 +12,7 @@ else (``injection.py`` says how). The mutants live beside this module, grouped b
 - ``per_sample_mutants``: per-sample gradient norms (a world task, not an adapter);
 - ``feature_mutants``: the training features (gradient accumulation with the reduction switched off,
   clipping);
+- ``timing_mutants``: faults that show only when asynchronous work finishes late (feature ``jitter``);
 - ``hidden_mutants``: faults hidden from what an adapter reports (a parameter left out of
   ``full_params``, buffers and state outside the reported objects, traffic from another thread),
   and the controls that reduce gradients ZeRO-1/2 style.
@@ -72,6 +73,7 @@ from suites.mutants.hidden_mutants import (
 from suites.mutants.memory_mutants import OptimizerStateUnsharded, ReshardSkipped
 from suites.mutants.meta_init_mutants import MetaInit, MetaInitRngOrder
 from suites.mutants.per_sample_mutants import per_sample_task  # noqa: F401 (named by a spec below)
+from suites.mutants.timing_mutants import GatherReadEarly
 from suites.mutants.sharding_mutants import (
     NestedDuplication,
     PaddingInView,
@@ -125,6 +127,7 @@ clip_local_norm, bf16_optimizer_step, ac_reduced_twice = ClipLocalNorm, Bf16Opti
 clip_norm_reported_local, held_in_param_dtype = ClipNormReportedLocal, HeldInParamDtype
 bf16_summed = Bf16Summed
 replicas_not_averaged = ReplicasNotAveraged
+gather_read_early = GatherReadEarly
 ckpt_last_rank_shifted, ckpt_optimizer_state_shifted = CkptLastRankShifted, CkptOptimizerStateShifted
 
 
@@ -256,6 +259,15 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("ckpt_optimizer_state_shifted", _spec("ckpt_optimizer_state_shifted"), "cross_ws_replicated",
            "a checkpoint reloaded with the optimizer state one element off: the steps after resuming go wrong",
            data_modes=("replicated",), features=("ckpt",), optimizers=("adamw",), at_steps=(2, 2)),
+    # A race, held by jitter_invariant to its calm twin (the same run without jitter, which runs beside it).
+    # Not harmless without delays on a loaded machine: on 2 cores at load 17-21 the calm twin (ranks aligned
+    # at each step's start) read a gather before it arrived in 8 of 8 runs (seeds 0-7) and in 1 of 1 catalogue
+    # run, passed in 4 of 4 at a lighter moment; under jitter it failed in 5 of 5. So its single-feature cell
+    # catches it there too. The first read of a prefetched gather is step 1's backward; the forward's, step 2.
+    Mutant("gather_read_early", _spec("gather_read_early"), "jitter_invariant",
+           "a prefetched all-gather's output copied into the unsharded parameters before waiting for the gather",
+           data_modes=("replicated",), optimizers=("adamw",), world_sizes=(2,), features=("jitter",),
+           at_steps=(1, 2)),
 )
 
 # Unmutated adapters run in the same matrix: the reference and these must pass every check.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from harness.core.names import STANDARD_MODELS
-from harness.core.scenario import DATA_MODES, FEATURES, OPTIMIZERS, Scenario, build_matrix
+from harness.core.scenario import DATA_MODES, FEATURES, OPTIMIZERS, TIMING_ONLY, Scenario, build_matrix
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
 from harness.options import DEFAULT_MODELS, DEFAULT_WORLD_SIZES
 
@@ -30,9 +30,10 @@ def quick_matrix() -> list[Scenario]:
     runs fsdp_impl's and FSDP2's in its own matrix, at every world size), and every other feature for
     all three with AdamW and replicated data on mlp and tinylm_tied (how a feature treats gradients
     depends neither on the optimizer nor on the data split; tinylm_tied has the tied weight, mlp the
-    smallest rows; the full tier runs every combination)."""
+    smallest rows; the full tier runs every combination). Not jitter, whose delays are seconds of sleep per
+    cell: suites/test_jitter.py runs its cells for all three."""
     plain = build_matrix(("ddp",), list(DEFAULT_MODELS), [1, 2], DATA_MODES, OPTIMIZERS, steps=3)
-    others = [f for f in FEATURES if f != "plain"]
+    others = [f for f in FEATURES if f != "plain" and f not in TIMING_ONLY]
     featured = build_matrix(CORRECT, ["mlp", "tinylm_tied"], [1, 2], ("replicated",), ("adamw",), steps=3,
                             features=others)
     return plain + [c for c in featured if c not in plain]
