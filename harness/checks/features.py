@@ -27,26 +27,50 @@ from harness.core.verdict import SKIP, Verdict
 
 
 def ckpt_restored(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
-    """A resumed run's parameters right after loading are bitwise those its saver had when it saved
-    (at every world size: loading copies values, it computes nothing). Misplaced rows (padding, shard
-    offsets) show here, at the checkpoint's step; misplaced optimizer state shows in the steps after."""
+    """A resumed run right after loading holds bitwise what its saver held when it saved (at every
+    world size: loading copies values, it computes nothing): its parameters, and every value of the
+    optimizer state its ranks hold (exp_avg, exp_avg_sq, the step counter, momentum), element for
+    element, each rank's part at the rows its layout gives it (harness.tables.restored_state).
+    Misplaced rows (padding, shard offsets) and misplaced or lost optimizer state show here, at the
+    checkpoint's step, not only in whatever the steps after make of them."""
     out = []
     for row in _ok(tables["scenarios"]).itertuples():
         if resume_of(row) == 0:
             continue
         step, saver = ckpt_step(int(row.steps)), Scenario.of_row(row).saver().id
-        diff = getattr(row, "restore_diff", math.nan)
-        if diff is None or (isinstance(diff, float) and math.isnan(diff)):
-            out.append(not_measured("ckpt_restored", row, f"no parameters of {row.scenario} after loading, or of "
-                                    f"{saver} at step {step}", 0.0))
+        params, state = _number(getattr(row, "restore_diff", None)), _number(getattr(row, "state_restore_diff", None))
+        where, what = _text(row, "state_restore_where"), _text(row, "state_restored")
+        missing = ([f"no parameters of {row.scenario} after loading, or of {saver} at step {step}"]
+                   if math.isnan(params) else [])
+        if math.isnan(state):
+            missing.append(f"no optimizer state of {row.scenario} after loading compared with {saver}'s at step "
+                           f"{step} ({where or 'none recorded'})")
+        if missing:
+            out.append(not_measured("ckpt_restored", row, "; ".join(missing), 0.0))
             continue
-        passed = diff == 0
-        msg = (f"parameters after loading at {int(row.world_size)} ranks bitwise those saved at {resume_of(row)}"
-               if passed else f"parameters after loading differ from those saved by {saver}: max |diff| "
-               f"{_fmt(diff)} at step {step}")
-        out.append(judge("ckpt_restored", row, passed, diff, 0.0, msg, step=step,
-                         param=str(getattr(row, "restore_param", "") or "")))
+        failed = []
+        if params != 0:
+            failed.append(f"parameters after loading differ from those saved by {saver}: max |diff| {_fmt(params)} "
+                          f"({_text(row, 'restore_param')})")
+        if state != 0:
+            failed.append(f"optimizer state after loading differs from what {saver}'s ranks held when saving: {where}")
+        msg = ("; ".join(failed) + f", at step {step}" if failed else
+               f"parameters and optimizer state after loading at {int(row.world_size)} ranks bitwise those saved "
+               f"at {resume_of(row)} (optimizer state: {what})")
+        param = _text(row, "restore_param") if params != 0 else _text(row, "state_restore_param")
+        rank = _number(getattr(row, "state_restore_rank", None)) if params == 0 else math.nan
+        out.append(judge("ckpt_restored", row, not failed, max(params, state), 0.0, msg, step=step, param=param,
+                         rank=None if math.isnan(rank) else int(rank)))
     return out
+
+
+def _number(x) -> float:
+    return math.nan if x is None or (isinstance(x, str) and not x) else float(x)
+
+
+def _text(row, column: str) -> str:
+    x = getattr(row, column, "")
+    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else str(x)
 
 
 def bf16_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
@@ -273,7 +297,7 @@ def _bf16_reference(row) -> bool:
 
 
 FEATURE_CHECKS = (
-    Check(ckpt_restored, _resumed, {"scenarios": _ROW + ("steps", "restore_diff")}),
+    Check(ckpt_restored, _resumed, {"scenarios": _ROW + ("steps", "restore_diff", "state_restore_diff")}),
     Check(bf16_acts, _bf16_reference, {"scenarios": _ROW, "steps": ("scenario", "step", "max_diff_ref")}),
     Check(ranks_agree, _multi_rank_ok, {"scenarios": _ROW + ("steps",), "steps": ("scenario", "step", "loss")}),
     Check(replicas_agree, _hybrid, {"scenarios": _ROW, "steps": ("scenario", "step", "replicas_differ")}),

@@ -72,4 +72,4 @@ def row_of(found) -> dict:
         return {**base, "element": "no divergence: every traced op and state matches the yardstick bit for bit"}
     return {**base, "step": p.step, "micro_batch": p.pass_, "phase": p.phase, "module": p.module, "op": p.op,
             "ranks": ",".join(map(str, p.ranks)), "element": p.detail, "rounding": bool(p.rounding),
-            "context": "\n".join(f"{op}\t{mark}" for op, mark in p.context)}
+            "context": "\n".join("\t".join(row) for row in p.context)}

@@ -102,7 +102,7 @@ def first_unmatched(ref_ops: list[dict], ops: list[dict]):
     for o in ops:
         by_module[o["module"]].append(o)
         anywhere[(o["op"], o["digest"], str(o["shape"]))].append(o)
-    pos, used = defaultdict(int), set()
+    pos, used, matched = defaultdict(int), set(), {}
     for r in ref_ops:
         seq, i = by_module[r["module"]], pos[r["module"]]
         while i < len(seq) and (seq[i]["i"] in used or not (seq[i]["op"] == r["op"] and seq[i]["digest"] == r["digest"]
@@ -110,6 +110,7 @@ def first_unmatched(ref_ops: list[dict], ops: list[dict]):
             i += 1
         if i < len(seq):
             used.add(seq[i]["i"])
+            matched[r["i"]] = seq[i]
             pos[r["module"]] = i + 1
             continue
         # an op the implementation runs in another module's hooks (a cast of the parameters for mixed
@@ -117,15 +118,17 @@ def first_unmatched(ref_ops: list[dict], ops: list[dict]):
         elsewhere = next((o for o in anywhere[(r["op"], r["digest"], str(r["shape"]))] if o["i"] not in used), None)
         if elsewhere is not None:
             used.add(elsewhere["i"])
+            matched[r["i"]] = elsewhere
             continue
         start = pos[r["module"]]
         cand = next((o for o in seq[start:] if o["op"] == r["op"] and o["shape"] == r["shape"]), None)
-        return r, cand, pos
+        after = seq[seq.index(cand) + 1:] if cand is not None else seq[start:]
+        return r, cand, (matched, after)
     return None
 
 
 def _op_point(step, slot, phase, pass_, ref_trace, trace, ref_ops, ops, found) -> Point:
-    r, cand, pos = found
+    r, cand, (matched, after) = found
     nth = sum(1 for o in ref_ops if o["module"] == r["module"] and o["op"] == r["op"] and o["i"] < r["i"])
     op = f"{r['op']} (call {nth + 1} of that op in {r['module']}), output {r['shape'][0] if r['shape'] else []}"
     if cand is None:
@@ -136,8 +139,11 @@ def _op_point(step, slot, phase, pass_, ref_trace, trace, ref_ops, ops, found) -
                   else "values not kept (over the trace's keep_bytes): the op's output hashes differ")
     seq = [o for o in ref_ops if o["module"] == r["module"]]
     at = seq.index(r)
-    context = [(f"{o['op']} {o['shape'][0] if o['shape'] else ''}", "same" if o["i"] < r["i"] else
-                ("DIFFERS" if o is r else "")) for o in seq[max(0, at - 3):at + 4]]
+    name = lambda o: f"{o['op']} {o['shape'][0] if o['shape'] else ''}".strip()  # noqa: E731
+    context = [(name(o), name(matched[o["i"]]) if o["i"] in matched else "", "same") for o in seq[max(0, at - 3):at]]
+    context.append((name(r), name(cand) if cand is not None else "(none)", "DIFFERS"))
+    context += [(name(o), name(mine) if mine is not None else "", "") for o, mine in
+                zip(seq[at + 1:at + 4], after[:3] + [None] * 3)]
     return Point(step, slot, phase, r["module"], op, detail, pass_=pass_, context=context)
 
 
@@ -242,13 +248,26 @@ def first_point(ref: dict, mine: dict, *, rank: int, world_size: int, split: boo
             if found is None:
                 continue
             name, detail, within = found
-            op = ("the reduction of the unit's gradients" if what == "grads_reduced" else
+            op = (_reduction_op(mine, step, unit_of(name, units)) if what == "grads_reduced" else
                   "the clipping coefficient applied" if what == "grads_clipped" else "the optimizer's update")
             point = Point(step, slot, phase, unit_of(name, units), op, detail, rounding=within)
             if not within:
                 return point
             rounded = rounded or point
     return rounded
+
+
+def _reduction_op(trace: dict, step: int, unit: str) -> str:
+    """The reduction collectives the rank issued for `unit` in the step (by the module whose backward issued
+    them), or what it issued at all; "no collective" where it reduced nothing (one rank)."""
+    sent = [o for o in trace["ops"] if o["step"] == step and o.get("sent")]
+    mine = [o for o in sent if o["module"] == unit or o["module"].startswith(unit + ".")] if unit != "(root)" else []
+    chosen = mine or sent
+    if not chosen:
+        return "the gradient as the backward left it (no reduction collective ran)"
+    kinds = sorted({o["op"] for o in chosen})
+    where = f"issued in {unit}'s backward" if mine else "issued in the step"
+    return f"the gradient reduction: {', '.join(kinds)} x{len(chosen)} {where}"
 
 
 def _pass_point(ref: dict, mine: dict, step: int, j: int, r_pass: int) -> Point | None:

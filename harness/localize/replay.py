@@ -70,8 +70,8 @@ class Localised:
                   f"  rank         {', '.join(map(str, p.ranks))} of {sc.world_size}",
                   f"  element      {p.detail}"]
         if p.context:
-            lines.append("  the yardstick's ops of that module around it:")
-            lines += [f"    {op:<48} {mark}" for op, mark in p.context]
+            lines.append(f"  {'the yardstick: ops of that module around it':<46} {'the rank: the ops in their place':<40}")
+            lines += [f"    {ref:<44} {mine:<40} {mark}" for ref, mine, mark in p.context]
         return lines
 
 

@@ -35,8 +35,9 @@ def where_it_diverged(tables: dict) -> list[str]:
                   ("module", r.module), ("op", r.op), ("rank", r.ranks), ("element", r.element)]
         lines += ["```", f"against {r.yardstick}, steps {r.steps}"] + [f"{k:<12} {v}" for k, v in chain] + ["```", ""]
         if _given(getattr(r, "context", None)):
-            ops = [line.split("\t") for line in str(r.context).splitlines()]
-            lines += ["The yardstick's ops of that module around it, and whether the rank computed each bit for bit:",
-                      "", md_table(pd.DataFrame([(o[0], o[1] if len(o) > 1 else "") for o in ops],
-                                                columns=["yardstick op, output shape", "on the rank"])), ""]
+            ops = [(line.split("\t") + ["", ""])[:3] for line in str(r.context).splitlines()]
+            lines += ["The ops of that module around the point, side by side (the rank's: the ops that stood in the "
+                      "yardstick's place), and whether they agree bit for bit:", "",
+                      md_table(pd.DataFrame(ops, columns=["yardstick op, output shape", "rank op, output shape",
+                                                          "bit for bit"])), ""]
     return lines

@@ -103,6 +103,9 @@ class StepTracer(TorchDispatchMode):
                         params[name].copy_(full)
         self._params = [local_tensor(p) for p in wrapped.parameters()]
         self._param_ids = {id(p) for p in self._params}
+        # an op that updates a buffer in place (BatchNorm's batch counter): what a split yardstick counts per
+        # micro-batch and a rank per step, and nothing the step's forward reads in training
+        self._buffer_ids = {id(local_tensor(b)) for b in wrapped.buffers()}
         self._keep_state("params_before", wrapped, grads=False)
 
     def marking(self, mark):
@@ -230,7 +233,8 @@ class StepTracer(TorchDispatchMode):
         op = self._op_names.get(func)
         if op is None:
             op = self._op_names[func] = str(func).removesuffix(".default")
-        compared = phase in COMPARED and name not in UNWRITTEN and tensors
+        compared = (phase in COMPARED and name not in UNWRITTEN and tensors
+                    and not any(id(t) in self._buffer_ids for t in tensors))
         rec = {"i": len(self.ops), "step": self.step, "pass": self.pass_, "phase": phase, "module": module,
                "op": op, "shape": [list(t.shape) for t in tensors],
                "dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else "",

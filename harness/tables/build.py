@@ -15,7 +15,9 @@ import pandas as pd
 import torch
 
 from harness.core.scenario import REFERENCE_IMPL, Scenario, ckpt_step
+from harness.tables.restored_state import compare_files
 from harness.tables.schema import columns
+from harness.train.checkpointing import RESTORED_STATE, SAVED_STATE
 
 
 def _scenario_fields(sc: Scenario) -> dict:
@@ -267,17 +269,21 @@ def _span_diff(t: torch.Tensor, other: dict | None, name: str, a: int, b: int) -
 
 
 def _restore(sc: Scenario, snaps: _Snapshots, by_id: dict) -> dict:
-    """A resumed run: its parameters right after loading against its saver's at the saved step."""
+    """A resumed run right after loading against its saver at the saved step: its parameters, and the
+    optimizer state its ranks hold against what the saver's ranks held (harness.tables.restored_state)."""
     saver = sc.saver()
     if saver is None or not sc.resume_from:
         return {}
     step = ckpt_step(sc.steps)
     mine = snaps.get(sc.id, step)
     theirs = snaps.get(saver.id, step) if saver.id in by_id else None
-    if not mine or theirs is None:
-        return {}
-    name, worst = _worst(_diffs(mine, theirs))
-    return {"restore_diff": worst, "restore_param": name}
+    out = {}
+    if mine and theirs is not None:
+        name, worst = _worst(_diffs(mine, theirs))
+        out = {"restore_diff": worst, "restore_param": name}
+    if saver.id in by_id and sc.id in snaps.dirs and saver.id in snaps.dirs:
+        out.update(compare_files(Path(snaps.dirs[saver.id]) / SAVED_STATE, Path(snaps.dirs[sc.id]) / RESTORED_STATE))
+    return out
 
 
 def _calm(sc: Scenario, snaps: _Snapshots, by_id: dict, steps: list[int]) -> dict:

@@ -58,10 +58,13 @@ class Table:
 #               normalise with batch statistics (BatchNorm), comma-separated; restore_diff (ckpt, resumed
 #               runs): max |difference|
 #               between the parameters right after loading and the saver's at that step, restore_param
-#               where it is; calm_step, calm_param, calm_element (jitter): the first step, parameter and element
-#               (with both values) where the run's parameters differ bit for bit from its calm twin's (the same
-#               run without jitter; calm_step NaN: nowhere), calm_compared the steps whose parameters were
-#               compared; state_bytes: max over ranks of params +
+#               where it is; state_restore_diff: the same for the optimizer state every rank holds (inf:
+#               a value or rows missing or extra), state_restore_param / _rank / _where the worst
+#               element (state key, element, both values) or what is missing, state_restored what was
+#               compared (harness.tables.restored_state); calm_step, calm_param, calm_element (jitter): the
+#               first step, parameter and element (with both values) where the run's parameters differ bit
+#               for bit from its calm twin's (the same run without jitter; calm_step NaN: nowhere),
+#               calm_compared the steps whose parameters were compared; state_bytes: max over ranks of params +
 #               grads + optimizer state held after the measured step (harness.measure.census, which
 #               also records buffers and other apart); peak_bytes: max over ranks
 #   memory      bytes on that rank: the peak by category during the measured step, and the state
@@ -90,8 +93,9 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         "param_bytes", "trainable_bytes", "param_elements", "trainable_elements", "largest_unit_bytes",
         "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "buffer_bytes", "batch_stats", "params_compared",
         "restore_diff",
-        "restore_param", "calm_step", "calm_param", "calm_element", "calm_compared", "state_bytes", "peak_bytes",
-        "step_time_s"),
+        "restore_param", "state_restore_diff", "state_restore_param", "state_restore_rank", "state_restore_where",
+        "state_restored", "calm_step", "calm_param", "calm_element", "calm_compared", "state_bytes",
+        "peak_bytes", "step_time_s"),
           required=SCENARIO_IDS + ("steps", "lr", "status", "error", "final_loss", "param_sum", "max_diff_ref",
                                    "max_diff_ws1", "state_bytes", "peak_bytes", "step_time_s")),
     Table("memory", "scenario x rank x category", ("scenario", "rank", "category", "bytes"),

@@ -8,17 +8,24 @@ load_checkpoint), rank 0 of the saver leaves the records of the steps it trained
 (``ckpt_steps.pt``), and rank 0 of the resumed run copies the saver's snapshots of those steps into
 its own folder: its trajectory reads as one run, the first steps trained at `resume_from` ranks,
 the rest at its own. Its snapshot of the last saved step is its own, taken right after loading.
+
+Beside the parameters, the optimizer state the ranks hold is written by the harness itself
+(harness.measure.optim_state, gathered to rank 0): the saver's right after saving (``ckpt_state.pt``),
+the resumed run's right after loading (``restored_state.pt``), for check ``ckpt_restored``.
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 CHECKPOINT = "ckpt"  # the adapter's checkpoint folder, in the saver's snapshot folder
 STEPS = "ckpt_steps.pt"  # the saver's step records up to the checkpoint
+SAVED_STATE = "ckpt_state.pt"  # in the saver's folder: every rank's optimizer state when it saved
+RESTORED_STATE = "restored_state.pt"  # in the resumed run's folder: every rank's right after loading
 
 
 class CheckpointMissing(RuntimeError):
@@ -32,9 +39,10 @@ class Checkpointing:
         self.source = None if saver is None else Path(payload["snapshot_dir"]) / saver
         self.snap_dir, self.rank = snap_dir, rank
 
-    def resume(self, adapter, wrapped, optimizer) -> list[dict]:
-        """Load the saver's checkpoint into the freshly wrapped model and optimizer (collective); the
-        saver's step records, whose snapshots rank 0 copies here. [] for a run that is not resumed."""
+    def resume(self, adapter, wrapped, optimizer, write_state: Callable[[Path], None]) -> list[dict]:
+        """Load the saver's checkpoint into the freshly wrapped model and optimizer (collective), then
+        `write_state` (collective) the optimizer state the ranks hold; the saver's step records, whose
+        snapshots rank 0 copies here. [] for a run that is not resumed."""
         if self.source is None:
             return []
         folder, records = self.source / CHECKPOINT, self.source / STEPS
@@ -43,6 +51,7 @@ class Checkpointing:
                                     f"(see its own verdicts)")
         steps = torch.load(records, weights_only=True)
         adapter.load_checkpoint(wrapped, optimizer, folder)
+        write_state(self.snap_dir / RESTORED_STATE)
         if self.rank == 0:
             for k in range(len(steps) + 1):
                 names = ([] if k == len(steps) else [f"step{k}.pt"]) + ([f"step{k}.grads.pt"] if k else [])
@@ -51,13 +60,16 @@ class Checkpointing:
                         shutil.copyfile(self.source / name, self.snap_dir / name)
         return list(steps)
 
-    def save_after(self, step: int, adapter, wrapped, optimizer, steps: list[dict]) -> None:
-        """After the saver's step `save_at`: the adapter's checkpoint (collective), then the records."""
+    def save_after(self, step: int, adapter, wrapped, optimizer, steps: list[dict],
+                   write_state: Callable[[Path], None]) -> None:
+        """After the saver's step `save_at`: the adapter's checkpoint and the optimizer state the ranks
+        hold (`write_state`; both collective), then the records."""
         if self.save_at is None or step != self.save_at:
             return
         folder = self.snap_dir / CHECKPOINT
         folder.mkdir(parents=True, exist_ok=True)
         adapter.save_checkpoint(wrapped, optimizer, folder)
+        write_state(self.snap_dir / SAVED_STATE)
         if self.rank == 0:
             tmp = self.snap_dir / (STEPS + ".tmp")
             torch.save(list(steps), tmp)

@@ -22,7 +22,8 @@ from harness.execute.scratch import writing_into
 from harness.localize.trace import StepTracer
 from harness.measure import CommCounter, PeakMemory
 from harness.measure.census import Census
-from harness.measure.memory import local_tensor
+from harness.measure.memory import local_tensor, optimizer_list
+from harness.measure.optim_state import param_names, save_held_state
 from harness.measure.timeline import UnitTimeline
 from harness.train.checkpointing import Checkpointing
 from harness.train.data import global_batch, local_slice
@@ -66,9 +67,14 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
         checkpoint_units(units)
     wrapped = wrap_for(sc.feature, adapter, model, units, ctx=ctx)
     optimizer = adapter.make_optimizer(wrapped, name=sc.optimizer, lr=sc.lr)
-    steps = ckpt.resume(adapter, wrapped, optimizer)  # the saver's records of the steps before (ckpt), else []
+    names = param_names(model, wrapped)  # the plain model's names for the parameters the wrapped one holds
+
+    def write_state(path: Path) -> None:  # the optimizer state every rank holds (ckpt: saved, restored)
+        save_held_state(census.optimizers(optimizer), names, ctx, path, own=len(optimizer_list(optimizer)))
+
+    steps = ckpt.resume(adapter, wrapped, optimizer, write_state)  # the saver's step records (ckpt), else []
     _snapshot(adapter, wrapped, snap_dir / f"step{len(steps)}.pt", ctx.rank)
-    ckpt.save_after(len(steps), adapter, wrapped, optimizer, steps)  # a checkpoint of the initial state
+    ckpt.save_after(len(steps), adapter, wrapped, optimizer, steps, write_state)  # a checkpoint of the initial state
     sync = getattr(adapter, "set_gradient_sync", None)  # a capability (harness/adapters/base.py)
     set_sync = (lambda enabled: sync(wrapped, enabled)) if callable(sync) else None
     start = len(steps)
@@ -155,7 +161,7 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
                       "jitter_s": jitter.slept if jitter is not None else 0.0,
                       "reduction_inputs": list(counter.reduction_inputs) if counter.fingerprint else None})
         _snapshot(adapter, wrapped, snap_dir / f"step{step}.pt", ctx.rank)
-        ckpt.save_after(step, adapter, wrapped, optimizer, steps)
+        ckpt.save_after(step, adapter, wrapped, optimizer, steps, write_state)
 
     if tracer is not None:
         (snap_dir / "trace").mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,7 @@ from suites.mutants.feature_mutants import (
     Bf16Summed,
     CkptLastRankShifted,
     CkptOptimizerStateShifted,
+    CkptStepRestarted,
     ClipLocalNorm,
     ClipNormReportedLocal,
     HeldInParamDtype,
@@ -129,6 +130,7 @@ bf16_summed = Bf16Summed
 replicas_not_averaged = ReplicasNotAveraged
 gather_read_early = GatherReadEarly
 ckpt_last_rank_shifted, ckpt_optimizer_state_shifted = CkptLastRankShifted, CkptOptimizerStateShifted
+ckpt_step_restarted = CkptStepRestarted
 
 
 
@@ -256,9 +258,13 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("ckpt_last_rank_shifted", _spec("ckpt_last_rank_shifted"), "ckpt_restored",
            "a checkpoint reloaded with the last rank's part one element late (another layout's tail padding)",
            data_modes=("replicated",), features=("ckpt",), optimizers=("adamw",)),
-    Mutant("ckpt_optimizer_state_shifted", _spec("ckpt_optimizer_state_shifted"), "cross_ws_replicated",
-           "a checkpoint reloaded with the optimizer state one element off: the steps after resuming go wrong",
-           data_modes=("replicated",), features=("ckpt",), optimizers=("adamw",), at_steps=(2, 2)),
+    # ckpt_restored holds the optimizer state every rank holds right after loading to what the saver's held
+    Mutant("ckpt_optimizer_state_shifted", _spec("ckpt_optimizer_state_shifted"), "ckpt_restored",
+           "a checkpoint reloaded with the optimizer state one element off (cut at another layout's offsets)",
+           data_modes=("replicated",), features=("ckpt",), optimizers=("adamw",)),
+    Mutant("ckpt_step_restarted", _spec("ckpt_step_restarted"), "ckpt_restored",
+           "a checkpoint reloaded with AdamW's step counter left at 0 (bias correction starts over; moments right)",
+           data_modes=("replicated",), features=("ckpt",), optimizers=("adamw",)),
     # A race, held by jitter_invariant to its calm twin (the same run without jitter, which runs beside it).
     # Not harmless without delays on a loaded machine: on 2 cores at load 17-21 the calm twin (ranks aligned
     # at each step's start) read a gather before it arrived in 8 of 8 runs (seeds 0-7) and in 1 of 1 catalogue

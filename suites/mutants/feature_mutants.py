@@ -4,7 +4,7 @@ averaged over its micro-batches although each micro-batch's loss is already scal
 norm of the rank's own shard taken for the global norm; for mixed precision, the optimizer stepping
 in bf16 and the gradients summed in bf16; for activation checkpointing, a reduction run again after
 the recomputation; for hybrid sharding, replicas that never average; for checkpoints, the last rank's
-part or the optimizer state misplaced on reload.
+part or the optimizer state misplaced on reload, and the optimizer's step counter not restored.
 """
 
 from __future__ import annotations
@@ -233,7 +233,8 @@ class CkptLastRankShifted(MutantAdapter):
 class CkptOptimizerStateShifted(MutantAdapter):
     """A checkpoint reloaded with the parameters in place but the optimizer state one element off (each
     rank's part of every state tensor shaped like its parameter read one element late, as when it is
-    cut at the offsets of another layout): the first steps after resuming go wrong."""
+    cut at the offsets of another layout): wrong in the state right after loading, and in the first
+    steps after resuming."""
 
     name = "mutant:ckpt_optimizer_state_shifted"
 
@@ -245,3 +246,18 @@ class CkptOptimizerStateShifted(MutantAdapter):
                     if isinstance(value, DTensor) and value.shape == param.shape:
                         local = value._local_tensor.view(-1)
                         local.copy_(torch.roll(local.clone(), 1))
+
+
+class CkptStepRestarted(MutantAdapter):
+    """A checkpoint reloaded with everything in place but the optimizer's step counter, left at 0 on
+    every rank as in a fresh optimizer (the count not read back from the checkpoint): the moments are
+    right, only AdamW's bias correction starts over, so the steps after resuming still move every
+    parameter the right way, by amounts a little off."""
+
+    name = "mutant:ckpt_step_restarted"
+
+    def load_checkpoint(self, wrapped, optimizer, path):
+        super().load_checkpoint(wrapped, optimizer, path)
+        for state in optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = torch.zeros_like(state["step"])

@@ -29,7 +29,7 @@ ISSUE_FAULTS = {  # the faults the catalogue must hold at the least, by catalogu
     "prefetch_thread_gather", "fp32_reduce", "tie_broken", "grad_overwritten",
     "sync_ignored", "sync_never_restored", "accum_averaged", "clip_local_norm",
     "bf16_optimizer_step", "ac_reduced_twice", "replicas_not_averaged", "ckpt_last_rank_shifted",
-    "ckpt_optimizer_state_shifted",
+    "ckpt_optimizer_state_shifted", "ckpt_step_restarted",
 }
 HARNESS_CHECKS = {c.name for c in all_checks()}
 NUMERIC_NAMES = {"finite", "ws1_exact", "cross_ws_replicated", "split_matches_full_batch", "converges"}

@@ -95,21 +95,28 @@ def _with(tables, **columns_by_id):
     return tables
 
 
-def _resumed_tables(restore_diff):
+def _resumed_tables(restore_diff, state_diff=0.0, where=""):
     loader = Scenario("fsdp_impl", "mlp", 1, "split", "adamw", steps=3, feature="ckpt", resume_from=2)
     t = check_tables([(loader.reference(), LOSSES, ZERO, ZERO), (loader, LOSSES, ZERO, ZERO)])
     return _with(t, feature={loader.id: "ckpt"}, resume_from={loader.id: 2},
-                 restore_diff={loader.id: restore_diff}), loader
+                 restore_diff={loader.id: restore_diff}, state_restore_diff={loader.id: state_diff},
+                 state_restore_param={loader.id: "layers.0.weight" if state_diff else ""},
+                 state_restore_rank={loader.id: 0 if state_diff else math.nan},
+                 state_restore_where={loader.id: where}, state_restored={loader.id: "exp_avg of 1 parameters"}), loader
 
 
-@pytest.mark.parametrize("diff, status", [(0.0, "pass"), (1e-7, "fail"), (math.nan, "fail")])
-def test_ckpt_restored_holds_the_loaded_parameters_bitwise_to_the_saved_ones(diff, status):
-    tables, loader = _resumed_tables(diff)
+@pytest.mark.parametrize("diff, state, status", [(0.0, 0.0, "pass"), (1e-7, 0.0, "fail"), (math.nan, 0.0, "fail"),
+                                                 (0.0, 1.0, "fail"), (0.0, math.inf, "fail"), (0.0, math.nan, "fail")])
+def test_ckpt_restored_holds_the_loaded_parameters_and_optimizer_state_bitwise_to_the_saved_ones(diff, state, status):
+    tables, loader = _resumed_tables(diff, state, where="layers.0.weight step on rank 0: 0 after loading, 1 saved")
     [v] = feature_checks.ckpt_restored(tables)
     assert v.status == status and v.scenario == loader.id
     if status == "fail":
-        assert ("could not be checked" in v.message) == math.isnan(diff)
-        assert v.step == (None if math.isnan(diff) else ckpt_step(3))
+        unmeasured = math.isnan(diff) or math.isnan(state)
+        assert ("could not be checked" in v.message) == unmeasured
+        assert v.step == (None if unmeasured else ckpt_step(3))
+        if not unmeasured and state:  # the optimizer state's worst element, named with its rank
+            assert v.param == "layers.0.weight" and v.rank == 0 and "step on rank 0: 0 after loading" in v.message
 
 
 def test_a_run_resumed_from_two_ranks_is_held_to_two_ranks_bounds_not_to_bitwise_one_rank():
