@@ -209,7 +209,8 @@ def jitter_invariant(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     after every step, from the initial ones on) of the same run without it, its calm twin (Scenario.calm):
     delays change when things happen, never what is computed. It must have been perturbed: a run in which no
     delay was injected measured nothing. Fails naming the first step, and the parameter and element (both
-    values) or the loss, that differ."""
+    values) or the loss, that differ; a NaN or infinity counts as a difference even in both runs (equal bits
+    there prove nothing: any two computations that overflow alike look the same)."""
     out = []
     sc, steps_of = tables["scenarios"], by_scenario(tables["steps"])
     done, known = set(_ok(sc).scenario), set(sc.scenario)
@@ -238,7 +239,7 @@ def jitter_invariant(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         calm_loss = dict(zip(theirs.step, theirs.loss))
         for step, loss in sorted(zip(mine.step, mine.loss)):
             other = calm_loss.get(step)
-            if other is None or _bits(loss) != _bits(other):
+            if other is None or _bits(loss) != _bits(other) or not math.isfinite(loss):
                 found.append((int(step), "loss", f"loss {loss!r} vs {other!r}"))
                 break
         seconds = float(mine.jitter_s.fillna(0).sum())
@@ -250,9 +251,9 @@ def jitter_invariant(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             continue
         step, param, what = min(found, key=lambda f: (f[0], f[1] == "loss"))  # a parameter before the loss
         out.append(judge("jitter_invariant", row, False, None, 0.0,
-                         f"under {perturbed} the run parts from its calm twin {calm.id} at step {step}: {what} "
-                         "(jitter, calm): the numbers depend on when the ranks get somewhere (a read of a "
-                         "collective's output before its wait, a race)", step=step, param=param))
+                         f"under {perturbed} the run parts from its calm twin {calm.id} (or either is not finite) at "
+                         f"step {step}: {what} (jitter, calm): the numbers depend on when the ranks get somewhere (a "
+                         "read of a collective's output before its wait, a race)", step=step, param=param))
     return out
 
 

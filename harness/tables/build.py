@@ -307,20 +307,24 @@ def _calm(sc: Scenario, snaps: _Snapshots, by_id: dict, steps: list[int]) -> dic
 
 
 def bitwise_difference(t: torch.Tensor, other: torch.Tensor | None) -> str:
-    """'' when `other` holds the same bits as `t`; else the first element that differs with both values
-    and how many differ ('(3, 7): 0.125 vs 0.12500001; 12 of 512 elements differ'), or what is missing."""
+    """'' when `other` holds the same bits as `t` and they are finite; else the first element that differs (or
+    is not finite) with both values and how many do ('(3, 7): 0.125 vs 0.12500001; 12 of 512 elements differ'),
+    or what is missing. A NaN or an infinity in both counts: equal bits there prove nothing about what was
+    computed (any two computations that overflow alike look the same)."""
     if other is None:
         return "missing from the calm run"
     if other.shape != t.shape or other.dtype != t.dtype:
         return f"shape {tuple(t.shape)} {t.dtype}, the calm run's {tuple(other.shape)} {other.dtype}"
     a, b = t.detach().reshape(-1), other.detach().reshape(-1)
     differ = (a.view(torch.uint8).view(-1, a.element_size()) != b.view(torch.uint8).view(-1, b.element_size())).any(1)
+    if a.is_floating_point():
+        differ |= ~torch.isfinite(a) | ~torch.isfinite(b)
     if not bool(differ.any()):
         return ""
     i = int(differ.nonzero()[0])
     index = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), t.shape)) if t.dim() else ()
     return (f"{index}: {a[i].item()!r} vs {b[i].item()!r}; "
-            f"{int(differ.sum())} of {a.numel()} elements differ")
+            f"{int(differ.sum())} of {a.numel()} elements differ or are not finite")
 
 
 def _coverage(sid: str, step: int, cur: dict, ref: dict) -> list[dict]:

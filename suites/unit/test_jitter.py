@@ -79,6 +79,8 @@ def test_bitwise_difference_names_the_first_element_and_tells_signed_zeros_apart
     b[1, 2] = -0.0  # equal as numbers (torch.equal), not bit for bit
     assert torch.equal(a, b) and bitwise_difference(a, b).startswith("(1, 2): 0.0 vs -0.0; 1 of 6")
     assert "missing" in bitwise_difference(a, None) and "shape" in bitwise_difference(a, torch.zeros(6))
+    nan = torch.full((2,), float("nan"))
+    assert bitwise_difference(nan, nan.clone()).startswith("(0,): nan vs nan")  # equal bits, nothing proven
 
 
 def _tables(losses, calm_losses, calm_step=math.nan, delays=5):
@@ -106,6 +108,9 @@ def test_jitter_invariant_passes_only_when_bitwise_equal_and_perturbed():
     # a loss one ulp off at step 3
     [v] = jitter_invariant(_tables([0.5, 0.4, 0.3], [0.5, 0.4, math.nextafter(0.3, 1)])[0])
     assert v.status == "fail" and (v.step, v.param) == (3, "loss")
+    # a NaN loss in both runs proves nothing
+    [v] = jitter_invariant(_tables([0.5, math.nan, math.nan], [0.5, math.nan, math.nan])[0])
+    assert v.status == "fail" and (v.step, v.param) == (2, "loss")
     # the earlier of the two is named
     [v] = jitter_invariant(_tables([0.5, 0.41, 0.3], [0.5, 0.4, 0.3], calm_step=3)[0])
     assert (v.step, v.param) == (2, "loss")
