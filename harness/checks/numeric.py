@@ -489,7 +489,8 @@ def all_checks() -> tuple[Check, ...]:
     from harness.checks.features import FEATURE_CHECKS
     from harness.checks.norms import NORM_CHECKS
     from harness.checks.resources import RESOURCE_CHECKS
-    return NUMERIC_CHECKS + NORM_CHECKS + FEATURE_CHECKS + RESOURCE_CHECKS
+    from harness.checks.rows import ROW_CHECKS
+    return NUMERIC_CHECKS + ROW_CHECKS + NORM_CHECKS + FEATURE_CHECKS + RESOURCE_CHECKS
 
 
 def _missing_columns(tables, check: Check) -> list[str]:

@@ -7,7 +7,7 @@ are the registries behind these names;
 
 BUILTIN_ADAPTERS = ("reference", "fsdp_impl", "torch_fsdp2", "torch_fsdp2_fp64reduce", "torch_fsdp1", "ddp")
 ADAPTER_FORMS = "'cs336:<module>', or 'package.module:object'"
-MODELS = ("mlp", "mlp_frozen", "tinylm", "tinylm_tied", "gpt2_medium", "lm_50m")
+MODELS = ("mlp", "mlp_frozen", "tinylm", "tinylm_tied", "tied_vocab33", "gpt2_medium", "lm_50m")
 # standard architectures from torch's own layers: harness.train.standard_models.STANDARD_MODELS
 STANDARD_MODELS = ("mha_lm", "encoder_lm", "bn_mlp")
 # Hugging Face transformers models (optional extra `pip install -e .[hf]`): harness.train.hf_models.HF_SPECS

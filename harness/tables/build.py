@@ -16,6 +16,7 @@ import torch
 
 from harness.core.scenario import REFERENCE_IMPL, Scenario, ckpt_step
 from harness.tables.restored_state import compare_files
+from harness.tables.rows import rows_apart
 from harness.tables.schema import columns
 from harness.train.checkpointing import RESTORED_STATE, SAVED_STATE
 
@@ -80,7 +81,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
     by_id = {s.id: s for s in scenarios}
     snaps = _Snapshots({sid: r["ranks"][0]["snapshot_dir"] for sid, r in results.items() if "ranks" in r})
     steps_rows, param_rows, scen_rows, mem_rows, comm_rows, cover_rows, gathered_rows = [], [], [], [], [], [], []
-    rank_rows = []
+    rank_rows, apart_rows = [], []
     for sc in scenarios:
         res = results.get(sc.id, {"error": "not run"})
         base = _scenario_fields(sc)
@@ -133,6 +134,10 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             final = {"final_loss": rec["loss"], "param_sum": sum(float(t.double().sum()) for t in cur.values()),
                      "max_diff_ref": mr, "max_diff_ws1": m1}
         restore = _restore(sc, snaps, by_id)
+        rows_compared = rows_moved = math.nan
+        if sc.impl != REFERENCE_IMPL and ref_id in by_id:
+            apart, rows_compared, rows_moved = rows_apart(sc, snaps, res["ranks"], ref_id)
+            apart_rows += apart
         calm = _calm(sc, snaps, by_id, [rec["step"] for rec in r0["steps"]])
         for rank_rec in res["ranks"]:
             for cat, b in rank_rec["memory"].items():
@@ -154,10 +159,12 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                           "row_bytes": r0.get("row_bytes", math.nan), "param_tensors": r0.get("param_tensors", math.nan),
                           "buffer_bytes": r0.get("buffer_bytes", math.nan),
                           "batch_stats": r0.get("batch_stats", ""),
-                          "params_compared": compared, **restore, **calm, "state_bytes": max(state), "peak_bytes": max(peak),
+                          "params_compared": compared, "rows_compared": rows_compared,
+                          "rows_moved": rows_moved, **restore, **calm, "state_bytes": max(state), "peak_bytes": max(peak),
                           "step_time_s": max(rr["step_time_s"] for rr in res["ranks"])})
     rows = {"steps": steps_rows, "params": param_rows, "scenarios": scen_rows, "memory": mem_rows,
-            "comm": comm_rows, "coverage": cover_rows, "gathered": gathered_rows, "rank_diffs": rank_rows}
+            "comm": comm_rows, "coverage": cover_rows, "gathered": gathered_rows, "rank_diffs": rank_rows,
+            "rows_trained": apart_rows}
     return {name: pd.DataFrame(r, columns=columns(name)) for name, r in rows.items()}
 
 

@@ -53,7 +53,9 @@ class Table:
 #               param_bytes: the full parameters;
 #               largest_unit_bytes: the largest unit's full parameters; row_bytes: one dim-0 row of
 #               every parameter tensor, summed; param_tensors: their count; params_compared: the
-#               plain model's parameters whose names and shapes were held against full_params;
+#               plain model's parameters whose names and shapes were held against full_params; rows_compared:
+#               the dim-0 rows whose moving was held against the reference's (harness/tables/rows.py),
+#               rows_moved: how many of them the reference moved;
 #               buffer_bytes: the plain model's buffers; batch_stats: the plain model's layers that
 #               normalise with batch statistics (BatchNorm), comma-separated; restore_diff (ckpt, resumed
 #               runs): max |difference|
@@ -92,7 +94,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         "max_diff_ws1", "sharded",
         "param_bytes", "trainable_bytes", "param_elements", "trainable_elements", "largest_unit_bytes",
         "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "buffer_bytes", "batch_stats", "params_compared",
-        "restore_diff",
+        "rows_compared", "rows_moved", "restore_diff",
         "restore_param", "state_restore_diff", "state_restore_param", "state_restore_rank", "state_restore_where",
         "state_restored", "calm_step", "calm_param", "calm_element", "calm_compared", "state_bytes",
         "peak_bytes", "step_time_s"),
@@ -114,6 +116,12 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         "scenario", "step", "param", "rank", "diff_ref", "diff_ws1"),
           "max |param diff| within the dim-0 rows that rank holds (DTensor parameters laid out by rows), vs the "
           "reference and vs world size 1: which ranks' rows parted", required=()),
+    Table("rows_trained", "scenario x parameter whose moved rows differ from its reference's", (
+        "scenario", "param", "step", "still", "extra", "ranks"),
+          "rows (dim-0 indices) that moved from the run's starting snapshot by its last step, held against the "
+          "reference's: still, moved by the reference only (never trained); extra, moved by the run only; "
+          "step, the first step one of them moved; ranks, those holding them; empty when every run moved the "
+          "rows its reference moved (harness/tables/rows.py)", required=()),
     Table("verdicts", "verdict", tuple(VERDICT_COLUMNS),
           required=("check", "scenario", "status", "measured", "bound", "where", "message", "step", "param")),
     Table("localised", "failing scenario localised (the first --localize N)", (

@@ -284,11 +284,48 @@ GPT2_MEDIUM = LMConfig(vocab=50257, d_model=1024, n_heads=16, n_layers=24, d_ff=
 # sharding costs show; small enough to train a few steps on a 2-core CPU (harness/bench).
 LM_50M = LMConfig(vocab=16384, d_model=512, n_heads=8, n_layers=12, d_ff=1376, seq_len=32, context=32)
 
+# tied_vocab33 (why 33 rows: _tied_vocab33_spec below)
+VOCAB33 = LMConfig(vocab=33, d_model=16, n_heads=2, n_layers=1, d_ff=32, seq_len=8, context=8, tied=True)
+
+
+def every_id_batch(vocab: int, seq_len: int, global_batch: int, step: int, seed: int) -> tuple[Tensor, Tensor]:
+    """Token ids [global_batch, seq_len] and their next tokens, in which every id of the vocabulary is an
+    input and a target at every step once global_batch x seq_len >= vocab: the batch is one arithmetic
+    progression mod vocab (a random start, a random stride prime to vocab) cut into rows, so its first
+    vocab tokens are all the ids. Each row is a progression, learnable in context as in lm_batch. So every
+    embedding row gets a gradient through its tokens, not only through the tied head."""
+    g = data_generator("lm-every-id", seed, step)
+    strides = [s for s in range(1, vocab) if math.gcd(s, vocab) == 1]
+    start = int(torch.randint(0, vocab, (1,), generator=g))
+    stride = strides[int(torch.randint(0, len(strides), (1,), generator=g))]
+    at = torch.arange(global_batch).unsqueeze(1) * seq_len + torch.arange(seq_len + 1)  # row i: i x T .. i x T + T
+    seq = (start + stride * at) % vocab
+    return seq[:, :-1], seq[:, 1:]
+
+
+def _tied_vocab33_spec() -> ModelSpec:
+    """A 1-block decoder (d_model 16, 2 heads) whose TIED vocabulary has 4 x 8 + 1 = 33 rows, trained on
+    batches that hold every id as an input and a target (every_id_batch), so every row trains.
+
+    Why 33: no world size of the matrix divides it (2, 4, 8), and at 8 ranks its layout is one no other
+    zoo parameter has. Shard(0) gives each rank c = ceil(33 / W) rows: 17 + 16 at W = 2, 9 + 9 + 9 + 6 at
+    W = 4, and at W = 8 five rows to ranks 0-5, the last 3 rows (30-32) to rank 6 and none to rank 7
+    (5 x 7 = 35 > 33): a rank before the last holds a short chunk (more than none, fewer than c). The mlp's
+    37, 29 and 7 rows and tinylm's 61 and 86 are uneven too, but their short chunk is the last rank's (7 rows
+    at 8 ranks: one row on each of ranks 0-6, a full chunk, none on rank 7). Every other dimension (16, 32)
+    divides by 8, so the vocabulary is the model's only uneven parameter: a fault that shows on it is the
+    vocabulary's. The tie keeps embedding and head in the root unit (_lm_units)."""
+    return ModelSpec("tied_vocab33", lambda: TransformerLM(VOCAB33),
+                     lambda n, step, seed: every_id_batch(VOCAB33.vocab, VOCAB33.seq_len, n, step, seed),
+                     lm_loss, _lm_units)
+
+
 MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec("mlp", MLP, _mlp_batch, F.mse_loss, lambda m: list(m.layers)),
     "mlp_frozen": ModelSpec("mlp_frozen", FrozenMLP, _mlp_batch, F.mse_loss, lambda m: list(m.layers)),
     "tinylm": _lm_spec("tinylm", TINYLM),
     "tinylm_tied": _lm_spec("tinylm_tied", LMConfig(tied=True)),
+    "tied_vocab33": _tied_vocab33_spec(),
     "gpt2_medium": _lm_spec("gpt2_medium", GPT2_MEDIUM),
     "lm_50m": _lm_spec("lm_50m", LM_50M),
 }

@@ -80,6 +80,7 @@ from suites.mutants.sharding_mutants import (
     PaddingInView,
     PaddingNotZeroed,
     StaleShard,
+    TailBeforeLastDropped,
     TieBroken,
     WrongShardOffset,
 )
@@ -131,6 +132,7 @@ replicas_not_averaged = ReplicasNotAveraged
 gather_read_early = GatherReadEarly
 ckpt_last_rank_shifted, ckpt_optimizer_state_shifted = CkptLastRankShifted, CkptOptimizerStateShifted
 ckpt_step_restarted = CkptStepRestarted
+tail_before_last_dropped = TailBeforeLastDropped
 
 
 
@@ -154,6 +156,14 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("wrong_shard_offset", _spec("wrong_shard_offset"), "cross_ws_replicated",
            "rank r's rows of each parameter start at r x floor(R/W) instead of r x ceil(R/W): misplaced parameters",
            world_sizes=(1, 2, 4)),
+    # W = 8: the only layout of the zoo with a short chunk before the last rank (tied_vocab33's 33 rows: rank 6
+    # holds rows 30-32, rank 7 none); at 2 and 4 ranks, and on every other model, the short chunk is the last
+    # rank's and the mutant changes nothing
+    Mutant("tail_before_last_dropped", _spec("tail_before_last_dropped"), "rows_trained",
+           "an uneven parameter's short chunk assumed to be the last rank's: where a rank before the last holds "
+           "fewer rows than the others (and more than none), its gradient is dropped as padding and the "
+           "optimizer never moves its rows",
+           models=("tied_vocab33",), data_modes=("replicated",), world_sizes=(1, 8)),
     Mutant("padding_not_zeroed", _spec("padding_not_zeroed"), "grad_norm_matches",
            "padding rows kept in the last ranks' shards, never zeroed and fed stale memory by the reduce buffer: "
            "the optimizer writes values into them, which leak into the gradient norm"),

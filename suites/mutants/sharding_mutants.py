@@ -120,6 +120,23 @@ class PaddingInView(MutantAdapter):
             _rebind(g, "unshard", all_gather_flat=gather_read_packed)
 
 
+class TailBeforeLastDropped(MutantAdapter):
+    """The one short chunk of an uneven parameter assumed to be the last rank's: a rank's reduced gradient
+    becomes its shard's ``.grad`` only where the rank holds a full chunk of c = ceil(R / W) rows or is the
+    last rank; any other rank's chunk is taken for padding alone and its gradient dropped, so the optimizer
+    skips those rows and they never leave their initial value. The assumption fails where a rank before the
+    last holds more than none and fewer than c rows, the ranks after it none ((W - 1) x c > R and R not a
+    multiple of c): tied_vocab33's 33 rows at W = 8, rows 30-32 on rank 6 of 8. No other zoo parameter has
+    that layout at 2, 4 or 8 ranks (suites/unit/test_models.py)."""
+
+    name = "mutant:tail_before_last_dropped"
+
+    def mutate(self, wrapped):
+        for _, p in _params(wrapped):
+            if 0 < p.end - p.start < p.chunk and p.rank != p.world_size - 1:
+                _around(p, "add_reduced_grad", lambda product, padded_grad: None)
+
+
 # ---------------------------------------------------------------------------- units and ranks
 
 class NestedDuplication(MutantAdapter):

@@ -32,7 +32,8 @@ ISSUE_FAULTS = {  # the faults the catalogue must hold at the least, by catalogu
     "ckpt_optimizer_state_shifted", "ckpt_step_restarted",
 }
 HARNESS_CHECKS = {c.name for c in all_checks()}
-NUMERIC_NAMES = {"finite", "ws1_exact", "cross_ws_replicated", "split_matches_full_batch", "converges"}
+NUMERIC_NAMES = {"finite", "ws1_exact", "cross_ws_replicated", "split_matches_full_batch", "converges",
+                 "rows_trained"}
 
 
 def _marks(m: Mutant):

@@ -15,6 +15,7 @@ from harness.tables.schema import columns
 
 IMPL, MODEL, OPT = "fsdp_impl", "mlp", "adamw"
 PARAMS = {"layers.0.weight": 4096, "layers.0.bias": 64, "layers.1.weight": 640}
+ROWS = 64 + 64 + 10  # dim-0 rows of PARAMS (64 x 64, 64, 10 x 64); every one moved by every run
 PARAM_BYTES = 1 << 20  # full parameter bytes at one rank (1 MiB): state = 4x this (param, grad, 2 Adam)
 ACT_BYTES = 256 << 10  # activations of the global batch
 OTHER_BYTES = 1000
@@ -113,6 +114,7 @@ def _rows(sc: Scenario, fail: bool, steps: int):
                 param_elements=PARAM_BYTES // 4, trainable_elements=PARAM_BYTES // 4,
                 largest_unit_bytes=PARAM_BYTES // 2, largest_child_bytes=PARAM_BYTES // 4, root_bytes=PARAM_BYTES // 4,
                 row_bytes=64, param_tensors=len(PARAMS), buffer_bytes=0, params_compared=len(PARAMS),
+                rows_compared=ROWS, rows_moved=ROWS,
                 state_bytes=m["state_total"], peak_bytes=m["peak"], step_time_s=STEP_TIME * ws)
     return step_rows, param_rows, scen
 
@@ -157,7 +159,7 @@ def frame(name: str, rows: list[dict], extra: tuple[str, ...] = ()) -> pd.DataFr
 
 def make_tables(*, world_sizes=(1, 2, 4), modes=("replicated", "split"), steps: int = 5, fail: bool = True,
                 ideal_memory: bool = False) -> dict[str, pd.DataFrame]:
-    """All eight tables for the reference run plus every (world size, data mode) cell."""
+    """All nine tables for the reference run plus every (world size, data mode) cell."""
     steps_rows, param_rows, scen_rows, mem_rows, comm_rows, gathered_rows = [], [], [], [], [], []
     cells = [scenario(1, "replicated").reference()] + [scenario(ws, m) for ws in world_sizes for m in modes]
     cells += sorted({p for sc in cells for p in sc.noise_probes()}, key=lambda p: p.id)  # finding no noise
@@ -180,7 +182,7 @@ def make_tables(*, world_sizes=(1, 2, 4), modes=("replicated", "split"), steps: 
                                   bytes=b))
     return {"steps": frame("steps", steps_rows), "params": frame("params", param_rows),
             "scenarios": frame("scenarios", scen_rows), "memory": frame("memory", mem_rows, extra=("ideal_bytes",)),
-            "comm": frame("comm", comm_rows), "coverage": frame("coverage", []),
+            "comm": frame("comm", comm_rows), "coverage": frame("coverage", []), "rows_trained": frame("rows_trained", []),
             "gathered": frame("gathered", gathered_rows),
             "verdicts": verdict_table([Verdict(**v) for v in _verdicts(world_sizes, modes, fail, steps)])}
 

@@ -342,7 +342,7 @@ def _expected_applicable(sc_row) -> set[str]:
         return {"completed"}
     names = {"completed", "finite", "memory_sharding", "peak_memory_bound"}
     if sc_row["impl"] != "reference":
-        names |= {"grad_norm_matches", "converges", "params_cover_model"}
+        names |= {"grad_norm_matches", "converges", "params_cover_model", "rows_trained"}
         if sc_row["world_size"] == 1:
             names.add("ws1_exact")
     if sc_row["world_size"] > 1:

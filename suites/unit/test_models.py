@@ -10,7 +10,7 @@ from harness.train.data import global_batch, local_slice
 from harness.train.models import MODELS, LMConfig, TransformerLM, get_model_spec, materialize_meta
 from harness.train.optim import make_optimizer
 
-SMALL = ["mlp", "mlp_frozen", "tinylm", "tinylm_tied"]  # gpt2_medium and lm_50m are only ever built on meta here
+SMALL = ["mlp", "mlp_frozen", "tinylm", "tinylm_tied", "tied_vocab33"]  # gpt2_medium and lm_50m are only ever built on meta here
 
 
 def _build(name: str, seed: int) -> nn.Module:
@@ -92,6 +92,53 @@ def test_mlp_sizes_do_not_divide_by_world_sizes():
     model = _build("mlp", 0)
     for p in model.parameters():
         assert all(p.numel() % w for w in (2, 3, 4, 8)), p.shape
+
+
+def test_tied_vocab33s_vocabulary_is_its_only_uneven_parameter_and_its_tail_sits_before_the_last_rank_at_8():
+    from fsdp_impl.sharding import row_range
+
+    model = _build("tied_vocab33", 0)
+    assert model.head.weight is model.embed.weight and model.embed.weight.shape[0] == 4 * 8 + 1
+    uneven = {n for n, p in model.named_parameters() if any(p.shape[0] % w for w in (2, 4, 8))}
+    assert uneven == {"embed.weight"}
+    # 33 rows at 8 ranks: ranks 0-5 hold 5 rows each, rank 6 the last 3, rank 7 none
+    assert [row_range(33, 8, r) for r in (5, 6, 7)] == [(25, 30), (30, 33), (33, 33)]
+
+
+def test_only_tied_vocab33_puts_a_real_tail_before_the_last_rank():
+    """The layout the mutant tail_before_last_dropped needs (a rank other than the last holding fewer rows
+    than a full chunk) occurs in the zoo only for tied_vocab33's vocabulary at 8 ranks: elsewhere the mutant
+    changes nothing, so a catch there is the model's doing."""
+    from fsdp_impl.sharding import chunk_rows, local_rows
+
+    found = set()
+    for name in SMALL:
+        for pname, p in _build(name, 0).named_parameters():
+            for w in (2, 4, 8):
+                rows = p.shape[0]
+                if any(0 < local_rows(rows, w, r) < chunk_rows(rows, w) for r in range(w - 1)):
+                    found.add((name, pname, w))
+    assert found == {("tied_vocab33", "embed.weight", 8)}
+
+
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_tied_vocab33s_batch_holds_every_id_as_input_and_as_target(step):
+    spec = get_model_spec("tied_vocab33")
+    x, y = spec.make_batch(16, step, 0)
+    assert set(x.flatten().tolist()) == set(y.flatten().tolist()) == set(range(33))
+    # each row a progression mod 33 (learnable in context), its targets the inputs one place on
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    stride = (x[:, 1] - x[:, 0]) % 33
+    assert bool(((x[:, 2:] - x[:, 1:-1]) % 33 == stride.unsqueeze(1)).all())
+
+
+def test_every_embedding_row_of_tied_vocab33_gets_a_gradient_through_its_tokens():
+    """Not only through the tied head (whose softmax gives every row a gradient): the embedding lookup alone
+    reaches every row, since every id is an input of every step."""
+    spec, model = get_model_spec("tied_vocab33"), _build("tied_vocab33", 0)
+    x, _ = spec.make_batch(16, 1, 0)
+    model.embed(x).sum().backward()
+    assert bool((model.embed.weight.grad.abs().sum(1) > 0).all())
 
 
 def test_gpt2_medium_is_gpt2_medium_sized():

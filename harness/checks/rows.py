@@ -1,0 +1,71 @@
+"""Every row trains: a run moves exactly the rows of each parameter that the plain model it is compared
+with moves (harness/tables/rows.py reads them from the snapshots). The value checks hold each parameter
+to a bound over all its rows; this one names the rows, and the ranks holding them, that one run trained
+and the other did not: a vocabulary's uneven tail that no rank's gradient or optimizer reached, or a frozen
+or unused row that the run alone updated."""
+
+from __future__ import annotations
+
+import math
+
+from harness.checks.numeric import _ROW, Check, _not_reference, _ok, by_scenario, judge, not_measured
+from harness.core.policy import Bounds
+from harness.core.scenario import REFERENCE_IMPL, Scenario
+from harness.core.verdict import Verdict
+
+
+def rows_trained(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    """Every dim-0 row of every parameter that the reference moved from its starting value, the run moved
+    too, and no other row, by the last step; a row apart fails, named with its parameter, its rows, the
+    ranks that hold them and the first step one of them moved."""
+    out = []
+    apart_of = by_scenario(tables["rows_trained"])
+    for row in _ok(tables["scenarios"])[lambda d: d.impl != REFERENCE_IMPL].itertuples():
+        n, ref = row.rows_compared, Scenario.of_row(row).reference().id
+        if n is None or (isinstance(n, float) and math.isnan(n)):
+            out.append(not_measured("rows_trained", row, f"no starting and last snapshots of it and of {ref}"))
+            continue
+        apart = apart_of.get(row.scenario)
+        if apart is None or not len(apart):
+            moved = getattr(row, "rows_moved", math.nan)
+            out.append(judge("rows_trained", row, True, 0, 0, (
+                f"the run moved exactly the rows that {ref} moved ({_count(moved)} of the {int(n)} rows of its "
+                "parameters)")))
+            continue
+        apart = apart.sort_values(["step", "param"], kind="stable")
+        first = apart.iloc[0]
+        rank = _one_rank(first.ranks)
+        out.append(judge("rows_trained", row, False, len(apart), 0,
+                         "; ".join(_phrase(r, ref) for r in apart.head(4).itertuples())
+                         + (f" (and {len(apart) - 4} more parameters)" if len(apart) > 4 else ""),
+                         step=int(first.step), param=str(first.param), rank=rank,
+                         where=f"rows {first.still or first.extra}"))
+    return out
+
+
+def _phrase(r, ref: str) -> str:
+    held = f" (held by rank{'s' if ',' in str(r.ranks) else ''} {r.ranks})" if _text(r.ranks) else ""
+    parts = []
+    if _text(r.still):
+        parts.append(f"rows {r.still} of {r.param}{held} never left their starting value, which {ref} moved")
+    if _text(r.extra):
+        parts.append(f"rows {r.extra} of {r.param}{held if not parts else ''} moved, which {ref} left as they were")
+    return " and ".join(parts) + f" (from step {int(r.step)})"
+
+
+def _count(x) -> str:
+    return "?" if x is None or (isinstance(x, float) and math.isnan(x)) else str(int(x))
+
+
+def _text(x) -> bool:
+    return isinstance(x, str) and x != ""
+
+
+def _one_rank(ranks) -> int | None:
+    return int(ranks) if _text(ranks) and "," not in ranks else None
+
+
+ROW_CHECKS = (
+    Check(rows_trained, _not_reference, {"scenarios": _ROW + ("rows_compared",),
+                                         "rows_trained": ("scenario", "param", "step", "still", "extra", "ranks")}),
+)

@@ -1,0 +1,89 @@
+"""Which rows of each parameter a run moved, against the rows its reference moved (the `rows_trained`
+table and `scenarios.rows_compared`), read from the full-parameter snapshots rank 0 writes after every step.
+
+A row is one index of a parameter's dim 0 (an element of a 1-D parameter). It moved when any of its
+values differs, bit for bit, from the run's starting snapshot (step 0, or for a resumed run the step it
+loaded at). The sharded run and the plain model it is compared with must move the same rows: a row the
+reference trains and the run leaves at its starting value never trained (a tail of rows that no rank's
+gradient or optimizer reached); a row the run moves that the reference leaves was trained by the run
+alone (a frozen or unused row updated).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from harness.core.scenario import Scenario, ckpt_step
+
+
+def start_step(sc: Scenario) -> int:
+    """The step of a run's first own snapshot: 0, or the step a resumed run loaded at."""
+    return ckpt_step(sc.steps) if sc.resume_from else 0
+
+
+def moved(now: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """Bool per dim-0 row: any value differs from `start` (one row for a 0-dim parameter)."""
+    diff = now != start
+    return diff.reshape(1) if diff.dim() == 0 else diff.reshape(diff.shape[0], -1).any(1)
+
+
+def spans(rows: list[int]) -> str:
+    """Row indices as ranges: [0, 1, 2, 5] -> '0-2,5'."""
+    out, i = [], 0
+    while i < len(rows):
+        j = i
+        while j + 1 < len(rows) and rows[j + 1] == rows[j] + 1:
+            j += 1
+        out.append(str(rows[i]) if i == j else f"{rows[i]}-{rows[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def holders(rows: list[int], name: str, ranks: list[dict]) -> str:
+    """The ranks whose own dim-0 rows of `name` (their record's `rows`) include any of `rows`, comma-separated;
+    '' where the ranks recorded no layout (plain tensors, a whole copy on every rank)."""
+    out = []
+    for rec in ranks:
+        span = rec.get("rows", {}).get(name)
+        if span is not None and any(span[0] <= r < span[1] for r in rows):
+            out.append(str(rec["rank"]))
+    return ",".join(out)
+
+
+def rows_apart(sc: Scenario, snaps, ranks: list[dict], ref_id: str) -> tuple[list[dict], float, float]:
+    """(rows_trained table rows, rows compared, rows the reference moved) for one run against its reference
+    `ref_id`: a table row per parameter whose moved rows differ, with the first step where they part. The
+    counts are NaN where a snapshot of either run is missing (the check then fails as not measured)."""
+    first, last = start_step(sc), sc.steps
+    mine0, ref0 = snaps.get(sc.id, first), snaps.get(ref_id, first)
+    mine, ref = snaps.get(sc.id, last), snaps.get(ref_id, last)
+    if not (mine0 and ref0 and mine and ref):
+        return [], math.nan, math.nan
+    out, compared, trained = [], 0, 0
+    for name, t in mine.items():
+        if name not in ref or name not in mine0 or name not in ref0 or t.shape != ref[name].shape \
+                or ref0[name].shape != t.shape or mine0[name].shape != t.shape:
+            continue  # a parameter full_params lost or misshaped: params_cover_model's
+        a, b = moved(t, mine0[name]), moved(ref[name], ref0[name])
+        compared, trained = compared + a.numel(), trained + int(b.sum())
+        still = torch.nonzero(b & ~a).flatten().tolist()  # the reference moved them, this run did not
+        extra = torch.nonzero(a & ~b).flatten().tolist()  # this run moved them, the reference did not
+        if not (still or extra):
+            continue
+        step = _first_parting(sc, snaps, ref_id, name, first, still, extra)
+        out.append({"scenario": sc.id, "param": name, "step": step, "still": spans(still), "extra": spans(extra),
+                    "ranks": holders(still + extra, name, ranks)})
+    return out, float(compared), float(trained)
+
+
+def _first_parting(sc: Scenario, snaps, ref_id: str, name: str, first: int, still: list[int],
+                   extra: list[int]) -> int:
+    """The first step at which one of the rows apart had moved in the run that moves it."""
+    for k in range(first + 1, sc.steps + 1):
+        for run, rows in ((ref_id, still), (sc.id, extra)):
+            now, start = snaps.get(run, k), snaps.get(run, first)
+            if rows and now and name in now and moved(now[name], start[name])[rows].any():
+                return k
+    return sc.steps

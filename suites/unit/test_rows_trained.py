@@ -1,0 +1,97 @@
+"""Every row trains (`rows_trained`): the rows a run moved, read from its snapshots, against its reference's.
+The snapshots here are hand-made tensors; which rows moved is written down from how they were made."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from harness.checks.numeric import run_checks
+from harness.core.scenario import Scenario
+from harness.core.verdict import FAIL, PASS
+from harness.tables.rows import moved, rows_apart, spans
+from suites.unit import synthetic_tables as syn
+
+SC = Scenario("fsdp_impl", "tied_vocab33", 8, "replicated", "adamw", steps=3)
+REF = SC.reference().id
+RANKS = [{"rank": r, "rows": {"embed.weight": [min(5 * r, 33), min(5 * r + 5, 33)]}} for r in range(8)]
+
+
+class Snaps:
+    """scenario id -> {step: {name: tensor}}, read as harness.tables.build._Snapshots is."""
+
+    def __init__(self, runs: dict):
+        self.runs = runs
+
+    def get(self, sid, step):
+        return self.runs.get(sid, {}).get(step)
+
+
+def trajectory(rows_moving: range, steps: int = 3, bias_moves: bool = True) -> dict:
+    """An embedding of 33 x 4 and a bias of 4: the given rows (and the bias) change at every step."""
+    out, w, b = {}, torch.zeros(33, 4), torch.zeros(4)
+    for k in range(steps + 1):
+        out[k] = {"embed.weight": w.clone(), "norm.bias": b.clone()}
+        w[list(rows_moving), 1] += 0.5
+        if bias_moves:
+            b += 0.25
+    return out
+
+
+def test_a_row_moved_when_any_of_its_values_changed():
+    start = torch.zeros(4, 3)
+    now = start.clone()
+    now[2, 1] = 1e-30
+    assert moved(now, start).tolist() == [False, False, True, False]
+    assert moved(torch.tensor([0.0, 1.0]), torch.zeros(2)).tolist() == [False, True]  # 1-D: an element a row
+    assert moved(torch.tensor(2.0), torch.tensor(2.0)).tolist() == [False]
+    assert spans([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and spans([]) == ""
+
+
+def test_rows_the_reference_trains_and_the_run_leaves_are_named_with_their_rank():
+    snaps = Snaps({REF: trajectory(range(33)), SC.id: trajectory(range(30))})  # rows 30-32 never move
+    apart, compared, trained = rows_apart(SC, snaps, RANKS, REF)
+    assert (compared, trained) == (33 + 4, 33 + 4)
+    assert apart == [{"scenario": SC.id, "param": "embed.weight", "step": 1, "still": "30-32", "extra": "",
+                      "ranks": "6"}]
+
+
+def test_rows_the_run_alone_moves_are_named_from_the_step_they_move():
+    ref = trajectory(range(33), bias_moves=False)
+    run = trajectory(range(33), bias_moves=False)
+    run[2]["norm.bias"][3] = 1.0
+    run[3]["norm.bias"][3] = 1.0
+    apart, _, trained = rows_apart(SC, Snaps({REF: ref, SC.id: run}), RANKS, REF)
+    assert trained == 33
+    assert apart == [{"scenario": SC.id, "param": "norm.bias", "step": 2, "still": "", "extra": "3", "ranks": ""}]
+
+
+def test_a_missing_snapshot_is_not_measured():
+    apart, compared, trained = rows_apart(SC, Snaps({REF: trajectory(range(33))}), RANKS, REF)
+    assert apart == [] and math.isnan(compared) and math.isnan(trained)
+
+
+def _tables(apart: list[dict], compared=syn.ROWS):
+    t = {k: v for k, v in syn.make_tables(fail=False).items() if k != "verdicts"}
+    t["rows_trained"] = syn.frame("rows_trained", apart)
+    t["scenarios"] = t["scenarios"].assign(rows_compared=compared)
+    return t
+
+
+def test_the_check_fails_a_run_whose_rows_stayed_naming_parameter_rows_rank_and_step():
+    bad = syn.sid(2, "split")
+    apart = [{"scenario": bad, "param": "layers.1.weight", "step": 1, "still": "9", "extra": "", "ranks": "1"}]
+    verdicts = [v for v in run_checks(_tables(apart)) if v.check == "rows_trained"]
+    failed = [v for v in verdicts if v.status == FAIL]
+    assert [v.scenario for v in failed] == [bad]
+    v = failed[0]
+    assert (v.step, v.param, v.rank) == (1, "layers.1.weight", 1)
+    assert "rows 9 of layers.1.weight (held by rank 1) never left their starting value" in v.message
+    others = [v for v in verdicts if v.scenario != bad]
+    assert others and all(v.status == PASS and f"{syn.ROWS} of the {syn.ROWS} rows" in v.message for v in others)
+
+
+def test_the_check_fails_as_not_measured_without_the_counts():
+    verdicts = [v for v in run_checks(_tables([], compared=math.nan)) if v.check == "rows_trained"]
+    assert verdicts and all(v.status == FAIL and "could not be checked" in v.message for v in verdicts)
