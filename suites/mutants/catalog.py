@@ -276,11 +276,13 @@ CATALOGUE: tuple[Mutant, ...] = (
            "a checkpoint reloaded with AdamW's step counter left at 0 (bias correction starts over; moments right)",
            data_modes=("replicated",), features=("ckpt",), optimizers=("adamw",)),
     # A race, held by jitter_invariant to its calm twin (the same run without jitter, which runs beside it).
-    # Not harmless without delays on a loaded machine: on 2 cores at load 15-21 the calm twin (ranks aligned
-    # at each step's start) read a gather before it arrived in 16 of 21 runs (mlp, W 2, 3 steps); every one of
-    # 10 jitter runs broke. So its single-feature cell catches it there too, and both runs may go NaN alike
-    # (jitter_invariant counts a NaN as a difference: equal bits there prove nothing). The first read of a
-    # prefetched gather is step 1's backward; the forward's, step 2.
+    # Not harmless without delays on this machine (2 cores shared by many processes): the calm twin, ranks
+    # aligned at each step's start, read a gather before it arrived in 24 of 29 runs (mlp, W 2, 3 steps, load
+    # 5-21). gloo's worker thread needs a core to finish the gather and gets one late while the reading thread
+    # runs on: with one time.sleep(0) before the read, 48 of 48 prefetched gathers had arrived. So its plain
+    # cell catches it here too. Under jitter every run broke (18 of 18) and jitter_invariant failed in each of
+    # the 12 since it counts a NaN as a difference (both runs may go NaN alike: equal bits prove nothing there).
+    # The first read of a prefetched gather is step 1's backward; the forward's, step 2.
     Mutant("gather_read_early", _spec("gather_read_early"), "jitter_invariant",
            "a prefetched all-gather's output copied into the unsharded parameters before waiting for the gather",
            data_modes=("replicated",), optimizers=("adamw",), world_sizes=(2,), features=("jitter",),
