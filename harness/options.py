@@ -380,7 +380,8 @@ def add_matrix_arguments(add) -> None:
              "one optimizer step), no_sync (the same with the reduction switched off on all but the last), "
              "clip / clip_inf (global gradient-norm clipping, L2 / infinity), ac (activation checkpointing on "
              "every unit), ckpt (resumed at each world size from a sharded checkpoint saved at every other one), "
-             "bf16 (bf16 compute, fp32 master weights and reduction), hsdp (2 replicas x W/2 shards). A comma list "
+             "bf16 (bf16 compute, fp32 master weights and reduction), hsdp (2 replicas x W/2 shards), jitter (seeded "
+             "delays where asynchronous work races; the numbers must not change). A comma list "
              "runs each as its own cells; '+' composes features in one run (hsdp+clip, accum+clip+bf16), "
              "compared with the plain model doing the same composition (default plain)")
     add("--steps", type=steps, default=None, help="training steps per scenario, at least 2 (default 10)")

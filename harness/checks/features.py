@@ -1,10 +1,11 @@
 """Checks that only some features have: a checkpoint restores what was saved (ckpt), mixed precision
 acts at all (bf16), the replicas of a hybrid mesh hold the same parameters (hsdp), two factorisations
-of one global batch agree (accum, no_sync), the eval loss matches (eval). The per-step equivalence of every feature is checked by harness/checks/numeric.py."""
+of one global batch agree (accum, no_sync), the eval loss matches (eval), delays change no number (jitter). The per-step equivalence of every feature is checked by harness/checks/numeric.py."""
 
 from __future__ import annotations
 
 import math
+import struct
 
 import pandas as pd
 
@@ -205,6 +206,63 @@ def ranks_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     return out
 
 
+def jitter_invariant(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    """A run under timing perturbation (jitter) holds bit for bit the losses and parameters (the snapshots
+    after every step, from the initial ones on) of the same run without it, its calm twin (Scenario.calm):
+    delays change when things happen, never what is computed. It must have been perturbed: a run in which no
+    delay was injected measured nothing. Fails naming the first step, and the parameter and element (both
+    values) or the loss, that differ; a NaN or infinity counts as a difference even in both runs (equal bits
+    there prove nothing: any two computations that overflow alike look the same)."""
+    out = []
+    sc, steps_of = tables["scenarios"], by_scenario(tables["steps"])
+    done, known = set(_ok(sc).scenario), set(sc.scenario)
+    for row in _ok(sc).itertuples():
+        calm = Scenario.of_row(row).calm()
+        if calm is None:
+            continue
+        if calm.id not in done:
+            why = "is not in this run" if calm.id not in known else "did not complete"
+            out.append(not_measured("jitter_invariant", row, f"its calm twin {calm.id} {why}", 0.0))
+            continue
+        mine, theirs = steps_of.get(row.scenario), steps_of.get(calm.id)
+        compared = getattr(row, "calm_compared", math.nan)
+        if mine is None or theirs is None or not compared or compared != compared:
+            out.append(not_measured("jitter_invariant", row, f"no parameters of it and of {calm.id} at the same step",
+                                    0.0))
+            continue
+        delays = float(mine.jitter_delays.fillna(0).sum())
+        if delays <= 0:
+            out.append(not_measured("jitter_invariant", row, "no delay was injected: nothing was perturbed", 0.0))
+            continue
+        found = []  # (step, param, what)
+        param_step = getattr(row, "calm_step", math.nan)
+        if param_step == param_step and param_step is not None:
+            found.append((int(param_step), str(row.calm_param), f"{row.calm_param} {row.calm_element}"))
+        calm_loss = dict(zip(theirs.step, theirs.loss))
+        for step, loss in sorted(zip(mine.step, mine.loss)):
+            other = calm_loss.get(step)
+            if other is None or _bits(loss) != _bits(other) or not math.isfinite(loss):
+                found.append((int(step), "loss", f"loss {loss!r} vs {other!r}"))
+                break
+        seconds = float(mine.jitter_s.fillna(0).sum())
+        perturbed = f"{int(delays)} delays over all ranks ({seconds:.2f} s)"
+        if not found:
+            out.append(judge("jitter_invariant", row, True, 0.0, 0.0,
+                             f"losses and parameters bitwise those of {calm.id} at every step ({int(compared)} "
+                             f"parameter snapshots) under {perturbed}"))
+            continue
+        step, param, what = min(found, key=lambda f: (f[0], f[1] == "loss"))  # a parameter before the loss
+        out.append(judge("jitter_invariant", row, False, None, 0.0,
+                         f"under {perturbed} the run parts from its calm twin {calm.id} (or either is not finite) at "
+                         f"step {step}: {what} (jitter, calm): the numbers depend on when the ranks get somewhere (a "
+                         "read of a collective's output before its wait, a race)", step=step, param=param))
+    return out
+
+
+def _bits(x) -> bytes:
+    return struct.pack("<d", float(x))
+
+
 def _own_steps(steps_of: dict, row) -> pd.DataFrame:
     """The steps-table rows of the steps a run trained itself, in order: a resumed run's steps before its
     checkpoint are its saver's, recorded on the saver's ranks and mesh."""
@@ -288,6 +346,10 @@ def _evaluated(row) -> bool:
     return row.status == "ok" and row.impl != REFERENCE_IMPL and has(feature_of(row), "eval")
 
 
+def _jittered(row) -> bool:
+    return row.status == "ok" and has(feature_of(row), "jitter")
+
+
 def _bf16_reference(row) -> bool:
     return row.status == "ok" and row.impl == REFERENCE_IMPL and has(feature_of(row), "bf16")
 
@@ -298,6 +360,8 @@ FEATURE_CHECKS = (
     Check(ranks_agree, _multi_rank_ok, {"scenarios": _ROW + ("steps",), "steps": ("scenario", "step", "loss")}),
     Check(replicas_agree, _hybrid, {"scenarios": _ROW, "steps": ("scenario", "step", "replicas_differ")}),
     Check(eval_matches, _evaluated, {"scenarios": _ROW + ("steps",), "steps": ("scenario", "step", "eval_loss")}),
+    Check(jitter_invariant, _jittered, {"scenarios": _ROW + ("calm_step", "calm_param", "calm_element", "calm_compared"),
+                                        "steps": ("scenario", "step", "loss", "jitter_delays", "jitter_s")}),
     Check(factorisations_agree, _factorised, {"scenarios": _ROW + ("steps", "lr"),
                                               "params": ("scenario", "step", "param", "diff_factor")}),
 )

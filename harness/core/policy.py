@@ -170,7 +170,9 @@ NOT_EXACT = {"clip": NOT_EXACT_UNDER_L2_CLIP}
 # Each feature's rule says what it changes; a composition changes what each of its parts changes, so each
 # bound is the rule of the part that changes that property most, never a sum or a new tolerance:
 # - Yardstick: the plain model doing the same composition, less the parts that leave every number as the
-#   plain step has it (NUMBERS_UNCHANGED: ac, ckpt, hsdp), as for one feature: hsdp+clip against clip.
+#   plain step has it (NUMBERS_UNCHANGED: ac, ckpt, hsdp, jitter), as for one feature: hsdp+clip against clip.
+#   A timing-only part (jitter) is also left out of the world-size-1 run and the other factorisation, and the
+#   run is held bitwise to the same composition without it (its calm twin, jitter_invariant).
 # - Replicated data across world sizes: bitwise (3e-8, grads_match_ws1) unless a part is not exact
 #   (not_exact: clip), then that part's rule (the split tier per parameter, with the nudged probe's floor).
 # - Split data: against the full batch with the noise floors of every part's probes; if a part rounds per

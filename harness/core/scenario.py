@@ -33,15 +33,18 @@ REFERENCE_IMPL = "reference"
 #   eval     an evaluation pass, as a training loop validates between steps: AFTER the optimizer step (and
 #            before the gradients are zeroed), a torch.no_grad() forward of the wrapped model on a held-out
 #            batch, eval_batch(step): the model's batch of step -k, which no training step draws (they are
-#            1, 2, ...), of the global batch size, deterministic from (seed, step). It is replicated: every
-#            rank evaluates the whole held-out batch in either data mode, so each rank's loss is the global
-#            batch's mean with no collective (and a model with batch statistics normalises the batch the
-#            reference normalises). The model stays in training mode (the harness never calls eval(): every
+#            1, 2, ...), of the global batch size, deterministic from (seed, step), cut as the data mode cuts
+#            the training batch: the whole batch on every rank with replicated data, the rank's slice with
+#            split data (the slices' losses all-reduced to the global batch's mean; a yardstick that sums the
+#            ranks' micro-batches evaluates each slice). The model stays in training mode (the harness never calls eval(): every
 #            dropout is 0, and BatchNorm's running statistics are per rank under split data). The eval loss is
 #            recorded per step and held to the reference's (harness/checks/features.py eval_matches); the
 #            timeline marks the pass and the moment after it (every child unit resharded:
 #            harness/measure/timeline.py). Needs no adapter method: the training step's numbers are unchanged
-FEATURES = ("plain", "accum", "no_sync", "clip", "clip_inf", "ac", "ckpt", "bf16", "hsdp", "eval")
+#   jitter   timing perturbation: seeded, bounded delays where asynchronous work races (before each
+#            collective is issued and each wait on one, after forward, before the optimizer step), injected
+#            by the harness around any implementation (harness/train/jitter.py); it must change no number
+FEATURES = ("plain", "accum", "no_sync", "clip", "clip_inf", "ac", "ckpt", "bf16", "hsdp", "eval", "jitter")
 ACCUM_MICRO_BATCHES = 2
 # Compositions: features joined by COMPOSE ("hsdp+clip") act together in one run, in FEATURES order
 # whatever order they are written in. These pairs cannot: two micro-batch schemes, two clipping norms, and
@@ -105,7 +108,11 @@ def rounded_per_rank(feature: str) -> bool:
 # steps under seeds 0-4 (L2 0.20, inf 0.033 on mlp), so clipping acts at every step (checked per run)
 CLIP = {"clip": (2.0, 0.1), "clip_inf": (float("inf"), 0.01)}
 # features that must leave every number bitwise as the plain step has it: compared with the plain reference
-NUMBERS_UNCHANGED = ("ac", "ckpt", "hsdp")
+NUMBERS_UNCHANGED = ("ac", "ckpt", "hsdp", "jitter")
+# features that only change when things happen, never what is computed: the runs a run is compared with
+# (reference, world size 1, other factorisation) leave them out, and each run is held bitwise to its own
+# calm twin (Scenario.calm)
+TIMING_ONLY = ("jitter",)
 # the adapter methods a feature needs beyond the protocol's required ones (harness/adapters/base.py)
 FEATURE_NEEDS = {"no_sync": ("set_gradient_sync",), "clip": ("clip_grad_norm",), "clip_inf": ("clip_grad_norm",),
                  "ckpt": ("save_checkpoint", "load_checkpoint"), "bf16": ("wrap_mixed_precision",),
@@ -297,19 +304,29 @@ class Scenario:
     def dependencies(self) -> list["Scenario"]:
         """The runs this one's checks compare with: the reference, the noise probes of split data, for a
         sharded run at W > 1 the same implementation at world size 1 in the same data mode, and the run a
-        checkpoint comes from."""
+        checkpoint comes from, and under a timing-only feature (jitter) its calm twin."""
         deps = [self.reference()] if self.reference() != self else []
         deps += self.noise_probes()
         if self.impl != REFERENCE_IMPL and (self.world_size > 1 or self.resume_from > 0):
             deps.append(self.ws1())
+        deps += [self.calm()] if self.calm() is not None else []
         return deps + ([self.saver()] if self.saver() is not None else [])
 
+    def calm(self) -> "Scenario | None":
+        """Under a timing-only feature (jitter): the same run without it, which this one must equal bitwise at
+        every step (harness/checks/features.py jitter_invariant); None otherwise."""
+        if not any(has(self.feature, f) for f in TIMING_ONLY):
+            return None
+        return dataclasses.replace(self, feature=without(self.feature, *TIMING_ONLY))
+
     def ws1(self) -> "Scenario":
-        """The same implementation at world size 1, same data mode and feature: the cross-world-size
-        comparison; for a resumed run, the uninterrupted plain run (what it must go on like)."""
+        """The same implementation at world size 1, same data mode and feature (less a timing-only one: its
+        run is held to its calm twin, which is held to this one): the cross-world-size comparison; for a
+        resumed run, the uninterrupted plain run (what it must go on like)."""
         if has(self.feature, "ckpt"):
-            return dataclasses.replace(self, world_size=1, feature=without(self.feature, "ckpt"), resume_from=0)
-        return self.at_world_size(1)
+            return dataclasses.replace(self, world_size=1, feature=without(self.feature, "ckpt", *TIMING_ONLY),
+                                       resume_from=0)
+        return dataclasses.replace(self, world_size=1, feature=without(self.feature, *TIMING_ONLY))
 
     def factor_twin(self) -> "Scenario | None":
         """Split data with k micro-batches at W: the same implementation's step at W x k ranks (the same
@@ -321,7 +338,8 @@ class Scenario:
         if self.data_mode != "split" or k == 1 or self.impl == REFERENCE_IMPL:
             return None
         return dataclasses.replace(self, world_size=self.world_size * k,
-                                   feature=without(self.feature, "accum", "no_sync", "ckpt"), resume_from=0)
+                                   feature=without(self.feature, "accum", "no_sync", "ckpt", *TIMING_ONLY),
+                                   resume_from=0)
 
     def at_world_size(self, world_size: int) -> "Scenario":
         return dataclasses.replace(self, world_size=world_size)

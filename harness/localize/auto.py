@@ -17,7 +17,7 @@ from harness.tables.schema import columns
 # the verdicts that compare numbers with a yardstick: a failure of any of them is localised
 LOCALISED_CHECKS = ("finite", "ws1_exact", "cross_ws_replicated", "grads_match_ws1", "split_matches_full_batch",
                     "grad_norm_matches", "clip_acts", "ckpt_restored", "replicas_agree", "factorisations_agree",
-                    "converges")
+                    "converges", "jitter_invariant")
 
 
 def to_localise(result, n: int) -> list:

@@ -155,7 +155,18 @@ _REDUCTION_INPUT = {
 _NAMESPACES = {"c10d": _C10D, "_c10d_functional": _FUNCTIONAL,
                "_c10d_functional_autograd": _FUNCTIONAL, "c10d_functional": _FUNCTIONAL}
 # Not communication: waits and the like.
-_IGNORED = {"wait_tensor", "wait", "_wrap_tensor_autograd", "check_for_nan"}
+_WAITS = {"wait_tensor", "wait"}
+_IGNORED = _WAITS | {"_wrap_tensor_autograd", "check_for_nan"}
+
+
+def op_kind(func: Any) -> str | None:
+    """'wait' for an op that waits on a collective (``wait_tensor``), 'collective' for an op of a c10d
+    namespace that communicates (an unknown one included), None for any other op."""
+    ns, packet = getattr(func, "namespace", None), getattr(func, "_overloadpacket", None)
+    if ns not in _NAMESPACES or packet is None:
+        return None
+    name = packet.__name__
+    return "wait" if name in _WAITS else None if name in _IGNORED else "collective"
 
 
 # Methods of a c10d ``Backend`` (``pg._get_backend(device)``): calling them from Python skips the

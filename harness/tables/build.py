@@ -127,6 +127,8 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                                "max_diff_factor": mt, "worst_param_factor": wt,
                                "max_diff_probe": mp, "worst_param_probe": wp,
                                "replicas_differ": rec.get("replicas_differ", math.nan),
+                               "jitter_delays": sum(r["steps"][i].get("jitter_delays", 0) for r in res["ranks"]),
+                               "jitter_s": sum(r["steps"][i].get("jitter_s", 0.0) for r in res["ranks"]),
                                "reduction_ranks": reduction_ranks(res["ranks"], i, r0.get("param_tensors", 0)),
                                "reports_differ": reports_differ(res["ranks"], i),
                                "eval_loss": rec.get("eval_loss", math.nan)})
@@ -137,6 +139,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
         if sc.impl != REFERENCE_IMPL and ref_id in by_id:
             apart, rows_compared, rows_moved = rows_apart(sc, snaps, res["ranks"], ref_id)
             apart_rows += apart
+        calm = _calm(sc, snaps, by_id, [rec["step"] for rec in r0["steps"]])
         for rank_rec in res["ranks"]:
             for cat, b in rank_rec["memory"].items():
                 mem_rows.append({"scenario": sc.id, "rank": rank_rec["rank"], "category": cat, "bytes": b})
@@ -158,7 +161,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                           "buffer_bytes": r0.get("buffer_bytes", math.nan),
                           "batch_stats": r0.get("batch_stats", ""),
                           "params_compared": compared, "rows_compared": rows_compared,
-                          "rows_moved": rows_moved, **restore, "state_bytes": max(state), "peak_bytes": max(peak),
+                          "rows_moved": rows_moved, **restore, **calm, "state_bytes": max(state), "peak_bytes": max(peak),
                           "step_time_s": max(rr["step_time_s"] for rr in res["ranks"])})
     rows = {"steps": steps_rows, "params": param_rows, "scenarios": scen_rows, "memory": mem_rows,
             "comm": comm_rows, "coverage": cover_rows, "gathered": gathered_rows, "rank_diffs": rank_rows,
@@ -290,6 +293,47 @@ def _restore(sc: Scenario, snaps: _Snapshots, by_id: dict) -> dict:
     if saver.id in by_id and sc.id in snaps.dirs and saver.id in snaps.dirs:
         out.update(compare_files(Path(snaps.dirs[saver.id]) / SAVED_STATE, Path(snaps.dirs[sc.id]) / RESTORED_STATE))
     return out
+
+
+def _calm(sc: Scenario, snaps: _Snapshots, by_id: dict, steps: list[int]) -> dict:
+    """A timing-perturbed run (jitter) against its calm twin (Scenario.calm): the first step, parameter and
+    element where their snapshots differ bit for bit, from the initial parameters on (none: calm_step NaN),
+    and how many steps' snapshots both have (calm_compared)."""
+    calm = sc.calm()
+    if calm is None or calm.id not in by_id or not steps:
+        return {}
+    compared = 0
+    for k in [steps[0] - 1] + steps:
+        mine, theirs = snaps.get(sc.id, k), snaps.get(calm.id, k)
+        if mine is None or theirs is None:
+            continue
+        compared += 1
+        for name, t in mine.items():
+            where = bitwise_difference(t, theirs.get(name))
+            if where:
+                return {"calm_step": k, "calm_param": name, "calm_element": where, "calm_compared": compared}
+    return {"calm_step": math.nan, "calm_param": "", "calm_element": "", "calm_compared": compared}
+
+
+def bitwise_difference(t: torch.Tensor, other: torch.Tensor | None) -> str:
+    """'' when `other` holds the same bits as `t` and they are finite; else the first element that differs (or
+    is not finite) with both values and how many do ('(3, 7): 0.125 vs 0.12500001; 12 of 512 elements differ'),
+    or what is missing. A NaN or an infinity in both counts: equal bits there prove nothing about what was
+    computed (any two computations that overflow alike look the same)."""
+    if other is None:
+        return "missing from the calm run"
+    if other.shape != t.shape or other.dtype != t.dtype:
+        return f"shape {tuple(t.shape)} {t.dtype}, the calm run's {tuple(other.shape)} {other.dtype}"
+    a, b = t.detach().reshape(-1), other.detach().reshape(-1)
+    differ = (a.view(torch.uint8).view(-1, a.element_size()) != b.view(torch.uint8).view(-1, b.element_size())).any(1)
+    if a.is_floating_point():
+        differ |= ~torch.isfinite(a) | ~torch.isfinite(b)
+    if not bool(differ.any()):
+        return ""
+    i = int(differ.nonzero()[0])
+    index = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), t.shape)) if t.dim() else ()
+    return (f"{index}: {a[i].item()!r} vs {b[i].item()!r}; "
+            f"{int(differ.sum())} of {a.numel()} elements differ or are not finite")
 
 
 def _coverage(sid: str, step: int, cur: dict, ref: dict) -> list[dict]:

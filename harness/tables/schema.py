@@ -42,6 +42,8 @@ class Table:
 #               ('' when all agree)
 #               replicas_differ (hsdp, W > 2): ranks whose own parameter parts differ bit for bit from the
 #               first replica's rank with the same index after the step (0 when the replicas agree)
+#               jitter_delays, jitter_s (jitter): the delays injected in the step and their seconds, summed
+#               over the ranks (0 without jitter)
 #               max_diff_probe (split data at W): max |param diff| vs the noise probe at W, the plain model
 #               summing the W ranks' micro-batches in rank order (Scenario.rank_order_probe), worst_param_probe
 #               where
@@ -63,7 +65,10 @@ class Table:
 #               where it is; state_restore_diff: the same for the optimizer state every rank holds (inf:
 #               a value or rows missing or extra), state_restore_param / _rank / _where the worst
 #               element (state key, element, both values) or what is missing, state_restored what was
-#               compared (harness.tables.restored_state); state_bytes: max over ranks of params +
+#               compared (harness.tables.restored_state); calm_step, calm_param, calm_element (jitter): the
+#               first step, parameter and element (with both values) where the run's parameters differ bit
+#               for bit from its calm twin's (the same run without jitter; calm_step NaN: nowhere),
+#               calm_compared the steps whose parameters were compared; state_bytes: max over ranks of params +
 #               grads + optimizer state held after the measured step (harness.measure.census, which
 #               also records buffers and other apart); peak_bytes: max over ranks
 #   memory      bytes on that rank: the peak by category during the measured step, and the state
@@ -80,7 +85,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("steps", "scenario x step", SCENARIO_IDS + FEATURE + (
         "step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1",
         "grad_diff_ws1", "clip_norm", "max_diff_factor", "worst_param_factor", "replicas_differ", "max_diff_probe",
-        "worst_param_probe", "reduction_ranks", "reports_differ", "eval_loss"),
+        "worst_param_probe", "reduction_ranks", "reports_differ", "eval_loss", "jitter_delays", "jitter_s"),
           required=SCENARIO_IDS + ("step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1",
                                    "worst_param_ws1")),
     Table("params", "scenario x step x parameter", (
@@ -93,7 +98,8 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "buffer_bytes", "batch_stats", "params_compared",
         "rows_compared", "rows_moved", "restore_diff",
         "restore_param", "state_restore_diff", "state_restore_param", "state_restore_rank", "state_restore_where",
-        "state_restored", "state_bytes", "peak_bytes", "step_time_s"),
+        "state_restored", "calm_step", "calm_param", "calm_element", "calm_compared", "state_bytes",
+        "peak_bytes", "step_time_s"),
           required=SCENARIO_IDS + ("steps", "lr", "status", "error", "final_loss", "param_sum", "max_diff_ref",
                                    "max_diff_ws1", "state_bytes", "peak_bytes", "step_time_s")),
     Table("memory", "scenario x rank x category", ("scenario", "rank", "category", "bytes"),

@@ -28,6 +28,7 @@ from harness.measure.timeline import UnitTimeline
 from harness.train.checkpointing import Checkpointing
 from harness.train.data import eval_batch, global_batch, local_slice
 from harness.train.features import checkpoint_units, evaluate, forward_backward, rank_slices, wrap_for
+from harness.train.jitter import Jitter
 from harness.train.models import get_model_spec
 from harness.train.user_models import check_batch, check_built
 
@@ -103,13 +104,17 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
             mem = PeakMemory(wrapped, optimizers, device, extra=held_elsewhere, on_op=timeline.sample)
             del held_elsewhere  # the tracker holds them weakly; a strong reference here would keep them alive
         _sync(device)
+        _align(ctx)
         t0 = time.perf_counter()
         # The tracker (a dispatch mode plus global module hooks) is left on every path: a step that
         # raises must not leave it installed for the next scenario in this process.
         mark = _marker(timeline, mem)
         mark = tracer.marking(mark) if traced else mark
         eval_losses = []
-        with counter, (mem if mem is not None else contextlib.nullcontext()):
+        # timing perturbation (jitter): delays at the collectives, the waits, after forward, before the step
+        jitter = Jitter(sc.seed, ctx.rank, step) if has(sc.feature, "jitter") else None
+        mark = jitter.marking(mark) if jitter is not None else mark
+        with counter, (mem if mem is not None else contextlib.nullcontext()), (jitter or contextlib.nullcontext()):
             with tracer if traced else contextlib.nullcontext():
                 summed = traced and trace.get("slices_summed", False)
                 loss = forward_backward(sc.feature, spec, wrapped, x, y, mark, set_sync, micro=sc.micro_batches,
@@ -123,6 +128,8 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
                 if traced and clip_of(sc.feature) is not None:
                     tracer.end_clip(wrapped)
                 mark("optimizer")
+                if jitter is not None:
+                    jitter.pause("optimizer")
                 optimizer.step()
                 mark("optimizer")
                 if traced:
@@ -157,6 +164,8 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
         steps.append({"step": step, "loss": loss_value, "grad_norm": math.sqrt(grad_sq), "clip_norm": clip_norm,
                       "eval_loss": eval_loss,
                       "replicas_differ": _replicas_differ(wrapped, sc, ctx),
+                      "jitter_delays": jitter.delays if jitter is not None else 0,
+                      "jitter_s": jitter.slept if jitter is not None else 0.0,
                       "reduction_inputs": list(counter.reduction_inputs) if counter.fingerprint else None})
         _snapshot(adapter, wrapped, snap_dir / f"step{step}.pt", ctx.rank)
         ckpt.save_after(step, adapter, wrapped, optimizer, steps, write_state)
@@ -330,6 +339,15 @@ def _global_loss_and_sq(loss: torch.Tensor, grad_sq: float, adds_up: bool, ctx) 
     t = torch.tensor([float(loss.detach()), grad_sq if adds_up else 0.0], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t, group=ctx.group)
     return float(t[0]) / ctx.world_size, float(t[1]) if adds_up else grad_sq
+
+
+def _align(ctx) -> None:
+    """W > 1: the ranks start the step together (a barrier, before anything of the step is counted or
+    measured). Rank 0 does work of the harness's between steps (writing snapshots, gathering the records),
+    which would otherwise make it start late by an amount that depends on the machine: an accidental timing
+    perturbation of one rank, where a run without the jitter feature must be the calm one."""
+    if ctx.world_size > 1:
+        dist.barrier(group=ctx.group)
 
 
 def _sync(device: torch.device) -> None:

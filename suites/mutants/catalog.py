@@ -12,6 +12,7 @@ else (``injection.py`` says how). The mutants live beside this module, grouped b
 - ``per_sample_mutants``: per-sample gradient norms (a world task, not an adapter);
 - ``feature_mutants``: the training features (gradient accumulation with the reduction switched off,
   clipping);
+- ``timing_mutants``: faults that show only when asynchronous work finishes late (feature ``jitter``);
 - ``hidden_mutants``: faults hidden from what an adapter reports (a parameter left out of
   ``full_params``, buffers and state outside the reported objects, traffic from another thread),
   and the controls that reduce gradients ZeRO-1/2 style.
@@ -73,6 +74,7 @@ from suites.mutants.hidden_mutants import (
 from suites.mutants.memory_mutants import NoGradForwardUnsharded, OptimizerStateUnsharded, ReshardSkipped
 from suites.mutants.meta_init_mutants import MetaInit, MetaInitRngOrder
 from suites.mutants.per_sample_mutants import per_sample_task  # noqa: F401 (named by a spec below)
+from suites.mutants.timing_mutants import GatherReadEarly
 from suites.mutants.sharding_mutants import (
     NestedDuplication,
     PaddingInView,
@@ -128,6 +130,7 @@ clip_norm_reported_local, held_in_param_dtype = ClipNormReportedLocal, HeldInPar
 bf16_summed = Bf16Summed
 replicas_not_averaged = ReplicasNotAveraged
 no_grad_forward_unsharded = NoGradForwardUnsharded
+gather_read_early = GatherReadEarly
 ckpt_last_rank_shifted, ckpt_optimizer_state_shifted = CkptLastRankShifted, CkptOptimizerStateShifted
 ckpt_step_restarted = CkptStepRestarted
 tail_before_last_dropped = TailBeforeLastDropped
@@ -279,6 +282,18 @@ CATALOGUE: tuple[Mutant, ...] = (
     Mutant("ckpt_step_restarted", _spec("ckpt_step_restarted"), "ckpt_restored",
            "a checkpoint reloaded with AdamW's step counter left at 0 (bias correction starts over; moments right)",
            data_modes=("replicated",), features=("ckpt",), optimizers=("adamw",)),
+    # A race, held by jitter_invariant to its calm twin (the same run without jitter, which runs beside it).
+    # Not harmless without delays on this machine (2 cores shared by many processes): the calm twin, ranks
+    # aligned at each step's start, read a gather before it arrived in 24 of 29 runs (mlp, W 2, 3 steps, load
+    # 5-21). gloo's worker thread needs a core to finish the gather and gets one late while the reading thread
+    # runs on: with one time.sleep(0) before the read, 48 of 48 prefetched gathers had arrived. So its plain
+    # cell catches it here too. Under jitter every run broke (18 of 18) and jitter_invariant failed in each of
+    # the 12 since it counts a NaN as a difference (both runs may go NaN alike: equal bits prove nothing there).
+    # The first read of a prefetched gather is step 1's backward; the forward's, step 2.
+    Mutant("gather_read_early", _spec("gather_read_early"), "jitter_invariant",
+           "a prefetched all-gather's output copied into the unsharded parameters before waiting for the gather",
+           data_modes=("replicated",), optimizers=("adamw",), world_sizes=(2,), features=("jitter",),
+           at_steps=(1, 3)),
 )
 
 # Unmutated adapters run in the same matrix: the reference and these must pass every check.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from harness.core.names import STANDARD_MODELS
-from harness.core.scenario import DATA_MODES, FEATURES, OPTIMIZERS, Scenario, build_matrix
+from harness.core.scenario import DATA_MODES, FEATURES, OPTIMIZERS, TIMING_ONLY, Scenario, build_matrix
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
 from harness.options import DEFAULT_MODELS, DEFAULT_WORLD_SIZES
 
@@ -33,9 +33,10 @@ def quick_matrix() -> list[Scenario]:
     smallest rows; the full tier runs every combination). The eval pass, whose forward changes no
     gradient, runs in two cells only: FSDP2 and DDP on the mlp at W = 2 with split data (each rank
     evaluates its slice, the loss is all-reduced); fsdp_impl's eval runs as the control beside the
-    no_grad_forward_unsharded mutant (replicated data, W = 1, 2)."""
+    no_grad_forward_unsharded mutant (replicated data, W = 1, 2). Not jitter, whose delays are seconds of
+    sleep per cell: suites/test_jitter.py runs its cells for all three."""
     plain = build_matrix(("ddp",), list(DEFAULT_MODELS), [1, 2], DATA_MODES, OPTIMIZERS, steps=3)
-    others = [f for f in FEATURES if f not in ("plain", "eval")]
+    others = [f for f in FEATURES if f not in ("plain", "eval") and f not in TIMING_ONLY]
     featured = build_matrix(CORRECT, ["mlp", "tinylm_tied"], [1, 2], ("replicated",), ("adamw",), steps=3,
                             features=others)
     evaluated = build_matrix(("torch_fsdp2", "ddp"), ["mlp"], [2], ("split",), ("adamw",), steps=3,

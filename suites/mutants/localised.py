@@ -42,6 +42,9 @@ WHERE = {
     "ckpt_optimizer_state_shifted": ("optimizer step", "layers.0"),  # the state loaded shifted: the update
     "tail_before_last_dropped": (REDUCTION, "(root)"),  # rank 6's short chunk of the tied embedding's gradient
     "ckpt_step_restarted": ("optimizer step", "layers.0"),  # the step counter loaded as 0: the update
+    # a race: where it shows depends on which gather a late rank leaves half-read; in the replays tried (4 of 4)
+    # step 2's first forward prefetch, the root's of layers.0, read before the rank whose part was late sent it
+    "gather_read_early": (FORWARD, "layers.0"),
 }
 # name -> why the localiser names nothing for it
 NOT_LOCALISED = {
