@@ -193,9 +193,30 @@ _PG_METHODS = {
     "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced_",
     "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced_", "all_to_all_single": "alltoall_base_",
 }
-_ACTIVE: list["CommCounter"] = []  # counters entered and not yet exited, outermost first
 _SAVED: list[tuple[Any, str, Any]] = []  # (class, method, original) while patched
 _LOCK = threading.Lock()
+
+
+class WhileEntered:
+    """A process-wide patch installed while at least one owner (a dispatch mode of this process) is entered:
+    `owners` are those entered and not yet exited, outermost first."""
+
+    def __init__(self, patch: Callable[[], None], unpatch: Callable[[], None]) -> None:
+        self.patch, self.unpatch = patch, unpatch
+        self.owners: list = []
+        self.lock = threading.Lock()
+
+    def enter(self, owner: Any) -> None:
+        with self.lock:
+            if not self.owners:
+                self.patch()
+            self.owners.append(owner)
+
+    def exit(self, owner: Any) -> None:
+        with self.lock:
+            self.owners.remove(owner)
+            if not self.owners:
+                self.unpatch()
 
 
 def _c10d_classes() -> list[tuple[Any, dict[str, str], bool]]:
@@ -224,7 +245,7 @@ def _patch() -> None:
                         **kwargs: Any) -> Any:
                 collective, size = _C10D[_op]
                 padded = (tuple(args[:2]) + (None, None))[:2] + (self,)
-                for counter in list(_ACTIVE):
+                for counter in list(_COUNTERS.owners):
                     if not (_other and _counted_here(counter)):
                         counter._record(collective, size(padded))
                 return _orig(self, *args, **kwargs)
@@ -236,6 +257,9 @@ def _unpatch() -> None:
     for cls, meth, orig in reversed(_SAVED):
         setattr(cls, meth, orig)
     _SAVED.clear()
+
+
+_COUNTERS = WhileEntered(_patch, _unpatch)  # the counters entered: the c10d methods are wrapped while there are
 
 
 def tensor_digest(*tensors: torch.Tensor, with_shape: bool = False) -> str:
@@ -294,19 +318,13 @@ class CommCounter(TorchDispatchMode):
         self.calls.clear()
         self.sizes.clear()
         self.reduction_inputs.clear()
-        with _LOCK:
-            if not _ACTIVE:
-                _patch()
-            _ACTIVE.append(self)
+        _COUNTERS.enter(self)
         super().__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        with _LOCK:
-            _ACTIVE.remove(self)
-            if not _ACTIVE:
-                _unpatch()
+        _COUNTERS.exit(self)
 
     def _record(self, collective: str, size: Size) -> None:
         key = (collective, size.dtype)

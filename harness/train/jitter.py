@@ -35,12 +35,11 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.measure.comm import _DTensor, op_kind
+from harness.measure.comm import WhileEntered, _DTensor, op_kind
 
 MAX_DELAY_S = 0.02  # the longest one delay: long beside a collective of the zoo's models (tens of microseconds)
 POINTS = ("collective", "wait", "forward", "optimizer")
 
-_ACTIVE: list["Jitter"] = []  # entered and not yet exited
 _LOCK = threading.Lock()
 _SAVED: list[Any] = []  # Work.wait as it was, while wrapped
 
@@ -59,7 +58,7 @@ def _wrap_work_wait() -> None:
     _SAVED.append(orig)
 
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
-        for j in list(_ACTIVE):
+        for j in list(_JITTERS.owners):
             j.pause("wait")
         return orig(self, *args, **kwargs)
 
@@ -70,6 +69,9 @@ def _unwrap_work_wait() -> None:
     from torch._C._distributed_c10d import Work
 
     Work.wait = _SAVED.pop()
+
+
+_JITTERS = WhileEntered(_wrap_work_wait, _unwrap_work_wait)  # entered jitters: Work.wait is wrapped while there are
 
 
 class Jitter(TorchDispatchMode):
@@ -108,19 +110,13 @@ class Jitter(TorchDispatchMode):
         return sum(self.counts.values())
 
     def __enter__(self) -> "Jitter":
-        with _LOCK:
-            if not _ACTIVE:
-                _wrap_work_wait()
-            _ACTIVE.append(self)
+        _JITTERS.enter(self)
         super().__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        with _LOCK:
-            _ACTIVE.remove(self)
-            if not _ACTIVE:
-                _unwrap_work_wait()
+        _JITTERS.exit(self)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}

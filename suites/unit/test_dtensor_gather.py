@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from harness.adapters.dtensor_gather import full_tensors
+from suites.unit.fsdp_worlds.common import shard_each_child
 
 TASK = "suites.unit.test_dtensor_gather:compare"
 
@@ -26,20 +27,7 @@ def compare(ctx, impl: str) -> dict:
 
     model = _model()
     plain = {n: p.detach().clone() for n, p in model.named_parameters()}
-    if impl == "fsdp2":
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = DeviceMesh.from_group(ctx.group, "cpu")
-        for unit in model:
-            fully_shard(unit, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    else:
-        from fsdp_impl import fully_shard
-
-        for unit in model:
-            fully_shard(unit, process_group=ctx.group)
-        fully_shard(model, process_group=ctx.group)
+    shard_each_child(model, ctx, impl)
     named = list(model.named_parameters())
     got = full_tensors(named)
     one_by_one = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in named}

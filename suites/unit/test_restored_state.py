@@ -11,6 +11,7 @@ from torch import nn
 
 from harness.measure.optim_state import held_state, param_names
 from harness.tables.restored_state import compare
+from suites.unit.fsdp_worlds.common import shard_each_child
 
 TASK = "suites.unit.test_restored_state:hold"
 
@@ -105,20 +106,7 @@ def hold(ctx, impl: str) -> dict:
     """Train a 5-row Linear one AdamW step sharded by `impl` at this world size; this rank's held_state."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))
-    if impl == "fsdp2":
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = DeviceMesh.from_group(ctx.group, "cpu")
-        for unit in model:
-            fully_shard(unit, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    else:
-        from fsdp_impl import fully_shard
-
-        for unit in model:
-            fully_shard(unit, process_group=ctx.group)
-        fully_shard(model, process_group=ctx.group)
+    shard_each_child(model, ctx, impl)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False)
     model(torch.arange(12.0).reshape(4, 3)).sum().backward()
     opt.step()

@@ -103,3 +103,21 @@ def patched(module: Any, name: str, value: Any) -> Iterator[None]:
         yield
     finally:
         setattr(module, name, old)
+
+
+def shard_each_child(model: nn.Module, ctx, impl: str) -> nn.Module:
+    """`model`'s children each a unit, then the root, sharded over the rank's world by FSDP2 ("fsdp2") or
+    fsdp_impl (anything else): the two-unit layouts the adapters' gathers and state readers are tested on."""
+    if impl == "fsdp2":
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+        mesh = DeviceMesh.from_group(ctx.group, "cpu")
+        for unit in model:
+            fsdp2_shard(unit, mesh=mesh)
+        fsdp2_shard(model, mesh=mesh)
+    else:
+        for unit in model:
+            fully_shard(unit, process_group=ctx.group)
+        fully_shard(model, process_group=ctx.group)
+    return model
