@@ -71,6 +71,8 @@ def choices(valid: tuple[str, ...]):
 
 
 data_modes = choices(DATA_MODES)
+
+
 def optimizers(text: str) -> tuple[str, ...]:
     """Built-in names are checked by name; a user's 'package.module:factory' is imported and must be callable
     (harness/train/user_optim.py; preflight then builds and steps it once)."""

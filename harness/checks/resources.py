@@ -314,6 +314,8 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         # the gradient; anything beyond that counts as a gradient all-reduce
         norms = (clip_of(feature) is not None) + user_optimizer(row.optimizer)
         norm_reduce = min(all_reduce, norms * float(row.param_tensors))
+        whose = " and ".join(w for w, on in (("clipping", clip_of(feature)), ("optimizer", user_optimizer(row.optimizer)))
+                             if on)
         all_reduce -= norm_reduce
         # hybrid sharding: the replicas then average their reduced shards, T / S elements of the rank's
         # own, by an all-reduce (FSDP2) or any of the reductions above
@@ -343,8 +345,7 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                f"{reduce:,.0f} elements ({reduce / p:.2f}P) in {', '.join(types) or 'no type'}, "
                f"{reduce_bytes:,.0f} B: traffic factor {factor:.2f}x the parameters' {8 * width:g}-bit elements; "
                f"ZeRO-3 ideal {per}2P{plus_eval} + {per_r}P with P = {p:,.0f} elements"
-               + (f"; the {' and '.join(w for w, on in (('clipping', clip_of(feature)), ('optimizer', user_optimizer(row.optimizer))) if on)}"
-                  f" norm's all_reduce {norm_reduce:,.0f} elements" if norm_reduce else "")
+               + (f"; the {whose} norm's all_reduce {norm_reduce:,.0f} elements" if norm_reduce else "")
                + (f"; the replicas' average of their shards T/S = {replicas_t:,.0f} elements" if replicas_t else ""))
         limit = (ideal_gather + t) * (1 + bounds.comm_slack) + gather_allowance + allowance  # the most both conditions above allow together
         out.append(judge("comm_volume", row, not problems, (gather + reduce) / p, limit / p,

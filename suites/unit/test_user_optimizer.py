@@ -53,7 +53,7 @@ def test_a_bad_name_is_one_usage_error_line_at_parse_time(name, says):
 ])
 def test_a_factory_that_breaks_the_protocol_is_refused_before_any_world_starts(factory, says):
     name = f"suites.faults.bad_inputs:{factory}"
-    with pytest.raises(OptimizerError, match=None) as err:
+    with pytest.raises(OptimizerError) as err:
         check_optimizer(name, 0.01)
     assert says in str(err.value) and "\n" not in str(err.value)
     ns = argparse.Namespace(optimizers=(name,), impls=("fsdp_impl",), models=("mlp",), world_sizes=(1,))
