@@ -71,7 +71,27 @@ def choices(valid: tuple[str, ...]):
 
 
 data_modes = choices(DATA_MODES)
-optimizers = choices(OPTIMIZERS)
+
+
+def optimizers(text: str) -> tuple[str, ...]:
+    """Built-in names are checked by name; a user's 'package.module:factory' is imported and must be callable
+    (harness/train/user_optim.py; preflight then builds and steps it once)."""
+    items = _items(text)
+    for name in items:
+        if name in OPTIMIZERS:
+            continue
+        if ":" not in name:
+            raise argparse.ArgumentTypeError(f"unknown {name!r}; choose from {', '.join(OPTIMIZERS)}, or name your "
+                                             f"own optimizer 'package.module:factory' (e.g. "
+                                             f"harness.train.optim:normalised_sgd)")
+        from harness.train.user_optim import OptimizerError, load_user_optimizer
+        try:
+            load_user_optimizer(name)
+        except OptimizerError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return tuple(items)
+
+
 def features(text: str) -> tuple[str, ...]:
     """A comma list of cells, each a feature or features composed with '+' (run together, in one run)."""
     try:
@@ -374,7 +394,9 @@ def add_matrix_arguments(add) -> None:
         help="model zoo names, Hugging Face hf:gpt2,hf:llama (pip install -e .[hf]), or package.module:factory "
              "(default mlp,tinylm,tinylm_tied)")
     add("--data-modes", type=data_modes, default=None, help="replicated,split (default both)")
-    add("--optimizers", type=optimizers, default=None, help="adamw,sgd (default both)")
+    add("--optimizers", type=optimizers, default=None,
+        help="adamw, sgd, or package.module:factory, called as factory(params, lr=lr) and returning a "
+             "torch.optim.Optimizer (the zoo's per-matrix harness.train.optim:normalised_sgd) (default adamw,sgd)")
     add("--features", type=features, default=None,
         help="what a step does: plain (one forward and backward), accum (2 micro-batches, a backward each, "
              "one optimizer step), no_sync (the same with the reduction switched off on all but the last), "

@@ -5,6 +5,8 @@
 - the user's models, held to the model protocol on the CPU of this process
   (harness/train/user_models.py check_model: build, units, a batch of the run's size, a loss that is
   the mean over the batch);
+- the user's optimizers, each built by its factory over a probe parameter and stepped once
+  (harness/train/user_optim.py check_optimizer: importable, callable, returns a torch.optim.Optimizer);
 - the temp dir the run writes into (harness/execute/scratch.py): a TMPDIR that cannot take a file;
 - the upper limits of harness/limits.py (world size by memory, steps by the temp dir's free space),
   unless `--allow-large`.
@@ -33,6 +35,7 @@ def user_models(models) -> list[str]:
 
 def check(matrix: "MatrixOptions") -> None:
     _check_user_models(matrix)
+    _check_user_optimizers(matrix)
     from harness.execute.scratch import ScratchError, temp_dir
     try:
         temp = temp_dir()
@@ -58,3 +61,16 @@ def _check_user_models(matrix: "MatrixOptions") -> None:
             check_model(get_model_spec(name), matrix.global_batch, matrix.seeds[0])
     except ModelError as e:
         raise argparse.ArgumentTypeError(f"--models: {e}") from None
+
+
+def _check_user_optimizers(matrix: "MatrixOptions") -> None:
+    from harness.core.scenario import user_optimizer
+    mine = [o for o in matrix.optimizers if user_optimizer(o)]
+    if not mine:
+        return
+    from harness.train.user_optim import OptimizerError, check_optimizer
+    try:
+        for name in mine:
+            check_optimizer(name, matrix.lr)
+    except OptimizerError as e:
+        raise argparse.ArgumentTypeError(f"--optimizers: {e}") from None

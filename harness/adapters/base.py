@@ -20,6 +20,11 @@ Methods:
   Move the model to ``device`` (``cpu`` for gloo, ``cuda:i`` for nccl). The gradient the
   optimizer sees must be the MEAN over ranks (each rank's loss is its local-batch mean).
 - ``make_optimizer``: default ``harness.train.optim.make_optimizer(wrapped.parameters(), name, lr)``.
+  ``name`` is ``"adamw"``, ``"sgd"`` or a user's ``"package.module:factory"`` (``--optimizers``), which
+  that function builds as ``factory(params, lr=lr)``; an override should build every name through it,
+  so that the reference and the implementation step the same optimizer. A per-matrix optimizer (its
+  update depends on the whole matrix) must see whole matrices: DTensor parameters, as fsdp_impl and FSDP2
+  have, reduce its norm over the mesh; a shard stepped as a matrix is the fault the harness catches.
 - ``after_backward``: called after ``backward()`` and before ``step()``; wait for outstanding
   gradient communication here. Default: nothing.
 - ``full_params`` (required): the full, unsharded parameters keyed by the UNWRAPPED module's

@@ -200,9 +200,9 @@ def grads_match_ws1(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     sc, steps = tables["scenarios"], tables["steps"]
     done = set(_ok(sc).scenario)
     for row in _ok(sc)[lambda d: (_widest(d) > 1) & (d.data_mode == "replicated")].itertuples():
-        if not_exact(feature_of(row)):
+        if not_exact(feature_of(row), row.optimizer):
             out.append(Verdict("grads_match_ws1", row.scenario, SKIP, None, None,
-                               message=f"does not apply: {not_exact(feature_of(row))}"))
+                               message=f"does not apply: {not_exact(feature_of(row), row.optimizer)}"))
             continue
         ws1 = _ws1_id(row)
         mine = steps[steps.scenario == row.scenario].sort_values("step")

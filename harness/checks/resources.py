@@ -1,7 +1,8 @@
 """Memory and communication checks: each scenario's measured figures held against the ZeRO-3 ideal.
 
 Ideal per rank at world size W, for full parameters of P bytes (harness.measure):
-    state    params P/W + grads P/W + optimizer state (AdamW 2P, SGD-momentum P)/W; no division
+    state    params P/W + grads P/W + optimizer state (AdamW 2P, SGD-momentum P, a user's optimizer what
+             the plain reference run of the scenario holds)/W; no division
              for an adapter that declares itself unsharded (DDP), so a sharding claim can fail
     traffic  all-gather 2P (forward and backward) + gradient reduce-scatter P per step, counted in
              elements of the full size each collective handles (harness.measure.comm), bytes beside
@@ -24,6 +25,7 @@ from harness.core.scenario import (
     passes_per_step,
     reductions_per_step,
     shard_size,
+    user_optimizer,
 )
 from harness.core.verdict import Verdict
 from harness.measure import ideal_comm_elements, ideal_state_bytes
@@ -103,13 +105,34 @@ def _per_rank(mem: pd.DataFrame) -> dict:
     return _INDEXED[0][2]
 
 
+def _ideal_state(tables, row) -> dict[str, int] | str:
+    """`ideal_state_bytes` of the row; for a user's optimizer ([Note: user optimizer]) with the state factor
+    its plain reference run measured (optimizer-state bytes per parameter byte, the whole model on one
+    rank), or, where that run recorded none, a line saying what is missing."""
+    factor = None
+    if user_optimizer(row.optimizer):
+        ref = Scenario.of_row(row).reference().id
+        sc = tables["scenarios"]
+        ref_rows = sc[(sc.scenario == ref) & (sc.status == "ok")]
+        held = _max_over_ranks(tables["memory"], ref, "state_optimizer_state") if len(ref_rows) else math.nan
+        if math.isnan(held) or ref_rows.param_bytes.isna().all():
+            return (f"the optimizer-state ideal of a user's optimizer is what its plain reference run holds, and "
+                    f"{ref} recorded none")
+        factor = held / float(ref_rows.param_bytes.iloc[0])
+    return ideal_state_bytes(int(row.param_bytes), row.optimizer, shards(row), sharded=bool(row.sharded),
+                             state_factor=factor)
+
+
 def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """Per-rank params, grads and optimizer state each within padding of the ideal (P x factor / W),
     and what the rank holds besides them (buffers, anything else the census finds) within the
     model's own buffers and a small bookkeeping allowance."""
     out, mem = [], tables["memory"]
     for row in _measured_rows(tables, "memory_sharding", out).itertuples():
-        ideal = ideal_state_bytes(int(row.param_bytes), row.optimizer, shards(row), sharded=bool(row.sharded))
+        ideal = _ideal_state(tables, row)
+        if isinstance(ideal, str):
+            out.append(not_measured("memory_sharding", row, ideal))
+            continue
         allowance = shard_padding(row, bounds)
         worst, worst_limit, where, total_measured, over = 0.0, 1.0, "", 0.0, []
         for cat in STATE_CATEGORIES:
@@ -120,7 +143,7 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             total_measured += measured
             copies = ideal[cat] / ideal["params"] if ideal["params"] else 1  # optimizer state: 2 per param (AdamW)
             limit = ideal[cat] * (1 + bounds.memory_sharding_slack) + copies * allowance
-            ratio = measured / ideal[cat] if ideal[cat] else math.inf
+            ratio = measured / ideal[cat] if ideal[cat] else (0.0 if not measured else math.inf)
             if ratio > worst:
                 worst, worst_limit = ratio, (limit / ideal[cat] if ideal[cat] else math.inf)
             over += [cat] if measured > limit else []
@@ -173,7 +196,10 @@ def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         if math.isnan(peak):
             out.append(not_measured("peak_memory_bound", row, "the rank recorded no peak memory"))
             continue
-        ideal = ideal_state_bytes(int(row.param_bytes), row.optimizer, shards(row), sharded=bool(row.sharded))
+        ideal = _ideal_state(tables, row)
+        if isinstance(ideal, str):
+            out.append(not_measured("peak_memory_bound", row, ideal))
+            continue
         unsharded = 0 if not row.sharded or shards(row) == 1 else 2 * 2 * float(row.largest_unit_bytes)
         # with the reduction switched off between micro-batches every unit's unsharded gradient is held
         held_grads = (float(row.trainable_bytes) if row.sharded and shards(row) > 1
@@ -283,9 +309,13 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         gather = elements.get("all_gather", 0.0)
         scatter = _reduced(elements, shards(row))
         all_reduce = elements.get("all_reduce", 0.0)
-        # clipping all-reduces the global gradient norm: a few elements (at most one per parameter
-        # tensor) a step, not the gradient; anything beyond that counts as a gradient all-reduce
-        norm_reduce = min(all_reduce, float(row.param_tensors)) if clip_of(feature) else 0.0
+        # clipping all-reduces the global gradient norm, and a user's optimizer may all-reduce a whole-matrix
+        # norm ([Note: user optimizer]): a few elements (at most one per parameter tensor) a step each, not
+        # the gradient; anything beyond that counts as a gradient all-reduce
+        norms = (clip_of(feature) is not None) + user_optimizer(row.optimizer)
+        norm_reduce = min(all_reduce, norms * float(row.param_tensors))
+        whose = " and ".join(w for w, on in (("clipping", clip_of(feature)), ("optimizer", user_optimizer(row.optimizer)))
+                             if on)
         all_reduce -= norm_reduce
         # hybrid sharding: the replicas then average their reduced shards, T / S elements of the rank's
         # own, by an all-reduce (FSDP2) or any of the reductions above
@@ -315,7 +345,7 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                f"{reduce:,.0f} elements ({reduce / p:.2f}P) in {', '.join(types) or 'no type'}, "
                f"{reduce_bytes:,.0f} B: traffic factor {factor:.2f}x the parameters' {8 * width:g}-bit elements; "
                f"ZeRO-3 ideal {per}2P{plus_eval} + {per_r}P with P = {p:,.0f} elements"
-               + (f"; the clipping norm's all_reduce {norm_reduce:,.0f} elements" if norm_reduce else "")
+               + (f"; the {whose} norm's all_reduce {norm_reduce:,.0f} elements" if norm_reduce else "")
                + (f"; the replicas' average of their shards T/S = {replicas_t:,.0f} elements" if replicas_t else ""))
         limit = (ideal_gather + t) * (1 + bounds.comm_slack) + gather_allowance + allowance  # the most both conditions above allow together
         out.append(judge("comm_volume", row, not problems, (gather + reduce) / p, limit / p,

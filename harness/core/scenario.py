@@ -7,7 +7,7 @@ import itertools
 from dataclasses import dataclass
 
 DATA_MODES = ("replicated", "split")
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd")  # built in; --optimizers also takes a user's "package.module:factory"
 # The plain, non-sharded model trained on the full global batch in one process.
 REFERENCE_IMPL = "reference"
 # What one training step does besides forward, backward and the optimizer step (harness/train/features.py):
@@ -204,7 +204,7 @@ class Scenario:
     model: str  # model zoo name ("mlp", "tinylm", ...)
     world_size: int
     data_mode: str  # "replicated": every rank trains on the global batch; "split": 1/W slice each
-    optimizer: str  # "adamw" | "sgd" (SGD with momentum)
+    optimizer: str  # "adamw" | "sgd" (SGD with momentum) | a user's "package.module:factory" (user_optimizer)
     steps: int = 10
     seed: int = 0
     lr: float = 1e-2
@@ -356,7 +356,7 @@ def scenario_id(impl: str, model: str, world_size: int, data_mode: str, optimize
     feature is left out; ``-fromW`` names the world size a resumed (ckpt) run's checkpoint was saved at,
     ``-microK`` the micro-batches a reference sums (Scenario.micro_batches), ``-microKrev`` in reverse order,
     ``-nudgeN`` a probe's clipping coefficient nudged by N ulps (Scenario.nudge)."""
-    parts = [_slug(impl), _slug(model), f"ws{world_size}", data_mode] + ([optimizer] if optimizer else [])
+    parts = [_slug(impl), _slug(model), f"ws{world_size}", data_mode] + ([_slug(optimizer)] if optimizer else [])
     parts += [feature] if feature != "plain" else []
     parts += [f"from{resume_from}"] if resume_from else []
     parts += [f"micro{micro_batches}{'rev' if reverse_micro else ''}"] if micro_batches > 1 else []
@@ -364,8 +364,13 @@ def scenario_id(impl: str, model: str, world_size: int, data_mode: str, optimize
     return "-".join(parts) + (f"-seed{seed}" if seed else "")
 
 
+def user_optimizer(name: str) -> bool:
+    """A user's optimizer factory ``"package.module:factory"`` (harness/train/user_optim.py), not a built-in."""
+    return name not in OPTIMIZERS and ":" in name
+
+
 def _slug(impl: str) -> str:
-    """A user adapter or model 'pkg.mod:obj' becomes 'pkg.mod.obj' so ids stay path- and shell-safe."""
+    """A user adapter, model or optimizer 'pkg.mod:obj' becomes 'pkg.mod.obj' so ids stay path- and shell-safe."""
     return impl.replace(":", ".").replace("/", ".")
 
 

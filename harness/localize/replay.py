@@ -173,7 +173,9 @@ def scenario_of_id(text: str, *, steps: int = 10, lr: float = 1e-2, global_batch
 
     tokens = text.strip().split("-")
     at = next((i for i, t in enumerate(tokens) if re.fullmatch(r"ws\d+", t) and i >= 2), None)
-    if at is None or len(tokens) < at + 3 or tokens[at + 1] not in DATA_MODES or tokens[at + 2] not in OPTIMIZERS:
+    # a user's optimizer 'pkg.mod:factory' is spelled 'pkg.mod.factory' (scenario_id's slug)
+    if (at is None or len(tokens) < at + 3 or tokens[at + 1] not in DATA_MODES
+            or not (tokens[at + 2] in OPTIMIZERS or "." in tokens[at + 2])):
         raise ValueError(f"{text!r} is not a scenario id (impl-model-wsW-mode-optimizer[-feature][-fromW][-seedN], "
                          "as the report and the console name them)")
     impl, model = "-".join(tokens[:at - 1]), tokens[at - 1]
@@ -192,5 +194,6 @@ def scenario_of_id(text: str, *, steps: int = 10, lr: float = 1e-2, global_batch
             if re.fullmatch(r"micro\d+(rev)?", t):
                 raise ValueError(f"{text!r} is a reference or noise probe: there is nothing to localise it against")
             fields["feature"] = check_feature(t)
-    return Scenario(impl, model, int(tokens[at][2:]), tokens[at + 1], tokens[at + 2], steps=steps, lr=lr,
+    optimizer = tokens[at + 2] if tokens[at + 2] in OPTIMIZERS else ":".join(tokens[at + 2].rsplit(".", 1))
+    return Scenario(impl, model, int(tokens[at][2:]), tokens[at + 1], optimizer, steps=steps, lr=lr,
                     global_batch=global_batch, backend=backend, **fields)

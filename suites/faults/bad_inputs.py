@@ -49,6 +49,27 @@ def half_model():
     return SimpleNamespace(build=lambda: None, units=lambda m: [])
 
 
+def optimizer_returning_none(params, lr):
+    """A user optimizer factory that returns no optimizer."""
+    return None
+
+
+def raising_optimizer(params, lr):
+    """A user optimizer factory that raises."""
+    raise RuntimeError("no optimizer here")
+
+
+def optimizer_whose_step_raises(params, lr):
+    """A user optimizer factory whose optimizer cannot step."""
+    import torch
+
+    class Stuck(torch.optim.SGD):
+        def step(self, closure=None):
+            raise RuntimeError("stuck")
+
+    return Stuck(params, lr=lr)
+
+
 @dataclass(frozen=True)
 class Case:
     what: str  # the kind of bad input, as the issue lists it
@@ -95,6 +116,17 @@ CASES: tuple[Case, ...] = (
          "loss(model(inputs), targets) raised RuntimeError: "),
     Case("unknown data mode", ("--data-modes", "sharded"), "unknown 'sharded'; choose from"),
     Case("unknown optimizer", ("--optimizers", "lamb"), "unknown 'lamb'; choose from"),
+    Case("user optimizer module that is not there", ("--optimizers", "no_such_pkg.optim:lion"),
+         "optimizer 'no_such_pkg.optim:lion': module 'no_such_pkg.optim' could not be imported", pytest=True),
+    Case("user optimizer that is not callable", ("--optimizers", "suites.faults.bad_inputs:half_adapter"),
+         "half_adapter is a HalfAdapter, not a callable factory(params, lr=lr)"),
+    Case("user optimizer factory that raises", ("--optimizers", "suites.faults.bad_inputs:raising_optimizer"),
+         "factory(params, lr=0.01) raised RuntimeError: no optimizer here"),
+    Case("user optimizer factory returning the wrong thing",
+         ("--optimizers", "suites.faults.bad_inputs:optimizer_returning_none"),
+         "factory(params, lr=0.01) returned NoneType, not a torch.optim.Optimizer", pytest=True),
+    Case("user optimizer that cannot step", ("--optimizers", "suites.faults.bad_inputs:optimizer_whose_step_raises"),
+         "step() raised RuntimeError: stuck"),
     Case("unknown feature", ("--features", "accumulate"), "unknown feature 'accumulate'; choose from plain, accum, no_sync, clip, clip_inf, ac"),
     Case("features that cannot be composed", ("--features", "accum+no_sync"), "accum+no_sync cannot be composed: two micro-batch schemes"),
     Case("adapter module that is not there", ("--impl", "no_such_pkg.adapters:Mine"),

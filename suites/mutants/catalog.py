@@ -13,6 +13,7 @@ else (``injection.py`` says how). The mutants live beside this module, grouped b
 - ``feature_mutants``: the training features (gradient accumulation with the reduction switched off,
   clipping);
 - ``timing_mutants``: faults that show only when asynchronous work finishes late (feature ``jitter``);
+- ``optimizer_mutants``: a per-matrix optimizer applied to each rank's shard instead of the whole matrix;
 - ``hidden_mutants``: faults hidden from what an adapter reports (a parameter left out of
   ``full_params``, buffers and state outside the reported objects, traffic from another thread),
   and the controls that reduce gradients ZeRO-1/2 style.
@@ -73,6 +74,7 @@ from suites.mutants.hidden_mutants import (
 )
 from suites.mutants.memory_mutants import NoGradForwardUnsharded, OptimizerStateUnsharded, ReshardSkipped
 from suites.mutants.meta_init_mutants import MetaInit, MetaInitRngOrder
+from suites.mutants.optimizer_mutants import ShardNormalised
 from suites.mutants.per_sample_mutants import per_sample_task  # noqa: F401 (named by a spec below)
 from suites.mutants.timing_mutants import GatherReadEarly
 from suites.mutants.sharding_mutants import (
@@ -86,6 +88,7 @@ from suites.mutants.sharding_mutants import (
 )
 
 MODULE = __name__
+NORMALISED_SGD = "harness.train.optim:normalised_sgd"  # the zoo's per-matrix optimizer (--optimizers)
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,7 @@ grad_overwritten = GradOverwritten
 sync_ignored, sync_never_restored, accum_averaged = SyncIgnored, SyncNeverRestored, AccumAveraged
 clip_local_norm, bf16_optimizer_step, ac_reduced_twice = ClipLocalNorm, Bf16OptimizerStep, AcReducedTwice
 clip_norm_reported_local, held_in_param_dtype = ClipNormReportedLocal, HeldInParamDtype
-bf16_summed = Bf16Summed
+bf16_summed, shard_normalised = Bf16Summed, ShardNormalised
 replicas_not_averaged = ReplicasNotAveraged
 no_grad_forward_unsharded = NoGradForwardUnsharded
 gather_read_early = GatherReadEarly
@@ -294,6 +297,12 @@ CATALOGUE: tuple[Mutant, ...] = (
            "a prefetched all-gather's output copied into the unsharded parameters before waiting for the gather",
            data_modes=("replicated",), optimizers=("adamw",), world_sizes=(2,), features=("jitter",),
            at_steps=(1, 3)),
+    # only a per-matrix optimizer shows it (AdamW and SGD step a shard as they step the matrix), and only at
+    # W > 1 (at W = 1 the shard is the matrix): replicated data against W = 1 (held to the split tier, [Note:
+    # user optimizer]), split data against the full batch
+    Mutant("shard_normalised", _spec("shard_normalised"), "cross_ws_replicated",
+           "a per-matrix optimizer (normalised SGD) that normalises each rank's shard by its own norm instead of "
+           "the whole matrix's (DeepSpeed #7807)", optimizers=(NORMALISED_SGD,)),
 )
 
 # Unmutated adapters run in the same matrix: the reference and these must pass every check.

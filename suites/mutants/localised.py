@@ -45,6 +45,7 @@ WHERE = {
     # a race: where it shows depends on which gather a late rank leaves half-read; in the replays tried (4 of 4)
     # step 2's first forward prefetch, the root's of layers.0, read before the rank whose part was late sent it
     "gather_read_early": (FORWARD, "layers.0"),
+    "shard_normalised": ("optimizer step", "layers.0"),  # each shard divided by its own norm
 }
 # name -> why the localiser names nothing for it
 NOT_LOCALISED = {

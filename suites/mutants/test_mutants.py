@@ -29,7 +29,7 @@ ISSUE_FAULTS = {  # the faults the catalogue must hold at the least, by catalogu
     "prefetch_thread_gather", "fp32_reduce", "tie_broken", "grad_overwritten",
     "sync_ignored", "sync_never_restored", "accum_averaged", "clip_local_norm",
     "bf16_optimizer_step", "ac_reduced_twice", "replicas_not_averaged", "ckpt_last_rank_shifted",
-    "ckpt_optimizer_state_shifted", "ckpt_step_restarted",
+    "ckpt_optimizer_state_shifted", "ckpt_step_restarted", "shard_normalised",
 }
 HARNESS_CHECKS = {c.name for c in all_checks()}
 NUMERIC_NAMES = {"finite", "ws1_exact", "cross_ws_replicated", "split_matches_full_batch", "converges",
@@ -180,3 +180,14 @@ def test_a_unit_left_gathered_after_a_no_grad_forward_is_seen_by_eval_and_by_no_
     assert not r.failed, "\n".join(str(v) for v in r.failed)
     seen = run_catalogue([m], pool=pool).results[m.name]
     assert {v.check for v in seen.failed} >= {"units_gathered"}
+
+
+def test_an_optimizer_stepping_shards_is_seen_only_by_a_per_matrix_optimizer(pool):
+    """shard_normalised steps each rank's shard as if it were the matrix. AdamW and SGD act element by
+    element, so there it changes nothing and no check fails in any cell (a per-matrix optimizer is the only
+    way to hold it: its own cells catch it, test_mutant_is_caught)."""
+    m = dataclasses.replace(next(m for m in CATALOGUE if m.name == "shard_normalised"), optimizers=("adamw", "sgd"))
+    run = run_catalogue([m], pool=pool)
+    r = run.results[m.name]
+    assert len(r.scenarios) == 8 and {v.scenario for v in r.verdicts} == set(r.scenarios)
+    assert not r.failed, "\n".join(str(v) for v in r.failed)

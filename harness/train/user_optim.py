@@ -1,0 +1,71 @@
+"""The user's own optimizer, named ``"package.module:factory"`` on the command line (``--optimizers``).
+
+The optimizer protocol: the named object is a callable ``factory(params, lr=lr)`` that returns a
+``torch.optim.Optimizer`` over ``params`` (a list of the wrapped model's parameters: plain tensors for the
+plain model and DDP, DTensors for fsdp_impl and FSDP2). Every run of a scenario calls it, the plain
+reference on its plain model and each adapter through ``make_optimizer(wrapped, name=..., lr=...)``, so
+a per-matrix optimizer (whose update depends on the whole matrix: a norm, an orthogonalisation) is held
+to what it does on the whole, unsharded matrix. `harness.train.optim:normalised_sgd` is an example.
+
+`load_user_optimizer` (at parse time) and `check_optimizer` (preflight, before any world starts) turn
+every problem into one `OptimizerError` line: a usage error, never a failure per scenario.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from harness.train.user_models import _one_line
+
+
+class OptimizerError(ValueError):
+    """A user optimizer cannot be found, imported or used; the message is one line."""
+
+
+def load_user_optimizer(name: str):
+    """The factory ``"package.module:factory"`` names; OptimizerError (one line) on any problem."""
+    module, _, attr = name.partition(":")
+    if not module or not attr:
+        raise OptimizerError(f"optimizer {name!r}: expected 'package.module:factory'")
+    try:
+        obj: object = importlib.import_module(module)
+    except Exception as exc:  # ImportError, SyntaxError, anything its top level raises
+        raise OptimizerError(f"optimizer {name!r}: module {module!r} could not be imported: {_one_line(exc)}") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise OptimizerError(f"optimizer {name!r}: module {module!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise OptimizerError(f"optimizer {name!r}: {attr} is a {type(obj).__name__}, not a callable "
+                             f"factory(params, lr=lr)")
+    return obj
+
+
+def build_user_optimizer(name: str, params: list, lr: float):
+    """``factory(params, lr=lr)``, held to return a torch.optim.Optimizer; OptimizerError (one line) if not."""
+    import torch
+
+    factory = load_user_optimizer(name)
+    try:
+        opt = factory(params, lr=lr)
+    except Exception as exc:  # the user's code may raise anything
+        raise OptimizerError(f"optimizer {name!r}: factory(params, lr={lr:g}) raised {_one_line(exc)}") from exc
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise OptimizerError(f"optimizer {name!r}: factory(params, lr={lr:g}) returned {type(opt).__name__}, "
+                             f"not a torch.optim.Optimizer")
+    return opt
+
+
+def check_optimizer(name: str, lr: float) -> None:
+    """The protocol held once, in the parent, before any world starts: the factory builds an Optimizer over
+    one probe parameter, which then steps once on a gradient. OptimizerError (one line) names the problem."""
+    import torch
+
+    p = torch.nn.Parameter(torch.ones(3, 2))
+    opt = build_user_optimizer(name, [p], lr)
+    p.grad = torch.full_like(p, 0.5)
+    try:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    except Exception as exc:  # the user's code may raise anything
+        raise OptimizerError(f"optimizer {name!r}: step() raised {_one_line(exc)}") from exc
