@@ -262,14 +262,12 @@ def _unpatch() -> None:
 _COUNTERS = WhileEntered(_patch, _unpatch)  # the counters entered: the c10d methods are wrapped while there are
 
 
-def tensor_digest(*tensors: torch.Tensor, with_shape: bool = False) -> str:
-    """A CRC-32 of the tensors' bytes (and shapes and dtypes, `with_shape`), read in place where the tensor is
-    a contiguous CPU one (a copy otherwise): neither a numpy view, which would make the tensor's storage
-    non-resizable (implementations resize theirs), nor a copy of every tensor an op makes."""
+def tensor_digest(*tensors: torch.Tensor) -> str:
+    """A CRC-32 of the tensors' bytes, read in place where the tensor is a contiguous CPU one (a copy
+    otherwise): neither a numpy view, which would make the tensor's storage non-resizable (implementations
+    resize theirs), nor a copy of every tensor an op makes."""
     crc = 0
     for t in tensors:
-        if with_shape:
-            crc = zlib.crc32(f"{tuple(t.shape)}{t.dtype}".encode(), crc)
         t = t.detach()
         if t.device.type != "cpu":
             t = t.cpu()
