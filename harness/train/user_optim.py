@@ -13,9 +13,7 @@ every problem into one `OptimizerError` line: a usage error, never a failure per
 
 from __future__ import annotations
 
-import importlib
-
-from harness.train.user_models import _one_line
+from harness.train.user_models import _one_line, resolve
 
 
 class OptimizerError(ValueError):
@@ -24,17 +22,7 @@ class OptimizerError(ValueError):
 
 def load_user_optimizer(name: str):
     """The factory ``"package.module:factory"`` names; OptimizerError (one line) on any problem."""
-    module, _, attr = name.partition(":")
-    if not module or not attr:
-        raise OptimizerError(f"optimizer {name!r}: expected 'package.module:factory'")
-    try:
-        obj: object = importlib.import_module(module)
-    except Exception as exc:  # ImportError, SyntaxError, anything its top level raises
-        raise OptimizerError(f"optimizer {name!r}: module {module!r} could not be imported: {_one_line(exc)}") from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise OptimizerError(f"optimizer {name!r}: module {module!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+    obj, attr = resolve(name, "optimizer", OptimizerError)
     if not callable(obj):
         raise OptimizerError(f"optimizer {name!r}: {attr} is a {type(obj).__name__}, not a callable "
                              f"factory(params, lr=lr)")
