@@ -32,7 +32,6 @@ import pytest
 from harness import options as opt
 from harness.core.environment import command_line
 from harness.session import EXIT_FAILED, Session, SessionOptions
-from harness.tables.store import OutputError
 
 _SESSION = pytest.StashKey[Session]()
 _SELECTED = pytest.StashKey[object]()  # set of scenario ids, or None for the whole matrix
@@ -168,6 +167,8 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(shared, ignore_errors=True)
     if harness.result is None:
         return
+    from harness.tables.store import OutputError  # (pandas: only once a run has a result to write)
+
     try:
         status = harness.finish()
     except OutputError as e:

@@ -16,11 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 
 def kernel_env(backend: str) -> dict:
     """The keys that choose the numeric kernels (all recorded by `environment`)."""
+    import torch  # here, not at the top: the pytest plugin imports this module, and a usage error needs no torch
+
     cuda = backend == "nccl"
     return {"torch": torch.__version__, "device": "cuda" if cuda else "cpu",
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu": cpu_model(),
@@ -29,6 +29,8 @@ def kernel_env(backend: str) -> dict:
 
 def environment(backend: str) -> dict:
     """Everything a run records about where it ran (the report's environment table, the baseline's header)."""
+    import torch
+
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip()

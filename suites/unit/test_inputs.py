@@ -322,6 +322,17 @@ def test_a_usage_error_imports_no_torch():
     assert "divisible" in out.stderr
 
 
+
+def test_a_pytest_usage_error_imports_neither_torch_nor_pandas():
+    """The pytest plugin is loaded by every pytest run of an installed package: importing it, as a
+    usage error does before anything runs, must not import torch or pandas (1.5 s of every bad-option
+    run and of every pytest run that selects no harness test)."""
+    import subprocess
+    import sys
+    code = "import sys, harness.plugin; print(sorted(m for m in ('torch', 'pandas') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
 def test_each_output_is_staged_beside_its_destination_so_file_systems_may_differ(tmp_path, monkeypatch):
     """A report on one file system (a tmpfs /tmp) and the baselines on another: os.replace cannot
     cross them, so every staged output must sit in the folder it is moved into."""
