@@ -28,7 +28,7 @@ from harness.core.scenario import (
     user_optimizer,
 )
 from harness.core.verdict import Verdict
-from harness.measure import ideal_comm_elements, ideal_state_bytes
+from harness.measure.ideals import ideal_comm_elements, ideal_state_bytes
 from harness.measure.timeline import ALLOWED, ROOT_FREE, expected_phases
 
 STATE_CATEGORIES = ("params", "grads", "optimizer_state")

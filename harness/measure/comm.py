@@ -18,7 +18,7 @@ per element type (so a reduction in float64 reads as the same elements at twice 
 
 So a ZeRO-3 step over P parameter elements (padded to a multiple of W, as all-gather needs equal
 shards) shows all_gather 2P (forward + backward re-gather) and reduce_scatter P
-(`ideal_comm_elements`): the "algorithm size". A ring puts (W-1)/W of it on the wire per rank.
+(`harness.measure.ideals.ideal_comm_elements`): the "algorithm size". A ring puts (W-1)/W of it on the wire per rank.
 
 Checked on gloo (torch 2.13): every public ``torch.distributed`` collective and p2p call (sync
 or async, list or tensor form, object collectives, ``_coalescing_manager``, ``batch_isend_irecv``,
@@ -54,7 +54,7 @@ try:
 except ImportError:  # torch built without distributed
     _DTensor = None
 
-__all__ = ["CommCounter", "ideal_comm_elements"]
+__all__ = ["CommCounter"]
 
 
 @dataclass(frozen=True)
@@ -367,21 +367,3 @@ class CommCounter(TorchDispatchMode):
 
     def calls_of(self, collective: str) -> int:
         return sum(n for (c, _), n in self.calls.items() if c == collective)
-
-
-def ideal_comm_elements(param_elements: int, world_size: int, trainable_elements: int | None = None) -> dict[str, int]:
-    """ZeRO-3 ideal per step, in elements of the full size each collective handles (as `CommCounter`
-    counts them): all_gather 2P (forward, and the re-gather for backward), gradient reduction T, the
-    trainable elements (P when nothing is frozen: a frozen parameter is gathered, never reduced);
-    {} at W == 1, where nothing needs to move.
-
-    Measured runs differ from it by rule, not by accident: parameters are padded to equal shards
-    (FSDP2 pads each parameter's dim 0 to a multiple of W; flat-buffer implementations pad the
-    buffer), and a unit that is not resharded after forward is gathered once, not twice: FSDP2's
-    root unit and an FSDP1 root-only wrap, so all_gather = 2P - (root unit's elements) there."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if world_size == 1:
-        return {}
-    reduced = param_elements if trainable_elements is None else trainable_elements
-    return {"all_gather": 2 * param_elements, "reduce_scatter": reduced}

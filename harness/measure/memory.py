@@ -19,7 +19,6 @@ Buffers are not part of `state_bytes` (ZeRO-3 does not shard them).
 from __future__ import annotations
 
 import gc
-import math
 from typing import Any, Iterable
 
 import torch
@@ -31,7 +30,7 @@ try:
 except ImportError:  # torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["state_bytes", "state_tensors", "optimizer_list", "PeakMemory", "ideal_state_bytes", "CATEGORIES", "local_tensor"]
+__all__ = ["state_bytes", "state_tensors", "optimizer_list", "PeakMemory", "CATEGORIES", "local_tensor"]
 
 CATEGORIES = ("params", "grads", "optimizer_state", "activations", "other")
 
@@ -96,30 +95,6 @@ def state_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
     already counted in an earlier category is not counted again."""
     seen: set[int] = set()
     return {cat: _count(tensors, seen) for cat, tensors in state_tensors(model, optimizer).items()}
-
-
-# Optimizer name -> state bytes per parameter byte (steps counters, a few bytes each, left out).
-OPTIMIZER_STATE_FACTOR = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_momentum": 1, "sgd_nomomentum": 0}
-
-
-def ideal_state_bytes(full_param_bytes: int, optimizer: str, world_size: int, *,
-                      sharded: bool = True, state_factor: float | None = None) -> dict[str, int]:
-    """Per-rank ZeRO-3 ideal: params, grads and optimizer state of P bytes each divided by W
-    (ceil, padding ignored); ``sharded=False`` (DDP) keeps the full size on every rank.
-    Optimizer state is 2P for adam/adamw (exp_avg, exp_avg_sq), P for sgd with momentum, or
-    `state_factor` x P where the caller measured it (a user's optimizer, whose rule is not known here:
-    harness.checks.resources reads it off the plain reference run)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if state_factor is None:
-        try:
-            state_factor = OPTIMIZER_STATE_FACTOR[optimizer.lower()]
-        except KeyError:
-            raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATE_FACTOR)} "
-                             f"(a user's optimizer needs its measured state_factor)") from None
-    div = world_size if sharded else 1
-    per = -(-full_param_bytes // div)
-    return {"params": per, "grads": per, "optimizer_state": math.ceil(state_factor * per)}
 
 
 # Tracker reference type (its ``.value``) -> our category; anything unlisted is "other".

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.measure.memory import PeakMemory, ideal_state_bytes, local_tensor, state_bytes
+from harness.measure.ideals import ideal_state_bytes
+from harness.measure.memory import PeakMemory, local_tensor, state_bytes
 
 __all__ = ["plan_memory", "fsdp2_wrap", "default_units", "make_optimizer", "full_param_bytes"]
 

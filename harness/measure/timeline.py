@@ -39,10 +39,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch built without distributed
-    DTensor = None  # type: ignore[assignment,misc]
+DTensor = None  # torch.distributed.tensor's, once a timeline is built (the process that judges needs none)
+
+
+def _load_dtensor() -> None:
+    global DTensor
+    if DTensor is None:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # torch built without distributed
+            pass
 
 __all__ = ["UnitTimeline", "PHASES", "ALLOWED", "ROOT", "expected_phases"]
 
@@ -113,6 +119,7 @@ class UnitTimeline:
     found where the model keeps them; then `sample`d during a step, phase by phase."""
 
     def __init__(self, model: nn.Module, units: list[nn.Module]) -> None:
+        _load_dtensor()
         names = {id(m): n for n, m in model.named_modules()}
         claimed: set[int] = set()
         self.units: list[_Unit] = []

@@ -333,6 +333,18 @@ def test_a_pytest_usage_error_imports_neither_torch_nor_pandas():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
+
+def test_the_process_that_judges_a_run_imports_no_rank_side_measurement():
+    """The parent (CLI, pytest controller) builds tables and judges them: it needs the ZeRO-3 ideals,
+    not DTensor or torch's memory tracker (1.3 s of every CLI and pytest start), which only ranks use."""
+    import subprocess
+    import sys
+    code = ("import sys, harness.session, harness.checks.resources, harness.tables.build, harness.measure\n"
+            "from harness.measure import ideal_state_bytes, ideal_comm_elements\n"
+            "print(sorted(m for m in ('torch.distributed.tensor', 'torch.distributed._tools') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
 def test_each_output_is_staged_beside_its_destination_so_file_systems_may_differ(tmp_path, monkeypatch):
     """A report on one file system (a tmpfs /tmp) and the baselines on another: os.replace cannot
     cross them, so every staged output must sit in the folder it is moved into."""
