@@ -51,7 +51,7 @@ def model_size(name: str) -> ModelSize:
     build = get_model_spec(name).build
     with torch.random.fork_rng(devices=[]):
         try:
-            with torch.device("meta"):
+            with torch.device("meta"), _no_fills_on_meta():
                 model = build()
         except Exception:  # not meta-safe: build it for real
             model = build()
@@ -62,6 +62,31 @@ def model_size(name: str) -> ModelSize:
     snapshot = len(buf.getvalue()) + 4 * sum(p.numel() - 1 for p in params.values())
     return ModelSize(nbytes(params.values()), nbytes(p for p in params.values() if p.requires_grad), snapshot,
                      max((p.shape[0] if p.dim() else 1) for p in params.values()))
+
+
+# in-place ops that only write values (nn.init's fills, and the arithmetic of trunc_normal_): on a meta
+# tensor they have nothing to write and leave its shape as it was
+_VALUE_FILLS = frozenset({"normal_", "uniform_", "fill_", "zero_", "random_", "exponential_", "bernoulli_",
+                          "geometric_", "log_normal_", "cauchy_", "erfinv_", "mul_", "add_", "sub_", "div_",
+                          "clamp_", "copy_"})
+
+
+def _no_fills_on_meta():
+    """A torch function mode in which value fills of a meta tensor return it at once. A meta tensor's fill
+    runs through torch._refs, whose first call imports torch._dynamo: over a second of every CLI and pytest
+    start, in a process that wants only the model's sizes."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class NoFills(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            target = args[0] if args else kwargs.get("tensor")  # nn.init's functions pass it by name
+            if getattr(func, "__name__", "") in _VALUE_FILLS and isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+            return func(*args, **kwargs)
+
+    return NoFills()
 
 
 def machine_memory_bytes() -> int:

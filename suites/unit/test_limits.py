@@ -147,3 +147,27 @@ def test_allow_large_lifts_the_limits_but_not_the_temp_dir_check(monkeypatch, tm
     monkeypatch.setenv("TMPDIR", str(tmp_path / "missing"))
     assert "is not writable" in _refused(preflight.check, MatrixOptions(**{**huge.__dict__, "allow_large": True}))
     assert shutil.disk_usage(tmp_path).free  # the real free space is what check_steps reads
+
+
+@pytest.mark.parametrize("model", ["mlp", "tinylm_tied", "mha_lm", "bn_mlp"])
+def test_model_sizes_on_meta_without_fills_are_those_of_the_model_built_for_real(model):
+    """model_size builds on the meta device with value fills skipped (nn.init's, which would import
+    torch._dynamo in the judging process): every parameter's shape, dtype and trainability must be
+    those of the model built on the CPU, and no torch._dynamo import may be needed for it."""
+    import subprocess
+    import sys
+
+    with torch.random.fork_rng(devices=[]):
+        real = get_model_spec(model).build()
+    params = list(real.named_parameters())
+    size = limits.model_size(model)
+    assert size.param_bytes == sum(p.numel() * p.element_size() for _, p in params)
+    assert size.trainable_bytes == sum(p.numel() * p.element_size() for _, p in params if p.requires_grad)
+    assert size.largest_rows == max(p.shape[0] if p.dim() else 1 for _, p in params)
+    with torch.device("meta"), limits._no_fills_on_meta():
+        meta = get_model_spec(model).build()
+    assert [(n, p.shape, p.dtype, p.requires_grad) for n, p in meta.named_parameters()] == \
+        [(n, p.shape, p.dtype, p.requires_grad) for n, p in params]
+    code = f"import sys; from harness.limits import model_size; model_size({model!r}); print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
