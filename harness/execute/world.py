@@ -187,7 +187,8 @@ class World:
         with _env(_WORKER_ENV), _main_hidden():  # inherited by workers and a new forkserver
             if self.start_method == "forkserver":
                 _socket_dir_that_fits()
-                ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
+                # no effect once the server runs; the last one freezes what the others made (preloaded.py)
+                ctx.set_forkserver_preload([*_PRELOAD, "harness.execute.preloaded"])
                 _start_forkserver()
             for rank in range(self.world_size):
                 parent_end, child_end = ctx.Pipe()

@@ -60,6 +60,14 @@ def test_results_come_back_in_rank_order_with_the_context(world2):
     assert os.environ.get("OMP_NUM_THREADS") == omp_before  # the parent's env is left alone
 
 
+def test_a_worker_starts_with_the_preloaded_objects_frozen(world2):
+    """The forkserver freezes what its preloading made (harness/execute/preloaded.py): a worker's
+    collector, and every census walk (gc.get_objects), starts with torch's import-time objects out of
+    its way. Without the freeze they are all walked, in every worker of every new world."""
+    for r in world2.call(f"{TASKS}:gc_state", None):
+        assert r["frozen"] > r["walked"], r
+
+
 def test_all_reduce_inside_a_task(world2):
     results = world2.call(f"{TASKS}:all_reduce_sum", 0.5)
     expected = [0.5 + 1.5, 2.0]  # ranks contribute [rank + 0.5, 1]

@@ -66,3 +66,9 @@ def temp_dir_full(ctx: RankContext, payload: object) -> None:
 
     with writing_into(tempfile.gettempdir()):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def gc_state(ctx: RankContext, _payload: object) -> dict:
+    """What the collector holds in this worker: frozen objects, and those it would walk."""
+    import gc
+    return {"frozen": gc.get_freeze_count(), "walked": len(gc.get_objects())}
