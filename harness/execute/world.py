@@ -302,30 +302,41 @@ class World:
 
 
 class WorldPool:
-    """Keeps at most one live world and reuses it for consecutive requests of the same
-    (world_size, backend); a broken world is rebuilt transparently on the next ``get``.
-    ``reuse=False`` starts a fresh world for every ``get`` (the baseline the benchmark measures)."""
+    """Reuses a world for consecutive requests of the same (world_size, backend); a broken world is rebuilt
+    transparently on the next ``get``. ``reuse=False`` starts a fresh world for every ``get`` (the
+    baseline the benchmark measures). By default at most one world lives: a request of another size
+    closes it. ``keep=True`` keeps one world per (world_size, backend) until ``close``, for an owner that
+    comes back to sizes it used (a test session whose files each run W = 1, 2, 4, 8 in turn): a world's
+    start and its workers' first-use costs are paid once, for W idle processes per size kept (CPU
+    backends only: a kept CUDA world would hold its device's memory while another world measures)."""
 
-    def __init__(self, *, timeout_s: float = 300.0, start_method: str = "forkserver", reuse: bool = True):
+    def __init__(self, *, timeout_s: float = 300.0, start_method: str = "forkserver", reuse: bool = True,
+                 keep: bool = False):
         unwind_on_termination()  # before the owner makes temp dirs for the pool's worlds to write in
-        self.timeout_s, self.start_method, self.reuse = timeout_s, start_method, reuse
+        self.timeout_s, self.start_method, self.reuse, self.keep = timeout_s, start_method, reuse, keep
         self.worlds_started = 0
-        self._world: World | None = None
+        self._worlds: dict[tuple[int, str], World] = {}
 
     def get(self, world_size: int, backend: str = "gloo") -> World:
-        world = self._world
-        if (self.reuse and world is not None and not world.closed
-                and (world.world_size, world.backend) == (world_size, backend)):
+        key = (world_size, backend)
+        world = self._worlds.get(key)
+        if self.reuse and world is not None and not world.closed:
             return world
-        self.close()
-        self._world = World(world_size, backend, timeout_s=self.timeout_s, start_method=self.start_method)
+        if self.keep and backend != "nccl":
+            if world is not None:
+                world.close()
+            for other in [k for k in self._worlds if k[1] == "nccl"]:
+                self._worlds.pop(other).close()
+        else:
+            self.close()
+        world = self._worlds[key] = World(world_size, backend, timeout_s=self.timeout_s,
+                                          start_method=self.start_method)
         self.worlds_started += 1
-        return self._world
+        return world
 
     def close(self) -> None:
-        if self._world is not None:
-            self._world.close()
-            self._world = None
+        while self._worlds:
+            self._worlds.popitem()[1].close()
 
     def __enter__(self) -> "WorldPool":
         return self

@@ -1,5 +1,6 @@
-"""harness/bench/fsdp_vs_fsdp2.py end to end: two small models at W = 1, 2, one measured step; the
-printed tables must have every row and column, positive figures and finite ratios that agree with them."""
+"""The benchmarks end to end. harness/bench/fsdp_vs_fsdp2.py: two small models at W = 1, 2, one measured
+step; the printed tables must have every row and column, positive figures and finite ratios that agree
+with them. harness/bench/harness_cost.py: a row per world size and the sums, both figures positive."""
 
 from __future__ import annotations
 
@@ -104,3 +105,19 @@ def test_the_output_check_can_fail(broken):
     check_output(GOOD, models=("mlp",))
     with pytest.raises(AssertionError):
         check_output(broken(GOOD), models=("mlp",))
+
+
+def test_harness_cost_prints_bare_and_harnessed_seconds_per_world_size():
+    """python -m harness.bench.harness_cost on one tiny cell per world size: a row per W with both figures."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "harness.bench.harness_cost", "--world-sizes", "1,2", "--impl",
+                          "fsdp_impl", "--models", "mlp", "--optimizers", "sgd", "--steps", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["1"], ["2"], ["all"])}
+    assert set(rows) == {"1", "2", "all"}, out.stdout
+    for row in rows.values():
+        bare, harnessed = float(row[1]), float(row[2])
+        assert bare > 0 and harnessed > 0, out.stdout

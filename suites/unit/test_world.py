@@ -152,6 +152,18 @@ def test_pool_reuses_same_world_and_rebuilds_after_a_break():
     assert third.closed and wait_all_dead(third.pids, 5) == []
 
 
+def test_a_keeping_pool_keeps_one_world_per_size_and_closes_them_all():
+    with WorldPool(timeout_s=60, keep=True) as pool:
+        one, two = pool.get(1), pool.get(2)
+        assert pool.get(1) is one and not one.closed and pool.get(2) is two and pool.worlds_started == 2
+        with pytest.raises(RankFailed):
+            two.call(f"{TASKS}:raise_on_rank", 1)
+        again = pool.get(2)  # the broken one is rebuilt, the other size is left alone
+        assert again is not two and pool.get(1) is one and pool.worlds_started == 3
+        assert [r["rank"] for r in again.call(f"{TASKS}:whoami", None)] == [0, 1]
+    assert one.closed and again.closed and wait_all_dead(one.pids + again.pids, 5) == []
+
+
 def test_two_worlds_run_collectives_at_the_same_time_without_colliding():
     with World(2, timeout_s=60) as a, World(2, timeout_s=60) as b:
         results: dict[str, list] = {}
