@@ -27,15 +27,15 @@ def every_pair() -> list[str]:
             if (a, b) not in EXCLUSIVE and (b, a) not in EXCLUSIVE]
 
 
-def _run(compositions, world_sizes, steps):
+def _run(compositions, world_sizes, steps, pool=None):
     scenarios = build_matrix(IMPLS, ["mlp"], list(world_sizes), ("replicated", "split"), ("adamw",), steps=steps,
                              features=tuple(check_feature(c) for c in compositions))
-    return scenarios, run_matrix(scenarios)
+    return scenarios, run_matrix(scenarios, pool=pool)
 
 
 @pytest.fixture(scope="module")
-def ci_run():
-    return _run(CI_COMPOSITIONS, (1, 2, 4), steps=3)
+def ci_run(kept_worlds):
+    return _run(CI_COMPOSITIONS, (1, 2, 4), steps=3, pool=kept_worlds)
 
 
 def test_the_ci_compositions_run_and_pass_for_fsdp_impl_and_fsdp2(ci_run):

@@ -40,12 +40,8 @@ def need_transformers() -> None:
 
 
 @pytest.fixture(scope="module")
-def worlds():
-    from harness.execute.world import WorldPool
-
-    pool = WorldPool()
-    yield pool
-    pool.close()
+def worlds(kept_worlds):
+    return kept_worlds
 
 
 def _build(name: str, seed: int = 0) -> nn.Module:

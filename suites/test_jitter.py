@@ -12,9 +12,9 @@ from harness.execute.executor import run_matrix
 IMPLS = ("fsdp_impl", "torch_fsdp2", "ddp")
 
 
-def test_correct_implementations_train_bitwise_alike_under_jitter():
+def test_correct_implementations_train_bitwise_alike_under_jitter(kept_worlds):
     scenarios = build_matrix(IMPLS, ["mlp"], [2], ["replicated"], ["adamw"], steps=3, features=("jitter",))
-    res = run_matrix(scenarios)
+    res = run_matrix(scenarios, pool=kept_worlds)
     failed = [str(v) for v in res.verdicts if v.status == FAIL]
     assert not failed, "\n".join(failed)
     jittered = {s.id for s in scenarios if s.feature == "jitter"}

@@ -11,7 +11,6 @@ import pytest
 
 from harness.core.scenario import scenario_id
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP
-from harness.execute.world import WorldPool
 from harness.per_sample import tasks as ps
 from harness.per_sample.run import negative_control, opacus_raised, opacus_update_verdict, run_per_sample
 from harness.report import markdown as report
@@ -22,9 +21,8 @@ IMPLS = ["fsdp_impl", "allreduce"] + (["opacus"] if OPACUS else [])
 
 
 @pytest.fixture(scope="module")
-def result():
-    with WorldPool(timeout_s=300) as pool:
-        tables, verdicts = run_per_sample((MODEL,), WORLD_SIZES, MODES, seed=SEED, batch=BATCH, pool=pool)
+def result(kept_worlds):
+    tables, verdicts = run_per_sample((MODEL,), WORLD_SIZES, MODES, seed=SEED, batch=BATCH, pool=kept_worlds)
     return tables, {(v.check, v.scenario): v for v in verdicts}
 
 

@@ -17,9 +17,9 @@ IMPLS = ("fsdp_impl", "torch_fsdp2", "ddp")
 
 
 @pytest.fixture(scope="module")
-def ci_run():
+def ci_run(kept_worlds):
     scenarios = build_matrix(IMPLS, ["tied_vocab33"], [1, 2, 4], ("replicated",), ("adamw",), steps=3)
-    return scenarios, run_matrix(scenarios)
+    return scenarios, run_matrix(scenarios, pool=kept_worlds)
 
 
 def test_fsdp_impl_fsdp2_and_ddp_train_the_uneven_tied_vocabulary_like_the_plain_model(ci_run):

@@ -27,12 +27,8 @@ EXAMPLE = "suites.unit.example_model:spec"
 
 
 @pytest.fixture(scope="module")
-def worlds():
-    from harness.execute.world import WorldPool
-
-    pool = WorldPool()
-    yield pool
-    pool.close()
+def worlds(kept_worlds):
+    return kept_worlds
 
 
 def test_the_example_model_passes_every_check_sharded(worlds):

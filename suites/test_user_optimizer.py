@@ -15,11 +15,8 @@ NSGD = "harness.train.optim:normalised_sgd"
 
 
 @pytest.fixture(scope="module")
-def worlds():
-    from harness.execute.world import WorldPool
-
-    with WorldPool() as pool:
-        yield pool
+def worlds(kept_worlds):
+    return kept_worlds
 
 
 def test_normalised_sgd_passes_every_check_on_fsdp_impl_fsdp2_and_ddp(worlds):

@@ -20,11 +20,8 @@ NUMERIC = [m for m in CATALOGUE if m.kind == "numeric"]
 
 
 @pytest.fixture(scope="module")
-def pool():
-    from harness.execute.world import WorldPool
-
-    with WorldPool() as p:
-        yield p
+def pool(kept_worlds):
+    return kept_worlds
 
 
 def _localise(sc: Scenario, pool):

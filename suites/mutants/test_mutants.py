@@ -41,12 +41,8 @@ def _marks(m: Mutant):
 
 
 @pytest.fixture(scope="module")
-def pool():
-    from harness.execute.world import WorldPool
-
-    p = WorldPool()
-    yield p
-    p.close()
+def pool(kept_worlds):
+    return kept_worlds
 
 
 def quick(m: Mutant) -> Mutant:

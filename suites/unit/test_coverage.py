@@ -18,9 +18,9 @@ MOD = "suites.unit.partial_adapters"
 
 
 @pytest.fixture(scope="module")
-def result():
+def result(kept_worlds):
     impls = [f"{MOD}:{n}" for n in ("leaves_one_out", "renames", "reshapes", "empty")] + ["fsdp_impl"]
-    return run_matrix(build_matrix(impls, ["mlp"], [1, 2], ["replicated"], ["sgd"], steps=2))
+    return run_matrix(build_matrix(impls, ["mlp"], [1, 2], ["replicated"], ["sgd"], steps=2), pool=kept_worlds)
 
 
 def _coverage(result, name: str, ws: int):

@@ -204,12 +204,12 @@ class LoadsNothing:
         return adapter
 
 
-def test_split_bf16_and_resumed_runs_hold_and_a_checkpoint_never_loaded_fails_where_it_was_loaded():
+def test_split_bf16_and_resumed_runs_hold_and_a_checkpoint_never_loaded_fails_where_it_was_loaded(kept_worlds):
     from harness.execute.executor import run_matrix
 
     impls = ["fsdp_impl", "torch_fsdp2", f"{__name__}:LoadsNothing"]
     cells = build_matrix(impls, ["mlp"], [1, 2], ["split"], ["sgd"], steps=3, features=("bf16", "ckpt", "no_sync"))
-    res = run_matrix(cells)
+    res = run_matrix(cells, pool=kept_worlds)
     broken = [v for v in res.failed if "LoadsNothing" in v.scenario]
     assert not [str(v) for v in res.failed if v not in broken]
     restored = [v for v in broken if v.check == "ckpt_restored"]
@@ -242,7 +242,7 @@ class ReduceDtypeNone:
         return adapter
 
 
-def test_fsdp2_reducing_in_bf16_is_caught_by_split_data_against_the_micro_batch_reference():
+def test_fsdp2_reducing_in_bf16_is_caught_by_split_data_against_the_micro_batch_reference(kept_worlds):
     """With replicated data the bf16 sum of equal bf16 addends is exact, so only split data shows it: against
     the plain bf16 model summing the two ranks' micro-batches (a full-batch yardstick, 2^-8 apart by
     itself, let it pass)."""
@@ -250,7 +250,7 @@ def test_fsdp2_reducing_in_bf16_is_caught_by_split_data_against_the_micro_batch_
 
     cells = build_matrix([f"{__name__}:ReduceDtypeNone"], ["tinylm"], [1, 2], ["replicated", "split"], ["adamw"],
                          steps=3, features=("bf16",))
-    failed = {(v.check, v.scenario.split("-", 2)[-1]) for v in run_matrix(cells).failed}
+    failed = {(v.check, v.scenario.split("-", 2)[-1]) for v in run_matrix(cells, pool=kept_worlds).failed}
     assert failed == {("split_matches_full_batch", "ws2-split-adamw-bf16"),
                       ("grad_norm_matches", "ws2-split-adamw-bf16")}
 
