@@ -28,6 +28,8 @@ from harness.options import seeds as seed_list
 from harness.tables.store import write_text_atomic
 from suites.mutants import false_alarms as fa
 from suites.mutants.catalog import CATALOGUE, CONTROL_CELLS, CONTROLS, Mutant, on_models
+from suites.mutants.exposure import run_exposure
+from suites.mutants.exposure import section as exposure_section
 
 DEFAULT_OUT = Path("reports/mutation_score.md")
 PER_SAMPLE_BATCH = 16
@@ -118,13 +120,16 @@ class CatalogueRun:
     run: object = None  # the RunResult of the matrix
     false_alarms: list = field(default_factory=list)  # false_alarms.FalseAlarmRun per seed
     localised: dict = field(default_factory=dict)  # mutant name -> harness.localize.replay.Localised, or an error
+    exposure: list = field(default_factory=list)  # suites.mutants.exposure.Exposure per composition/surface mutant
 
 
 def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), pool=None,
-                  progress=None, false_alarm_models=fa.DEFAULT_MODELS, localise: bool = False) -> CatalogueRun:
+                  progress=None, false_alarm_models=fa.DEFAULT_MODELS, localise: bool = False,
+                  exposure: bool = False) -> CatalogueRun:
     """Run every mutant (and the controls) in one matrix; then the per-sample mutants; then the
     correct implementations' full matrix on `false_alarm_models` under each of `false_alarm_seeds`;
-    `localise`: each numeric mutant localised in its catalogue cell (suites/mutants/localised.py)."""
+    `localise`: each numeric mutant localised in its catalogue cell (suites/mutants/localised.py); `exposure`:
+    the composition and surface mutants run in their counterpart cells too (suites/mutants/exposure.py)."""
     from harness.execute.executor import run_matrix
     from harness.execute.world import WorldPool
 
@@ -154,10 +159,11 @@ def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), poo
         alarms = [fa.run_false_alarms(fa.full_matrix(s, false_alarm_models), seed=s, pool=pool, progress=progress)
                   for s in false_alarm_seeds]
         located = localise_catalogue({m.name for m in mutants}, pool) if localise else {}
+        exposed = run_exposure({m.name for m in mutants}, pool, seed, progress) if exposure else []
     finally:
         if own_pool:
             pool.close()
-    return CatalogueRun(results, controls, wall_s, res, alarms, located)
+    return CatalogueRun(results, controls, wall_s, res, alarms, located, exposed)
 
 
 def localise_catalogue(names: set[str], pool) -> dict:
@@ -271,6 +277,7 @@ def render(run: CatalogueRun, *, full: bool = False) -> str:
               f"{', '.join(c for c, _ in CONTROLS)}) in the same cells: "
               + ("no check failed." if not bad_controls else f"{len(bad_controls)} FAILED:")]
     lines += [f"- {v}" for v in bad_controls] + [""]
+    lines += exposure_section(run.exposure, run.results)
     lines += _localised_section(run.localised)
     lines += _false_alarm_section(run.false_alarms)
     return "\n".join(lines).rstrip() + "\n"
@@ -335,6 +342,9 @@ def main(argv=None) -> int:
                         "instead of the small cells the CI suite uses")
     p.add_argument("--no-localise", action="store_true",
                    help="skip the second score: each numeric mutant localised in its cell (about a minute)")
+    p.add_argument("--no-exposure", action="store_true",
+                   help="skip running the composition and surface mutants in their counterpart cells, where each "
+                        "must escape (suites/mutants/exposure.py; about two minutes)")
     p.add_argument("--quiet", action="store_true")
     ns = p.parse_args(argv)
     names = [n for n in ns.only.split(",") if n]
@@ -346,7 +356,8 @@ def main(argv=None) -> int:
     progress = None if ns.quiet else (
         lambda i, n, sc, s: sys.stderr.write(f"[mutants] {i:>3}/{n} {sc.id:<64} {s:5.1f}s\n"))
     run = run_catalogue(mutants, false_alarm_seeds=ns.false_alarm_seeds, progress=progress,
-                        false_alarm_models=ns.false_alarm_models, localise=not ns.no_localise)
+                        false_alarm_models=ns.false_alarm_models, localise=not ns.no_localise,
+                        exposure=not ns.no_exposure)
     path = write_text_atomic(ns.out, render(run, full=ns.full_matrix))
     caught = sum(r.caught for r in run.results.values())
     alarms = sum(len(r.false_alarms) for r in run.false_alarms)

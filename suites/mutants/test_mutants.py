@@ -187,3 +187,21 @@ def test_an_optimizer_stepping_shards_is_seen_only_by_a_per_matrix_optimizer(poo
     r = run.results[m.name]
     assert len(r.scenarios) == 8 and {v.scenario for v in r.verdicts} == set(r.scenarios)
     assert not r.failed, "\n".join(str(v) for v in r.failed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(
+        reason="on an oversubscribed machine (8 ranks on 2 cores) gloo's comm thread runs only once the reader "
+               "yields, so reading before the wait already breaks the calm run: measured 24 of 29 calm runs",
+        strict=False) if n == "gather_read_early" else ())
+    for n in sorted(__import__("suites.mutants.exposure", fromlist=["ONLY_THERE"]).ONLY_THERE)])
+def test_a_composition_or_surface_mutant_escapes_every_check_in_its_counterpart_cells(pool, name):
+    """Issue 25: a mutant counts as exposed by a composition or a surface only if the cells it would have
+    without it (each part alone, every other feature, the other models, world sizes or optimizers) catch
+    nothing (suites/mutants/exposure.py; the score report's "Exposed only there")."""
+    from suites.mutants.exposure import run_exposure
+
+    (exposure,) = run_exposure({name}, pool)
+    assert exposure.verdicts, f"{name}: no verdict about its counterpart cells"
+    assert not exposure.failed, f"{name} is caught without its surface: {exposure.failed}"
