@@ -23,6 +23,9 @@ from harness.options import DEFAULT_MODELS, DEFAULT_WORLD_SIZES
 CORRECT = ("fsdp_impl", "torch_fsdp2", "ddp")
 SEEDS = (0, 1, 2, 3, 4)
 FULL_STEPS = 10
+# the compositions CI runs (suites/test_compositions.py): the everyday pairs, each part a real bug's home
+CI_COMPOSITIONS = ("hsdp+clip", "hsdp+no_sync", "hsdp+ckpt", "accum+clip", "no_sync+clip", "bf16+accum",
+                   "bf16+ckpt", "bf16+clip_inf", "ac+bf16", "ckpt+no_sync")
 
 
 def quick_matrix() -> list[Scenario]:
@@ -55,6 +58,15 @@ def full_matrix(seed: int, models=DEFAULT_MODELS) -> list[Scenario]:
 # nn.TransformerEncoderLayer with a padding embedding, BatchNorm) and Hugging Face GPT-2 with its attention
 # biases (the `hf` extra)
 STANDARD = STANDARD_MODELS + ("hf:gpt2",)
+
+
+def composition_matrix(seed: int) -> list[Scenario]:
+    """The CI compositions for fsdp_impl, FSDP2 and DDP under one seed, in the cells CI runs them in (mlp, W 1,
+    2, 4, both data modes, AdamW, 3 steps; a composition DDP cannot run is its unsupported verdict)."""
+    from harness.core.scenario import check_feature
+
+    return build_matrix(CORRECT, ["mlp"], [1, 2, 4], DATA_MODES, ("adamw",), steps=3, seeds=(seed,),
+                        features=tuple(check_feature(c) for c in CI_COMPOSITIONS))
 
 
 def standard_matrix(seed: int) -> list[Scenario]:

@@ -121,15 +121,17 @@ class CatalogueRun:
     false_alarms: list = field(default_factory=list)  # false_alarms.FalseAlarmRun per seed
     localised: dict = field(default_factory=dict)  # mutant name -> harness.localize.replay.Localised, or an error
     exposure: list = field(default_factory=list)  # suites.mutants.exposure.Exposure per composition/surface mutant
+    composition_alarms: list = field(default_factory=list)  # false_alarms.FalseAlarmRun of the CI compositions per seed
 
 
 def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), pool=None,
                   progress=None, false_alarm_models=fa.DEFAULT_MODELS, localise: bool = False,
-                  exposure: bool = False) -> CatalogueRun:
+                  exposure: bool = False, composition_seeds=()) -> CatalogueRun:
     """Run every mutant (and the controls) in one matrix; then the per-sample mutants; then the
     correct implementations' full matrix on `false_alarm_models` under each of `false_alarm_seeds`;
     `localise`: each numeric mutant localised in its catalogue cell (suites/mutants/localised.py); `exposure`:
-    the composition and surface mutants run in their counterpart cells too (suites/mutants/exposure.py)."""
+    the composition and surface mutants run in their counterpart cells too (suites/mutants/exposure.py);
+    `composition_seeds`: the CI compositions on the correct implementations under each seed."""
     from harness.execute.executor import run_matrix
     from harness.execute.world import WorldPool
 
@@ -160,10 +162,12 @@ def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), poo
                   for s in false_alarm_seeds]
         located = localise_catalogue({m.name for m in mutants}, pool) if localise else {}
         exposed = run_exposure({m.name for m in mutants}, pool, seed, progress) if exposure else []
+        composed = [fa.run_false_alarms(fa.composition_matrix(s), seed=s, pool=pool, progress=progress)
+                    for s in composition_seeds]
     finally:
         if own_pool:
             pool.close()
-    return CatalogueRun(results, controls, wall_s, res, alarms, located, exposed)
+    return CatalogueRun(results, controls, wall_s, res, alarms, located, exposed, composed)
 
 
 def localise_catalogue(names: set[str], pool) -> dict:
@@ -244,12 +248,31 @@ def _false_alarm_section(runs: list) -> list[str]:
     return lines
 
 
+def _composition_alarm_section(runs: list) -> list[str]:
+    if not runs:
+        return []
+    n_alarms = sum(len(r.false_alarms) for r in runs)
+    n_scen = sum(len(r.scenarios) for r in runs)
+    lines = ["## False alarms of the CI compositions", "",
+             f"**{n_alarms} false alarm(s)** in {n_scen} scenarios: {', '.join(fa.CORRECT)} (and the non-sharded "
+             f"reference) through the CI compositions ({', '.join(fa.CI_COMPOSITIONS)}) on the mlp at W 1, 2, 4, "
+             f"both data modes, AdamW, 3 steps, seeds {', '.join(str(r.seed) for r in runs)} "
+             f"({sum(r.wall_s for r in runs):.0f} s; `--composition-seeds`). A composition an implementation "
+             "cannot run (DDP has no hybrid mesh) is its unsupported verdict.", "",
+             fa.summary(runs).to_markdown(index=False), ""]
+    known = fa.known(runs)
+    if len(known):
+        lines += ["Documented deviations seen:", "", known.to_markdown(index=False), ""]
+    lines += [f"- {v}" for r in runs for v in r.false_alarms]
+    return lines
+
+
 def escaped_or_alarmed(run: CatalogueRun) -> bool:
     """True when the harness missed a mutant, failed a control, raised a false alarm, or mislocalised."""
     return (not all(r.caught for r in run.results.values())
             or not all(localised_ok(n, f) for n, f in run.localised.items())
             or any(v.status == FAIL for v in run.controls)
-            or any(r.false_alarms or r.unjudged for r in run.false_alarms))
+            or any(r.false_alarms or r.unjudged for r in run.false_alarms + run.composition_alarms))
 
 
 def render(run: CatalogueRun, *, full: bool = False) -> str:
@@ -280,6 +303,7 @@ def render(run: CatalogueRun, *, full: bool = False) -> str:
     lines += exposure_section(run.exposure, run.results)
     lines += _localised_section(run.localised)
     lines += _false_alarm_section(run.false_alarms)
+    lines += _composition_alarm_section(run.composition_alarms)
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -342,6 +366,9 @@ def main(argv=None) -> int:
                         "instead of the small cells the CI suite uses")
     p.add_argument("--no-localise", action="store_true",
                    help="skip the second score: each numeric mutant localised in its cell (about a minute)")
+    p.add_argument("--composition-seeds", type=seed_list, default=(), metavar="S,...",
+                   help="also run fsdp_impl, torch_fsdp2 and ddp through the CI compositions under these seeds "
+                        "(about a minute a seed on 2 cores)")
     p.add_argument("--no-exposure", action="store_true",
                    help="skip running the composition and surface mutants in their counterpart cells, where each "
                         "must escape (suites/mutants/exposure.py; about two minutes)")
@@ -357,7 +384,7 @@ def main(argv=None) -> int:
         lambda i, n, sc, s: sys.stderr.write(f"[mutants] {i:>3}/{n} {sc.id:<64} {s:5.1f}s\n"))
     run = run_catalogue(mutants, false_alarm_seeds=ns.false_alarm_seeds, progress=progress,
                         false_alarm_models=ns.false_alarm_models, localise=not ns.no_localise,
-                        exposure=not ns.no_exposure)
+                        exposure=not ns.no_exposure, composition_seeds=ns.composition_seeds)
     path = write_text_atomic(ns.out, render(run, full=ns.full_matrix))
     caught = sum(r.caught for r in run.results.values())
     alarms = sum(len(r.false_alarms) for r in run.false_alarms)
