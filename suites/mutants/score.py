@@ -224,47 +224,43 @@ def score_table(run: CatalogueRun) -> pd.DataFrame:
                                        "caught?"])
 
 
+def _alarm_lines(title: str, runs: list, through: str, note: str, margins: bool) -> list[str]:
+    """A false-alarm section: the count, the summary per seed and implementation, the documented
+    deviations seen, optionally how close the passes came to their bounds, and each alarm."""
+    n_alarms = sum(len(r.false_alarms) for r in runs)
+    n_scen = sum(len(r.scenarios) for r in runs)
+    lines = [f"## {title}", "",
+             f"**{n_alarms} false alarm(s)** in {n_scen} scenarios: {', '.join(fa.CORRECT)} (and the non-sharded "
+             f"reference) through {through}, seeds {', '.join(str(r.seed) for r in runs)} "
+             f"({sum(r.wall_s for r in runs):.0f} s). {note}", "",
+             fa.summary(runs).to_markdown(index=False), ""]
+    known = fa.known(runs)
+    if len(known):
+        lines += ["Documented deviations seen:", "", known.to_markdown(index=False), ""]
+    if margins:
+        lines += ["How close the correct implementations came to each bound (the pass nearest its bound):", "",
+                  fa.margins(runs).to_markdown(index=False), ""]
+    return lines + [f"- {v}" for r in runs for v in r.false_alarms]
+
+
 def _false_alarm_section(runs: list) -> list[str]:
     if not runs:
         return ["## False alarms", "",
                 "Not run in this report (`--false-alarm-seeds 0,1,2,3,4` adds the full-matrix tier; "
                 "the quick matrix runs in every CI run: suites/mutants/test_false_alarms.py).", ""]
-    n_alarms = sum(len(r.false_alarms) for r in runs)
-    n_scen = sum(len(r.scenarios) for r in runs)
-    seeds = ", ".join(str(r.seed) for r in runs)
     models = ", ".join(sorted({s.model for r in runs for s in r.scenarios}))
-    lines = ["## False alarms", "",
-             f"**{n_alarms} false alarm(s)** in {n_scen} scenarios: {', '.join(fa.CORRECT)} (and the "
-             f"non-sharded reference) through the default matrix on {models}, {fa.FULL_STEPS} steps, seeds {seeds} "
-             f"({sum(r.wall_s for r in runs):.0f} s). KNOWN verdicts are documented deviations of that "
-             "implementation (harness/core/policy.py), held to the same bound and shown with their cause.", "",
-             fa.summary(runs).to_markdown(index=False), ""]
-    known = fa.known(runs)
-    if len(known):
-        lines += ["Documented deviations seen:", "", known.to_markdown(index=False), ""]
-    lines += ["How close the correct implementations came to each bound (the pass nearest its bound):", "",
-              fa.margins(runs).to_markdown(index=False), ""]
-    lines += [f"- {v}" for r in runs for v in r.false_alarms]
-    return lines
+    return _alarm_lines("False alarms", runs, f"the default matrix on {models}, {fa.FULL_STEPS} steps",
+                        "KNOWN verdicts are documented deviations of that implementation (harness/core/policy.py), "
+                        "held to the same bound and shown with their cause.", margins=True)
 
 
 def _composition_alarm_section(runs: list) -> list[str]:
     if not runs:
         return []
-    n_alarms = sum(len(r.false_alarms) for r in runs)
-    n_scen = sum(len(r.scenarios) for r in runs)
-    lines = ["## False alarms of the CI compositions", "",
-             f"**{n_alarms} false alarm(s)** in {n_scen} scenarios: {', '.join(fa.CORRECT)} (and the non-sharded "
-             f"reference) through the CI compositions ({', '.join(fa.CI_COMPOSITIONS)}) on the mlp at W 1, 2, 4, "
-             f"both data modes, AdamW, 3 steps, seeds {', '.join(str(r.seed) for r in runs)} "
-             f"({sum(r.wall_s for r in runs):.0f} s; `--composition-seeds`). A composition an implementation "
-             "cannot run (DDP has no hybrid mesh) is its unsupported verdict.", "",
-             fa.summary(runs).to_markdown(index=False), ""]
-    known = fa.known(runs)
-    if len(known):
-        lines += ["Documented deviations seen:", "", known.to_markdown(index=False), ""]
-    lines += [f"- {v}" for r in runs for v in r.false_alarms]
-    return lines
+    return _alarm_lines("False alarms of the CI compositions", runs,
+                        f"the CI compositions ({', '.join(fa.CI_COMPOSITIONS)}) on the mlp at W 1, 2, 4, both data "
+                        "modes, AdamW, 3 steps", "`--composition-seeds`; a composition an implementation cannot run "
+                        "(DDP has no hybrid mesh) is its unsupported verdict.", margins=False)
 
 
 def escaped_or_alarmed(run: CatalogueRun) -> bool:
