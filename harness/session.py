@@ -158,7 +158,8 @@ class Session:
     def _add_per_sample(self, res: RunResult) -> None:
         from harness.checks.numeric import verdict_table
         from harness.per_sample.run import run_per_sample
-        tables, verdicts = run_per_sample(models=("mlp",), world_sizes=tuple(self.options.matrix.world_sizes))
+        tables, verdicts = run_per_sample(models=("mlp",), world_sizes=tuple(self.options.matrix.world_sizes),
+                                          localise=0 if self.under_torchrun else self.options.localize)
         res.tables.update(tables)
         res.verdicts.extend(verdicts)
         res.tables["verdicts"] = verdict_table(res.verdicts)

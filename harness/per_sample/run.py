@@ -26,7 +26,7 @@ import statistics
 import pandas as pd
 import torch
 
-from harness.core.policy import OPACUS_EMPTY_SHARD
+from harness.core.policy import OPACUS_EMPTY_SHARD, PER_SAMPLE_RTOL
 from harness.core.scenario import scenario_id
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
 from harness.execute.world import WorldError, WorldPool
@@ -51,10 +51,13 @@ def update_ratio(update: dict[str, list], exact: dict) -> float:
     return math.sqrt(num / den) if den else math.nan
 
 
+TASKS = "harness.per_sample.tasks"
+
+
 def _run(pool: WorldPool, world_size: int, fn: str, payload: dict) -> tuple[list | None, str]:
     """(per-rank results, '') or (None, the error's first line); a failed world is rebuilt on next get."""
     try:
-        return pool.get(world_size).call(f"harness.per_sample.tasks:{fn}", payload), ""
+        return pool.get(world_size).call(f"{TASKS}:{fn}", payload), ""
     except WorldError as exc:
         tracebacks = getattr(exc, "tracebacks", {})
         text = tracebacks[min(tracebacks)] if tracebacks else str(exc)
@@ -122,8 +125,10 @@ def _rows(model, impl, mode, ws, norms, truth_norms, nv: Verdict, upd: Verdict |
 
 def run_per_sample(models=("mlp",), world_sizes=(1, 2, 4, 8), modes=("replicated", "split"), *, seed=0,
                    batch=8, pool: WorldPool | None = None,
-                   include_opacus=True) -> tuple[dict[str, pd.DataFrame], list[Verdict]]:
-    """Run the per-sample tasks; returns ({"per_sample", "per_sample_summary"}, verdicts)."""
+                   include_opacus=True, localise: int = 0) -> tuple[dict[str, pd.DataFrame], list[Verdict]]:
+    """Run the per-sample tasks; returns ({"per_sample", "per_sample_summary"}, verdicts). `localise`: up to
+    that many failing fsdp_impl norm checks are replayed traced (harness.localize.per_sample) and their
+    verdicts' messages say on which side of the exchange the norms went wrong."""
     opacus_missing = ps.opacus_unavailable() if include_opacus else "not requested"
     own = pool is None
     pool = pool or WorldPool(timeout_s=600)
@@ -159,6 +164,9 @@ def run_per_sample(models=("mlp",), world_sizes=(1, 2, 4, 8), modes=("replicated
                         per_rank = [r["norms"][impl] for r in recs]
                         nv = ps.check_per_sample_norms(sid[impl], per_rank, t.norms)
                         is_fsdp = impl == "fsdp_impl"
+                        if is_fsdp and nv.status == FAIL and localise > 0:
+                            localise -= 1
+                            nv = _localised(nv, pool, ws, dict(base, variants=["fsdp_impl"]), t.norms)
                         verdicts.append(nv if is_fsdp else negative_control(nv, ws))
                         r, s = _rows(model, impl, mode, ws, per_rank[0], t.norms, nv, uv if is_fsdp else None,
                                      ur if is_fsdp else math.nan)
@@ -191,6 +199,21 @@ def run_per_sample(models=("mlp",), world_sizes=(1, 2, 4, 8), modes=("replicated
             pool.close()
     return {"per_sample": _sorted(pd.DataFrame(rows, columns=columns("per_sample"))),
             "per_sample_summary": _sorted(pd.DataFrame(summary, columns=columns("per_sample_summary")))}, verdicts
+
+
+def _localised(v: Verdict, pool: WorldPool, ws: int, payload: dict, truth_norms) -> Verdict:
+    """`v` with where its norms went wrong appended: the norms task replayed with every collective's input
+    recorded, each rank's own samples' truth norms looked for in what it sent."""
+    from harness.localize.per_sample import localise, own_indices
+
+    try:
+        ranks = pool.get(ws, "gloo").call("harness.localize.per_sample:traced_task",
+                                          {"task": f"{TASKS}:norms_task", "payload": payload})
+        found = localise(truth_norms, [r["sent"] for r in ranks], own_indices(payload["batch"], ws, payload["mode"]),
+                         [r["result"]["norms"]["fsdp_impl"] for r in ranks], PER_SAMPLE_RTOL).short()
+    except Exception as e:  # the verdict stands; the localisation says why it could not
+        found = f"could not be localised ({(str(e).strip().splitlines() or [type(e).__name__])[-1]})"
+    return dataclasses.replace(v, message=f"{v.message.rstrip('. ')}. Where it diverged: {found}")
 
 
 def _sorted(df: pd.DataFrame) -> pd.DataFrame:

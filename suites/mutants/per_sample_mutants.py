@@ -47,6 +47,8 @@ def per_sample_task(ctx, p: dict) -> dict:
     x, y, idx = local_slice(x, y, ctx.rank, ctx.world_size, p["mode"])
     out = {}
     for variant, make in PER_SAMPLE_VARIANTS.items():
+        if variant not in p.get("variants", PER_SAMPLE_VARIANTS):
+            continue
         fn = per_sample_grad_norms if make is None else make()
         out[variant] = fn(model, spec.loss, x.to(ctx.device), y.to(ctx.device), idx, group=ctx.group).tolist()
     return {"rank": ctx.rank, "norms": out}

@@ -180,7 +180,14 @@ def localise_catalogue(names: set[str], pool) -> dict:
     from suites.mutants.localised import cell
 
     out = {}
+    from suites.mutants.localised import localise_per_sample
+
     for m in CATALOGUE:
+        if m.name in names and m.kind == "per_sample":
+            try:
+                out[m.name] = localise_per_sample(m, pool)
+            except Exception as e:  # shown in the report as not localised, with why
+                out[m.name] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"
         if m.name not in names or m.kind != "numeric":
             continue
         with tempfile.TemporaryDirectory(prefix="fsdp-localize-") as d:
@@ -306,10 +313,14 @@ def render(run: CatalogueRun, *, full: bool = False) -> str:
 def localised_ok(m_name: str, found) -> bool:
     """Whether the localiser named the mutant's recorded phase and module (suites/mutants/localised.py), or
     named nothing beyond rounding where the record says it cannot."""
-    from suites.mutants.localised import NOT_LOCALISED, ROUNDING, WHERE
+    from harness.localize.per_sample import PerSampleLocalised
+    from suites.mutants.localised import NOT_LOCALISED, PER_SAMPLE_WHERE, ROUNDING, WHERE
 
     if isinstance(found, str):
         return False
+    if isinstance(found, PerSampleLocalised):
+        where, kind = PER_SAMPLE_WHERE.get(m_name, (None, None))
+        return found.where == where and kind in (found.collective or "")
     if m_name in NOT_LOCALISED:
         return not found.diverged
     p = found.point
@@ -317,22 +328,26 @@ def localised_ok(m_name: str, found) -> bool:
 
 
 def _localised_section(located: dict) -> list[str]:
-    from suites.mutants.localised import NOT_LOCALISED, WHERE, cell
+    from suites.mutants.localised import NOT_LOCALISED, PER_SAMPLE_CELL, PER_SAMPLE_WHERE, WHERE, cell
 
     if not located:
         return []
     rows = []
     for name, found in located.items():
-        want = WHERE.get(name)
+        m = next(m for m in CATALOGUE if m.name == name)
+        want = PER_SAMPLE_WHERE.get(name) if m.kind == "per_sample" else WHERE.get(name)
         named = found if isinstance(found, str) else found.short()
-        rows.append({"mutant": name, "cell": cell(next(m for m in CATALOGUE if m.name == name)).id,
+        where = (f"per-sample norms {PER_SAMPLE_CELL['model']} W{PER_SAMPLE_CELL['world_size']} {PER_SAMPLE_CELL['mode']}"
+                 if m.kind == "per_sample" else cell(m).id)
+        rows.append({"mutant": name, "cell": where,
                      "defect is in": f"{want[0]}, {want[1]}" if want else f"(cannot: {NOT_LOCALISED.get(name, '?')})",
                      "localiser named": named, "right?": "yes" if localised_ok(name, found) else "**NO**"})
     ok = sum(r["right?"] == "yes" for r in rows)
     exceptions = [n for n in located if n in NOT_LOCALISED]
     return ["## Localised", "",
-            f"**{ok - len(exceptions)}/{len(rows) - len(exceptions)} numeric mutants localised** to the phase and "
-            "module where their defect is (`python -m harness localize`, harness/localize/), each in one cell"
+            f"**{ok - len(exceptions)}/{len(rows) - len(exceptions)} numeric and per-sample mutants localised** to the "
+            "phase and module where their defect is (`python -m harness localize`, harness/localize/; a per-sample "
+            "mutant to its side of the exchange and the collective, harness/localize/per_sample.py), each in one cell"
             + (f"; {len(exceptions)} cannot be, each with its cause ({', '.join(exceptions)}): the localiser "
                "names nothing beyond rounding there, as it should" if exceptions else "") + ".", "",
             pd.DataFrame(rows).to_markdown(index=False), ""]

@@ -52,6 +52,50 @@ def test_a_mutant_the_localiser_cannot_name_shows_no_divergence(m, pool):
     assert not _localise(cell(m), pool).diverged
 
 
+def test_a_per_sample_mutant_is_localised_to_the_exchange_and_its_collective(pool):
+    """per_sample_norms_allreduced computes each rank's own norms right and all-reduces them position by
+    position: the localiser finds them, right, in what every rank sent, and names that all-reduce."""
+    from suites.mutants.localised import PER_SAMPLE_WHERE, localise_per_sample
+
+    (m,) = [m for m in CATALOGUE if m.kind == "per_sample"]
+    found = localise_per_sample(m, pool)
+    where, kind = PER_SAMPLE_WHERE[m.name]
+    assert found.where == where and kind in found.collective, found.short()
+
+
+@pytest.mark.parametrize("variant,mode,where", [("fsdp_impl", "split", "nothing"),
+                                                ("allreduce_partial", "split", "computation"),
+                                                ("allreduce_partial", "replicated", "nothing")])
+def test_per_sample_norms_are_localised_to_the_right_side_of_the_exchange(pool, variant, mode, where):
+    """The product's norms: nothing to localise. Norms summed from parameter-shard partials (the known-bad
+    aggregation of harness.per_sample.tasks): with split data no rank ever held its own samples' whole norms,
+    so the fault is before the exchange; with replicated data the partial sums add up to the truth."""
+    from harness.core.policy import PER_SAMPLE_RTOL
+    from harness.localize.per_sample import localise, own_indices
+    from harness.per_sample.tasks import truth
+
+    payload = {"model": "mlp", "seed": 0, "batch": 8, "mode": mode, "variants": [variant]}
+    ranks = pool.get(2, "gloo").call("harness.localize.per_sample:traced_task",
+                                     {"task": "harness.per_sample.tasks:norms_task", "payload": payload})
+    found = localise(truth("mlp", 0, 8).norms, [r["sent"] for r in ranks], own_indices(8, 2, mode),
+                     [r["result"]["norms"][variant] for r in ranks], PER_SAMPLE_RTOL)
+    assert found.where == where, found.short()
+
+
+def test_a_failing_per_sample_verdict_of_a_run_gets_where_it_diverged_appended(pool):
+    """run_per_sample(localise=N) replays a failing fsdp_impl norm check traced and appends the chain to its
+    message (here on the correct product, whose replay finds the norms right: it says so)."""
+    from harness.core.verdict import FAIL, Verdict
+    from harness.per_sample.run import _localised
+    from harness.per_sample.tasks import truth
+
+    v = Verdict("per_sample_norms", "fsdp_impl-mlp-ws2-split", FAIL, 1.0, 1e-5, message="max relative error 1")
+    out = _localised(v, pool, 2, {"model": "mlp", "seed": 0, "batch": 8, "mode": "split", "variants": ["fsdp_impl"]},
+                     truth("mlp", 0, 8).norms)
+    assert out.message.startswith("max relative error 1. Where it diverged: "), out.message
+    assert "every rank's norms match the truth" in out.message, out.message
+
+
 @pytest.mark.parametrize("impl,model,ws,mode,feature", [
     ("fsdp_impl", "tinylm_tied", 2, "replicated", "plain"),
     ("fsdp_impl", "mlp", 4, "split", "accum+clip"),
