@@ -4,7 +4,9 @@ runs only what the selected tests need; output never lands on the committed repo
 default output has a folder of its own.
 
 Each test runs the entry point in a subprocess on a small slice (mlp, W 1 and 2, 2 steps), in a
-fresh working directory, so the default output location is the one a user gets.
+fresh working directory, so the default output location is the one a user gets. The CLI run and the
+plain pytest run of that slice are each made once (module fixtures) and read by every test about
+them; both compare with the committed baseline, which a 2-step run shares no figure with.
 """
 
 from __future__ import annotations
@@ -47,12 +49,26 @@ def _verdicts(folder: Path) -> set[tuple]:
     return set(zip(v["check"], v["scenario"], v["status"]))
 
 
+GATED = ("--baseline", "default")  # the committed baseline ran 10 steps: the gate compares nothing
+
+
+def _with_baselines(folder: Path) -> Path:
+    shutil.copytree(ROOT / "reports" / "baselines", folder / "reports" / "baselines")
+    return folder
+
+
 @pytest.fixture(scope="module")
 def cli_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("cli")
-    proc = _run(["-m", "harness", "run", *SLICE], d)
+    d = _with_baselines(tmp_path_factory.mktemp("cli"))
+    proc = _run(["-m", "harness", "run", *SLICE, *GATED], d)
     assert proc.returncode == 0, proc.stderr
     return d
+
+
+@pytest.fixture(scope="module")
+def pytest_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    d = _with_baselines(tmp_path_factory.mktemp("pytest"))
+    return d, _pytest(d, *GATED)
 
 
 def test_a_world_size_list_without_1_passes_on_correct_code(cli_dir):
@@ -73,8 +89,8 @@ def test_default_output_goes_to_a_run_folder_that_reports_latest_points_at_not_t
         assert ignored == 0, f"{generated} must be git-ignored"
 
 
-def test_pytest_and_the_cli_write_the_same_tables_and_verdicts(cli_dir, tmp_path):
-    proc = _pytest(tmp_path)
+def test_pytest_and_the_cli_write_the_same_tables_and_verdicts(cli_dir, pytest_run):
+    tmp_path, proc = pytest_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / REPORT).is_file()
     assert _verdicts(tmp_path) == _verdicts(cli_dir)
@@ -85,9 +101,9 @@ def test_pytest_and_the_cli_write_the_same_tables_and_verdicts(cli_dir, tmp_path
     pd.testing.assert_frame_equal(mine["steps"][cols], theirs["steps"][cols])
     # each records the command that made it
     assert load_tables(tmp_path / REPORT.parent / "verification_tables")[1]["command"] == \
-        "python -m pytest " + shlex.join(_pytest_args())
+        "python -m pytest " + shlex.join(_pytest_args(*GATED))
     assert load_tables(cli_dir / REPORT.parent / "verification_tables")[1]["command"] == \
-        "python -m harness " + shlex.join(["run", *SLICE])
+        "python -m harness " + shlex.join(["run", *SLICE, *GATED])
 
 
 XDIST = ("-n", "2", "--dist", "loadfile")  # as in the README's test command
@@ -153,17 +169,16 @@ def test_a_run_whose_implementation_ran_nothing_reads_not_run_and_exits_3(tmp_pa
 
 
 def test_under_pytest_not_run_fails_the_run(tmp_path):
-    proc = _pytest(tmp_path, *NOTHING_SUPPORTED)
+    proc = _pytest(tmp_path, *NOTHING_SUPPORTED, "--no-report")  # the outcome, not the report (above)
     assert proc.returncode == pytest.ExitCode.TESTS_FAILED, proc.stdout + proc.stderr
     assert f"NOT RUN: {BARE} ran no scenario to its end" in proc.stderr, proc.stderr
 
 
-def test_under_pytest_gate_strict_fails_a_gate_that_compared_nothing(tmp_path):
+def test_under_pytest_gate_strict_fails_a_gate_that_compared_nothing(pytest_run, tmp_path):
     """The committed baseline ran 10 steps: a 2-step run shares no comparable figure with it (and on
     a machine kind it has no file for, nothing at all). Reported without --gate-strict; failed with it."""
-    shutil.copytree(ROOT / "reports" / "baselines", tmp_path / "reports" / "baselines")
-    proc = _pytest(tmp_path, "--baseline", "default")
+    _, proc = pytest_run
     assert proc.returncode == 0 and "the gate compared nothing with baseline 'default'" in proc.stderr, proc.stderr
-    proc = _pytest(tmp_path, "--baseline", "default", "--gate-strict")
+    proc = _pytest(_with_baselines(tmp_path), *GATED, "--gate-strict", "--no-report")
     assert proc.returncode == pytest.ExitCode.TESTS_FAILED, proc.stdout + proc.stderr
     assert "[FAIL] gate:coverage" in proc.stderr and "--gate-strict" in proc.stderr, proc.stderr

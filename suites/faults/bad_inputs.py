@@ -1,9 +1,12 @@
 """Bad input for `python -m harness run` and for the pytest plugin, and what each one gets.
 
-``python -m suites.faults.bad_inputs`` runs every case below as a subprocess (the CLI, and the
-pytest plugin for the cases marked so) and rewrites ``suites/faults/bad_inputs.md`` with the
-exit code and the exact error line. ``test_bad_inputs.py`` runs the same cases and asserts: exit 2
-(CLI) / 4 (pytest's usage error), exactly one error line that contains ``expect``, no traceback.
+``python -m suites.faults.bad_inputs`` runs every case below as a process of its own (the CLI, and
+the pytest plugin for the cases marked so) and rewrites ``suites/faults/bad_inputs.md`` with the
+exit code and the exact error line. A case that sets environment variables runs in a fresh process;
+every other one in a fork of one process that has imported torch (``probe_forked``,
+suites/faults/warm_cli.py), which runs the same entry point with the same argv and output.
+``test_bad_inputs.py`` runs the same cases and asserts: exit 2 (CLI) / 4 (pytest's usage error),
+exactly one error line that contains ``expect``, no traceback.
 
 Every case completes its options from a tiny valid matrix, so an input that is NOT rejected
 costs one short run instead of the default matrix.
@@ -11,6 +14,7 @@ costs one short run instead of the default matrix.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -20,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+
+from suites.faults import warm_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLE = Path(__file__).with_name("bad_inputs.md")
@@ -222,29 +228,75 @@ def command(case: Case, mode: str, tmp: Path) -> list[str]:
             "-p", "no:xdist", *args, *rest]
 
 
-def probe(case: Case, mode: str, timeout_s: float = 180.0) -> Outcome:
+def _pythonpath(tmp: str) -> str:
+    return os.pathsep.join(filter(None, [str(ROOT), tmp, os.environ.get("PYTHONPATH")]))
+
+
+@contextlib.contextmanager
+def _probe_dir():
+    """The probe's temp dir: a regular file for the report-path cases, the module that raises on import."""
     with tempfile.TemporaryDirectory(prefix="bad-input-") as tmp:
-        tmp_path = Path(tmp)
-        (tmp_path / "a_file").write_text("a regular file, not a directory\n")
-        (tmp_path / f"{BROKEN_MODULE}.py").write_text('raise RuntimeError("broken on purpose")\n')
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), tmp, os.environ.get("PYTHONPATH")])),
+        (Path(tmp) / "a_file").write_text("a regular file, not a directory\n")
+        (Path(tmp) / f"{BROKEN_MODULE}.py").write_text('raise RuntimeError("broken on purpose")\n')
+        yield tmp
+
+
+def _outcome(case: Case, mode: str, rc: int | None, output: str, tmp: str) -> Outcome:
+    output = output.replace(tmp, "<tmp>")
+    return Outcome(case, mode, rc, error_lines(output), "Traceback (most recent call last)" in output, output)
+
+
+def probe(case: Case, mode: str, timeout_s: float = 180.0) -> Outcome:
+    """The case in a fresh process."""
+    with _probe_dir() as tmp:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _pythonpath(tmp),
                **{k: v.replace("{tmp}", tmp) for k, v in case.env}}
         try:
-            proc = subprocess.run(command(case, mode, tmp_path), cwd=ROOT, env=env, capture_output=True,
+            proc = subprocess.run(command(case, mode, Path(tmp)), cwd=ROOT, env=env, capture_output=True,
                                   text=True, timeout=timeout_s)
             rc, output = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as exc:
             rc = None
             output = f"{exc.stdout or ''}{exc.stderr or ''}"
-    output = output.replace(tmp, "<tmp>")
-    return Outcome(case, mode, rc, error_lines(output), "Traceback (most recent call last)" in output, output)
+        return _outcome(case, mode, rc, output, tmp)
+
+
+def probe_forked(jobs: list[tuple[Case, str]], workers: int, timeout_s: float = 180.0) -> list[Outcome]:
+    """The cases, each in a fork of one process that imported torch once (suites/faults/warm_cli.py):
+    the same entry point, argv, PYTHONPATH and output as ``probe``'s fresh process, without its
+    2 seconds of importing torch. Only for cases that set no environment variable."""
+    assert not any(case.env for case, _ in jobs), "a case that sets the environment needs a fresh process"
+    with contextlib.ExitStack() as stack:
+        outs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bad-input-out-")))
+        tmps = [stack.enter_context(_probe_dir()) for _ in jobs]
+        specs = []
+        for i, ((case, mode), tmp) in enumerate(zip(jobs, tmps)):
+            _python, _m, module, *args = command(case, mode, Path(tmp))
+            specs.append({"module": module, "args": args, "pythonpath": _pythonpath(tmp),
+                          "stdout": str(outs / f"{i}.out"), "stderr": str(outs / f"{i}.err")})
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _pythonpath("")}
+        codes = warm_cli.run(specs, env, ROOT, workers, timeout_s)
+        return [_outcome(case, mode, rc, _read(spec["stdout"]) + _read(spec["stderr"]), tmp)
+                for (case, mode), tmp, spec, rc in zip(jobs, tmps, specs, codes)]
+
+
+def _read(path: str) -> str:
+    """As subprocess's text mode reads a pipe: the locale's encoding, universal newlines."""
+    with open(path) as f:
+        return f.read()
 
 
 def probe_all(cases=CASES, workers: int = 3) -> list[Outcome]:
+    """Every case, in the CLI and (where marked) through pytest; a case that sets environment
+    variables in a fresh process (modules read some at import), every other one forked."""
     jobs = [(c, "cli") for c in cases] + [(c, "pytest") for c in cases if c.pytest]
+    fresh = [job for job in jobs if job[0].env]
+    forked = [job for job in jobs if not job[0].env]
     with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(lambda job: probe(*job), jobs))
+        fresh_outcomes = pool.map(lambda job: probe(*job), fresh)
+        got = dict(zip(forked, probe_forked(forked, workers)))
+        got.update(zip(fresh, fresh_outcomes))
+    return [got[job] for job in jobs]
 
 
 def render(outcomes: list[Outcome]) -> str:

@@ -43,3 +43,17 @@ def test_the_committed_bad_input_table_is_what_the_cli_prints_now(bad_input_outc
     committed = bad_inputs.TABLE.read_text(encoding="utf-8")
     assert bad_inputs.stable(committed) == bad_inputs.stable(now), \
         "suites/faults/bad_inputs.md is stale: rerun python -m suites.faults.bad_inputs"
+
+
+# one case each way that gets past argparse and imports torch: the part a fork skips
+FRESH_TWINS = [("user model whose loss is a sum over the batch", "cli"),
+               ("user optimizer factory returning the wrong thing", "pytest")]
+
+
+@pytest.mark.parametrize("what, mode", FRESH_TWINS, ids=[m for _, m in FRESH_TWINS])
+def test_a_forked_probe_prints_what_a_fresh_process_prints(bad_input_outcomes, what, mode):
+    """The probes run forked from a process that imported torch (bad_inputs.probe_forked): the same
+    case in a fresh interpreter gives the same exit status and every byte of the same output."""
+    case = next(c for c in bad_inputs.CASES if c.what == what)
+    forked, fresh = bad_input_outcomes[(case, mode)], bad_inputs.probe(case, mode)
+    assert (forked.rc, forked.output) == (fresh.rc, fresh.output)
