@@ -11,14 +11,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import all_gather_flat
 from .group import ParamGroup
-from .mesh import check_hybrid_layout, device_for
+from .mesh import check_hybrid_layout, device_for, post_forward_group
 from .mixed_precision import MixedPrecisionPolicy
 from .param import Owner, ShardedParam
 from .state import UnitState
 
 
-def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None, reshard_after_forward: bool = True,
-                mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None,
+                reshard_after_forward: bool | int = True, mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Shard `module`'s parameters (those not already in a sharded submodule) across `process_group`.
 
     Apply bottom-up: each block first, then the root. Afterwards every parameter is, under its
@@ -34,6 +34,13 @@ def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None, 
     are gathered within `process_group` only; after backward each gradient is summed over the shard
     group, then across the replicas, and divided once: the mean over all R x S ranks. The DTensors
     live on the shard group's mesh: every replica holds its own copy of the same shards.
+
+    `reshard_after_forward`, as FSDP2 has it: True frees the unit's gathered parameters after its forward
+    (backward gathers them again), False keeps them until its backward; an int g dividing the shard group's
+    W ranks reshards to groups of g consecutive ranks: each rank keeps 1 / g of the unit between forward
+    and backward, and backward's all-gather runs within those g ranks (group.py, [Note: resharding to a
+    smaller group]); g = W is True, g = 1 is False. The groups are made at the first use of a g with this
+    shard group (collective: every rank of it calls fully_shard alike) and kept for later units.
     """
     if getattr(module, "_fsdp_state", None) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
@@ -46,6 +53,7 @@ def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None, 
     if replicate_group is not None:
         check_hybrid_layout(group, replicate_group)
     mp = mp_policy or MixedPrecisionPolicy()
+    reshard_after_forward, post_forward = _post_forward(reshard_after_forward, group)
 
     entries: OrderedDict[int, tuple[nn.Parameter, list[Owner]]] = OrderedDict()
     for prefix, sub in module.named_modules():
@@ -66,11 +74,25 @@ def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None, 
     _broadcast_buffers(module, group)
     if replicate_group is not None:  # then every replica takes its rank 0's, which now holds rank 0's
         _broadcast_buffers(module, replicate_group)
-    state = UnitState(module, ParamGroup(params, group, replicate_group, mp), reshard_after_forward, mp.param_dtype)
+    state = UnitState(module, ParamGroup(params, group, replicate_group, mp, post_forward),
+                      reshard_after_forward, mp.param_dtype)
     for _, unit in units(module):  # the units already under `module` prefetch in its forward order
         unit.schedule = state.schedule
     module._fsdp_state = state
     return module
+
+
+def _post_forward(reshard_after_forward: bool | int, group) -> tuple[bool, object]:
+    """(whether to reshard after forward, the post-forward group or None) for a bool or an int."""
+    if isinstance(reshard_after_forward, bool):
+        return reshard_after_forward, None
+    world = dist.get_world_size(group)
+    if not isinstance(reshard_after_forward, int) or reshard_after_forward < 1 or world % reshard_after_forward:
+        raise ValueError(f"fully_shard: reshard_after_forward must be a bool or a divisor of the shard group's "
+                         f"{world} ranks, not {reshard_after_forward!r}")
+    if reshard_after_forward in (1, world):
+        return reshard_after_forward == world, None
+    return True, post_forward_group(group, reshard_after_forward)
 
 
 def _mesh(group) -> DeviceMesh:
