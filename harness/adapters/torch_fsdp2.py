@@ -44,14 +44,25 @@ class TorchFSDP2Adapter(Adapter):
                                      mesh_dim_names=("replicate", "shard"))
         return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype)
 
-    def _shard(self, model, units, mesh, group, device, *, param_dtype, reduce_dtype) -> nn.Module:
+    def wrap_reshard_after_forward(self, model: nn.Module, units: list[nn.Module], *, group, device,
+                                   reshard_after_forward: int) -> nn.Module:
+        """FSDP2's integer reshard_after_forward, given to every unit and the root (explicitly: the root too
+        is resharded to the smaller group); 1 as False (FSDP2 warns on the int 1)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(group, torch.device(device).type)
+        return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype,
+                           reshard_after_forward=reshard_after_forward if reshard_after_forward > 1 else False)
+
+    def _shard(self, model, units, mesh, group, device, *, param_dtype, reduce_dtype,
+               reshard_after_forward=None) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         model.to(torch.device(device))
         for unit in units:
-            fully_shard(unit, mesh=mesh, mp_policy=policy)
-        wrapped = fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        wrapped = fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         wrapped._harness_group = group  # the group a checkpoint is saved and loaded over
         return wrapped
 

@@ -172,7 +172,7 @@ NOT_EXACT = {"clip": NOT_EXACT_UNDER_L2_CLIP}
 # Each feature's rule says what it changes; a composition changes what each of its parts changes, so each
 # bound is the rule of the part that changes that property most, never a sum or a new tolerance:
 # - Yardstick: the plain model doing the same composition, less the parts that leave every number as the
-#   plain step has it (NUMBERS_UNCHANGED: ac, ckpt, hsdp, jitter), as for one feature: hsdp+clip against clip.
+#   plain step has it (NUMBERS_UNCHANGED: ac, ckpt, hsdp, jitter, reshard2), as for one feature: hsdp+clip against clip.
 #   A timing-only part (jitter) is also left out of the world-size-1 run and the other factorisation, and the
 #   run is held bitwise to the same composition without it (its calm twin, jitter_invariant).
 # - Replicated data across world sizes: bitwise (3e-8, grads_match_ws1) unless a part is not exact
@@ -224,6 +224,27 @@ def not_exact(feature: str, optimizer: str = "adamw") -> str:
 NOT_EXACT_USER_OPTIMIZER = (
     "a user's optimizer may compute its update from the whole matrix (a norm), which W ranks sum from partial "
     "sums in another order than one rank does, so it is held as L2 clipping is: to the split tier's bound")
+
+
+# [Note: reshard2] How an integer reshard_after_forward (feature reshard2: after its forward each unit is resharded
+# to groups of g = RESHARD_RANKS consecutive ranks, harness.core.scenario.post_forward_ranks) is held.
+# - Numbers: it changes where a unit's rows wait between forward and backward and over which ranks backward
+#   regathers them, not one value: the regathered parameter is the same rows, copied, not computed. So it is in
+#   NUMBERS_UNCHANGED: the yardstick is the plain model's plain step, and every tier is the plain feature's
+#   (bitwise at W = 1 and across world sizes with replicated data, the split tier with split data). At
+#   W <= g it is the plain step (g = W reshards fully) and every check holds it as such.
+# - Traffic (comm_volume, derived, not measured): forward gathers each unit over the shard group's S ranks (P
+#   elements a pass, and P for an eval forward) and backward regathers it within its group of g ranks (P a
+#   pass, over groups of g): the all-gathers over S ranks may hold no more than forward's P a pass. Totals
+#   stay at the plain ideal (2P a pass). An implementation that reshards fully gathers 2P over S ranks and
+#   fails there (mutant post_forward_full_reshard). The comm table records each collective's group size.
+# - Memory (peak_memory_bound, peak_params_bound): between a unit's forward and its backward a rank holds
+#   1 / g of it instead of 1 / S; after the last forward every unit does at once, so both bounds add
+#   param_bytes x (1 / g - 1 / S) to what a plain step may hold. No unit is held in full after its forward:
+#   units_gathered's allowances are the plain step's (an implementation that keeps them gathered fails
+#   there: mutant post_forward_kept_gathered).
+# - Compositions: reshard2 is a wrap of its own (wrap_reshard_after_forward), so it composes with every
+#   feature that is not one (bf16 and hsdp are: harness.core.scenario.EXCLUSIVE).
 
 
 # [Note: eval loss] How the eval feature's loss (a no_grad forward on a held-out batch after each optimizer

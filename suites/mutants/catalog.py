@@ -76,6 +76,7 @@ from suites.mutants.memory_mutants import NoGradForwardUnsharded, OptimizerState
 from suites.mutants.meta_init_mutants import MetaInit, MetaInitRngOrder
 from suites.mutants.optimizer_mutants import ShardNormalised
 from suites.mutants.per_sample_mutants import per_sample_task  # noqa: F401 (named by a spec below)
+from suites.mutants.surface_mutants import PostForwardFullReshard, PostForwardKeptGathered
 from suites.mutants.timing_mutants import GatherReadEarly
 from suites.mutants.sharding_mutants import (
     NestedDuplication,
@@ -137,6 +138,7 @@ gather_read_early = GatherReadEarly
 ckpt_last_rank_shifted, ckpt_optimizer_state_shifted = CkptLastRankShifted, CkptOptimizerStateShifted
 ckpt_step_restarted = CkptStepRestarted
 tail_before_last_dropped = TailBeforeLastDropped
+post_forward_full_reshard, post_forward_kept_gathered = PostForwardFullReshard, PostForwardKeptGathered
 
 
 
@@ -189,6 +191,16 @@ CATALOGUE: tuple[Mutant, ...] = (
            "no reshard after a forward under torch.no_grad() (an evaluation pass): every unit stays gathered "
            "until the next training backward (memory only; pytorch #149029)", data_modes=("replicated",),
            optimizers=("adamw",), at_steps=None, kind="memory", features=("eval",)),
+    # only an integer reshard_after_forward (reshard2) asks for a post-forward group, and only at W > 2 is it
+    # smaller than the shard group (W = 1 runs beside as the comparison run)
+    Mutant("post_forward_full_reshard", _spec("post_forward_full_reshard"), "comm_volume",
+           "asked to reshard to groups of 2 ranks after forward, it reshards fully: backward regathers over "
+           "all W ranks (traffic only)", data_modes=("replicated",), optimizers=("adamw",), world_sizes=(1, 4),
+           at_steps=None, kind="traffic", features=("reshard2",)),
+    Mutant("post_forward_kept_gathered", _spec("post_forward_kept_gathered"), "units_gathered",
+           "asked to reshard to groups of 2 ranks after forward, it keeps every unit gathered until its "
+           "backward (memory only)", data_modes=("replicated",), optimizers=("adamw",), world_sizes=(1, 4),
+           at_steps=None, kind="memory", features=("reshard2",)),
     Mutant("optimizer_state_unsharded", _spec("optimizer_state_unsharded"), "memory_sharding",
            "optimizer state kept for the whole parameter on every rank (memory only)",
            data_modes=("replicated",), at_steps=None, kind="memory"),  # memory does not depend on the mode
