@@ -107,12 +107,12 @@ def _group_ranks(args: tuple) -> int:
     for a in args:
         if isinstance(a, torch.ScriptObject):
             return _pg_size(a)
-        if isinstance(a, str):  # a functional collective's group name
+        if isinstance(a, str):  # a functional collective's group name (or its reduce op: not a group)
             try:
                 from torch.distributed.distributed_c10d import _resolve_process_group
                 return int(_resolve_process_group(a).size())
             except (ImportError, RuntimeError, ValueError, KeyError):
-                return 0
+                continue
         size = getattr(a, "size", None)
         if callable(size) and not isinstance(a, torch.Tensor) and hasattr(a, "rank"):
             return int(size())
