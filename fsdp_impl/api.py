@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from .collectives import all_gather_flat
 from .group import ParamGroup
@@ -18,7 +19,8 @@ from .state import UnitState
 
 
 def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None,
-                reshard_after_forward: bool | int = True, mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+                reshard_after_forward: bool | int = True, mp_policy: MixedPrecisionPolicy | None = None,
+                shard_placement_fn=None) -> nn.Module:
     """Shard `module`'s parameters (those not already in a sharded submodule) across `process_group`.
 
     Apply bottom-up: each block first, then the root. Afterwards every parameter is, under its
@@ -41,6 +43,10 @@ def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None,
     and backward, and backward's all-gather runs within those g ranks (group.py, [Note: resharding to a
     smaller group]); g = W is True, g = 1 is False. The groups are made at the first use of a g with this
     shard group (collective: every rank of it calls fully_shard alike) and kept for later units.
+
+    `shard_placement_fn(parameter) -> Shard(d) | None`, as FSDP2 has it: the dim each parameter is sharded on
+    (None: 0). A dim other than 0 must divide evenly over the shard group (param.py, [Note: another shard
+    dimension]); the parameter is then a DTensor ``Shard(d)``.
     """
     if getattr(module, "_fsdp_state", None) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
@@ -68,7 +74,8 @@ def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None,
 
     mesh = _mesh(group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    params = [ShardedParam(p, owners, mesh, rank, world, mp.param_dtype) for p, owners in entries.values()]
+    params = [ShardedParam(p, owners, mesh, rank, world, mp.param_dtype, _shard_dim(shard_placement_fn, p))
+              for p, owners in entries.values()]
     for p, _ in entries.values():
         p._fsdp_claimed = True  # the original, still held by any module outside this unit
     _broadcast_buffers(module, group)
@@ -80,6 +87,16 @@ def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None,
         unit.schedule = state.schedule
     module._fsdp_state = state
     return module
+
+
+def _shard_dim(placement_fn, param: nn.Parameter) -> int:
+    """The dim `placement_fn` shards `param` on (0 without one, or where it returns None)."""
+    placement = placement_fn(param) if placement_fn is not None else None
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise ValueError(f"fully_shard: shard_placement_fn must return a Shard or None, not {placement!r}")
+    return placement.dim % param.dim()
 
 
 def _post_forward(reshard_after_forward: bool | int, group) -> tuple[bool, object]:
@@ -160,9 +177,9 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
             send = torch.cat([p.padded for p in params])
             full = torch.empty(world_size * send.numel(), dtype=send.dtype, device=send.device)
             all_gather_flat(full, send, process_group)
-            # (W, sum of padded shards) -> per parameter (W, c x row): its W x c rows, the first are it
-            for p, rows in zip(params, full.view(world_size, -1).split([q.shard_numel for q in params], dim=1)):
-                gathered[id(p)] = rows.reshape(-1)[:p.shape.numel()].view(p.shape).clone()
+            # (W, sum of padded shards) -> per parameter (W, its padded shard): its W chunks
+            for p, ranks in zip(params, full.view(world_size, -1).split([q.shard_numel for q in params], dim=1)):
+                gathered[id(p)] = p.assemble(ranks)
     out = {name: gathered[id(p)] for name, p in sharded_params(module)}
     for name, q in module.named_parameters():
         if not getattr(q, "_fsdp_managed", False):

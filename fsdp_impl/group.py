@@ -99,14 +99,17 @@ class ParamGroup:
         for params, sizes, _send, received, work in pending:
             if work is not None:
                 work.wait()
-            outs = [p.alloc_unsharded() for p in params]  # each (W, c x row)
+            outs = [p.alloc_unsharded() for p in params]  # each its W chunks (ShardedParam.by_rank)
             # the unsharded parameters keep their version: autograd saved them in forward, and
             # refilling the same storage for backward is no change to what it saved
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
                 if received is None:  # world size 1: one copy (and cast to param_dtype) per parameter
                     torch._foreach_copy_([o.view(-1) for o in outs], [p.padded for p in params])
-                else:
+                elif all(p.dim == 0 for p in params):
                     torch.split_with_sizes_copy(received.view(self.world_size, -1), sizes, dim=1, out=outs)
+                else:  # a parameter sharded on another dim: its chunks go into a strided view of it
+                    for out, part in zip(outs, received.view(self.world_size, -1).split(sizes, dim=1)):
+                        out.copy_(part.view(out.shape))
             # freed now, not when the backend lets go of its work: gloo's thread may still hold it
             # after wait() returns, and the next unit's gather would then find this one's buffers
             for buffer in (received, _send):
@@ -148,7 +151,7 @@ class ParamGroup:
                 sizes = [p.shard_numel for p in params]
                 block = torch.empty(per, sum(sizes), dtype=dtype, device=params[0].device)
                 for part, p in zip(block.split(sizes, dim=1), params):
-                    part.copy_(p.alloc_unsharded()[lo:lo + per])
+                    part.copy_(p.alloc_unsharded()[lo:lo + per].reshape(per, -1))
                 kept[dtype] = block.view(-1)
         return kept
 
@@ -169,7 +172,7 @@ class ParamGroup:
                 p.add_reduced_grad(mean.to(p.dtype))
             return
         for dtype, params in buckets(todo, lambda p: taken[p].dtype):
-            grads = [taken.pop(p).reshape(p.rows, p.row_numel) for p in params]
+            grads = [p.chunks(taken.pop(p)) for p in params]
             # (W, sum of c x row): chunk r is every parameter's rows for rank r, zero rows padding
             send = torch._chunk_cat(grads, dim=0, num_chunks=self.world_size)
             del grads
