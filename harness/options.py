@@ -412,7 +412,8 @@ def add_matrix_arguments(add) -> None:
              "bf16 (bf16 compute, fp32 master weights and reduction), hsdp (2 replicas x W/2 shards), eval (a no_grad "
              "forward on a held-out batch after each step), jitter (seeded delays where asynchronous work races; the "
              "numbers must not change), reshard2 (after forward each unit resharded to groups of 2 ranks: an integer "
-             "reshard_after_forward; the numbers must not change). A comma list "
+             "reshard_after_forward; the numbers must not change), shard1 (parameters sharded on dim 1 where it divides "
+             "evenly: a custom shard placement; the numbers must not change). A comma list "
              "runs each as its own cells; '+' composes features in one run (hsdp+clip, accum+clip+bf16), "
              "compared with the plain model doing the same composition (default plain)")
     add("--steps", type=steps, default=None, help="training steps per scenario, at least 2 (default 10)")

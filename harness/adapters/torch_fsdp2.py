@@ -54,15 +54,25 @@ class TorchFSDP2Adapter(Adapter):
         return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype,
                            reshard_after_forward=reshard_after_forward if reshard_after_forward > 1 else False)
 
+    def wrap_shard_placement(self, model: nn.Module, units: list[nn.Module], *, group, device,
+                             shard_placement_fn) -> nn.Module:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(group, torch.device(device).type)
+        return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype,
+                           shard_placement_fn=shard_placement_fn)
+
     def _shard(self, model, units, mesh, group, device, *, param_dtype, reduce_dtype,
-               reshard_after_forward=None) -> nn.Module:
+               reshard_after_forward=None, shard_placement_fn=None) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": reshard_after_forward,
+                   "shard_placement_fn": shard_placement_fn}
         model.to(torch.device(device))
         for unit in units:
-            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-        wrapped = fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+            fully_shard(unit, **options)
+        wrapped = fully_shard(model, **options)
         wrapped._harness_group = group  # the group a checkpoint is saved and loaded over
         return wrapped
 

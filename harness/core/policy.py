@@ -172,7 +172,7 @@ NOT_EXACT = {"clip": NOT_EXACT_UNDER_L2_CLIP}
 # Each feature's rule says what it changes; a composition changes what each of its parts changes, so each
 # bound is the rule of the part that changes that property most, never a sum or a new tolerance:
 # - Yardstick: the plain model doing the same composition, less the parts that leave every number as the
-#   plain step has it (NUMBERS_UNCHANGED: ac, ckpt, hsdp, jitter, reshard2), as for one feature: hsdp+clip against clip.
+#   plain step has it (NUMBERS_UNCHANGED: ac, ckpt, hsdp, jitter, reshard2, shard1), as for one feature: hsdp+clip against clip.
 #   A timing-only part (jitter) is also left out of the world-size-1 run and the other factorisation, and the
 #   run is held bitwise to the same composition without it (its calm twin, jitter_invariant).
 # - Replicated data across world sizes: bitwise (3e-8, grads_match_ws1) unless a part is not exact
@@ -244,7 +244,21 @@ NOT_EXACT_USER_OPTIMIZER = (
 #   units_gathered's allowances are the plain step's (an implementation that keeps them gathered fails
 #   there: mutant post_forward_kept_gathered).
 # - Compositions: reshard2 is a wrap of its own (wrap_reshard_after_forward), so it composes with every
-#   feature that is not one (bf16 and hsdp are: harness.core.scenario.EXCLUSIVE).
+#   feature that is not one (bf16, hsdp and shard1 are: harness.core.scenario.EXCLUSIVE).
+
+# [Note: shard1] How a custom shard placement (feature shard1: Shard(1) wherever dim 1 divides evenly over the
+# shard group, else Shard(0); harness.train.features.dim1_placement) is held.
+# - Numbers: a placement decides which elements a rank keeps, not what is computed: the gathered parameter is
+#   the same tensor, and each gradient element is the same W addends reduced in the same order whichever rank
+#   owns it. So it is in NUMBERS_UNCHANGED: the plain reference and every tier of the plain step (bitwise at
+#   W = 1 and across world sizes with replicated data, where the plain step is; FSDP2's fp32 ring at W >= 3
+#   keeps its documented deviation, KNOWN_DEVIATIONS, whose cause does not depend on the placement).
+# - Memory and traffic: even division (no padding) on the dim sharded, so the plain step's bounds hold
+#   unchanged, their padding allowances an upper bound. A model with no parameter whose dim 1 divides (the
+#   zoo's mlp) runs the plain step.
+# - A layout fault is a numeric one (a column written at another rank's offset moves the loss at step 1:
+#   mutant columns_as_rows, cross_ws_replicated). The localiser maps parameters held as dim-0 rows only: it
+#   names a Shard(1) parameter as unmappable where it is first seen (the initial parameters).
 
 
 # [Note: eval loss] How the eval feature's loss (a no_grad forward on a held-out batch after each optimizer

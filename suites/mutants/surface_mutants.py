@@ -1,6 +1,7 @@
 """Faults of FSDP2's wider surface as fsdp_impl has it: an integer reshard_after_forward (feature
-reshard2) that reshards fully after forward, or keeps every unit gathered. Neither changes a number;
-only a run that asks for resharding to a smaller group shows them, in its traffic or its memory."""
+reshard2) that reshards fully after forward, or keeps every unit gathered (neither changes a number; only
+a run that asks for resharding to a smaller group shows them, in its traffic or its memory); a parameter
+sharded on dim 1 (feature shard1) copied out of the all-gather as if sharded on dim 0."""
 
 from __future__ import annotations
 
@@ -30,3 +31,25 @@ class PostForwardKeptGathered(MutantAdapter):
             if g.post_forward_group is not None:
                 reshard = g.reshard
                 g.reshard = lambda after_forward=False, reshard=reshard: None if after_forward else reshard()
+
+
+class ColumnsAsRows(MutantAdapter):
+    """A parameter sharded on dim 1 is copied out of the all-gather as if it were sharded on dim 0: rank r's
+    columns written at rank r's row offset (the chunks laid end to end in the flat buffer), so the gathered
+    matrix holds the right values in the wrong places. A Shard(0) parameter is untouched (plain runs pass),
+    and at one rank the two layouts coincide."""
+
+    name = "mutant:columns_as_rows"
+
+    def mutate(self, wrapped):
+        from suites.mutants.injection import _params
+
+        for _, p in _params(wrapped):
+            if p.dim != 0:
+                alloc = p.alloc_unsharded
+
+                def as_rows(p=p, alloc=alloc):
+                    alloc()  # (re)allocates the storage
+                    return p._unsharded_data.view(p.world_size, p.shard_numel)
+
+                p.alloc_unsharded = as_rows

@@ -147,6 +147,12 @@ def resharded_to_a_group(ctx, p: dict) -> dict:
             "kept_after_backward": [prefix for prefix, state in units(model) if state.params._kept]}
 
 
+def placements(ctx, p: dict) -> dict:
+    """name -> (the DTensor's placement, its local shape) after fully_shard."""
+    model, _ = build(p, ctx)
+    return {n: (f"Shard({q.placements[0].dim})", list(q._local_tensor.shape)) for n, q in model.named_parameters()}
+
+
 def refused(ctx, p: dict) -> str:
     """build() with the payload's options: the ValueError's text ('' if it built)."""
     try:
