@@ -47,12 +47,15 @@ class TorchFSDP2Adapter(Adapter):
     def wrap_reshard_after_forward(self, model: nn.Module, units: list[nn.Module], *, group, device,
                                    reshard_after_forward: int) -> nn.Module:
         """FSDP2's integer reshard_after_forward, given to every unit and the root (explicitly: the root too
-        is resharded to the smaller group); 1 as False (FSDP2 warns on the int 1)."""
+        is resharded to the smaller group); the group's size as True, 1 as False (FSDP2 warns on the int 1)."""
+        import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
         mesh = DeviceMesh.from_group(group, torch.device(device).type)
+        g = reshard_after_forward
+        g = True if g == dist.get_world_size(group) else False if g == 1 else g
         return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype,
-                           reshard_after_forward=reshard_after_forward if reshard_after_forward > 1 else False)
+                           reshard_after_forward=g)
 
     def wrap_shard_placement(self, model: nn.Module, units: list[nn.Module], *, group, device,
                              shard_placement_fn) -> nn.Module:

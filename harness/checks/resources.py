@@ -15,7 +15,7 @@ import math
 import pandas as pd
 
 from harness.checks.numeric import Check, judge, not_measured
-from harness.core.policy import ROOT_AFTER_EVAL, Bounds
+from harness.core.policy import POST_FORWARD_AFTER_EVAL, ROOT_AFTER_EVAL, Bounds
 from harness.core.scenario import (
     clip_of,
     has,
@@ -168,6 +168,10 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         if (len(over) == 1 and over[0] in excess and where.startswith(f"{over[0]}:")
                 and _root_kept_after_eval(row, excess[over[0]]())):
             where += f" ({ROOT_AFTER_EVAL}: over by at most its {float(row.root_bytes):,.0f} B)"
+        elif (over == ["params"] and where.startswith("params:") and has(feature_of(row), "eval")
+                and 0 < excess["params"]() <= _kept_after_forward(row)):
+            where += (f" ({POST_FORWARD_AFTER_EVAL}: over by at most the post-forward shards' "
+                      f"{_kept_after_forward(row):,.0f} B)")
         kind = "sharded over" if row.sharded else "replicated on"
         mesh = f" of each of {int(row.world_size) // shards(row)} replicas" if shards(row) != int(row.world_size) else ""
         msg = (f"per-rank state {total_measured:,.0f} B vs ideal {sum(ideal.values()):,.0f} B "
@@ -371,10 +375,10 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 
 def _kept_after_forward(row) -> float:
     """reshard2: bytes a rank holds between a unit's forward and its backward beyond its shards, every unit
-    at once (after the last forward): each keeps 1 / g of its parameters instead of 1 / S, so
-    param_bytes x (1 / g - 1 / S) more ([Note: reshard2] in harness/core/policy.py); 0 otherwise."""
+    at once (after the last forward): each keeps 1 / g of its parameters (padded) beside its own 1 / S shard,
+    so param_bytes / g + its padding more ([Note: reshard2] in harness/core/policy.py); 0 otherwise."""
     s, g = shards(row), post_forward_ranks(feature_of(row), int(row.world_size))
-    return float(row.param_bytes) * (1 / g - 1 / s) if row.sharded and g < s else 0.0
+    return (float(row.param_bytes) / g + shard_padding(row)) if row.sharded and g < s else 0.0
 
 
 def _gathered_over(c, ranks: int) -> float:
