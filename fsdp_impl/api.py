@@ -8,17 +8,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from .collectives import all_gather_flat
 from .group import ParamGroup
-from .mesh import check_hybrid_layout, device_for
+from .mesh import check_hybrid_layout, device_for, post_forward_group
 from .mixed_precision import MixedPrecisionPolicy
 from .param import Owner, ShardedParam
 from .state import UnitState
 
 
-def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None, reshard_after_forward: bool = True,
-                mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None,
+                reshard_after_forward: bool | int = True, mp_policy: MixedPrecisionPolicy | None = None,
+                shard_placement_fn=None) -> nn.Module:
     """Shard `module`'s parameters (those not already in a sharded submodule) across `process_group`.
 
     Apply bottom-up: each block first, then the root. Afterwards every parameter is, under its
@@ -34,6 +36,17 @@ def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None, 
     are gathered within `process_group` only; after backward each gradient is summed over the shard
     group, then across the replicas, and divided once: the mean over all R x S ranks. The DTensors
     live on the shard group's mesh: every replica holds its own copy of the same shards.
+
+    `reshard_after_forward`, as FSDP2 has it: True frees the unit's gathered parameters after its forward
+    (backward gathers them again), False keeps them until its backward; an int g dividing the shard group's
+    W ranks reshards to groups of g consecutive ranks: each rank keeps 1 / g of the unit between forward
+    and backward, and backward's all-gather runs within those g ranks (group.py, [Note: resharding to a
+    smaller group]); g = W is True, g = 1 is False. The groups are made at the first use of a g with this
+    shard group (collective: every rank of it calls fully_shard alike) and kept for later units.
+
+    `shard_placement_fn(parameter) -> Shard(d) | None`, as FSDP2 has it: the dim each parameter is sharded on
+    (None: 0). A dim other than 0 must divide evenly over the shard group (param.py, [Note: another shard
+    dimension]); the parameter is then a DTensor ``Shard(d)``.
     """
     if getattr(module, "_fsdp_state", None) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
@@ -46,6 +59,7 @@ def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None, 
     if replicate_group is not None:
         check_hybrid_layout(group, replicate_group)
     mp = mp_policy or MixedPrecisionPolicy()
+    reshard_after_forward, post_forward = _post_forward(reshard_after_forward, group)
 
     entries: OrderedDict[int, tuple[nn.Parameter, list[Owner]]] = OrderedDict()
     for prefix, sub in module.named_modules():
@@ -60,17 +74,42 @@ def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None, 
 
     mesh = _mesh(group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    params = [ShardedParam(p, owners, mesh, rank, world, mp.param_dtype) for p, owners in entries.values()]
+    params = [ShardedParam(p, owners, mesh, rank, world, mp.param_dtype, _shard_dim(shard_placement_fn, p))
+              for p, owners in entries.values()]
     for p, _ in entries.values():
         p._fsdp_claimed = True  # the original, still held by any module outside this unit
     _broadcast_buffers(module, group)
     if replicate_group is not None:  # then every replica takes its rank 0's, which now holds rank 0's
         _broadcast_buffers(module, replicate_group)
-    state = UnitState(module, ParamGroup(params, group, replicate_group, mp), reshard_after_forward, mp.param_dtype)
+    state = UnitState(module, ParamGroup(params, group, replicate_group, mp, post_forward),
+                      reshard_after_forward, mp.param_dtype)
     for _, unit in units(module):  # the units already under `module` prefetch in its forward order
         unit.schedule = state.schedule
     module._fsdp_state = state
     return module
+
+
+def _shard_dim(placement_fn, param: nn.Parameter) -> int:
+    """The dim `placement_fn` shards `param` on (0 without one, or where it returns None)."""
+    placement = placement_fn(param) if placement_fn is not None else None
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise ValueError(f"fully_shard: shard_placement_fn must return a Shard or None, not {placement!r}")
+    return placement.dim % param.dim()
+
+
+def _post_forward(reshard_after_forward: bool | int, group) -> tuple[bool, object]:
+    """(whether to reshard after forward, the post-forward group or None) for a bool or an int."""
+    if isinstance(reshard_after_forward, bool):
+        return reshard_after_forward, None
+    world = dist.get_world_size(group)
+    if not isinstance(reshard_after_forward, int) or reshard_after_forward < 1 or world % reshard_after_forward:
+        raise ValueError(f"fully_shard: reshard_after_forward must be a bool or a divisor of the shard group's "
+                         f"{world} ranks, not {reshard_after_forward!r}")
+    if reshard_after_forward in (1, world):
+        return reshard_after_forward == world, None
+    return True, post_forward_group(group, reshard_after_forward)
 
 
 def _mesh(group) -> DeviceMesh:
@@ -138,9 +177,9 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
             send = torch.cat([p.padded for p in params])
             full = torch.empty(world_size * send.numel(), dtype=send.dtype, device=send.device)
             all_gather_flat(full, send, process_group)
-            # (W, sum of padded shards) -> per parameter (W, c x row): its W x c rows, the first are it
-            for p, rows in zip(params, full.view(world_size, -1).split([q.shard_numel for q in params], dim=1)):
-                gathered[id(p)] = rows.reshape(-1)[:p.shape.numel()].view(p.shape).clone()
+            # (W, sum of padded shards) -> per parameter (W, its padded shard): its W chunks
+            for p, ranks in zip(params, full.view(world_size, -1).split([q.shard_numel for q in params], dim=1)):
+                gathered[id(p)] = p.assemble(ranks)
     out = {name: gathered[id(p)] for name, p in sharded_params(module)}
     for name, q in module.named_parameters():
         if not getattr(q, "_fsdp_managed", False):

@@ -5,7 +5,10 @@
                   unsharded parameter (``split_with_sizes_copy``); the modules point at them.
                   Asynchronous for prefetching: ``unshard(async_op=True)`` issues the all-gather,
                   ``wait_unshard`` waits for it and does the copy-out
-    reshard       the modules point at the sharded DTensors again; the unsharded storage is freed
+    reshard       the modules point at the sharded DTensors again; the unsharded storage is freed.
+                  After forward with a post-forward group of g ranks (``reshard_after_forward=g``), each rank
+                  first keeps the W / g ranks' chunks its place in that group stands for (see [Note:
+                  resharding to a smaller group]); the next unshard all-gathers those over the g ranks only
     reduce_grads  the unsharded gradients, each cut into W chunks of c rows (zero rows padding the
                   last), laid out chunk by chunk in ONE buffer (``torch._chunk_cat``): chunk r
                   holds every parameter's rows for rank r. ONE reduction of it (collectives.py:
@@ -18,6 +21,15 @@ param_dtype under a MixedPrecisionPolicy, and models seldom mix dtypes otherwise
 parameters are gathered with the others and never reduced; a parameter that got no gradient in a
 backward is left out of that reduction (every rank must agree on which: the model's use of its
 parameters may not depend on the rank's data).
+
+[Note: resharding to a smaller group] ``reshard_after_forward=g`` (1 < g < W, g dividing W): the post-forward
+group is this rank's g consecutive ranks of the shard group (ranks j x g .. j x g + g - 1, FSDP2's
+``mesh.view(-1, g)``). Member i of it keeps, between forward and backward, the padded chunks of the W / g
+shard-group ranks i x W / g .. (i + 1) x W / g - 1 (every parameter's, packed as the all-gather packs them:
+rank by rank). Gathering those blocks over the g members in group order yields the W chunks in rank order,
+the very layout the all-gather over W ranks yields, so both are copied out alike. A rank holds 1 / g of
+the unit between forward and backward (not 1 / W), and backward's all-gather moves (g - 1) / g of it on
+the wire within the group, not (W - 1) / W across the shard group.
 """
 
 from __future__ import annotations
@@ -31,7 +43,8 @@ from .param import ShardedParam, ShardState
 
 
 class ParamGroup:
-    def __init__(self, params: list[ShardedParam], group, replicate_group, mp: MixedPrecisionPolicy):
+    def __init__(self, params: list[ShardedParam], group, replicate_group, mp: MixedPrecisionPolicy,
+                 post_forward_group=None):
         self.params = params
         self.group = group  # the shard group: gathers and the first gradient reduction
         self.replicate_group = replicate_group  # HSDP: ranks holding the same shards; None if no replicas
@@ -41,6 +54,9 @@ class ParamGroup:
         self.state = ShardState.SHARDED
         self.sync_grads = True  # False: keep the unsharded gradients unreduced between backward passes
         self._pending: list | None = None  # an issued, not yet completed unshard (prefetch)
+        # reshard_after_forward=g: the g ranks that regather the unit for backward (None: the shard group)
+        self.post_forward_group = post_forward_group
+        self._kept: dict | None = None  # after forward: param_dtype -> 1D, (W / g) x the unit's padded shards
 
     # -- unshard / reshard ----------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
@@ -52,16 +68,22 @@ class ParamGroup:
                 self.wait_unshard()
             return
         self._pending = []
+        kept, self._kept = self._kept, None
         for dtype, params in buckets(self.params, lambda p: p.param_dtype):
             sizes = [p.shard_numel for p in params]
             if self.world_size == 1:  # nothing to exchange: wait_unshard copies the shards straight out
                 self._pending.append((params, sizes, None, None, None))
                 continue
             total = sum(sizes)
+            received = torch.empty(self.world_size * total, dtype=dtype, device=params[0].device)
+            if kept is not None:  # the blocks kept after forward, over the post-forward group (see the note)
+                send = kept[dtype]
+                work = all_gather_flat(received, send, self.post_forward_group, async_op=True)
+                self._pending.append((params, sizes, send, received, work))
+                continue
             send = torch.empty(total, dtype=dtype, device=params[0].device)  # 1D: every padded shard
             with torch.no_grad():
                 torch._foreach_copy_(list(send.split(sizes)), [p.padded for p in params])
-            received = torch.empty(self.world_size * total, dtype=dtype, device=send.device)
             # rank r's flat shards at [r * total, ...)
             work = all_gather_flat(received, send, self.group, async_op=True)
             self._pending.append((params, sizes, send, received, work))
@@ -77,14 +99,17 @@ class ParamGroup:
         for params, sizes, _send, received, work in pending:
             if work is not None:
                 work.wait()
-            outs = [p.alloc_unsharded() for p in params]  # each (W, c x row)
+            outs = [p.alloc_unsharded() for p in params]  # each its W chunks (ShardedParam.by_rank)
             # the unsharded parameters keep their version: autograd saved them in forward, and
             # refilling the same storage for backward is no change to what it saved
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
                 if received is None:  # world size 1: one copy (and cast to param_dtype) per parameter
                     torch._foreach_copy_([o.view(-1) for o in outs], [p.padded for p in params])
-                else:
+                elif all(p.dim == 0 for p in params):
                     torch.split_with_sizes_copy(received.view(self.world_size, -1), sizes, dim=1, out=outs)
+                else:  # a parameter sharded on another dim: its chunks go into a strided view of it
+                    for out, part in zip(outs, received.view(self.world_size, -1).split(sizes, dim=1)):
+                        out.copy_(part.view(out.shape))
             # freed now, not when the backend lets go of its work: gloo's thread may still hold it
             # after wait() returns, and the next unit's gather would then find this one's buffers
             for buffer in (received, _send):
@@ -99,15 +124,36 @@ class ParamGroup:
         """True between an asynchronous unshard and its completion."""
         return self._pending is not None
 
-    def reshard(self) -> None:
+    def reshard(self, after_forward: bool = False) -> None:
         """Free the unsharded parameters; only this rank's shards stay. An unshard still in flight
-        (a prefetch nobody used) is completed first: its collectives were issued on every rank."""
+        (a prefetch nobody used) is completed first: its collectives were issued on every rank.
+        `after_forward` with a post-forward group: keep this rank's block for the group's regather."""
         self.wait_unshard()
         if self.state is ShardState.SHARDED:
+            if not after_forward:
+                self._kept = None
             return
+        if after_forward and self.post_forward_group is not None:
+            self._kept = self._post_forward_blocks()
         for p in self.params:
             p.to_sharded()
         self.state = ShardState.SHARDED
+
+    def _post_forward_blocks(self) -> dict:
+        """param_dtype -> this rank's block of the unit for the post-forward group (1D, copied out of the
+        unsharded parameters: the chunks of the W / g ranks it stands for, rank by rank, each packing every
+        parameter's padded chunk as the all-gather packs it)."""
+        per = self.world_size // dist.get_world_size(self.post_forward_group)
+        lo = dist.get_rank(self.post_forward_group) * per
+        kept = {}
+        with torch.no_grad():
+            for dtype, params in buckets(self.params, lambda p: p.param_dtype):
+                sizes = [p.shard_numel for p in params]
+                block = torch.empty(per, sum(sizes), dtype=dtype, device=params[0].device)
+                for part, p in zip(block.split(sizes, dim=1), params):
+                    part.copy_(p.alloc_unsharded()[lo:lo + per].reshape(per, -1))
+                kept[dtype] = block.view(-1)
+        return kept
 
     # -- gradients ------------------------------------------------------------------------------
     def reduce_grads(self) -> None:
@@ -126,7 +172,7 @@ class ParamGroup:
                 p.add_reduced_grad(mean.to(p.dtype))
             return
         for dtype, params in buckets(todo, lambda p: taken[p].dtype):
-            grads = [taken.pop(p).reshape(p.rows, p.row_numel) for p in params]
+            grads = [p.chunks(taken.pop(p)) for p in params]
             # (W, sum of c x row): chunk r is every parameter's rows for rank r, zero rows padding
             send = torch._chunk_cat(grads, dim=0, num_chunks=self.world_size)
             del grads

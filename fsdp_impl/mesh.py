@@ -15,6 +15,8 @@ gathers use the fast intra-node links and only the gradient all-reduce crosses n
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -51,6 +53,20 @@ def hybrid_groups(replicas: int, group=None) -> tuple[dist.ProcessGroup, dist.Pr
         if i == me % shards:
             replicate_group = g
     return shard_group, replicate_group
+
+
+# shard group -> {g: this rank's group of g consecutive ranks in it}, made once per (group, g)
+_POST_FORWARD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def post_forward_group(group, size: int):
+    """This rank's group of `size` consecutive ranks of `group` (``reshard_after_forward=size``): the shard
+    groups of ``hybrid_groups(W // size, group)``, made at the first call for (group, size) and kept.
+    Collective the first time: every rank of `group` calls it."""
+    made = _POST_FORWARD.setdefault(group, {})
+    if size not in made:
+        made[size] = hybrid_groups(dist.get_world_size(group) // size, group)[0]
+    return made[size]
 
 
 def _new_group(ranks: list[int], whole_job: bool):

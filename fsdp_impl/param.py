@@ -16,6 +16,13 @@ it is tied) point at one or the other:
                (resize to 0 bytes) and unsharding refills the same storage, so tensors that
                autograd saved in forward see the data again in backward.
 
+[Note: another shard dimension] ``shard_dim`` d > 0 (``fully_shard(shard_placement_fn=...)``, FSDP2's
+``Shard(d)``): rank r holds the slice ``[r x c, (r + 1) x c)`` of dim d, c = size(d) / W (d must divide
+evenly, as FSDP2 requires), contiguous in ``padded`` (no padding rows). The all-gather and the gradient
+reduction move the same W equal chunks as for dim 0; only the copy between a chunk and the full
+parameter differs: the full parameter viewed as (..., W, c, ...) with the W axis moved first is the W
+chunks (``by_rank``), so copy-out, the gradient's chunks and the full state dict go through that view.
+
 [Note: why a parameter of its own storage] Each unsharded parameter is its own allocation, as
 fresh as the plain model's, so the kernels that run on it (BLAS picks code paths by pointer
 alignment) compute bit for bit what they compute on the plain model: world size 1 is bitwise
@@ -51,10 +58,15 @@ class Owner:
 
 class ShardedParam:
     def __init__(self, param: nn.Parameter, owners: list[Owner], mesh, rank: int, world_size: int,
-                 param_dtype: torch.dtype | None):
+                 param_dtype: torch.dtype | None, shard_dim: int = 0):
         if param.dim() == 0:
             raise ValueError(f"fully_shard: parameter '{owners[0].fqn}' is 0-dimensional; fsdp_impl shards "
                              f"every parameter on dim 0 (view it as shape (1,) in the model)")
+        if not 0 <= shard_dim < param.dim() or (shard_dim and param.shape[shard_dim] % world_size):
+            raise ValueError(f"fully_shard: parameter '{owners[0].fqn}' of shape {tuple(param.shape)} cannot be "
+                             f"sharded on dim {shard_dim} over {world_size} ranks (a dim other than 0 must exist "
+                             f"and divide evenly)")
+        self.dim = shard_dim  # the dimension sharded (see [Note: another shard dimension])
         self.owners = owners  # the first owner's name is the parameter's name (as named_parameters gives it)
         self.fqn = owners[0].fqn  # relative to the unit's module
         self.shape = param.shape
@@ -65,15 +77,16 @@ class ShardedParam:
         self.mesh, self.rank, self.world_size = mesh, rank, world_size
         self.rows = param.shape[0]
         self.row_numel = math.prod(param.shape[1:])
-        self.chunk = chunk_rows(self.rows, world_size)  # rows of every rank's padded chunk
-        self.start, self.end = row_range(self.rows, world_size, rank)  # this rank's rows
-        self.shard_numel = self.chunk * self.row_numel  # 1D length of the padded shard
+        size = param.shape[shard_dim]
+        self.chunk = chunk_rows(size, world_size)  # slices of dim `dim` in every rank's padded chunk
+        self.start, self.end = row_range(size, world_size, rank)  # this rank's slices of dim `dim`
+        self.shard_numel = self.chunk * param.numel() // max(size, 1)  # 1D length of the padded shard
         self.stride = _contiguous_stride(param.shape)
         padded = torch.zeros(self.shard_numel, dtype=self.dtype, device=param.device)
         if not param.is_meta:
             with torch.no_grad():
-                padded[:self.local_numel].copy_(param.detach().reshape(-1)[self.start * self.row_numel:
-                                                                           self.end * self.row_numel])
+                padded[:self.local_numel].copy_(param.detach().narrow(shard_dim, self.start, self.end - self.start)
+                                                .reshape(-1))
         self._set_sharded(padded)
         self._unsharded_data: torch.Tensor | None = None  # 1D, W x c rows, param_dtype
         self.unsharded: nn.Parameter | None = None
@@ -83,11 +96,37 @@ class ShardedParam:
     # -- shapes --------------------------------------------------------------------------------
     @property
     def local_numel(self) -> int:
-        return (self.end - self.start) * self.row_numel
+        return self.local_shape.numel()
 
     @property
     def local_shape(self) -> torch.Size:
-        return torch.Size((self.end - self.start, *self.shape[1:]))
+        shape = list(self.shape)
+        shape[self.dim] = self.end - self.start
+        return torch.Size(shape)
+
+    def by_rank(self, full: torch.Tensor) -> torch.Tensor:
+        """A view of `full` (the parameter's shape; dim 0's padded to W x c rows where it is the dim sharded) as
+        its W chunks: (W, padded shard) for dim 0, (W, *local shape) for another dim."""
+        if self.dim == 0:
+            return full.view(self.world_size, self.shard_numel)
+        shape = list(self.shape)
+        shape[self.dim:self.dim + 1] = [self.world_size, self.chunk]
+        return full.view(shape).movedim(self.dim, 0)
+
+    def chunks(self, grad: torch.Tensor) -> torch.Tensor:
+        """A full-shape gradient as the 2D tensor whose dim-0 chunks (``torch._chunk_cat``, W chunks) are the
+        ranks' shards: (rows, row) for dim 0 (the last chunks padded), (W, shard) for another dim (a copy)."""
+        if self.dim == 0:
+            return grad.reshape(self.rows, self.row_numel)
+        return self.by_rank(grad).reshape(self.world_size, -1)
+
+    def assemble(self, ranks: torch.Tensor) -> torch.Tensor:
+        """The full parameter (a new tensor) from its W padded shards, `ranks` (W, padded shard)."""
+        if self.dim == 0:
+            return ranks.reshape(-1)[:self.shape.numel()].view(self.shape).clone()
+        full = torch.empty(self.shape, dtype=ranks.dtype, device=ranks.device)
+        self.by_rank(full).copy_(ranks.view(self.world_size, *self.local_shape))
+        return full
 
     # -- the sharded parameter ------------------------------------------------------------------
     def _set_sharded(self, padded: torch.Tensor) -> None:
@@ -101,7 +140,7 @@ class ShardedParam:
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
         """A local tensor of this rank's rows (the parameter's or its gradient's) as the DTensor."""
         with torch.no_grad():
-            return DTensor.from_local(local, self.mesh, (Shard(0),), run_check=False, shape=self.shape,
+            return DTensor.from_local(local, self.mesh, (Shard(self.dim),), run_check=False, shape=self.shape,
                                       stride=self.stride)
 
     def local(self) -> torch.Tensor:
@@ -119,8 +158,8 @@ class ShardedParam:
 
     # -- unshard / reshard ----------------------------------------------------------------------
     def alloc_unsharded(self) -> torch.Tensor:
-        """The (W, c x row) view of the unsharded buffer for the all-gather's copy-out: made on first
-        use, its storage reallocated after a reshard."""
+        """The unsharded buffer as its W chunks (``by_rank``: (W, c x row) for dim 0) for the all-gather's
+        copy-out: made on first use, its storage reallocated after a reshard."""
         if self._unsharded_data is None:
             data = torch.empty(self.world_size * self.shard_numel, dtype=self.param_dtype, device=self.device)
             self._unsharded_data = data
@@ -132,7 +171,9 @@ class ShardedParam:
             nbytes = self._unsharded_data.numel() * self._unsharded_data.element_size()
             if storage.nbytes() != nbytes:
                 storage.resize_(nbytes)
-        return self._unsharded_data.view(self.world_size, self.shard_numel)
+        if self.dim == 0:
+            return self._unsharded_data.view(self.world_size, self.shard_numel)
+        return self.by_rank(self._unsharded_data.view(self.shape))
 
     def to_unsharded(self) -> None:
         """After the copy-out: the modules point at the unsharded parameter."""
@@ -177,7 +218,7 @@ class ShardedParam:
     def load_full_(self, value: torch.Tensor) -> None:
         """Copy this rank's rows of the full `value` into the sharded parameter (no collective)."""
         with torch.no_grad():
-            self.local().copy_(value.detach().reshape(self.shape)[self.start:self.end])
+            self.local().copy_(value.detach().reshape(self.shape).narrow(self.dim, self.start, self.end - self.start))
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

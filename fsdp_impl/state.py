@@ -3,7 +3,8 @@
     pre-forward    unshard (all-gather); cast floating inputs to param_dtype; wrap the inputs that
                    require grad in PostBackward, whose backward runs once autograd has computed the
                    gradients of the unit's inputs, i.e. after the unit's own backward
-    post-forward   reshard (reshard_after_forward, or always under no_grad); hook the outputs
+    post-forward   reshard (reshard_after_forward: fully, or keeping the post-forward group's block;
+                   always fully under no_grad); hook the outputs
     pre-backward   (the first output gradient of this backward) unshard again; queue the final callback
     post-backward  (PostBackward, once per forward call with grad-requiring inputs; the last one)
                    reduce the gradients, reshard
@@ -161,8 +162,10 @@ class UnitState:
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward)
-        if self.reshard_after_forward or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():  # no backward will come to regather: reshard fully
             self.params.reshard()
+        elif self.reshard_after_forward:  # to the post-forward group where there is one (group.py)
+            self.params.reshard(after_forward=True)
         self.schedule.finished(self)
         self.training_state = TrainingState.IDLE
         return output

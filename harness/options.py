@@ -19,6 +19,7 @@ from harness.core.scenario import (
     DATA_MODES,
     HSDP_REPLICAS,
     OPTIMIZERS,
+    RESHARD_RANKS,
     Scenario,
     build_matrix,
     check_feature,
@@ -361,6 +362,12 @@ class MatrixOptions:
                     f"--features hsdp runs {HSDP_REPLICAS} replicas of W/{HSDP_REPLICAS} ranks each, so a world size "
                     f"above 1 must divide by {HSDP_REPLICAS}; {odd} do not (1 is one replica of one rank, the "
                     f"comparison run)")
+        if any(has(f, "reshard2") for f in self.features):
+            odd = [w for w in self.world_sizes if w > RESHARD_RANKS and w % RESHARD_RANKS]
+            if odd:
+                raise argparse.ArgumentTypeError(
+                    f"--features reshard2 reshards each unit to groups of {RESHARD_RANKS} ranks after forward, so a "
+                    f"world size above {RESHARD_RANKS} must divide by {RESHARD_RANKS}; {odd} do not")
         if any(passes_per_step(f) > 1 for f in self.features):
             k = ACCUM_MICRO_BATCHES
             per = [(w, self.global_batch // w if "split" in self.data_modes else self.global_batch) for w in self.world_sizes]
@@ -402,8 +409,11 @@ def add_matrix_arguments(add) -> None:
              "one optimizer step), no_sync (the same with the reduction switched off on all but the last), "
              "clip / clip_inf (global gradient-norm clipping, L2 / infinity), ac (activation checkpointing on "
              "every unit), ckpt (resumed at each world size from a sharded checkpoint saved at every other one), "
-             "bf16 (bf16 compute, fp32 master weights and reduction), hsdp (2 replicas x W/2 shards), jitter (seeded "
-             "delays where asynchronous work races; the numbers must not change). A comma list "
+             "bf16 (bf16 compute, fp32 master weights and reduction), hsdp (2 replicas x W/2 shards), eval (a no_grad "
+             "forward on a held-out batch after each step), jitter (seeded delays where asynchronous work races; the "
+             "numbers must not change), reshard2 (after forward each unit resharded to groups of 2 ranks: an integer "
+             "reshard_after_forward; the numbers must not change), shard1 (parameters sharded on dim 1 where it divides "
+             "evenly: a custom shard placement; the numbers must not change). A comma list "
              "runs each as its own cells; '+' composes features in one run (hsdp+clip, accum+clip+bf16), "
              "compared with the plain model doing the same composition (default plain)")
     add("--steps", type=steps, default=None, help="training steps per scenario, at least 2 (default 10)")

@@ -55,6 +55,14 @@ whose adapter lacks one is not run and gets an ``unsupported`` verdict, never a 
   with each parameter sharded over ``shard_group`` and replicated across ``replicate_group`` (the ranks
   holding the same shard); the gradient is still the mean over every rank of ``group``. The harness
   makes both groups (rank = replica x shard size + index in the shard group).
+- ``wrap_reshard_after_forward(model, units, *, group, device, reshard_after_forward: int)`` (feature
+  ``reshard2``): ``wrap`` with each unit, after its forward, resharded to groups of ``reshard_after_forward``
+  consecutive ranks of ``group`` (a divisor of its size; each rank keeps that fraction of the unit until its
+  backward, which gathers within the group), FSDP2's integer ``reshard_after_forward``. 1 means keep the
+  unit gathered until backward, the size of ``group`` means reshard fully (the plain ``wrap``).
+- ``wrap_shard_placement(model, units, *, group, device, shard_placement_fn)`` (feature ``shard1``): ``wrap``
+  with each parameter sharded on the dim ``shard_placement_fn(parameter)`` names (a ``Shard(d)``; None: dim 0),
+  as FSDP2's ``shard_placement_fn``; the harness asks for ``Shard(1)`` only where dim 1 divides evenly.
 """
 
 from __future__ import annotations
@@ -69,7 +77,7 @@ from harness.train.optim import make_optimizer as _make_optimizer
 REQUIRED = ("wrap", "full_params")
 OPTIONAL = ("make_optimizer", "after_backward")
 CAPABILITIES = ("set_gradient_sync", "clip_grad_norm", "save_checkpoint", "load_checkpoint", "wrap_mixed_precision",
-                "wrap_hybrid")
+                "wrap_hybrid", "wrap_reshard_after_forward", "wrap_shard_placement")
 
 
 class AdapterError(ValueError):

@@ -24,6 +24,14 @@ class FsdpImplAdapter(Adapter):
                     replicate_group) -> nn.Module:
         return self._shard(model, units, device, process_group=shard_group, replicate_group=replicate_group)
 
+    def wrap_reshard_after_forward(self, model: nn.Module, units: list[nn.Module], *, group, device,
+                                   reshard_after_forward: int) -> nn.Module:
+        return self._shard(model, units, device, process_group=group, reshard_after_forward=reshard_after_forward)
+
+    def wrap_shard_placement(self, model: nn.Module, units: list[nn.Module], *, group, device,
+                             shard_placement_fn) -> nn.Module:
+        return self._shard(model, units, device, process_group=group, shard_placement_fn=shard_placement_fn)
+
     def save_checkpoint(self, wrapped: nn.Module, optimizer, path) -> None:
         from fsdp_impl import save_sharded
 

@@ -44,14 +44,38 @@ class TorchFSDP2Adapter(Adapter):
                                      mesh_dim_names=("replicate", "shard"))
         return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype)
 
-    def _shard(self, model, units, mesh, group, device, *, param_dtype, reduce_dtype) -> nn.Module:
+    def wrap_reshard_after_forward(self, model: nn.Module, units: list[nn.Module], *, group, device,
+                                   reshard_after_forward: int) -> nn.Module:
+        """FSDP2's integer reshard_after_forward, given to every unit and the root (explicitly: the root too
+        is resharded to the smaller group); the group's size as True, 1 as False (FSDP2 warns on the int 1)."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(group, torch.device(device).type)
+        g = reshard_after_forward
+        g = True if g == dist.get_world_size(group) else False if g == 1 else g
+        return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype,
+                           reshard_after_forward=g)
+
+    def wrap_shard_placement(self, model: nn.Module, units: list[nn.Module], *, group, device,
+                             shard_placement_fn) -> nn.Module:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(group, torch.device(device).type)
+        return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype,
+                           shard_placement_fn=shard_placement_fn)
+
+    def _shard(self, model, units, mesh, group, device, *, param_dtype, reduce_dtype,
+               reshard_after_forward=None, shard_placement_fn=None) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": reshard_after_forward,
+                   "shard_placement_fn": shard_placement_fn}
         model.to(torch.device(device))
         for unit in units:
-            fully_shard(unit, mesh=mesh, mp_policy=policy)
-        wrapped = fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(unit, **options)
+        wrapped = fully_shard(model, **options)
         wrapped._harness_group = group  # the group a checkpoint is saved and loaded over
         return wrapped
 

@@ -15,7 +15,7 @@ import math
 import pandas as pd
 
 from harness.checks.numeric import Check, judge, not_measured
-from harness.core.policy import ROOT_AFTER_EVAL, Bounds
+from harness.core.policy import POST_FORWARD_AFTER_EVAL, ROOT_AFTER_EVAL, Bounds
 from harness.core.scenario import (
     clip_of,
     has,
@@ -23,6 +23,7 @@ from harness.core.scenario import (
     feature_of,
     holds_unsharded_grads,
     passes_per_step,
+    post_forward_ranks,
     reductions_per_step,
     shard_size,
     user_optimizer,
@@ -167,6 +168,10 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         if (len(over) == 1 and over[0] in excess and where.startswith(f"{over[0]}:")
                 and _root_kept_after_eval(row, excess[over[0]]())):
             where += f" ({ROOT_AFTER_EVAL}: over by at most its {float(row.root_bytes):,.0f} B)"
+        elif (over == ["params"] and where.startswith("params:") and has(feature_of(row), "eval")
+                and 0 < excess["params"]() <= _kept_after_forward(row)):
+            where += (f" ({POST_FORWARD_AFTER_EVAL}: over by at most the post-forward shards' "
+                      f"{_kept_after_forward(row):,.0f} B)")
         kind = "sharded over" if row.sharded else "replicated on"
         mesh = f" of each of {int(row.world_size) // shards(row)} replicas" if shards(row) != int(row.world_size) else ""
         msg = (f"per-rank state {total_measured:,.0f} B vs ideal {sum(ideal.values()):,.0f} B "
@@ -207,12 +212,14 @@ def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         # the compute copies where no unit is gathered: of every parameter (sharded W > 1: inside `unsharded`)
         copies = COMPUTE_COPY_RATIO.get(feature_of(row), 0.0) * float(row.param_bytes) if not unsharded else 0.0
         transient = (_max_over_ranks(mem, row.scenario, "activations") + _max_over_ranks(mem, row.scenario, "other"))
-        bound = ((sum(ideal.values()) + unsharded + held_grads + copies + transient) * (1 + bounds.peak_slack)
+        kept = _kept_after_forward(row)
+        bound = ((sum(ideal.values()) + unsharded + held_grads + copies + kept + transient) * (1 + bounds.peak_slack)
                  + 4 * shard_padding(row, bounds))
         msg = (f"peak {peak:,.0f} B per rank vs bound {bound:,.0f} B (state ideal {sum(ideal.values()):,.0f} + "
                f"2 units unsharded {unsharded:,.0f} + activations/other {transient:,.0f}"
                + (f" + unsharded gradients held between micro-batches {held_grads:,.0f}" if held_grads else "")
                + (f" + {feature_of(row)} compute copies of the parameters {copies:,.0f}" if copies else "")
+               + (f" + post-forward shards {kept:,.0f}" if kept else "")
                + f", +{bounds.peak_slack:.0%})")
         out.append(_at_most("peak_memory_bound", row, peak, bound, msg,
                             f"params: peak exceeds the bound by {peak - bound:,.0f} B"))
@@ -234,9 +241,11 @@ def peak_params_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             continue
         mine = -(-int(row.param_bytes) // shards(row))
         gathered = 2 * float(row.largest_child_bytes) + float(row.root_bytes)
-        bound = mine + gathered + shard_padding(row, bounds) + 2 * bounds.align_bytes_per_tensor * float(row.param_tensors)
+        kept = _kept_after_forward(row)
+        bound = mine + gathered + kept + shard_padding(row, bounds) + 2 * bounds.align_bytes_per_tensor * float(row.param_tensors)
         msg = (f"parameters held at the peak {held:,.0f} B per rank vs bound {bound:,.0f} B (shards {mine:,} + "
-               f"2 child units {2 * float(row.largest_child_bytes):,.0f} + root {float(row.root_bytes):,.0f} + padding)")
+               f"2 child units {2 * float(row.largest_child_bytes):,.0f} + root {float(row.root_bytes):,.0f}"
+               + (f" + post-forward shards {kept:,.0f}" if kept else "") + " + padding)")
         out.append(_at_most("peak_params_bound", row, held, bound, msg,
                             f"params: {held - bound:,.0f} B over the bound at the peak"))
     return out
@@ -335,6 +344,15 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         plus_eval = " + P (the eval forward)" if evals else ""
         if gather > ideal_gather * (1 + bounds.comm_slack) + gather_allowance:
             problems.append(f"all_gather {gather:,.0f} elements > {per}2P{plus_eval} = {ideal_gather:,.0f}")
+        # reshard2: after forward each unit is spread over groups of g ranks, and backward regathers it within
+        # its group: the all-gathers over the whole shard group are forward's (and eval's), P a pass, no more
+        g = post_forward_ranks(feature, int(row.world_size))
+        regather = _gathered_over(c, g) if 1 < g < shards(row) else 0.0
+        wide = gather - regather
+        if 1 < g < shards(row) and wide > (passes + evals) * p * (1 + bounds.comm_slack) + gather_allowance / 2:
+            problems.append(f"all_gather over {shards(row)} ranks {wide:,.0f} elements > {per}P{plus_eval} = "
+                            f"{(passes + evals) * p:,.0f}: reshard_after_forward={g} regathers backward's "
+                            f"parameters within groups of {g} ranks, yet {regather:,.0f} elements were gathered so")
         if not t <= reduce <= t * (1 + bounds.comm_slack) + allowance:
             what = "trainable" if t != reductions * p else "P ="
             problems.append(f"gradient reduction {reduce:,.0f} elements != {per_r}{what} {t:,.0f}")
@@ -346,11 +364,29 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                f"{reduce_bytes:,.0f} B: traffic factor {factor:.2f}x the parameters' {8 * width:g}-bit elements; "
                f"ZeRO-3 ideal {per}2P{plus_eval} + {per_r}P with P = {p:,.0f} elements"
                + (f"; the {whose} norm's all_reduce {norm_reduce:,.0f} elements" if norm_reduce else "")
-               + (f"; the replicas' average of their shards T/S = {replicas_t:,.0f} elements" if replicas_t else ""))
+               + (f"; the replicas' average of their shards T/S = {replicas_t:,.0f} elements" if replicas_t else "")
+               + (f"; all_gather within groups of {g} ranks (backward's regather) {regather:,.0f} elements"
+                  if 1 < g < shards(row) else ""))
         limit = (ideal_gather + t) * (1 + bounds.comm_slack) + gather_allowance + allowance  # the most both conditions above allow together
         out.append(judge("comm_volume", row, not problems, (gather + reduce) / p, limit / p,
                          msg + f"; allowed up to {limit / p:.3g}P with padding", where="; ".join(problems)))
     return out
+
+
+def _kept_after_forward(row) -> float:
+    """reshard2: bytes a rank holds between a unit's forward and its backward beyond its shards, every unit
+    at once (after the last forward): each keeps 1 / g of its parameters (padded) beside its own 1 / S shard,
+    so param_bytes / g + its padding more ([Note: reshard2] in harness/core/policy.py); 0 otherwise."""
+    s, g = shards(row), post_forward_ranks(feature_of(row), int(row.world_size))
+    return (float(row.param_bytes) / g + shard_padding(row)) if row.sharded and g < s else 0.0
+
+
+def _gathered_over(c, ranks: int) -> float:
+    """Elements all-gathered over groups of `ranks` ranks in a scenario's comm rows (0 for a table stored
+    before the group size was recorded)."""
+    if "ranks" not in c:
+        return 0.0
+    return float(c[(c.collective == "all_gather") & (c["ranks"] == ranks)].elements.sum())
 
 
 def _ok_row(row) -> bool:

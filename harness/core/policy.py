@@ -172,7 +172,7 @@ NOT_EXACT = {"clip": NOT_EXACT_UNDER_L2_CLIP}
 # Each feature's rule says what it changes; a composition changes what each of its parts changes, so each
 # bound is the rule of the part that changes that property most, never a sum or a new tolerance:
 # - Yardstick: the plain model doing the same composition, less the parts that leave every number as the
-#   plain step has it (NUMBERS_UNCHANGED: ac, ckpt, hsdp, jitter), as for one feature: hsdp+clip against clip.
+#   plain step has it (NUMBERS_UNCHANGED: ac, ckpt, hsdp, jitter, reshard2, shard1), as for one feature: hsdp+clip against clip.
 #   A timing-only part (jitter) is also left out of the world-size-1 run and the other factorisation, and the
 #   run is held bitwise to the same composition without it (its calm twin, jitter_invariant).
 # - Replicated data across world sizes: bitwise (3e-8, grads_match_ws1) unless a part is not exact
@@ -224,6 +224,47 @@ def not_exact(feature: str, optimizer: str = "adamw") -> str:
 NOT_EXACT_USER_OPTIMIZER = (
     "a user's optimizer may compute its update from the whole matrix (a norm), which W ranks sum from partial "
     "sums in another order than one rank does, so it is held as L2 clipping is: to the split tier's bound")
+
+
+# [Note: reshard2] How an integer reshard_after_forward (feature reshard2: after its forward each unit is resharded
+# to groups of g = RESHARD_RANKS consecutive ranks, harness.core.scenario.post_forward_ranks) is held.
+# - Numbers: it changes where a unit's rows wait between forward and backward and over which ranks backward
+#   regathers them, not one value: the regathered parameter is the same rows, copied, not computed. So it is in
+#   NUMBERS_UNCHANGED: the yardstick is the plain model's plain step, and every tier is the plain feature's
+#   (bitwise at W = 1 and across world sizes with replicated data, the split tier with split data). At
+#   W <= g it is the plain step (g = W reshards fully) and every check holds it as such.
+# - Traffic (comm_volume, derived, not measured): forward gathers each unit over the shard group's S ranks (P
+#   elements a pass, and P for an eval forward) and backward regathers it within its group of g ranks (P a
+#   pass, over groups of g): the all-gathers over S ranks may hold no more than forward's P a pass. Totals
+#   stay at the plain ideal (2P a pass). An implementation that reshards fully gathers 2P over S ranks and
+#   fails there (mutant post_forward_full_reshard). The comm table records each collective's group size.
+# - Memory (peak_memory_bound, peak_params_bound): between a unit's forward and its backward a rank holds
+#   1 / g of it beside its own 1 / S shard (fsdp_impl and FSDP2 alike keep the post-forward block apart from
+#   the sharded parameter); after the last forward every unit does at once, so both bounds add
+#   param_bytes / g (and its padding) to what a plain step may hold. No unit is held in full after its forward:
+#   units_gathered's allowances are the plain step's (an implementation that keeps them gathered fails
+#   there: mutant post_forward_kept_gathered).
+# - Compositions: reshard2 is a wrap of its own (wrap_reshard_after_forward), so it composes with every
+#   feature that is not one (bf16, hsdp and shard1 are: harness.core.scenario.EXCLUSIVE).
+
+# FSDP2 under reshard2 + eval: after the no_grad eval forward its units stay at the post-forward mesh (no
+# backward comes to free it), so memory_sharding, measured after the step, finds param_bytes / g more
+# parameters: a documented deviation (KNOWN_DEVIATIONS), named in the verdict as POST_FORWARD_AFTER_EVAL.
+POST_FORWARD_AFTER_EVAL = "the post-forward shards kept after the eval forward"
+
+# [Note: shard1] How a custom shard placement (feature shard1: Shard(1) wherever dim 1 divides evenly over the
+# shard group, else Shard(0); harness.train.features.dim1_placement) is held.
+# - Numbers: a placement decides which elements a rank keeps, not what is computed: the gathered parameter is
+#   the same tensor, and each gradient element is the same W addends reduced in the same order whichever rank
+#   owns it. So it is in NUMBERS_UNCHANGED: the plain reference and every tier of the plain step (bitwise at
+#   W = 1 and across world sizes with replicated data, where the plain step is; FSDP2's fp32 ring at W >= 3
+#   keeps its documented deviation, KNOWN_DEVIATIONS, whose cause does not depend on the placement).
+# - Memory and traffic: even division (no padding) on the dim sharded, so the plain step's bounds hold
+#   unchanged, their padding allowances an upper bound. A model with no parameter whose dim 1 divides (the
+#   zoo's mlp) runs the plain step.
+# - A layout fault is a numeric one (a column written at another rank's offset moves the loss at step 1:
+#   mutant columns_as_rows, cross_ws_replicated). The localiser maps parameters held as dim-0 rows only: it
+#   names a Shard(1) parameter as unmappable where it is first seen (the initial parameters).
 
 
 # [Note: eval loss] How the eval feature's loss (a no_grad forward on a held-out batch after each optimizer
@@ -289,6 +330,12 @@ KNOWN_DEVIATIONS = (
                    when=ROOT_AFTER_EVAL),
     KnownDeviation("torch_fsdp2", "memory_sharding", 1, _FSDP2_ROOT_AFTER_NO_GRAD, feature="eval",
                    when=ROOT_AFTER_EVAL),
+    KnownDeviation(
+        "torch_fsdp2", "memory_sharding", 4,
+        "FSDP2 with an integer reshard_after_forward reshards each unit to the smaller post-forward mesh after "
+        "every forward, a no_grad one included, and frees it only in the backward that never follows an eval "
+        "forward: param_bytes / g stay held until the next training step (reshard() frees them). fsdp_impl "
+        "reshards fully after a no_grad forward", feature="reshard2", when=POST_FORWARD_AFTER_EVAL),
     KnownDeviation(
         "torch_fsdp1", "memory_sharding", 2,
         "FSDP1 (FULL_SHARD) never frees the root's unsharded flat parameter in its post-forward (_post_forward_reshard: "

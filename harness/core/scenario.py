@@ -44,13 +44,26 @@ REFERENCE_IMPL = "reference"
 #   jitter   timing perturbation: seeded, bounded delays where asynchronous work races (before each
 #            collective is issued and each wait on one, after forward, before the optimizer step), injected
 #            by the harness around any implementation (harness/train/jitter.py); it must change no number
-FEATURES = ("plain", "accum", "no_sync", "clip", "clip_inf", "ac", "ckpt", "bf16", "hsdp", "eval", "jitter")
+#   reshard2 an integer reshard_after_forward: after its forward each unit is resharded to groups of
+#            RESHARD_RANKS consecutive ranks (each rank keeps 1 / RESHARD_RANKS of it, not 1 / W), and backward
+#            regathers it within its group (the adapter's wrap_reshard_after_forward, FSDP2's
+#            reshard_after_forward=2); at W <= RESHARD_RANKS it is the plain step (post_forward_ranks). It must
+#            change no number
+#   shard1   a custom shard placement: every parameter of two or more dims whose dim 1 divides evenly over the
+#            shard group sharded Shard(1), the others Shard(0) (shard_placement; the adapter's
+#            wrap_shard_placement, FSDP2's shard_placement_fn). The zoo's mlp has no such parameter (odd
+#            widths): its cells are the plain step; tinylm's square and 32-wide matrices are. It must change no
+#            number
+FEATURES = ("plain", "accum", "no_sync", "clip", "clip_inf", "ac", "ckpt", "bf16", "hsdp", "eval", "jitter",
+            "reshard2", "shard1")
 ACCUM_MICRO_BATCHES = 2
 # Compositions: features joined by COMPOSE ("hsdp+clip") act together in one run, in FEATURES order
 # whatever order they are written in. These pairs cannot: two micro-batch schemes, two clipping norms, and
-# bf16 with hsdp (the adapter protocol has no hybrid mixed-precision wrap).
+# any two of bf16, hsdp, reshard2 and shard1 (each is a wrap of its own: the adapter protocol has no wrap that
+# takes two of them).
 COMPOSE = "+"
-EXCLUSIVE = (("accum", "no_sync"), ("clip", "clip_inf"), ("bf16", "hsdp"))
+WRAPS = ("bf16", "hsdp", "reshard2", "shard1")  # the features that are a wrap of their own (wrap_for)
+EXCLUSIVE = (("accum", "no_sync"), ("clip", "clip_inf")) + tuple(itertools.combinations(WRAPS, 2))
 
 
 def parts(feature: str) -> tuple[str, ...]:
@@ -92,7 +105,7 @@ def check_feature(text: str) -> str:
         if a in names and b in names:
             raise ValueError(f"{a}{COMPOSE}{b} cannot be composed: " + (
                 "two micro-batch schemes" if a == "accum" else "two clipping norms" if a == "clip" else
-                "the adapter protocol has no hybrid mixed-precision wrap (wrap_mixed_precision or wrap_hybrid)"))
+                f"each is a wrap of its own (the adapter protocol has no wrap that takes both {a} and {b})"))
     return compose(names)
 
 
@@ -108,7 +121,7 @@ def rounded_per_rank(feature: str) -> bool:
 # steps under seeds 0-4 (L2 0.20, inf 0.033 on mlp), so clipping acts at every step (checked per run)
 CLIP = {"clip": (2.0, 0.1), "clip_inf": (float("inf"), 0.01)}
 # features that must leave every number bitwise as the plain step has it: compared with the plain reference
-NUMBERS_UNCHANGED = ("ac", "ckpt", "hsdp", "jitter")
+NUMBERS_UNCHANGED = ("ac", "ckpt", "hsdp", "jitter", "reshard2", "shard1")
 # features that only change when things happen, never what is computed: the runs a run is compared with
 # (reference, world size 1, other factorisation) leave them out, and each run is held bitwise to its own
 # calm twin (Scenario.calm)
@@ -116,7 +129,8 @@ TIMING_ONLY = ("jitter",)
 # the adapter methods a feature needs beyond the protocol's required ones (harness/adapters/base.py)
 FEATURE_NEEDS = {"no_sync": ("set_gradient_sync",), "clip": ("clip_grad_norm",), "clip_inf": ("clip_grad_norm",),
                  "ckpt": ("save_checkpoint", "load_checkpoint"), "bf16": ("wrap_mixed_precision",),
-                 "hsdp": ("wrap_hybrid",)}
+                 "hsdp": ("wrap_hybrid",), "reshard2": ("wrap_reshard_after_forward",),
+                 "shard1": ("wrap_shard_placement",)}
 HSDP_REPLICAS = 2  # replicas of a hybrid mesh at W >= 2 (2 x 1 at W = 2, 2 x 2 at 4, 2 x 4 at 8)
 # Features under which every rank rounds its own gradient before the reduction sums it: under bf16 each
 # rank's backward yields bf16 values, which the fp32 reduction adds up. With split data at W ranks that is
@@ -128,6 +142,17 @@ ROUNDED_PER_RANK = ("bf16",)
 # features whose sharded step computes a scalar of the whole gradient (the L2 clipping norm) from W partial
 # sums, so it differs from one rank's in the last bits: their noise probes include a nudged one (Scenario.nudge)
 NUDGED = ("clip",)
+
+
+RESHARD_RANKS = 2  # reshard2: the ranks of the group each unit is resharded to after forward
+
+
+def post_forward_ranks(feature: str, world_size: int) -> int:
+    """Ranks a unit is spread over between its forward and its backward: RESHARD_RANKS under reshard2 (the
+    integer reshard_after_forward an adapter is handed; all W ranks where W <= RESHARD_RANKS: then it is
+    the plain step), else every rank of the shard group."""
+    shard = shard_size(feature, world_size)
+    return min(RESHARD_RANKS, shard) if has(feature, "reshard2") else shard
 
 
 def ckpt_step(steps: int) -> int:

@@ -99,7 +99,9 @@ class StepTracer(TorchDispatchMode):
             params = {self.plain_name(n): p for n, p in wrapped.named_parameters()}
             with torch.no_grad():
                 for name, full in torch.load(forced, weights_only=True).items():
-                    if name in params:
+                    # a parameter its ranks held neither whole nor as dim-0 rows (Shard(1)) came back as one
+                    # rank's piece, not the full tensor: the yardstick keeps its own
+                    if name in params and params[name].shape == full.shape:
                         params[name].copy_(full)
         self._params = [local_tensor(p) for p in wrapped.parameters()]
         self._param_ids = {id(p) for p in self._params}

@@ -100,6 +100,25 @@ def _pg_size(pg: Any) -> int:
     return int(pg.size())
 
 
+def _group_ranks(args: tuple) -> int:
+    """Ranks of the group a collective runs over: its process-group argument's size (a boxed group at the
+    dispatcher, a ``ProcessGroup`` or backend object in the wrapped methods) or, for a functional collective,
+    its group name's; 0 where the arguments name none."""
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            return _pg_size(a)
+        if isinstance(a, str):  # a functional collective's group name (or its reduce op: not a group)
+            try:
+                from torch.distributed.distributed_c10d import _resolve_process_group
+                return int(_resolve_process_group(a).size())
+            except (ImportError, RuntimeError, ValueError, KeyError):
+                continue
+        size = getattr(a, "size", None)
+        if callable(size) and not isinstance(a, torch.Tensor) and hasattr(a, "rank"):
+            return int(size())
+    return 0
+
+
 # c10d op name -> (collective, bytes(args)); args are the op's positional arguments.
 _C10D: dict[str, tuple[str, Callable[[tuple], Size]]] = {
     "_allgather_base_": ("all_gather", lambda a: _size(a[0])),
@@ -247,7 +266,7 @@ def _patch() -> None:
                 padded = (tuple(args[:2]) + (None, None))[:2] + (self,)
                 for counter in list(_COUNTERS.owners):
                     if not (_other and _counted_here(counter)):
-                        counter._record(collective, size(padded))
+                        counter._record(collective, size(padded), int(self.size()))
                 return _orig(self, *args, **kwargs)
 
             setattr(cls, meth, wrapper)
@@ -305,8 +324,9 @@ class CommCounter(TorchDispatchMode):
 
     def __init__(self, fingerprint: bool = False) -> None:
         super().__init__()
-        self.calls: dict[tuple[str, str], int] = defaultdict(int)
-        self.sizes: dict[tuple[str, str], Size] = defaultdict(Size)
+        # (collective, element type, ranks of its group) -> calls, sizes
+        self.calls: dict[tuple[str, str, int], int] = defaultdict(int)
+        self.sizes: dict[tuple[str, str, int], Size] = defaultdict(Size)
         self.fingerprint = fingerprint
         # (collective, elements, hash of the bytes) of each reduction's input, in issue order (fingerprint=True;
         # this thread's and autograd's, at the dispatcher)
@@ -324,8 +344,8 @@ class CommCounter(TorchDispatchMode):
         super().__exit__(*exc)
         _COUNTERS.exit(self)
 
-    def _record(self, collective: str, size: Size) -> None:
-        key = (collective, size.dtype)
+    def _record(self, collective: str, size: Size, ranks: int = 0) -> None:
+        key = (collective, size.dtype, ranks)
         with _LOCK:
             self.calls[key] += 1
             self.sizes[key] = self.sizes[key] + size
@@ -339,7 +359,7 @@ class CommCounter(TorchDispatchMode):
             return NotImplemented
         found = _classify(func, tuple(args))
         if found is not None:
-            self._record(*found)
+            self._record(*found, _group_ranks(tuple(args)))
             if self.fingerprint:
                 self._fingerprint(found[0], func, args)
         return func(*args, **kwargs)
@@ -354,16 +374,18 @@ class CommCounter(TorchDispatchMode):
         self.reduction_inputs.append((collective, sum(t.numel() for t in tensors), tensor_digest(*tensors)))
 
     def summary(self) -> list[dict]:
-        """One dict per collective and element type seen: {"collective", "dtype", "calls",
-        "elements", "bytes"}, sorted."""
-        return [{"collective": c, "dtype": d, "calls": self.calls[(c, d)], "elements": self.sizes[(c, d)].elements,
-                 "bytes": self.sizes[(c, d)].bytes} for c, d in sorted(self.calls)]
+        """One dict per collective, element type and group size seen: {"collective", "dtype", "ranks", "calls",
+        "elements", "bytes"}, sorted ("ranks": of the group it ran over, 0 where unknown)."""
+        return [{"collective": c, "dtype": d, "ranks": r, "calls": self.calls[(c, d, r)],
+                 "elements": self.sizes[(c, d, r)].elements, "bytes": self.sizes[(c, d, r)].bytes}
+                for c, d, r in sorted(self.calls)]
 
     def bytes_of(self, collective: str) -> int:
-        return sum(s.bytes for (c, _), s in self.sizes.items() if c == collective)
+        return sum(s.bytes for (c, *_), s in self.sizes.items() if c == collective)
 
-    def elements_of(self, collective: str) -> int:
-        return sum(s.elements for (c, _), s in self.sizes.items() if c == collective)
+    def elements_of(self, collective: str, ranks: int | None = None) -> int:
+        """Elements of `collective` (over groups of `ranks` ranks only, if given)."""
+        return sum(s.elements for (c, _, r), s in self.sizes.items() if c == collective and ranks in (None, r))
 
     def calls_of(self, collective: str) -> int:
-        return sum(n for (c, _), n in self.calls.items() if c == collective)
+        return sum(n for (c, *_), n in self.calls.items() if c == collective)

@@ -97,6 +97,7 @@ def _comm_section(tables: dict) -> list[str]:
         col = lambda name: c[name] if name in c else pd.Series(np.nan, index=c.index)  # noqa: E731
         t = pd.DataFrame({"world size": c["world_size"], "collective": c["collective"],
                           "dtype": col("dtype").fillna("").astype(str),
+                          "group ranks": [num(x, "g") for x in col("ranks")],
                           "calls per step": [num(x, "g") for x in c["calls"]],
                           "elements per step": [num(x, ",.0f" if float(x).is_integer() else ",.6g")
                                                 for x in col("elements")],

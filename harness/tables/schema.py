@@ -109,9 +109,10 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         "scenario", "rank", "phase", "moments", "units", "which", "root"),
           "units: the most units (the root aside) holding their full parameters at one moment of the phase, "
           "which: their names, root: the root's own parameters full at some moment (harness.measure.timeline)"),
-    Table("comm", "scenario x collective x element type", (
-        "scenario", "collective", "dtype", "calls", "elements", "bytes"),
-          "per step, the full size each collective handles, from every thread of the rank"),
+    Table("comm", "scenario x collective x element type x group size", (
+        "scenario", "collective", "dtype", "ranks", "calls", "elements", "bytes"),
+          "per step, the full size each collective handles, from every thread of the rank; ranks: of the group "
+          "it ran over (0: unknown)", required=("scenario", "collective", "dtype", "calls", "elements", "bytes")),
     Table("coverage", "scenario x step x parameter `full_params` got wrong", ("scenario", "step", "param", "problem"),
           "problem: missing, not a parameter of the plain model, another shape; empty when all held"),
     Table("rank_diffs", "scenario x step x parameter x rank, where the parameter differs at all", (

@@ -9,7 +9,8 @@ from typing import Callable
 
 import torch
 
-from harness.core.scenario import check_feature, has, hsdp_mesh, passes_per_step, reductions_per_step
+from harness.core.scenario import (check_feature, has, hsdp_mesh, passes_per_step, post_forward_ranks,
+                                   reductions_per_step)
 from harness.train.data import local_slice
 
 # bf16: the dtypes of the mixed-precision policy every implementation (and the plain reference) is given
@@ -18,7 +19,8 @@ BF16_POLICY = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
 
 def wrap_for(feature: str, adapter, model, units, *, ctx):
     """The adapter's wrap for the feature: under a mixed-precision policy (bf16), on a hybrid mesh
-    (hsdp), else plain ``wrap``. `ctx`: the rank's RankContext (harness.execute.worker)."""
+    (hsdp), resharding to a smaller group after forward (reshard2), with a placement of its own (shard1), else
+    plain ``wrap``. `ctx`: the rank's RankContext (harness.execute.worker)."""
     group, device = ctx.group, ctx.device
     if has(feature, "bf16"):
         return adapter.wrap_mixed_precision(model, units, group=group, device=device, **BF16_POLICY)
@@ -26,7 +28,30 @@ def wrap_for(feature: str, adapter, model, units, *, ctx):
         shard_group, replicate_group = ctx.hybrid or hybrid_groups(group)
         return adapter.wrap_hybrid(model, units, group=group, device=device, shard_group=shard_group,
                                    replicate_group=replicate_group)
+    if has(feature, "shard1"):
+        return adapter.wrap_shard_placement(model, units, group=group, device=device,
+                                            shard_placement_fn=dim1_placement(_size(group)))
+    if has(feature, "reshard2"):
+        return adapter.wrap_reshard_after_forward(model, units, group=group, device=device,
+                                                  reshard_after_forward=post_forward_ranks(feature, _size(group)))
     return adapter.wrap(model, units, group=group, device=device)
+
+
+def dim1_placement(shard_ranks: int):
+    """Feature shard1's placement: ``Shard(1)`` for a parameter of two or more dims whose dim 1 divides evenly
+    over `shard_ranks` (as FSDP2 requires of a dim other than 0), None (Shard(0)) for any other."""
+    from torch.distributed.tensor import Shard
+
+    def placement(param):
+        return Shard(1) if param.dim() >= 2 and param.shape[1] % shard_ranks == 0 else None
+
+    return placement
+
+
+def _size(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
 
 
 def hybrid_layout(world_size: int) -> list[list[int]]:

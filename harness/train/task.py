@@ -158,7 +158,8 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
         eval_loss = _global_eval_loss(eval_losses, sc, ctx) if held_out else math.nan
         optimizer.zero_grad(set_to_none=True)
         for row in counter.summary():
-            tot = comm_totals.setdefault((row["collective"], row["dtype"]), {"calls": 0, "elements": 0, "bytes": 0})
+            tot = comm_totals.setdefault((row["collective"], row["dtype"], row["ranks"]),
+                                         {"calls": 0, "elements": 0, "bytes": 0})
             for k in tot:
                 tot[k] += row[k]
         steps.append({"step": step, "loss": loss_value, "grad_norm": math.sqrt(grad_sq), "clip_norm": clip_norm,
@@ -174,8 +175,8 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
         (snap_dir / "trace").mkdir(parents=True, exist_ok=True)
         tracer.save(snap_dir / "trace" / f"rank{ctx.rank}.pt")
     trained = max(1, sc.steps - start)  # the steps this run trained itself
-    comm = [{"collective": c, "dtype": d, **{k: v / trained for k, v in tot.items()}}
-            for (c, d), tot in sorted(comm_totals.items())]
+    comm = [{"collective": c, "dtype": d, "ranks": r, **{k: v / trained for k, v in tot.items()}}
+            for (c, d, r), tot in sorted(comm_totals.items())]
     return {"scenario": sc.id, "rank": ctx.rank, "steps": steps, "memory": memory, "comm": comm, "gathered": gathered,
             "sharded": bool(adapter.sharded), "rows": rows_held(wrapped), **sizes,
             "step_time_s": sum(times) / len(times) if times else math.nan, "snapshot_dir": str(snap_dir)}

@@ -76,6 +76,7 @@ from suites.mutants.memory_mutants import NoGradForwardUnsharded, OptimizerState
 from suites.mutants.meta_init_mutants import MetaInit, MetaInitRngOrder
 from suites.mutants.optimizer_mutants import ShardNormalised
 from suites.mutants.per_sample_mutants import per_sample_task  # noqa: F401 (named by a spec below)
+from suites.mutants.surface_mutants import ColumnsAsRows, PostForwardFullReshard, PostForwardKeptGathered
 from suites.mutants.timing_mutants import GatherReadEarly
 from suites.mutants.sharding_mutants import (
     NestedDuplication,
@@ -137,6 +138,8 @@ gather_read_early = GatherReadEarly
 ckpt_last_rank_shifted, ckpt_optimizer_state_shifted = CkptLastRankShifted, CkptOptimizerStateShifted
 ckpt_step_restarted = CkptStepRestarted
 tail_before_last_dropped = TailBeforeLastDropped
+post_forward_full_reshard, post_forward_kept_gathered = PostForwardFullReshard, PostForwardKeptGathered
+columns_as_rows = ColumnsAsRows
 
 
 
@@ -189,6 +192,22 @@ CATALOGUE: tuple[Mutant, ...] = (
            "no reshard after a forward under torch.no_grad() (an evaluation pass): every unit stays gathered "
            "until the next training backward (memory only; pytorch #149029)", data_modes=("replicated",),
            optimizers=("adamw",), at_steps=None, kind="memory", features=("eval",)),
+    # only an integer reshard_after_forward (reshard2) asks for a post-forward group, and only at W > 2 is it
+    # smaller than the shard group (W = 1 runs beside as the comparison run)
+    Mutant("post_forward_full_reshard", _spec("post_forward_full_reshard"), "comm_volume",
+           "asked to reshard to groups of 2 ranks after forward, it reshards fully: backward regathers over "
+           "all W ranks (traffic only)", data_modes=("replicated",), optimizers=("adamw",), world_sizes=(1, 4),
+           at_steps=None, kind="traffic", features=("reshard2",)),
+    Mutant("post_forward_kept_gathered", _spec("post_forward_kept_gathered"), "units_gathered",
+           "asked to reshard to groups of 2 ranks after forward, it keeps every unit gathered until its "
+           "backward (memory only)", data_modes=("replicated",), optimizers=("adamw",), world_sizes=(1, 4),
+           at_steps=None, kind="memory", features=("reshard2",)),
+    # only a placement on another dim than 0 (shard1) has a parameter it acts on, on a model with a dim 1 that
+    # divides evenly (tinylm; the mlp's widths are odd), and only at W > 1 do the two layouts differ
+    Mutant("columns_as_rows", _spec("columns_as_rows"), "cross_ws_replicated",
+           "a parameter sharded on dim 1 copied out of the all-gather as if sharded on dim 0: each rank's "
+           "columns written at its row offset", models=("tinylm",), data_modes=("replicated",),
+           optimizers=("adamw",), features=("shard1",)),
     Mutant("optimizer_state_unsharded", _spec("optimizer_state_unsharded"), "memory_sharding",
            "optimizer state kept for the whole parameter on every rank (memory only)",
            data_modes=("replicated",), at_steps=None, kind="memory"),  # memory does not depend on the mode

@@ -37,9 +37,10 @@ def quick_matrix() -> list[Scenario]:
     gradient, runs in two cells only: FSDP2 and DDP on the mlp at W = 2 with split data (each rank
     evaluates its slice, the loss is all-reduced); fsdp_impl's eval runs as the control beside the
     no_grad_forward_unsharded mutant (replicated data, W = 1, 2). Not jitter, whose delays are seconds of
-    sleep per cell: suites/test_jitter.py runs its cells for all three."""
+    sleep per cell: suites/test_jitter.py runs its cells for all three; not reshard2, the plain step at
+    W <= 2: suites/test_fsdp2_surface.py runs it at 4 ranks."""
     plain = build_matrix(("ddp",), list(DEFAULT_MODELS), [1, 2], DATA_MODES, OPTIMIZERS, steps=3)
-    others = [f for f in FEATURES if f not in ("plain", "eval") and f not in TIMING_ONLY]
+    others = [f for f in FEATURES if f not in ("plain", "eval", "reshard2") and f not in TIMING_ONLY]
     featured = build_matrix(CORRECT, ["mlp", "tinylm_tied"], [1, 2], ("replicated",), ("adamw",), steps=3,
                             features=others)
     evaluated = build_matrix(("torch_fsdp2", "ddp"), ["mlp"], [2], ("split",), ("adamw",), steps=3,

@@ -46,6 +46,10 @@ WHERE = {
     # step 2's first forward prefetch, the root's of layers.0, read before the rank whose part was late sent it
     "gather_read_early": (FORWARD, "layers.0"),
     "shard_normalised": ("optimizer step", "layers.0"),  # each shard divided by its own norm
+    # the localiser maps parameters held whole or as dim-0 rows only: in a shard1 run it names the first
+    # parameter held as dim-1 columns (tinylm's embedding, the root's first unit) as unmappable at the initial
+    # parameters, where that layout is first seen, not the copy-out that misplaces its columns
+    "columns_as_rows": (INITIAL, "embed"),
 }
 # name -> why the localiser names nothing for it
 NOT_LOCALISED = {

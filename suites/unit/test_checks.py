@@ -237,9 +237,27 @@ P_EL = P_BYTES // 4  # float32 parameters
 
 
 def _comm(sid, *rows):
-    """rows: (collective, dtype, elements); bytes follow from the element type."""
+    """rows: (collective, dtype, elements[, ranks of its group, default 4]); bytes follow from the element type."""
     width = {"float32": 4, "float64": 8, "bfloat16": 2}
-    return pd.DataFrame([(sid, c, d, 1, n, n * width[d]) for c, d, n in rows], columns=frame("comm", []).columns)
+    return pd.DataFrame([(sid, r[0], r[1], r[3] if len(r) > 3 else 4, 1, r[2], r[2] * width[r[1]]) for r in rows],
+                        columns=frame("comm", []).columns)
+
+
+def test_comm_volume_under_reshard2_holds_the_gathers_over_all_ranks_to_forwards():
+    """[Note: reshard2]: at W = 4 forward gathers P over the 4 ranks and backward regathers P within groups of 2;
+    a regather over all 4 (a full reshard after forward) fails, naming the groups; the same traffic is the plain
+    step's ideal without the feature."""
+    sc = _sc("fsdp_impl", 4)
+    t = make([(sc, LOSSES, ZERO, ZERO)])
+    t["scenarios"]["feature"] = "reshard2"
+    t["comm"] = _comm(sc.id, ("all_gather", "float32", P_EL, 4), ("all_gather", "float32", P_EL, 2),
+                      ("all_to_all", "float32", P_EL))
+    assert resource_checks.comm_volume(t)[0].status == "pass"
+    t["comm"] = _comm(sc.id, ("all_gather", "float32", 2 * P_EL, 4), ("all_to_all", "float32", P_EL))
+    v = resource_checks.comm_volume(t)[0]
+    assert v.status == "fail" and "all_gather over 4 ranks" in v.where and "groups of 2 ranks" in v.where
+    t["scenarios"]["feature"] = "plain"
+    assert resource_checks.comm_volume(t)[0].status == "pass"
 
 
 def test_comm_volume_fails_on_an_extra_all_gather():

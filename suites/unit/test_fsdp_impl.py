@@ -318,6 +318,46 @@ def test_reshard_after_forward_controls_what_stays_gathered(world):
         assert got["state_dict_types"] == ["DTensor"] and got["grads"] == ["DTensor"]
 
 
+def test_reshard_after_forward_to_a_smaller_group_keeps_its_block_and_regathers_within_it(world):
+    """reshard_after_forward=2 at 4 ranks: after forward every unit's modules are back on their shards with no
+    unsharded storage, and each rank keeps 2 of the 4 ranks' padded chunks (its pair's half); backward
+    all-gathers over groups of 2 ranks only, and nothing is kept after it."""
+    p = {"model": "tinylm", "batch": 4, "reshard": 2}
+    for got in run(world, 4, "training:resharded_to_a_group", p):
+        assert set(got["after_forward"]) == {"<root>", "embed", "blocks.0", "blocks.1"}
+        for unit, held in got["after_forward"].items():
+            assert held["handles"] == [("SHARDED", 0)] * len(held["handles"]), unit
+            assert held["kept"] == 2 * held["shard"] > 0, unit
+        assert set(got["backward_gathers"]) == {2}, got["backward_gathers"]
+        assert got["kept_after_backward"] == []
+
+
+def test_reshard_after_forward_to_a_smaller_group_trains_bitwise_like_a_full_reshard(world):
+    payload = {"model": "tinylm", "batch": 4, "optimizer": "adamw", "lr": 0.01, "steps": 3}
+    full = run(world, 4, "training:train", {**payload, "reshard": True})
+    for a, b in zip(full, run(world, 4, "training:train", {**payload, "reshard": 2})):
+        assert a["losses"] == b["losses"] and max_diff(a["params"], b["params"]) == 0.0
+
+
+def test_reshard_after_forward_must_divide_the_group(world):
+    got = run(world, 4, "training:refused", {"model": "mlp", "batch": 4, "reshard": 3})
+    assert all("divisor of the shard group's 4 ranks" in g for g in got), got
+
+
+def test_a_parameter_sharded_on_dim_1_holds_its_columns_and_trains_bitwise_like_dim_0(world):
+    """shard_placement_fn (Shard(1) where dim 1 divides: tinylm's 32-wide matrices at 4 ranks, its 86-wide one
+    stays Shard(0), in the same units): each rank holds 8 of 32 columns, and 3 AdamW steps give bitwise the
+    losses and full parameters of dim-0 sharding, with a post-forward group of 2 too."""
+    got = run(world, 4, "training:placements", {"model": "tinylm", "batch": 4, "dim1": True})[1]
+    assert got["blocks.0.attn.wq.weight"] == ("Shard(1)", [32, 8]) and got["embed.weight"] == ("Shard(1)", [61, 8])
+    assert got["blocks.0.mlp.w2.weight"] == ("Shard(0)", [8, 86]) and got["norm.weight"][0] == "Shard(0)"
+    payload = {"model": "tinylm", "batch": 4, "optimizer": "adamw", "lr": 0.01, "steps": 3}
+    rows = run(world, 4, "training:train", payload)
+    for reshard in (True, 2):
+        for a, b in zip(rows, run(world, 4, "training:train", {**payload, "dim1": True, "reshard": reshard})):
+            assert a["losses"] == b["losses"] and max_diff(a["params"], b["params"]) == 0.0
+
+
 def test_reshard_after_forward_false_trains_like_plain(world, plain):
     payload = {"model": "tinylm", "batch": 4, "optimizer": "adamw", "lr": 0.01, "steps": 3}
     ref = plain(payload)

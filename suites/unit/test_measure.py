@@ -125,6 +125,17 @@ def _thread_collectives() -> list[dict]:
     return cc.summary()
 
 
+def _solo(group) -> list[dict]:
+    """Collectives over a group of one rank (c10d and functional): recorded with ranks 1."""
+    from torch.distributed import _functional_collectives as funcol
+    import torch.distributed as dist
+
+    with CommCounter() as cc:
+        dist.all_gather_into_tensor(torch.empty(AG_N), torch.ones(AG_N), group=group)
+        funcol.wait_tensor(funcol.all_reduce(torch.ones(FAR_N), "sum", group))
+    return cc.summary()
+
+
 def _rank_main(rank: int, store_path: str, queue) -> None:
     try:
         import torch.distributed as dist
@@ -133,7 +144,7 @@ def _rank_main(rank: int, store_path: str, queue) -> None:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=W)
         solo, _ = dist.new_subgroups(group_size=1)  # this rank alone: the W=1 runs
-        out: dict[str, Any] = {"raw": _raw_collectives(), "threads": _thread_collectives()}
+        out: dict[str, Any] = {"raw": _raw_collectives(), "threads": _thread_collectives(), "solo": _solo(solo)}
         for widths, tag in ((EVEN, "even"), (ODD, "odd")):
             out[f"fsdp2_w2_{tag}"] = _measured(lambda: _fsdp2(widths, dist.group.WORLD), widths)
         out["fsdp2_w1"] = _measured(lambda: _fsdp2(EVEN, solo), EVEN)
@@ -203,6 +214,14 @@ def test_raw_collectives_counted_per_element_type_in_elements_and_bytes(world):
         ("all_reduce", "int64"): (2, 2 * AR_N, 2 * AR_N * 8),
         ("all_reduce", "float32"): (2, FAR_N + BK_N, (FAR_N + BK_N) * 4),
     }
+
+
+def test_each_collective_is_recorded_with_the_size_of_its_group(world):
+    """c10d ops, functional collectives and backend calls over the world, from any thread, read its W ranks;
+    the same over a group of one rank read 1 (feature reshard2's regather is told apart by it)."""
+    for rank in range(W):
+        assert {r["ranks"] for r in world[rank]["raw"] + world[rank]["threads"]} == {W}, rank
+        assert {(r["collective"], r["ranks"]) for r in world[rank]["solo"]} == {("all_gather", 1), ("all_reduce", 1)}
 
 
 def test_collectives_from_another_thread_are_counted_once(world):

@@ -100,8 +100,9 @@ def test_per_world_size_figures(rendered):
     calls, nbytes = syn.comm(4)["reduce_scatter_tensor"]
     rs = next(ln for ln in comm.splitlines() if "reduce_scatter_tensor" in ln and ln.split("|")[1].strip() == "4")
     cells = [c.strip() for c in rs.strip().strip("|").split("|")]
-    # world size, collective, dtype, calls, elements (float32: 4 bytes each), bytes, exact bytes
-    assert cells[2:5] == ["float32", str(calls), f"{nbytes // 4:,}"] and cells[-1] == str(nbytes), cells
+    # world size, collective, dtype, group ranks (none recorded here), calls, elements (float32: 4 bytes each),
+    # bytes, exact bytes
+    assert cells[2:6] == ["float32", "—", str(calls), f"{nbytes // 4:,}"] and cells[-1] == str(nbytes), cells
     assert "No collectives at W=1." in comm
     env = _section(text, "## Environment")
     assert all(str(v) in env for v in syn.ENV.values())

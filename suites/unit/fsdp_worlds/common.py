@@ -34,14 +34,20 @@ def named_full(model: nn.Module, wrapped: bool) -> dict[str, np.ndarray]:
 
 
 def shard_model(model: nn.Module, unit_list: list[nn.Module], group, *, reshard: bool = True,
-                mp: dict | None = None) -> nn.Module:
+                mp: dict | None = None, dim1: bool = False) -> nn.Module:
+    """fully_shard on each unit, then the root; `dim1`: Shard(1) wherever dim 1 divides over the group."""
+    from harness.train.features import dim1_placement
+
+    place = dim1_placement(torch.distributed.get_world_size(group)) if dim1 else None
     policy = None
     if mp is not None:
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[mp.get("param_dtype")],
                                       reduce_dtype=DTYPES[mp.get("reduce_dtype")])
     for unit in unit_list:
-        fully_shard(unit, process_group=group, reshard_after_forward=reshard, mp_policy=policy)
-    return fully_shard(model, process_group=group, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(unit, process_group=group, reshard_after_forward=reshard, mp_policy=policy,
+                    shard_placement_fn=place)
+    return fully_shard(model, process_group=group, reshard_after_forward=reshard, mp_policy=policy,
+                       shard_placement_fn=place)
 
 
 def build(p: dict, ctx) -> tuple[nn.Module, Any]:
@@ -53,7 +59,7 @@ def build(p: dict, ctx) -> tuple[nn.Module, Any]:
         model.get_parameter(name).requires_grad_(False)
     if p.get("wrap", True):
         units_ = spec.units(model) if p.get("units", True) else []
-        shard_model(model, units_, ctx.group, reshard=p.get("reshard", True), mp=p.get("mp"))
+        shard_model(model, units_, ctx.group, reshard=p.get("reshard", True), mp=p.get("mp"), dim1=p.get("dim1", False))
     return model, spec
 
 

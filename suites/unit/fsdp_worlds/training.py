@@ -124,6 +124,44 @@ def handle_states_after_forward(ctx, p: dict) -> dict:
             "grads": sorted({type(q.grad).__name__ for q in model.parameters()})}
 
 
+def resharded_to_a_group(ctx, p: dict) -> dict:
+    """reshard_after_forward=p["reshard"] (an int): per unit after one forward, each parameter's state and
+    unsharded bytes, the elements its post-forward block keeps and its padded shard's; the all-gathers that
+    backward issues by the size of their group (harness's CommCounter); what is kept after backward."""
+    from harness.measure.comm import CommCounter
+
+    model, spec = build(p, ctx)
+    x, y = local_batch(spec, p, 1, ctx)
+    loss = spec.loss(model(x), y)
+    after_forward = {prefix or "<root>": {
+        "handles": [(q.state.name, q.unsharded_nbytes()) for q in state.params.params],
+        "kept": sum(t.numel() for t in (state.params._kept or {}).values()),
+        "shard": sum(q.shard_numel for q in state.params.params)} for prefix, state in units(model)}
+    with CommCounter() as cc:
+        loss.backward()
+    gathers = {}
+    for row in cc.summary():
+        if row["collective"] == "all_gather":
+            gathers[row["ranks"]] = gathers.get(row["ranks"], 0) + row["elements"]
+    return {"after_forward": after_forward, "backward_gathers": gathers,
+            "kept_after_backward": [prefix for prefix, state in units(model) if state.params._kept]}
+
+
+def placements(ctx, p: dict) -> dict:
+    """name -> (the DTensor's placement, its local shape) after fully_shard."""
+    model, _ = build(p, ctx)
+    return {n: (f"Shard({q.placements[0].dim})", list(q._local_tensor.shape)) for n, q in model.named_parameters()}
+
+
+def refused(ctx, p: dict) -> str:
+    """build() with the payload's options: the ValueError's text ('' if it built)."""
+    try:
+        build(p, ctx)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
 def grad_accumulation(ctx, p: dict) -> dict:
     """Gradients after (a) two backward calls on the two halves of a batch, each loss halved, (b) one
     backward on the whole batch, and (c) as (a) with the reduction switched off for the first half
