@@ -434,8 +434,10 @@ def add_allow_large(add) -> None:
              "space, planner world size by the model's rows; harness/limits.py)")
 
 
-def matrix_from(ns) -> MatrixOptions:
-    """Build MatrixOptions from parsed values (None = default)."""
+def matrix_from(ns, *, preflight: bool = True) -> MatrixOptions:
+    """Build MatrixOptions from parsed values (None = default). `preflight=False`: the checks that build the
+    models and user objects are skipped, for a process whose parent ran them on the same options (an
+    xdist worker: its controller did)."""
     d = MatrixOptions()
     pick = lambda name, default: default if getattr(ns, name, None) is None else getattr(ns, name)  # noqa: E731
     bound = getattr(ns, "cross_ws_bound", None)
@@ -448,6 +450,7 @@ def matrix_from(ns) -> MatrixOptions:
         bounds=Bounds(cross_ws_replicated=bound) if bound else Bounds(),
         allow_large=bool(getattr(ns, "allow_large", False)))
     opts.validate()
-    from harness import preflight
-    preflight.check(opts)
+    if preflight:
+        from harness import preflight as checks
+        checks.check(opts)
     return opts

@@ -59,8 +59,10 @@ def pytest_configure(config):
     if _is_controller(config):
         config.stash[_SHARED] = Path(tempfile.mkdtemp(prefix="fsdp-harness-xdist-"))
     try:
-        config.stash[_SESSION] = Session(SessionOptions.from_namespace(config.option), say=lambda line: _say(config, line),
-                                         command=invocation(config))
+        # an xdist worker's options are its controller's, which ran preflight on them (building the models
+        # imports torch: seconds per worker, for nothing)
+        options = SessionOptions.from_namespace(config.option, preflight=not hasattr(config, "workerinput"))
+        config.stash[_SESSION] = Session(options, say=lambda line: _say(config, line), command=invocation(config))
     except argparse.ArgumentTypeError as e:
         raise pytest.UsageError(str(e)) from None
 

@@ -57,10 +57,11 @@ class SessionOptions:
     localize: int = opt.DEFAULT_LOCALIZE  # failing scenarios localised after the run (harness.localize.auto)
 
     @classmethod
-    def from_namespace(cls, ns) -> "SessionOptions":
-        """From parsed CLI or pytest options (the names `add_*_arguments` register)."""
+    def from_namespace(cls, ns, *, preflight: bool = True) -> "SessionOptions":
+        """From parsed CLI or pytest options (the names `add_*_arguments` register); `preflight`: as
+        harness.options.matrix_from."""
         report = None if getattr(ns, "no_report", False) else getattr(ns, "report", None) or opt.DEFAULT_REPORT
-        return cls(opt.matrix_from(ns), report, bool(getattr(ns, "per_sample", False)),
+        return cls(opt.matrix_from(ns, preflight=preflight), report, bool(getattr(ns, "per_sample", False)),
                    getattr(ns, "baseline", None), getattr(ns, "gate", None), getattr(ns, "save_baseline", None),
                    bool(getattr(ns, "gate_strict", False)), _localize_count(ns))
 
