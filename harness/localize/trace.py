@@ -6,9 +6,12 @@ of the plain model runs in forward, and the autograd nodes a module's forward cr
 its name (``Node.metadata``), so an op of the backward is named by the node the engine is running
 (``torch._C._current_autograd_node``). Nothing of the adapter is asked or changed.
 
-Per op it keeps a record: step, pass (the micro-batch index of the step), phase, module, op name, the
-shape, dtype and a hash of the output's bytes, and the output itself while the rank's kept values stay
-under `keep_bytes`. Around the op records it keeps the rank's state, with values: the parameters it
+Per op that compare.py holds to the yardstick's (an op of a compared phase whose output is written) it
+keeps a record: index among the step's ops, step, pass (the micro-batch index of the step), phase, module,
+op name, the shape, dtype and a CRC-32 of the output's bytes, and the output itself while the rank's kept
+values stay under `keep_bytes` (one copy for outputs of the same bytes: a view, a reshape, a
+recomputation). Every other op is only counted (the index) and, where it reads parameters alone, its
+outputs marked as such. Around the op records it keeps the rank's state, with values: the parameters it
 holds at the start of each step, its gradients after the backward and the reduction, after clipping,
 and the parameters after the optimizer step, each with the dim-0 rows of the full parameter it holds
 (read from the DTensor's own spec; a plain tensor of the full shape holds them all).
@@ -24,13 +27,13 @@ rank put something else into a reduction.
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
-from harness.measure.comm import _DTensor, _classify, _REDUCTION_INPUT, _tensors, tensor_digest
+from harness.measure.comm import _DTensor, _NAMESPACES, _classify, _REDUCTION_INPUT, _tensors, plain_copy, tensor_digest
 from harness.measure.memory import local_tensor
 
 COMPARED = ("forward", "recomputation", "backward")  # the phases whose ops are compared op by op (compare.py)
@@ -53,6 +56,19 @@ def _outputs(x) -> list[torch.Tensor]:
     if isinstance(x, (list, tuple)):
         return [t for v in x for t in _outputs(v)]
     return []
+
+
+def _kind(func) -> tuple[str, str]:
+    """What the tracer does with an op, worked out once per op: ("hop", ""): a higher-order operator, run as
+    it is; ("c10d", name): of a namespace with collectives (_classify says which are); ("unwritten", name):
+    its output is never compared; ("op", name): any other. name: the record's (``aten.mm``, the overload
+    when it is not the default)."""
+    if isinstance(func, torch._ops.HigherOrderOperator):
+        return "hop", ""
+    name = str(func).removesuffix(".default")
+    if getattr(func, "namespace", None) in _NAMESPACES:
+        return "c10d", name
+    return ("unwritten" if func._overloadpacket.__name__ in UNWRITTEN else "op"), name
 
 
 def _param_only(node) -> bool:
@@ -81,10 +97,14 @@ class StepTracer(TorchDispatchMode):
         self.keep_bytes, self.kept_bytes = keep_bytes, 0
         self.ops: list[dict] = []
         self.values: dict[int, torch.Tensor] = {}  # op record index -> its output, while under keep_bytes
+        self._copies: dict[tuple, torch.Tensor] = {}  # (digest, dtype, numel) -> a value kept (see _value)
         self.state: list[dict] = []  # {"step", "what", "params": {name: (rows, tensor)}}
         self.step, self.pass_, self.phase = 0, -1, None
         self._stack: list[str] = []
-        self._op_names: dict = {}
+        self._kinds: dict = {}  # func -> _kind(func)
+        self._seen = 0  # the records' index "i": ops seen in a marked phase and collectives, records or not
+        self._prepared: dict[int, weakref.ref] = {}  # id -> the op outputs made from parameters alone
+        self._rows_key, self._rows = None, {}
         self._hooks = []
 
     # -- the harness says where the step is ----------------------------------------------------------
@@ -157,7 +177,7 @@ class StepTracer(TorchDispatchMode):
         self._early_stop = set_checkpoint_early_stop(False)
         self._early_stop.__enter__()
         self._stack.clear()
-        self._prepared = WeakIdKeyDictionary()
+        self._prepared = {}
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -189,27 +209,46 @@ class StepTracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = self._kinds[func] = _kind(func)
+        if kind[0] == "hop":
             return func(*args, **kwargs)
         if _DTensor is not None and _DTensor in types:
             return NotImplemented  # its local ops come back here
-        collective = _classify(func, tuple(args))
-        if collective is not None and self.step:
-            self._collective(func, collective[0], args)
-            return func(*args, **kwargs)
+        if kind[0] == "c10d":
+            collective = _classify(func, tuple(args))
+            if collective is not None:
+                if self.step:
+                    self._collective(func, collective[0], args)
+                return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        if self.phase is not None and collective is None:
-            self._op(func, out, self._from_params(args, kwargs))
+        if self.phase is not None:
+            self._op(kind, out, args, kwargs)
         return out
+
+    def _made_from_params(self, t: torch.Tensor) -> bool:
+        if id(t) in self._param_ids:
+            return True
+        ref = self._prepared.get(id(t))
+        return ref is not None and ref() is t
 
     def _from_params(self, args, kwargs) -> bool:
         """Whether every tensor the op reads is a parameter or made from parameters alone (a cast, a
         transpose): how an implementation prepares its parameters is its own, so such ops are not held
         to the yardstick's; the first op that computes with them is."""
-        tensors = _outputs(list(args) + list(kwargs.values()))
-        if not tensors:
-            return False
-        return all(id(t) in self._param_ids or t in self._prepared for t in tensors)
+        read = False
+        for arg in (*args, *kwargs.values()):
+            if isinstance(arg, torch.Tensor):
+                if not self._made_from_params(arg):
+                    return False
+                read = True
+            elif isinstance(arg, (list, tuple, dict)):
+                for t in _outputs(arg):
+                    if not self._made_from_params(t):
+                        return False
+                    read = True
+        return read
 
     def _where(self) -> tuple[str, str]:
         node = torch._C._current_autograd_node()
@@ -225,35 +264,52 @@ class StepTracer(TorchDispatchMode):
             return "parameter preparation", module
         return "backward", module
 
-    def _op(self, func, out, prep: bool) -> None:
-        name = func._overloadpacket.__name__
-        tensors = _outputs(out)
+    def _op(self, kind: tuple[str, str], out, args, kwargs) -> None:
+        """Marks the outputs of an op on parameters alone; records an op whose output is compared (in a
+        compared phase, written, not a buffer's): its hash, and its value while under keep_bytes. The others
+        are counted in the index alone: compare reads nothing of them."""
+        tensors = [out] if isinstance(out, torch.Tensor) else _outputs(out)
+        prep = self._from_params(args, kwargs)
         if prep:
             for t in tensors:
-                self._prepared[t] = True
+                self._prepared[id(t)] = weakref.ref(t)
+        i = self._seen
+        self._seen += 1
+        if kind[0] == "unwritten" or not tensors:
+            return
         phase, module = self._where()
-        op = self._op_names.get(func)
-        if op is None:
-            op = self._op_names[func] = str(func).removesuffix(".default")
-        compared = (phase in COMPARED and name not in UNWRITTEN and tensors
-                    and not any(id(t) in self._buffer_ids for t in tensors))
-        rec = {"i": len(self.ops), "step": self.step, "pass": self.pass_, "phase": phase, "module": module,
-               "op": op, "shape": [list(t.shape) for t in tensors],
-               "dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else "",
-               "digest": "|".join(tensor_digest(t) for t in tensors) if compared else None, "prep": prep}
-        self.ops.append(rec)
-        if rec["digest"] is not None and len(tensors) == 1:
+        if phase not in COMPARED or any(id(t) in self._buffer_ids for t in tensors):
+            return
+        digest = "|".join(tensor_digest(t) for t in tensors)
+        self.ops.append({"i": i, "step": self.step, "pass": self.pass_, "phase": phase, "module": module,
+                         "op": kind[1], "shape": [list(t.shape) for t in tensors],
+                         "dtype": str(tensors[0].dtype).removeprefix("torch."), "digest": digest, "prep": prep})
+        if len(tensors) == 1:
             t = tensors[0]
             size = t.numel() * t.element_size()
             if self.kept_bytes + size <= self.keep_bytes:
                 self.kept_bytes += size
-                self.values[rec["i"]] = t.detach().cpu().clone()
+                self.values[i] = self._value(t, digest)
+
+    def _value(self, t: torch.Tensor, digest: str) -> torch.Tensor:
+        """A copy of an op's output; where an earlier op's kept output holds the same bytes (a view or reshape of
+        it, a recomputation: a third of a step's outputs and more), that copy, seen in this one's shape."""
+        key = (digest, t.dtype, t.numel())
+        same = self._copies.get(key)
+        if same is not None and not torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python):
+            with torch._C._DisableTorchDispatch():
+                if torch.equal(same.view(t.shape), t):
+                    return same.view(t.shape)
+        self._copies[key] = copy = plain_copy(t)
+        return copy
 
     def _collective(self, func, kind: str, args) -> None:
         index = _REDUCTION_INPUT.get(func._overloadpacket.__name__)
         sent = _tensors(args[index]) if index is not None and index < len(args) else []
         phase, module = self._where() if self.phase is not None else ("after backward", "(outside modules)")
-        self.ops.append({"i": len(self.ops), "step": self.step, "pass": self.pass_, "phase": phase,
+        i = self._seen
+        self._seen += 1
+        self.ops.append({"i": i, "step": self.step, "pass": self.pass_, "phase": phase,
                          "module": module, "op": f"{kind} ({func._overloadpacket.__name__})", "collective": kind,
                          "shape": [list(t.shape) for t in sent], "dtype": "",
                          "digest": None, "sent": "|".join(tensor_digest(t) for t in sent) if sent else None})
@@ -261,15 +317,17 @@ class StepTracer(TorchDispatchMode):
     def _keep_state(self, what: str, wrapped, grads: bool) -> None:
         from harness.train.task import rows_held  # the DTensor rows, as the tables read them
 
-        rows = rows_held(wrapped)
+        params = list(wrapped.named_parameters())
+        # the rows follow from each DTensor's shape, mesh and placements: worked out again only when they change
+        key = [(name, getattr(p, "placements", None), getattr(p, "device_mesh", None), p.shape) for name, p in params]
+        if key != self._rows_key:
+            self._rows_key, self._rows = key, rows_held(wrapped)
         held = {}
-        for name, p in wrapped.named_parameters():
-            t = p.grad if grads else p
-            if t is None:
-                continue
-            plain = self.plain_name(name)
-            local = local_tensor(t).detach().to("cpu", torch.float32).clone()
-            held[plain] = (rows.get(name), local)
+        with torch.no_grad():  # a DTensor's local tensor as it is (no autograd function)
+            for name, p in params:
+                t = p.grad if grads else p
+                if t is not None:
+                    held[self.plain_name(name)] = (self._rows.get(name), plain_copy(local_tensor(t), torch.float32))
         self.state.append({"step": self.step, "what": what, "pass": self.pass_, "params": held})
 
     def plain_name(self, name: str) -> str:

@@ -281,17 +281,24 @@ def _unpatch() -> None:
 _COUNTERS = WhileEntered(_patch, _unpatch)  # the counters entered: the c10d methods are wrapped while there are
 
 
+def plain_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A copy of `t`'s value: contiguous, on the CPU, in `dtype` (its own by default). A plain tensor is copied
+    with Python dispatch off: no mode (the localiser's tracer, this counter, the peak-memory tracker) sees
+    the harness's own copy, nor pays its Python for it."""
+    if torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python):  # a subclass that dispatches in Python
+        return t.detach().to("cpu", dtype or t.dtype, copy=True, memory_format=torch.contiguous_format)
+    with torch._C._DisableTorchDispatch():
+        return t.detach().to("cpu", dtype or t.dtype, copy=True, memory_format=torch.contiguous_format)
+
+
 def tensor_digest(*tensors: torch.Tensor) -> str:
     """A CRC-32 of the tensors' bytes, read in place where the tensor is a contiguous CPU one (a copy
     otherwise): neither a numpy view, which would make the tensor's storage non-resizable (implementations
     resize theirs), nor a copy of every tensor an op makes."""
     crc = 0
     for t in tensors:
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if not t.is_contiguous():
-            t = t.contiguous()
+        if not (t.is_cpu and t.is_contiguous()):  # a copy (else read in place: no op dispatched)
+            t = plain_copy(t)
         nbytes = t.numel() * t.element_size()
         if nbytes:
             crc = zlib.crc32((ctypes.c_char * nbytes).from_address(t.data_ptr()), crc)
