@@ -38,12 +38,12 @@ class UnitBufferKept(MutantAdapter):
 
     def mutate(self, wrapped):
         for _, g in _groups(wrapped):
-            def keep_then_reshard(product, g=g):
+            def keep_then_reshard(product, *args, g=g, **kwargs):
                 full = [p.unsharded.detach().clone() for p in g.params
                         if p.unsharded is not None and p.unsharded_nbytes()]
                 if full:
                     g.cache = full
-                product()
+                product(*args, **kwargs)
 
             _around(g, "reshard", keep_then_reshard)
 
