@@ -129,9 +129,9 @@ def test_a_user_optimizers_norm_all_reduce_is_one_element_per_tensor_and_no_more
     sc = _sc("fsdp_impl", 4, opt=NSGD)
     t = make([(sc, LOSSES, ZERO, ZERO)])
     tensors = int(t["scenarios"].param_tensors.iloc[0])
-    rows = lambda n: pd.DataFrame([(sc.id, "all_gather", "float32", 1, 2 * P_EL, 8 * P_EL),  # noqa: E731
-                                   (sc.id, "reduce_scatter", "float32", 1, P_EL, 4 * P_EL),
-                                   (sc.id, "all_reduce", "float32", n, n, 4 * n)],
+    rows = lambda n: pd.DataFrame([(sc.id, "all_gather", "float32", 4, 1, 2 * P_EL, 8 * P_EL),  # noqa: E731
+                                   (sc.id, "reduce_scatter", "float32", 4, 1, P_EL, 4 * P_EL),
+                                   (sc.id, "all_reduce", "float32", 4, n, n, 4 * n)],
                                   columns=t["comm"].columns)
     t["comm"] = rows(tensors)
     [v] = resource_checks.comm_volume(t)
