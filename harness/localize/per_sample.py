@@ -47,10 +47,9 @@ class SentRecorder(TorchDispatchMode):
 
 def traced_task(ctx, payload: dict) -> dict:
     """World task: runs `payload["task"]` ("module:function") on `payload["payload"]` with the recorder on."""
-    import importlib
+    from harness.execute.worker import resolve
 
-    module, _, name = payload["task"].partition(":")
-    fn = getattr(importlib.import_module(module), name)
+    fn = resolve(payload["task"])
     with SentRecorder() as rec:
         result = fn(ctx, payload["payload"])
     return {"result": result, "sent": rec.sent}
