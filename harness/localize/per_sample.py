@@ -22,9 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness.core.policy import PER_SAMPLE_RTOL
 from harness.measure.comm import _classify, _tensors
 
 MAX_RECORDED = 1 << 14  # elements of one argument kept: per-sample norms are one per sample
+TRACED_TASK = "harness.localize.per_sample:traced_task"
 
 
 class SentRecorder(TorchDispatchMode):
@@ -111,3 +113,13 @@ def own_indices(batch: int, world_size: int, mode: str) -> list[list[int]]:
 
     ar = torch.arange(batch)
     return [local_slice(ar, ar, r, world_size, mode)[2].tolist() for r in range(world_size)]
+
+
+def replay(pool, world_size: int, task: str, payload: dict, variant: str, truth_norms) -> PerSampleLocalised:
+    """A norms task (`task`, "module:function", whose rank results hold {"norms": {variant: [...]}}) run again
+    in `pool`'s world of `world_size` with the recorder on, for `variant` alone, and localised against
+    `truth_norms`. `payload` gives the data layout (batch, mode) as the task reads it."""
+    payload = {**payload, "variants": [variant]}
+    ranks = pool.get(world_size, "gloo").call(TRACED_TASK, {"task": task, "payload": payload})
+    return localise(truth_norms, [r["sent"] for r in ranks], own_indices(payload["batch"], world_size, payload["mode"]),
+                    [r["result"]["norms"][variant] for r in ranks], PER_SAMPLE_RTOL)

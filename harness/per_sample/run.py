@@ -26,7 +26,7 @@ import statistics
 import pandas as pd
 import torch
 
-from harness.core.policy import OPACUS_EMPTY_SHARD, PER_SAMPLE_RTOL
+from harness.core.policy import OPACUS_EMPTY_SHARD
 from harness.core.scenario import scenario_id
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
 from harness.execute.world import WorldError, WorldPool
@@ -166,7 +166,7 @@ def run_per_sample(models=("mlp",), world_sizes=(1, 2, 4, 8), modes=("replicated
                         is_fsdp = impl == "fsdp_impl"
                         if is_fsdp and nv.status == FAIL and localise > 0:
                             localise -= 1
-                            nv = _localised(nv, pool, ws, dict(base, variants=["fsdp_impl"]), t.norms)
+                            nv = _localised(nv, pool, ws, base, t.norms)
                         verdicts.append(nv if is_fsdp else negative_control(nv, ws))
                         r, s = _rows(model, impl, mode, ws, per_rank[0], t.norms, nv, uv if is_fsdp else None,
                                      ur if is_fsdp else math.nan)
@@ -204,13 +204,10 @@ def run_per_sample(models=("mlp",), world_sizes=(1, 2, 4, 8), modes=("replicated
 def _localised(v: Verdict, pool: WorldPool, ws: int, payload: dict, truth_norms) -> Verdict:
     """`v` with where its norms went wrong appended: the norms task replayed with every collective's input
     recorded, each rank's own samples' truth norms looked for in what it sent."""
-    from harness.localize.per_sample import localise, own_indices
+    from harness.localize.per_sample import replay
 
     try:
-        ranks = pool.get(ws, "gloo").call("harness.localize.per_sample:traced_task",
-                                          {"task": f"{TASKS}:norms_task", "payload": payload})
-        found = localise(truth_norms, [r["sent"] for r in ranks], own_indices(payload["batch"], ws, payload["mode"]),
-                         [r["result"]["norms"]["fsdp_impl"] for r in ranks], PER_SAMPLE_RTOL).short()
+        found = replay(pool, ws, f"{TASKS}:norms_task", payload, "fsdp_impl", truth_norms).short()
     except Exception as e:  # the verdict stands; the localisation says why it could not
         found = f"could not be localised ({(str(e).strip().splitlines() or [type(e).__name__])[-1]})"
     return dataclasses.replace(v, message=f"{v.message.rstrip('. ')}. Where it diverged: {found}")

@@ -67,18 +67,12 @@ PER_SAMPLE_CELL = {"model": "mlp", "world_size": 2, "mode": "split", "batch": 16
 
 def localise_per_sample(m: Mutant, pool, seed: int = 0):
     """A per-sample mutant's norms traced in its cell and localised (harness.localize.per_sample)."""
-    from harness.core.policy import PER_SAMPLE_RTOL
-    from harness.localize.per_sample import localise, own_indices
+    from harness.localize.per_sample import replay
     from harness.per_sample.tasks import truth
 
     c = PER_SAMPLE_CELL
-    payload = {"model": c["model"], "seed": seed, "batch": c["batch"], "step": c["step"], "mode": c["mode"],
-               "variants": ["mutant"]}
-    ranks = pool.get(c["world_size"], "gloo").call("harness.localize.per_sample:traced_task",
-                                                   {"task": m.spec, "payload": payload})
-    return localise(truth(c["model"], seed, c["batch"], c["step"]).norms, [r["sent"] for r in ranks],
-                    own_indices(c["batch"], c["world_size"], c["mode"]),
-                    [r["result"]["norms"]["mutant"] for r in ranks], PER_SAMPLE_RTOL)
+    payload = {"model": c["model"], "seed": seed, "batch": c["batch"], "step": c["step"], "mode": c["mode"]}
+    return replay(pool, c["world_size"], m.spec, payload, "mutant", truth(c["model"], seed, c["batch"], c["step"]).norms)
 
 
 def cell(m: Mutant) -> Scenario:

@@ -70,15 +70,11 @@ def test_per_sample_norms_are_localised_to_the_right_side_of_the_exchange(pool, 
     """The product's norms: nothing to localise. Norms summed from parameter-shard partials (the known-bad
     aggregation of harness.per_sample.tasks): with split data no rank ever held its own samples' whole norms,
     so the fault is before the exchange; with replicated data the partial sums add up to the truth."""
-    from harness.core.policy import PER_SAMPLE_RTOL
-    from harness.localize.per_sample import localise, own_indices
+    from harness.localize.per_sample import replay
     from harness.per_sample.tasks import truth
 
-    payload = {"model": "mlp", "seed": 0, "batch": 8, "mode": mode, "variants": [variant]}
-    ranks = pool.get(2, "gloo").call("harness.localize.per_sample:traced_task",
-                                     {"task": "harness.per_sample.tasks:norms_task", "payload": payload})
-    found = localise(truth("mlp", 0, 8).norms, [r["sent"] for r in ranks], own_indices(8, 2, mode),
-                     [r["result"]["norms"][variant] for r in ranks], PER_SAMPLE_RTOL)
+    payload = {"model": "mlp", "seed": 0, "batch": 8, "mode": mode}
+    found = replay(pool, 2, "harness.per_sample.tasks:norms_task", payload, variant, truth("mlp", 0, 8).norms)
     assert found.where == where, found.short()
 
 
@@ -90,7 +86,7 @@ def test_a_failing_per_sample_verdict_of_a_run_gets_where_it_diverged_appended(p
     from harness.per_sample.tasks import truth
 
     v = Verdict("per_sample_norms", "fsdp_impl-mlp-ws2-split", FAIL, 1.0, 1e-5, message="max relative error 1")
-    out = _localised(v, pool, 2, {"model": "mlp", "seed": 0, "batch": 8, "mode": "split", "variants": ["fsdp_impl"]},
+    out = _localised(v, pool, 2, {"model": "mlp", "seed": 0, "batch": 8, "mode": "split"},
                      truth("mlp", 0, 8).norms)
     assert out.message.startswith("max relative error 1. Where it diverged: "), out.message
     assert "every rank's norms match the truth" in out.message, out.message
