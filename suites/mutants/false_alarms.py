@@ -10,8 +10,12 @@ measured value at 90% of its bound is one seed away from a false alarm.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pandas as pd
 
@@ -103,6 +107,51 @@ def run_false_alarms(scenarios: list[Scenario], *, seed: int, pool=None, progres
     t0 = time.perf_counter()
     res = run_matrix(scenarios, pool=pool, progress=progress)
     return FalseAlarmRun(seed, scenarios, res.verdicts, time.perf_counter() - t0)
+
+
+def run_saved(seed: int, models, save_dir: Path, *, pool=None, progress=None, log=None) -> FalseAlarmRun:
+    """The full matrix of `seed` on `models`, one model at a time, each model's verdicts saved to
+    `save_dir` as soon as it is judged (every check compares runs of one model only, so a model is a
+    complete unit). A model whose file is there already is read back instead of run: an hour-long sweep
+    can be stopped and resumed, and a stopped one still leaves its finished models behind. A file made
+    for another matrix (the scenario ids differ: the code changed) is refused, not mixed in."""
+    save_dir.mkdir(parents=True, exist_ok=True)
+    scenarios, verdicts, wall = [], [], 0.0
+    for model in models:
+        cells = full_matrix(seed, [model])
+        path = save_dir / f"seed{seed}-{model.replace(':', '_')}.json"
+        if path.exists():
+            saved = json.loads(path.read_text())
+            if saved["scenarios"] != [c.id for c in cells]:
+                raise SystemExit(f"{path} was made for another matrix (the code changed since): move it away")
+            got = [Verdict(**v) for v in saved["verdicts"]]
+            wall += saved["wall_s"]
+            if log:
+                log(f"seed {seed}, {model}: read back from {path} ({saved['commit']})")
+        else:
+            run = run_false_alarms(cells, seed=seed, pool=pool, progress=progress)
+            got, wall = run.verdicts, wall + run.wall_s
+            path.write_text(json.dumps({"seed": seed, "model": model, "commit": _commit(),
+                                        "wall_s": run.wall_s, "scenarios": [c.id for c in cells],
+                                        "verdicts": [dataclasses.asdict(v) for v in got]}))
+            if log:
+                log(f"seed {seed}, {model}: {sum(v.status == FAIL for v in got)} false alarm(s), saved to {path}")
+        scenarios += [c for c in cells if c not in scenarios]
+        verdicts += got
+    return FalseAlarmRun(seed, scenarios, verdicts, wall)
+
+
+def _commit() -> str:
+    """The code a saved chunk was made with: the commit, '+ changes' when the tree differs from it."""
+    here = Path(__file__).parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + (" + changes" if dirty else "")
 
 
 def summary(runs: list[FalseAlarmRun]) -> pd.DataFrame:

@@ -126,12 +126,13 @@ class CatalogueRun:
 
 def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), pool=None,
                   progress=None, false_alarm_models=fa.DEFAULT_MODELS, localise: bool = False,
-                  exposure: bool = False, composition_seeds=()) -> CatalogueRun:
+                  exposure: bool = False, composition_seeds=(), sweep_dir: Path | None = None) -> CatalogueRun:
     """Run every mutant (and the controls) in one matrix; then the per-sample mutants; then the
     correct implementations' full matrix on `false_alarm_models` under each of `false_alarm_seeds`;
     `localise`: each numeric mutant localised in its catalogue cell (suites/mutants/localised.py); `exposure`:
     the composition and surface mutants run in their counterpart cells too (suites/mutants/exposure.py);
-    `composition_seeds`: the CI compositions on the correct implementations under each seed."""
+    `composition_seeds`: the CI compositions on the correct implementations under each seed; `sweep_dir`: the
+    false-alarm sweep saves each (seed, model) there as it finishes and reads back those already there."""
     from harness.execute.executor import run_matrix
     from harness.execute.world import WorldPool
 
@@ -158,8 +159,13 @@ def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), poo
         controls = [v for v in (res.verdicts if res else []) if v.scenario and v.scenario not in mutant_ids]
         controls += per_sample_controls
         wall_s = time.perf_counter() - t0
-        alarms = [fa.run_false_alarms(fa.full_matrix(s, false_alarm_models), seed=s, pool=pool, progress=progress)
-                  for s in false_alarm_seeds]
+        if sweep_dir is None:
+            alarms = [fa.run_false_alarms(fa.full_matrix(s, false_alarm_models), seed=s, pool=pool,
+                                          progress=progress) for s in false_alarm_seeds]
+        else:
+            alarms = [fa.run_saved(s, false_alarm_models, sweep_dir, pool=pool, progress=progress,
+                                   log=lambda line: sys.stderr.write(f"[false alarms] {line}\n"))
+                      for s in false_alarm_seeds]
         located = localise_catalogue({m.name for m in mutants}, pool) if localise else {}
         exposed = run_exposure({m.name for m in mutants}, pool, seed, progress) if exposure else []
         composed = [fa.run_false_alarms(fa.composition_matrix(s), seed=s, pool=pool, progress=progress)
@@ -383,6 +389,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-exposure", action="store_true",
                    help="skip running the composition and surface mutants in their counterpart cells, where each "
                         "must escape (suites/mutants/exposure.py; about two minutes)")
+    p.add_argument("--sweep-dir", type=Path, default=None, metavar="DIR",
+                   help="save the false-alarm sweep to DIR one (seed, model) at a time as each finishes, and read "
+                        "back what DIR already holds: a sweep of hours can be stopped and resumed")
     p.add_argument("--quiet", action="store_true")
     ns = p.parse_args(argv)
     names = [n for n in ns.only.split(",") if n]
@@ -395,7 +404,8 @@ def main(argv=None) -> int:
         lambda i, n, sc, s: sys.stderr.write(f"[mutants] {i:>3}/{n} {sc.id:<64} {s:5.1f}s\n"))
     run = run_catalogue(mutants, false_alarm_seeds=ns.false_alarm_seeds, progress=progress,
                         false_alarm_models=ns.false_alarm_models, localise=not ns.no_localise,
-                        exposure=not ns.no_exposure, composition_seeds=ns.composition_seeds)
+                        exposure=not ns.no_exposure, composition_seeds=ns.composition_seeds,
+                        sweep_dir=ns.sweep_dir)
     path = write_text_atomic(ns.out, render(run, full=ns.full_matrix))
     caught = sum(r.caught for r in run.results.values())
     alarms = sum(len(r.false_alarms) for r in run.false_alarms)

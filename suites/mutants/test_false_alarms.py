@@ -71,3 +71,34 @@ def test_false_alarm_tables_count_and_rank_the_verdicts():
                             ("cross_ws_replicated", "fsdp_impl")}
     k = known([run])
     assert k[["check", "implementation", "verdicts"]].values.tolist() == [["cross_ws_replicated", "ddp", 1]]
+
+
+def test_a_saved_sweep_resumes_where_it_stopped_and_refuses_another_matrix(tmp_path, monkeypatch):
+    """Each model's verdicts are saved as it finishes; a second sweep reads them back (the same verdicts,
+    nothing run again) and runs only the models not saved; a file of another matrix is refused."""
+    from harness.core.scenario import Scenario
+    from harness.core.verdict import FAIL, PASS, Verdict
+    from suites.mutants import false_alarms as fa
+
+    def cells(seed, models):
+        return [Scenario("fsdp_impl", m, w, "replicated", "adamw", seed=seed) for m in models for w in (1, 2)]
+
+    ran = []
+
+    def fake_run(scenarios, *, seed, pool=None, progress=None):
+        ran.append(scenarios[0].model)
+        verdicts = [Verdict("cross_ws_replicated", c.id, FAIL if c.world_size == 2 else PASS, 1.5e-7 * c.world_size,
+                            3e-8, step=1, param="fc.weight") for c in scenarios]
+        return fa.FalseAlarmRun(seed, scenarios, verdicts, 2.0)
+
+    monkeypatch.setattr(fa, "full_matrix", cells)
+    monkeypatch.setattr(fa, "run_false_alarms", fake_run)
+    first = fa.run_saved(4, ["mlp"], tmp_path)
+    assert ran == ["mlp"] and sorted(p.name for p in tmp_path.iterdir()) == ["seed4-mlp.json"]
+    both = fa.run_saved(4, ["mlp", "hf:gpt2"], tmp_path)
+    assert ran == ["mlp", "hf:gpt2"], "the saved model ran again"
+    assert both.verdicts[:2] == first.verdicts and len(both.false_alarms) == 2 and not both.unjudged
+    assert (tmp_path / "seed4-hf_gpt2.json").exists()
+    monkeypatch.setattr(fa, "full_matrix", lambda seed, models: cells(seed, models)[:1])
+    with pytest.raises(SystemExit, match="another matrix"):
+        fa.run_saved(4, ["mlp"], tmp_path)
