@@ -14,13 +14,14 @@ from .collectives import all_gather_flat
 from .group import ParamGroup
 from .mesh import check_hybrid_layout, device_for, post_forward_group
 from .mixed_precision import MixedPrecisionPolicy
+from .offload import CPUOffloadPolicy
 from .param import Owner, ShardedParam
 from .state import UnitState
 
 
 def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None,
                 reshard_after_forward: bool | int = True, mp_policy: MixedPrecisionPolicy | None = None,
-                shard_placement_fn=None) -> nn.Module:
+                shard_placement_fn=None, offload_policy: CPUOffloadPolicy | None = None) -> nn.Module:
     """Shard `module`'s parameters (those not already in a sharded submodule) across `process_group`.
 
     Apply bottom-up: each block first, then the root. Afterwards every parameter is, under its
@@ -47,7 +48,13 @@ def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None,
     `shard_placement_fn(parameter) -> Shard(d) | None`, as FSDP2 has it: the dim each parameter is sharded on
     (None: 0). A dim other than 0 must divide evenly over the shard group (param.py, [Note: another shard
     dimension]); the parameter is then a DTensor ``Shard(d)``.
+
+    `offload_policy` (a ``CPUOffloadPolicy``, as FSDP2 has it; default None): the sharded parameters, their
+    gradients and so the optimizer's state live in host memory; forward and backward run on the device the
+    module is on (offload.py). Apply it to every unit of a model alike.
     """
+    if offload_policy is not None and not isinstance(offload_policy, CPUOffloadPolicy):
+        raise ValueError(f"fully_shard: offload_policy must be a CPUOffloadPolicy or None, not {offload_policy!r}")
     if getattr(module, "_fsdp_state", None) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
     if not dist.is_initialized():
@@ -74,8 +81,8 @@ def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None,
 
     mesh = _mesh(group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    params = [ShardedParam(p, owners, mesh, rank, world, mp.param_dtype, _shard_dim(shard_placement_fn, p))
-              for p, owners in entries.values()]
+    params = [ShardedParam(p, owners, mesh, rank, world, mp.param_dtype, _shard_dim(shard_placement_fn, p),
+                           offload_policy) for p, owners in entries.values()]
     for p, _ in entries.values():
         p._fsdp_claimed = True  # the original, still held by any module outside this unit
     _broadcast_buffers(module, group)
@@ -174,7 +181,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
             shards.setdefault((group.group, group.world_size, p.dtype), []).append(p)
     for (process_group, world_size, _), params in shards.items():
         with torch.no_grad():
-            send = torch.cat([p.padded for p in params])
+            send = torch.cat([p.padded for p in params]).to(params[0].device)  # offloaded: to the device
             full = torch.empty(world_size * send.numel(), dtype=send.dtype, device=send.device)
             all_gather_flat(full, send, process_group)
             # (W, sum of padded shards) -> per parameter (W, its padded shard): its W chunks

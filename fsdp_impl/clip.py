@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .api import units
+from .mesh import device_for
 
 
 def all_reduce_norm(value: torch.Tensor, op, group) -> None:
@@ -77,14 +78,16 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         norms = torch._foreach_norm(own, norm_type) if own else []
         total = (torch.linalg.vector_norm(torch.stack(list(norms)), norm_type) if norms
                  else torch.zeros((), dtype=dtype, device=device))
-    elif norm_type == math.inf:
-        local = max((float(t.abs().max()) for t in own if t.numel()), default=0.0)
-        total = torch.tensor(local, dtype=dtype, device=device)
+    elif norm_type == math.inf:  # the collective runs where the group's backend takes tensors (offloaded
+        local = max((float(t.abs().max()) for t in own if t.numel()), default=0.0)  # gradients: on the host)
+        total = torch.tensor(local, dtype=dtype, device=device_for(group))
         all_reduce_norm(total, dist.ReduceOp.MAX, group)
+        total = total.to(device)
     else:
-        sq = sum((t.double().pow(2).sum() for t in own), torch.zeros((), dtype=torch.float64, device=device))
+        sq = sum((t.double().pow(2).sum().to(device_for(group)) for t in own),
+                 torch.zeros((), dtype=torch.float64, device=device_for(group)))
         all_reduce_norm(sq, dist.ReduceOp.SUM, group)
-        total = sq.sqrt().to(dtype)
+        total = sq.sqrt().to(dtype).to(device)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if grads:
         with torch.no_grad():

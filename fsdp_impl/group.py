@@ -83,7 +83,7 @@ class ParamGroup:
                 continue
             send = torch.empty(total, dtype=dtype, device=params[0].device)  # 1D: every padded shard
             with torch.no_grad():
-                torch._foreach_copy_(list(send.split(sizes)), [p.padded for p in params])
+                copy_all(list(send.split(sizes)), [p.padded for p in params])
             # rank r's flat shards at [r * total, ...)
             work = all_gather_flat(received, send, self.group, async_op=True)
             self._pending.append((params, sizes, send, received, work))
@@ -104,7 +104,7 @@ class ParamGroup:
             # refilling the same storage for backward is no change to what it saved
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
                 if received is None:  # world size 1: one copy (and cast to param_dtype) per parameter
-                    torch._foreach_copy_([o.view(-1) for o in outs], [p.padded for p in params])
+                    copy_all([o.view(-1) for o in outs], [p.padded for p in params])
                 elif all(p.dim == 0 for p in params):
                     torch.split_with_sizes_copy(received.view(self.world_size, -1), sizes, dim=1, out=outs)
                 else:  # a parameter sharded on another dim: its chunks go into a strided view of it
@@ -216,6 +216,17 @@ class ParamGroup:
             p.held_grad = None
             out[p] = grad if held is None else held if grad is None else held.add_(grad)
         return out
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for every i: one foreach copy where all are on one device, else one copy each
+    (offloaded shards: host to device, asynchronous from pinned memory, ordered before the collective that
+    reads them by the device's stream)."""
+    if all(s.device == d.device for s, d in zip(src, dst)):
+        torch._foreach_copy_(dst, src)
+        return
+    for d, s in zip(dst, src):
+        d.copy_(s, non_blocking=s.is_pinned())
 
 
 def buckets(params: list[ShardedParam], key) -> list[tuple[torch.dtype, list[ShardedParam]]]:

@@ -58,7 +58,7 @@ class Owner:
 
 class ShardedParam:
     def __init__(self, param: nn.Parameter, owners: list[Owner], mesh, rank: int, world_size: int,
-                 param_dtype: torch.dtype | None, shard_dim: int = 0):
+                 param_dtype: torch.dtype | None, shard_dim: int = 0, offload=None):
         if param.dim() == 0:
             raise ValueError(f"fully_shard: parameter '{owners[0].fqn}' is 0-dimensional; fsdp_impl shards "
                              f"every parameter on dim 0 (view it as shape (1,) in the model)")
@@ -70,7 +70,10 @@ class ShardedParam:
         self.owners = owners  # the first owner's name is the parameter's name (as named_parameters gives it)
         self.fqn = owners[0].fqn  # relative to the unit's module
         self.shape = param.shape
+        # `device`: where forward and backward run (the unsharded parameter); the padded shard lives there too
+        # unless `offload` (an offload.CPUOffloadPolicy) puts it in host memory
         self.dtype, self.device, self.requires_grad = param.dtype, param.device, param.requires_grad
+        self.offload = offload
         self.param_dtype = param_dtype or param.dtype  # of the unsharded parameter and its gradient
         # passes without the reduction under a wider reduction dtype: their gradients summed in it (ParamGroup.hold_grads)
         self.held_grad: torch.Tensor | None = None
@@ -87,7 +90,7 @@ class ShardedParam:
             with torch.no_grad():
                 padded[:self.local_numel].copy_(param.detach().narrow(shard_dim, self.start, self.end - self.start)
                                                 .reshape(-1))
-        self._set_sharded(padded)
+        self._set_sharded(self._stored(padded))
         self._unsharded_data: torch.Tensor | None = None  # 1D, W x c rows, param_dtype
         self.unsharded: nn.Parameter | None = None
         self.state = ShardState.SHARDED
@@ -147,11 +150,16 @@ class ShardedParam:
         """This rank's rows of the sharded parameter (a view of ``padded``)."""
         return self.sharded._local_tensor
 
+    def _stored(self, padded: torch.Tensor) -> torch.Tensor:
+        """`padded` where shards are kept: host memory under an offload policy, else where it is."""
+        return padded if self.offload is None or padded.is_meta else self.offload.host(padded)
+
     def replace_padded(self, padded: torch.Tensor) -> None:
         """A new padded shard (another device, after meta init): a new sharded Parameter, set on the
-        owners when they point at the sharded one. An optimizer made before holds the old one."""
+        owners when they point at the sharded one. An optimizer made before holds the old one. Under an
+        offload policy the shard is kept in host memory and `padded`'s device is where compute runs."""
         self.device = padded.device
-        self._set_sharded(padded)
+        self._set_sharded(self._stored(padded))
         self._unsharded_data, self.unsharded = None, None
         if self.state is ShardState.SHARDED:
             self.set_on_modules(self.sharded)
@@ -207,6 +215,8 @@ class ShardedParam:
         """`padded_grad`: this rank's reduced chunk (1D, shard_numel, the sharded dtype). Its first
         rows become (or are added to) the sharded gradient; the padding rows are dropped."""
         local = padded_grad[:self.local_numel].view(self.local_shape)
+        if local.device != self.padded.device:  # offloaded: the gradient lives beside its shard
+            local = self.offload.host(local)
         grad = self.sharded.grad
         if grad is None:
             self.sharded.grad = self.to_dtensor(local)

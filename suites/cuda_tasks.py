@@ -60,3 +60,21 @@ def bf16_training(ctx, p: dict) -> dict:
             "shard_dtypes": sorted({str(q.dtype) for q in shards}),
             "devices": sorted({q.device.type for q in shards}),
             "peak_bytes": int(torch.cuda.max_memory_allocated(ctx.device))}
+
+
+class OffloadIgnored:
+    """A negative control for the offload check: fsdp_impl whose wrap_offload ignores the policy (the state
+    stays on the device), as an implementation that accepts the option and does nothing would."""
+
+    name = "offload_ignored"
+
+    def __new__(cls):
+        from harness.adapters.fsdp_impl import FsdpImplAdapter
+
+        class _Ignored(FsdpImplAdapter):
+            name = "offload_ignored"
+
+            def wrap_offload(self, model, units, *, group, device):
+                return self.wrap(model, units, group=group, device=device)
+
+        return _Ignored()

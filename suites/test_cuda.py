@@ -5,6 +5,9 @@
   (cuBLAS picks the same kernels for the same shapes in one process, so equal is the bar).
 - fsdp_impl's mixed-precision policy on CUDA (bf16 compute, fp32 reduce and master shards) against
   FSDP2's with the same policy, model and data.
+- Feature offload over NCCL (state in host memory, the optimizer step on the CPU): every check, bitwise the
+  plain model doing the same at one rank, and offload_host measured (not skipped) and passing; an adapter
+  whose wrap_offload ignores the policy fails offload_host (the check can fail).
 """
 
 from __future__ import annotations
@@ -60,3 +63,44 @@ def test_bf16_first_loss_of_fsdp_impl_matches_fsdp2(bf16):
     """Same fp32 weights cast to bf16, same data: the first forward differs at most by bf16 rounding."""
     a, b = bf16["fsdp_impl"]["losses"][0], bf16["torch_fsdp2"]["losses"][0]
     assert abs(a - b) <= BF16_EPS * abs(b), (a, b)
+
+
+OFFLOAD_FEATURES = ["offload", "offload+clip", "offload+accum", "offload+ckpt"]
+IGNORED = "suites.cuda_tasks:OffloadIgnored"
+
+
+@pytest.fixture(scope="module")
+def offload_run():
+    scenarios = build_matrix(["fsdp_impl", "torch_fsdp2", IGNORED], ["mlp", "tinylm_tied"],
+                             [1], ["replicated"], ["adamw", "sgd"], backend="nccl", steps=3,
+                             features=OFFLOAD_FEATURES)
+    return run_matrix(scenarios, timeout_s=600)
+
+
+def _of(run, impl: str, check: str):
+    impl_of = {s.id: s.impl for s in run.scenarios}
+    return [v for v in run.verdicts if v.check == check and impl_of.get(v.scenario) == impl]
+
+
+def test_offload_passes_every_check_over_nccl(offload_run):
+    assert all(not r.get("error") for r in offload_run.records.values()), offload_run.records
+    ignored = {s.id for s in offload_run.scenarios if s.impl == IGNORED}
+    failed = [str(v) for v in offload_run.verdicts if v.status == "fail" and v.scenario not in ignored]
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("impl", ["fsdp_impl", "torch_fsdp2"])
+def test_offload_leaves_no_state_on_the_device_and_loses_none(offload_run, impl):
+    held = _of(offload_run, impl, "offload_host")
+    assert len(held) == 2 * 2 * len(OFFLOAD_FEATURES), [str(v) for v in held]
+    assert all(v.status == "pass" for v in held), [str(v) for v in held]
+
+
+def test_fsdp_impl_offloaded_is_bitwise_the_plain_model_offloaded(offload_run):
+    exact = _of(offload_run, "fsdp_impl", "ws1_exact")
+    assert exact and all(v.status == "pass" and v.measured == 0 for v in exact), [str(v) for v in exact]
+
+
+def test_an_offload_that_keeps_the_state_on_the_device_fails(offload_run):
+    held = _of(offload_run, IGNORED, "offload_host")
+    assert held and all(v.status == "fail" for v in held), [str(v) for v in held]

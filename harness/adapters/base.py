@@ -63,6 +63,9 @@ whose adapter lacks one is not run and gets an ``unsupported`` verdict, never a 
 - ``wrap_shard_placement(model, units, *, group, device, shard_placement_fn)`` (feature ``shard1``): ``wrap``
   with each parameter sharded on the dim ``shard_placement_fn(parameter)`` names (a ``Shard(d)``; None: dim 0),
   as FSDP2's ``shard_placement_fn``; the harness asks for ``Shard(1)`` only where dim 1 divides evenly.
+- ``wrap_offload(model, units, *, group, device)`` (feature ``offload``): ``wrap`` with the sharded parameters,
+  their gradients and the optimizer state in host memory and forward and backward on ``device``, FSDP2's
+  ``CPUOffloadPolicy``. On a GPU the harness checks that the device holds none of that state after a step.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ from harness.train.optim import make_optimizer as _make_optimizer
 REQUIRED = ("wrap", "full_params")
 OPTIONAL = ("make_optimizer", "after_backward")
 CAPABILITIES = ("set_gradient_sync", "clip_grad_norm", "save_checkpoint", "load_checkpoint", "wrap_mixed_precision",
-                "wrap_hybrid", "wrap_reshard_after_forward", "wrap_shard_placement")
+                "wrap_hybrid", "wrap_reshard_after_forward", "wrap_shard_placement", "wrap_offload")
 
 
 class AdapterError(ValueError):

@@ -32,6 +32,11 @@ class FsdpImplAdapter(Adapter):
                              shard_placement_fn) -> nn.Module:
         return self._shard(model, units, device, process_group=group, shard_placement_fn=shard_placement_fn)
 
+    def wrap_offload(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
+        from fsdp_impl import CPUOffloadPolicy
+
+        return self._shard(model, units, device, process_group=group, offload_policy=CPUOffloadPolicy())
+
     def save_checkpoint(self, wrapped: nn.Module, optimizer, path) -> None:
         from fsdp_impl import save_sharded
 

@@ -20,6 +20,9 @@ class ReferenceAdapter(Adapter):
                              reduce_dtype) -> nn.Module:
         return MixedPrecision(model.to(device), param_dtype)  # one process: nothing is reduced
 
+    def wrap_offload(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
+        return Offloaded(model.to("cpu"), torch.device(device))
+
     def set_gradient_sync(self, wrapped: nn.Module, enabled: bool) -> None:
         return None  # one process: nothing to reduce
 
@@ -27,7 +30,7 @@ class ReferenceAdapter(Adapter):
         return torch_clip(wrapped.parameters(), max_norm, norm_type)
 
     def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
-        plain = wrapped.module if isinstance(wrapped, MixedPrecision) else wrapped
+        plain = wrapped.module if isinstance(wrapped, (MixedPrecision, Offloaded)) else wrapped
         return {name: cpu_fp32(p) for name, p in plain.named_parameters()}
 
 
@@ -51,3 +54,23 @@ class MixedPrecision(nn.Module):
         if isinstance(x, Tensor) and x.is_floating_point():
             return x.to(self.param_dtype)
         return x
+
+
+class Offloaded(nn.Module):
+    """The plain model with its state in host memory, written out: the fp32 parameters (which the optimizer
+    steps, so on the CPU) and their gradients live on the CPU; every forward runs on `device` copies of them
+    (made once per forward; a tied parameter once), and autograd copies each copy's gradient back onto its
+    CPU parameter. What a sharded implementation under a CPU offload policy does at one rank, with no
+    sharding code in the way. Buffers live on `device`, where the forward uses and updates them."""
+
+    def __init__(self, module: nn.Module, device: torch.device):
+        super().__init__()
+        self.module, self.device = module, device
+        for sub in module.modules():
+            for name, b in sub._buffers.items():
+                if b is not None:
+                    sub._buffers[name] = b.to(device)
+
+    def forward(self, *args, **kwargs):
+        on_device = {name: p.to(self.device) for name, p in self.module.named_parameters()}
+        return torch.func.functional_call(self.module, on_device, args, kwargs, tie_weights=True, strict=False)

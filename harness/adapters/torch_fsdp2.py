@@ -65,13 +65,22 @@ class TorchFSDP2Adapter(Adapter):
         return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype,
                            shard_placement_fn=shard_placement_fn)
 
+    def wrap_offload(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        mesh = DeviceMesh.from_group(group, torch.device(device).type)
+        policy = CPUOffloadPolicy(pin_memory=torch.device(device).type == "cuda")  # pinning needs CUDA
+        return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype,
+                           offload_policy=policy)
+
     def _shard(self, model, units, mesh, group, device, *, param_dtype, reduce_dtype,
-               reshard_after_forward=None, shard_placement_fn=None) -> nn.Module:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+               reshard_after_forward=None, shard_placement_fn=None, offload_policy=None) -> nn.Module:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": reshard_after_forward,
-                   "shard_placement_fn": shard_placement_fn}
+                   "shard_placement_fn": shard_placement_fn, "offload_policy": offload_policy or OffloadPolicy()}
         model.to(torch.device(device))
         for unit in units:
             fully_shard(unit, **options)

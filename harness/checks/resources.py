@@ -28,7 +28,7 @@ from harness.core.scenario import (
     shard_size,
     user_optimizer,
 )
-from harness.core.verdict import Verdict
+from harness.core.verdict import SKIP, Verdict
 from harness.measure.ideals import ideal_comm_elements, ideal_state_bytes
 from harness.measure.timeline import ALLOWED, ROOT_FREE, expected_phases
 
@@ -137,7 +137,7 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         allowance = shard_padding(row, bounds)
         worst, worst_limit, where, total_measured, over = 0.0, 1.0, "", 0.0, []
         for cat in STATE_CATEGORIES:
-            measured = _max_over_ranks(mem, row.scenario, f"state_{cat}")
+            measured = _held_anywhere(mem, row.scenario, cat)
             if math.isnan(measured):
                 where = where or f"{cat}: not measured"
                 continue
@@ -162,7 +162,7 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             where = (f"other: {elsewhere:,.0f} B per rank held outside parameters, gradients and optimizer "
                      f"state (allowed {elsewhere_limit:,.0f} B: the model's buffers + 1% + "
                      f"{bounds.held_elsewhere_bytes:,} B)")
-        excess = {"params": lambda: _max_over_ranks(mem, row.scenario, "state_params") - (
+        excess = {"params": lambda: _held_anywhere(mem, row.scenario, "params") - (
                       ideal["params"] * (1 + bounds.memory_sharding_slack) + allowance),
                   "other": lambda: elsewhere - elsewhere_limit}
         if (len(over) == 1 and over[0] in excess and where.startswith(f"{over[0]}:")
@@ -181,6 +181,47 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         out.append(judge("memory_sharding", row, not where, worst, worst_limit,
                          msg if not where else f"{msg}; {where}", where=where))
     return out
+
+
+def _held_anywhere(mem: pd.DataFrame, sid: str, *categories: str) -> float:
+    """Max over ranks of these state categories' bytes, on the device and in host memory together: a run on a
+    device records the host's share apart (harness.measure.census HOST_CATEGORIES), and state offloaded there
+    is still held by the rank."""
+    names = [f"state_{c}" for c in categories]
+    if (sid, f"state_host_{categories[0]}") in _per_rank(mem):
+        names += [f"state_host_{c}" for c in categories]
+    return _max_over_ranks(mem, sid, *names)
+
+
+def offload_host(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    """Feature offload, on a device: after the step the device holds none of the rank's parameters,
+    gradients and optimizer state, and host memory holds them, at least the ZeRO-3 ideal (nothing dropped on
+    the way). A run without a device apart from the host (CPU, gloo) has nothing to offload from: SKIP."""
+    out, mem = [], tables["memory"]
+    for row in _measured_rows(tables, "offload_host", out).itertuples():
+        if (row.scenario, "state_host_params") not in _per_rank(mem):
+            out.append(Verdict("offload_host", row.scenario, SKIP, None, None, message=(
+                "does not apply: the rank computes in host memory (a CPU run), so there is no device to offload "
+                "from; run with --backend nccl on a GPU")))
+            continue
+        ideal = _ideal_state(tables, row)
+        if isinstance(ideal, str):
+            out.append(not_measured("offload_host", row, ideal))
+            continue
+        device = _max_over_ranks(mem, row.scenario, *(f"state_{c}" for c in STATE_CATEGORIES))
+        host = _max_over_ranks(mem, row.scenario, *(f"state_host_{c}" for c in STATE_CATEGORIES))
+        want = float(sum(ideal.values()))
+        problems = ([f"the device still holds {device:,.0f} B of them"] if device > 0 else []) + (
+            [f"host memory holds only {host:,.0f} B of the ideal {want:,.0f} B"] if host < want else [])
+        msg = (f"parameters, gradients and optimizer state after the step: {device:,.0f} B per rank on the device "
+               f"(0 allowed), {host:,.0f} B in host memory (ideal {want:,.0f} B)")
+        out.append(judge("offload_host", row, not problems, device, 0.0,
+                         msg if not problems else f"{msg}; {'; '.join(problems)}", where="; ".join(problems)))
+    return out
+
+
+def _offloaded(row) -> bool:
+    return row.status == "ok" and has(feature_of(row), "offload")
 
 
 def _root_kept_after_eval(row, excess: float) -> bool:
@@ -408,6 +449,7 @@ RESOURCE_CHECKS = (
           kind="efficiency"),
     Check(units_gathered, _ok_multi_rank, {"scenarios": _SIZES, "gathered": ("scenario", "rank", "phase", "units",
                                                                           "which", "root")}, kind="efficiency"),
+    Check(offload_host, _offloaded, {"scenarios": _SIZES, **_MEM}, kind="efficiency"),
     Check(comm_volume, _ok_multi_rank, {"scenarios": _SIZES + ("param_elements", "trainable_elements"),
                                         "comm": ("scenario", "collective", "dtype", "elements", "bytes")},
           kind="efficiency"),

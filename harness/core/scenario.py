@@ -54,15 +54,20 @@ REFERENCE_IMPL = "reference"
 #            wrap_shard_placement, FSDP2's shard_placement_fn). The zoo's mlp has no such parameter (odd
 #            widths): its cells are the plain step; tinylm's square and 32-wide matrices are. It must change no
 #            number
+#   offload  parameters, gradients and optimizer state in host memory (the adapter's wrap_offload: FSDP2's
+#            CPUOffloadPolicy, fsdp_impl's alike): forward and backward on the device, the optimizer step on
+#            the CPU. Compared with the plain model doing the same (harness/adapters/reference.py Offloaded:
+#            fp32 master parameters on the CPU, device copies for each forward); on a CPU run (gloo) host and
+#            device are one memory and it must change nothing. Held by offload_host where a device exists
 FEATURES = ("plain", "accum", "no_sync", "clip", "clip_inf", "ac", "ckpt", "bf16", "hsdp", "eval", "jitter",
-            "reshard2", "shard1")
+            "reshard2", "shard1", "offload")
 ACCUM_MICRO_BATCHES = 2
 # Compositions: features joined by COMPOSE ("hsdp+clip") act together in one run, in FEATURES order
 # whatever order they are written in. These pairs cannot: two micro-batch schemes, two clipping norms, and
-# any two of bf16, hsdp, reshard2 and shard1 (each is a wrap of its own: the adapter protocol has no wrap that
-# takes two of them).
+# any two of bf16, hsdp, reshard2, shard1 and offload (each is a wrap of its own: the adapter protocol has no
+# wrap that takes two of them).
 COMPOSE = "+"
-WRAPS = ("bf16", "hsdp", "reshard2", "shard1")  # the features that are a wrap of their own (wrap_for)
+WRAPS = ("bf16", "hsdp", "reshard2", "shard1", "offload")  # the features that are a wrap of their own (wrap_for)
 EXCLUSIVE = (("accum", "no_sync"), ("clip", "clip_inf")) + tuple(itertools.combinations(WRAPS, 2))
 
 
@@ -130,7 +135,7 @@ TIMING_ONLY = ("jitter",)
 FEATURE_NEEDS = {"no_sync": ("set_gradient_sync",), "clip": ("clip_grad_norm",), "clip_inf": ("clip_grad_norm",),
                  "ckpt": ("save_checkpoint", "load_checkpoint"), "bf16": ("wrap_mixed_precision",),
                  "hsdp": ("wrap_hybrid",), "reshard2": ("wrap_reshard_after_forward",),
-                 "shard1": ("wrap_shard_placement",)}
+                 "shard1": ("wrap_shard_placement",), "offload": ("wrap_offload",)}
 HSDP_REPLICAS = 2  # replicas of a hybrid mesh at W >= 2 (2 x 1 at W = 2, 2 x 2 at 4, 2 x 4 at 8)
 # Features under which every rank rounds its own gradient before the reduction sums it: under bf16 each
 # rank's backward yields bf16 values, which the fp32 reduction adds up. With split data at W ranks that is

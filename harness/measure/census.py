@@ -14,6 +14,11 @@ each under one category:
                      optimizer wrapper's own state, a cache in a closure or a module global
     unattributed     CUDA only: what the allocator holds for the scenario beyond the storages
                      above (block rounding, library workspaces, storages only C++ holds)
+    host_params, host_grads, host_optimizer_state
+                     a device census only (CUDA): the storages of the first three categories that
+                     live in host memory (state offloaded to the CPU, or any copy an implementation
+                     keeps there), so that what leaves the device is counted, not lost. Other host
+                     storages are not listed: the host is shared with the harness's own work
 
 Each storage counts once, at its size (a DTensor by its local shard; a storage freed with
 ``resize_(0)`` counts 0). The harness's own tensors (the batch) are named and left out.
@@ -37,9 +42,11 @@ from torch import nn
 
 from harness.measure.memory import local_tensor, optimizer_list, state_tensors
 
-__all__ = ["Census", "HELD_CATEGORIES", "live_tensors"]
+__all__ = ["Census", "HELD_CATEGORIES", "HOST_CATEGORIES", "live_tensors"]
 
 HELD_CATEGORIES = ("params", "grads", "optimizer_state", "buffers", "other", "unattributed")
+STATE_CATEGORIES = ("params", "grads", "optimizer_state")
+HOST_CATEGORIES = tuple(f"host_{c}" for c in STATE_CATEGORIES)  # a device census's (CUDA) host share
 SETTLE_S = 0.05  # between the two looks of `Census.held`
 _KEPT: dict = {}  # "refs": the tensors keep_frozen censuses froze, storage id -> tensor
 
@@ -136,12 +143,13 @@ class Census:
         torch.cuda.synchronize(self.device)
         return int(torch.cuda.memory_allocated(self.device))
 
-    def new_tensors(self, exclude: Iterable[torch.Tensor] = ()) -> dict[int, tuple[int, torch.Tensor]]:
-        """The storages on this census's device alive now that were not at construction, less
-        those of `exclude`."""
-        skip = self.before | _keys(exclude)
+    def new_tensors(self, exclude: Iterable[torch.Tensor] = (), device_type: str | None = None
+                    ) -> dict[int, tuple[int, torch.Tensor]]:
+        """The storages on this census's device (or on `device_type`) alive now that were not at
+        construction, less those of `exclude`."""
+        skip, device_type = self.before | _keys(exclude), device_type or self.device.type
         return {k: v for k, v in live_tensors().items()
-                if k not in skip and local_tensor(v[1]).device.type == self.device.type}
+                if k not in skip and local_tensor(v[1]).device.type == device_type}
 
     def optimizers(self, optimizer: Any) -> list[Any]:
         """`optimizer` (one or several) and every other ``torch.optim.Optimizer`` alive that the
@@ -151,15 +159,17 @@ class Census:
         return given + [o for o in gc.get_objects()
                         if issubclass(type(o), torch.optim.Optimizer) and id(o) not in seen]
 
-    def classify(self, model: nn.Module, optimizer: Any,
-                 exclude: Iterable[torch.Tensor] = ()) -> list[tuple[str, int, torch.Tensor]]:
-        """(category, bytes, a tensor using it) per storage alive now that was not at construction."""
+    def classify(self, model: nn.Module, optimizer: Any, exclude: Iterable[torch.Tensor] = (),
+                 device_type: str | None = None) -> list[tuple[str, int, torch.Tensor]]:
+        """(category, bytes, a tensor using it) per storage on this census's device (or `device_type`)
+        alive now that was not at construction."""
         owner: dict[int, str] = {}
         groups = {**state_tensors(model, optimizer), "buffers": list(model.buffers())}
         for cat, tensors in groups.items():
             for k in _keys(tensors):
                 owner.setdefault(k, cat)
-        return [(owner.get(k, "other"), nbytes, t) for k, (nbytes, t) in self.new_tensors(exclude).items()]
+        return [(owner.get(k, "other"), nbytes, t)
+                for k, (nbytes, t) in self.new_tensors(exclude, device_type).items()]
 
     def held(self, model: nn.Module, optimizer: Any,
              exclude: Iterable[torch.Tensor] = (), settle: bool = True) -> dict[str, int]:
@@ -184,4 +194,9 @@ class Census:
         now = self._cuda_allocated()
         if now is not None and self._cuda_before is not None:
             out["unattributed"] = max(0, now - self._cuda_before - sum(out.values()))
+        if self.device.type != "cpu":  # the state that lives in host memory (offloaded): counted, not lost
+            out.update(dict.fromkeys(HOST_CATEGORIES, 0))
+            for cat, nbytes, _ in self.classify(model, optimizer, exclude, device_type="cpu"):
+                if cat in STATE_CATEGORIES:
+                    out[f"host_{cat}"] += nbytes
         return out

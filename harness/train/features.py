@@ -19,7 +19,8 @@ BF16_POLICY = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
 
 def wrap_for(feature: str, adapter, model, units, *, ctx):
     """The adapter's wrap for the feature: under a mixed-precision policy (bf16), on a hybrid mesh
-    (hsdp), resharding to a smaller group after forward (reshard2), with a placement of its own (shard1), else
+    (hsdp), resharding to a smaller group after forward (reshard2), with a placement of its own (shard1), with its
+    state in host memory (offload), else
     plain ``wrap``. `ctx`: the rank's RankContext (harness.execute.worker)."""
     group, device = ctx.group, ctx.device
     if has(feature, "bf16"):
@@ -31,6 +32,8 @@ def wrap_for(feature: str, adapter, model, units, *, ctx):
     if has(feature, "shard1"):
         return adapter.wrap_shard_placement(model, units, group=group, device=device,
                                             shard_placement_fn=dim1_placement(_size(group)))
+    if has(feature, "offload"):
+        return adapter.wrap_offload(model, units, group=group, device=device)
     if has(feature, "reshard2"):
         return adapter.wrap_reshard_after_forward(model, units, group=group, device=device,
                                                   reshard_after_forward=post_forward_ranks(feature, _size(group)))

@@ -145,7 +145,9 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
             held = census.held(wrapped, optimizers, exclude=(*batch, loss), settle=bool(counter.summary()))
             memory.update({f"state_{k}": v for k, v in held.items()})
             # the ZeRO-3 state (what the gate compares across runs); buffers and other are rows of their own
-            memory["state_total"] = held["params"] + held["grads"] + held["optimizer_state"]
+            # (on a device, wherever it lives: state offloaded to the host counts as much as state on the device)
+            memory["state_total"] = sum(held.get(p + c, 0) for p in ("", "host_")
+                                        for c in ("params", "grads", "optimizer_state"))
             gathered = timeline.records()
         # the step's global figures, in as few collectives as the data mode allows (rank 0's record holds them)
         adds_up = adapter.sharded and ctx.world_size > 1  # shards' squared norms add up; copies are all equal

@@ -233,6 +233,38 @@ def test_memory_sharding_counts_what_the_rank_holds_outside_params_grads_and_opt
     assert v.status == "fail" and "not measured" in v.where
 
 
+def _offloaded(t, sid, *, device_share: float, host_share: float | None):
+    """A rank's memory rows as a device census records them: each state category split between the device and
+    host memory (`host_share` None: a CPU run, no host rows)."""
+    t["scenarios"]["feature"] = "offload"
+    per = {"params": P_BYTES // 4, "grads": P_BYTES // 4, "optimizer_state": 2 * P_BYTES // 4}
+    rows = [(sid, 0, f"state_{c}", int(b * device_share)) for c, b in per.items()]
+    rows += [(sid, 0, "state_buffers", 0), (sid, 0, "state_other", 0)]
+    if host_share is not None:
+        rows += [(sid, 0, f"state_host_{c}", int(b * host_share)) for c, b in per.items()]
+    t["memory"] = pd.DataFrame(rows, columns=["scenario", "rank", "category", "bytes"])
+    return t
+
+
+def test_offload_host_holds_the_state_on_the_host_and_none_on_the_device():
+    sc = _sc("fsdp_impl", 4)
+    offloaded = _offloaded(make([(sc, LOSSES, ZERO, ZERO)]), sc.id, device_share=0, host_share=1)
+    [v] = resource_checks.offload_host(offloaded)
+    assert v.status == "pass" and v.measured == 0
+    assert resource_checks.memory_sharding(offloaded)[0].status == "pass"  # the host share counts, once
+    kept = _offloaded(make([(sc, LOSSES, ZERO, ZERO)]), sc.id, device_share=1, host_share=0)
+    [v] = resource_checks.offload_host(kept)
+    assert v.status == "fail" and "the device still holds" in v.where and "host memory holds only" in v.where
+    dropped = _offloaded(make([(sc, LOSSES, ZERO, ZERO)]), sc.id, device_share=0, host_share=0.5)
+    assert resource_checks.offload_host(dropped)[0].status == "fail"
+    twice = _offloaded(make([(sc, LOSSES, ZERO, ZERO)]), sc.id, device_share=0, host_share=2)
+    v = resource_checks.memory_sharding(twice)[0]  # host memory is held to the ideal like the device
+    assert v.status == "fail" and v.where.startswith("params")
+    cpu = _offloaded(make([(sc, LOSSES, ZERO, ZERO)]), sc.id, device_share=1, host_share=None)
+    [v] = resource_checks.offload_host(cpu)
+    assert v.status == "skip" and "does not apply" in v.message
+
+
 P_EL = P_BYTES // 4  # float32 parameters
 
 
