@@ -11,6 +11,13 @@ import torch
 import torch.distributed as dist
 
 
+def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """``dist.all_gather_single`` (torch >= 2.13), or its older name ``all_gather_into_tensor``, which torch 2.13
+    deprecates and earlier releases have alone (a GPU box may keep an older torch)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, inp, group=group, async_op=async_op)
+
+
 def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group, async_op: bool = False):
     """Fill `out` (1D, padded, shard.numel() x W) with every rank's `shard`, in rank order.
     With `async_op` the collective is only issued: the returned work's ``wait()`` completes it
@@ -18,7 +25,7 @@ def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group, async_op: boo
     if dist.get_world_size(group) == 1:
         out.copy_(shard)
         return None
-    return dist.all_gather_single(out, shard.contiguous(), group=group, async_op=async_op)
+    return all_gather_single(out, shard.contiguous(), group=group, async_op=async_op)
 
 
 def reduce_scatter_mean(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype,
@@ -109,7 +116,7 @@ def all_reduce_in_rank_order(x: torch.Tensor, group) -> torch.Tensor:
     send[:n] = x
     mine = _exchanged_sum(send, group, x.dtype, x.dtype)  # this rank's chunk, summed in rank order
     out = torch.empty_like(send)
-    dist.all_gather_single(out, mine, group=group)
+    all_gather_single(out, mine, group=group)
     return out[:n]
 
 

@@ -87,7 +87,9 @@ def check_hybrid_layout(shard_group, replicate_group) -> None:
     device = device_for(replicate_group)
     mine = torch.tensor([dist.get_world_size(shard_group), dist.get_rank(shard_group)], device=device)
     every = torch.empty(2 * dist.get_world_size(replicate_group), dtype=mine.dtype, device=device)
-    dist.all_gather_single(every, mine, group=replicate_group)
+    from .collectives import all_gather_single
+
+    all_gather_single(every, mine, group=replicate_group)
     every = every.view(-1, 2).cpu()
     fault = ""
     if shared != {me}:

@@ -38,6 +38,7 @@ from enum import Enum, auto
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .sharding import chunk_rows, row_range
 
@@ -141,10 +142,15 @@ class ShardedParam:
         self.sharded._fsdp_managed = True  # an ancestor's fully_shard must not take it again
 
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
-        """A local tensor of this rank's rows (the parameter's or its gradient's) as the DTensor."""
+        """A local tensor of this rank's rows (the parameter's or its gradient's) as the DTensor. An offloaded
+        shard (host memory under a device mesh) stays where it is: ``from_local`` would copy it to the mesh's
+        device, so it is wrapped as FSDP2 wraps its offloaded shards."""
         with torch.no_grad():
-            return DTensor.from_local(local, self.mesh, (Shard(self.dim),), run_check=False, shape=self.shape,
-                                      stride=self.stride)
+            if local.device.type == self.mesh.device_type or local.is_meta:
+                return DTensor.from_local(local, self.mesh, (Shard(self.dim),), run_check=False, shape=self.shape,
+                                          stride=self.stride)
+            meta = TensorMeta(self.shape, self.stride, local.dtype)
+            return DTensor(local, DTensorSpec(self.mesh, (Shard(self.dim),), tensor_meta=meta), requires_grad=False)
 
     def local(self) -> torch.Tensor:
         """This rank's rows of the sharded parameter (a view of ``padded``)."""

@@ -48,6 +48,7 @@ def _gather_rows(group, items: list) -> dict[str, Tensor]:
         part[:local.numel()].copy_(local)
     recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
     with torch.no_grad():
-        dist.all_gather_single(recv, send, group=group)
+        # torch 2.13's name; earlier releases (a GPU box may keep one) have only all_gather_into_tensor
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(recv, send, group=group)
     return {name: full.reshape(-1)[:p.numel()].view(p.shape).clone()
             for (name, p), full in zip(items, recv.view(world, -1).split(rows, dim=1))}
