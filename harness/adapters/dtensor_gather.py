@@ -28,21 +28,23 @@ def full_tensors(named: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
         out[name] = None
         if isinstance(p, DTensor) and p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),) and p.dim():
             group = p.device_mesh.get_group()
-            packs.setdefault((id(group), p.dtype), (group, []))[1].append((name, p))
+            packs.setdefault((id(group), p.dtype), (group, p.device_mesh.device_type, []))[2].append((name, p))
         elif isinstance(p, DTensor):
             out[name] = p.full_tensor().detach()
         else:
             out[name] = p.detach().clone()
-    for group, items in packs.values():
-        out.update(_gather_rows(group, items))
+    for group, device_type, items in packs.values():
+        out.update(_gather_rows(group, device_type, items))
     return out
 
 
-def _gather_rows(group, items: list) -> dict[str, Tensor]:
+def _gather_rows(group, device_type: str, items: list) -> dict[str, Tensor]:
+    """The packed all-gather, on the mesh's device (shards offloaded to host memory are gathered there too)."""
     world = dist.get_world_size(group)
     rows = [-(-p.shape[0] // world) * math.prod(p.shape[1:]) for _, p in items]  # a padded chunk, elements
     first = items[0][1].to_local()
-    send = torch.zeros(sum(rows), dtype=first.dtype, device=first.device)
+    device = first.device if first.device.type == device_type else _mesh_device(device_type)
+    send = torch.zeros(sum(rows), dtype=first.dtype, device=device)
     for (_, p), part in zip(items, send.split(rows)):
         local = p.to_local().detach().reshape(-1)
         part[:local.numel()].copy_(local)
@@ -52,3 +54,10 @@ def _gather_rows(group, items: list) -> dict[str, Tensor]:
         (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(recv, send, group=group)
     return {name: full.reshape(-1)[:p.numel()].view(p.shape).clone()
             for (name, p), full in zip(items, recv.view(world, -1).split(rows, dim=1))}
+
+
+def _mesh_device(device_type: str) -> torch.device:
+    """The current device of a mesh's device type (cuda: the rank's GPU)."""
+    module = getattr(torch, device_type, None)
+    index = module.current_device() if module is not None and hasattr(module, "current_device") else None
+    return torch.device(device_type, index) if index is not None else torch.device(device_type)

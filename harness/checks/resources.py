@@ -199,6 +199,8 @@ def offload_host(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     the way). A run without a device apart from the host (CPU, gloo) has nothing to offload from: SKIP."""
     out, mem = [], tables["memory"]
     for row in _measured_rows(tables, "offload_host", out).itertuples():
+        if not has(feature_of(row), "offload"):
+            continue
         if (row.scenario, "state_host_params") not in _per_rank(mem):
             out.append(Verdict("offload_host", row.scenario, SKIP, None, None, message=(
                 "does not apply: the rank computes in host memory (a CPU run), so there is no device to offload "

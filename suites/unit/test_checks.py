@@ -263,6 +263,9 @@ def test_offload_host_holds_the_state_on_the_host_and_none_on_the_device():
     cpu = _offloaded(make([(sc, LOSSES, ZERO, ZERO)]), sc.id, device_share=1, host_share=None)
     [v] = resource_checks.offload_host(cpu)
     assert v.status == "skip" and "does not apply" in v.message
+    plain = _offloaded(make([(sc, LOSSES, ZERO, ZERO)]), sc.id, device_share=1, host_share=0)
+    plain["scenarios"]["feature"] = "plain"  # state on the device is what a run without offload keeps
+    assert resource_checks.offload_host(plain) == []
 
 
 P_EL = P_BYTES // 4  # float32 parameters
