@@ -213,7 +213,11 @@ def offload_host(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         device = _max_over_ranks(mem, row.scenario, *(f"state_{c}" for c in STATE_CATEGORIES))
         host = _max_over_ranks(mem, row.scenario, *(f"state_host_{c}" for c in STATE_CATEGORIES))
         want = float(sum(ideal.values()))
-        problems = ([f"the device still holds {device:,.0f} B of them"] if device > 0 else []) + (
+        kept = f"the device still holds {device:,.0f} B of them"
+        if device > 0 and _root_kept_after_eval(row, _max_over_ranks(mem, row.scenario, "state_params")) \
+                and device == _max_over_ranks(mem, row.scenario, "state_params"):
+            kept += f" ({ROOT_AFTER_EVAL}: at most its {float(row.root_bytes):,.0f} B)"
+        problems = ([kept] if device > 0 else []) + (
             [f"host memory holds only {host:,.0f} B of the ideal {want:,.0f} B"] if host < want else [])
         msg = (f"parameters, gradients and optimizer state after the step: {device:,.0f} B per rank on the device "
                f"(0 allowed), {host:,.0f} B in host memory (ideal {want:,.0f} B)")

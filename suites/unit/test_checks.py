@@ -263,6 +263,14 @@ def test_offload_host_holds_the_state_on_the_host_and_none_on_the_device():
     cpu = _offloaded(make([(sc, LOSSES, ZERO, ZERO)]), sc.id, device_share=1, host_share=None)
     [v] = resource_checks.offload_host(cpu)
     assert v.status == "skip" and "does not apply" in v.message
+    fsdp2 = _sc("torch_fsdp2", 4)  # the root kept gathered after an eval forward: FSDP2's documented deviation
+    after_eval = _offloaded(make([(fsdp2, LOSSES, ZERO, ZERO)]), fsdp2.id, device_share=0, host_share=1)
+    after_eval["scenarios"]["feature"], after_eval["scenarios"]["root_bytes"] = "eval+offload", 512
+    mem = after_eval["memory"]
+    mem.loc[mem.category == "state_params", "bytes"] = 512
+    assert resource_checks.offload_host(after_eval)[0].status == "known"
+    mem.loc[mem.category == "state_params", "bytes"] = 513  # more than the root's own parameters
+    assert resource_checks.offload_host(after_eval)[0].status == "fail"
     plain = _offloaded(make([(sc, LOSSES, ZERO, ZERO)]), sc.id, device_share=1, host_share=0)
     plain["scenarios"]["feature"] = "plain"  # state on the device is what a run without offload keeps
     assert resource_checks.offload_host(plain) == []
