@@ -76,7 +76,8 @@ from suites.mutants.memory_mutants import NoGradForwardUnsharded, OptimizerState
 from suites.mutants.meta_init_mutants import MetaInit, MetaInitRngOrder
 from suites.mutants.optimizer_mutants import ShardNormalised
 from suites.mutants.per_sample_mutants import per_sample_task  # noqa: F401 (named by a spec below)
-from suites.mutants.surface_mutants import ColumnsAsRows, PostForwardFullReshard, PostForwardKeptGathered
+from suites.mutants.surface_mutants import (ColumnsAsRows, OffloadStaleHostCopy, PostForwardFullReshard,
+                                           PostForwardKeptGathered)
 from suites.mutants.timing_mutants import GatherReadEarly
 from suites.mutants.sharding_mutants import (
     NestedDuplication,
@@ -140,6 +141,7 @@ ckpt_step_restarted = CkptStepRestarted
 tail_before_last_dropped = TailBeforeLastDropped
 post_forward_full_reshard, post_forward_kept_gathered = PostForwardFullReshard, PostForwardKeptGathered
 columns_as_rows = ColumnsAsRows
+offload_stale_host_copy = OffloadStaleHostCopy
 
 
 
@@ -208,6 +210,11 @@ CATALOGUE: tuple[Mutant, ...] = (
            "a parameter sharded on dim 1 copied out of the all-gather as if sharded on dim 0: each rank's "
            "columns written at its row offset", models=("tinylm",), data_modes=("replicated",),
            optimizers=("adamw",), features=("shard1",)),
+    # only a CPU offload policy (offload) keeps the shards in host memory; the fault acts on a CPU run too (the
+    # host copy is stale whatever the device), from step 2's forward, and in the parameters reported at step 1
+    Mutant("offload_stale_host_copy", _spec("offload_stale_host_copy"), "ws1_exact",
+           "under a CPU offload policy the all-gathers read a host copy of each shard made at wrapping, never "
+           "updated by the optimizer", data_modes=("replicated",), optimizers=("adamw",), features=("offload",)),
     Mutant("optimizer_state_unsharded", _spec("optimizer_state_unsharded"), "memory_sharding",
            "optimizer state kept for the whole parameter on every rank (memory only)",
            data_modes=("replicated",), at_steps=None, kind="memory"),  # memory does not depend on the mode

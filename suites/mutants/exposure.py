@@ -32,6 +32,7 @@ ONLY_THERE: dict[str, tuple[str, tuple[dict, ...]]] = {
     "shard_normalised": ("a per-matrix optimizer (harness.train.optim:normalised_sgd)",
                          ({"optimizers": ("adamw", "sgd")},)),
     "gather_read_early": ("jitter (delays where asynchronous work races)", ({"features": ("plain",)},)),
+    "offload_stale_host_copy": ("a CPU offload policy (feature offload)", ({"features": ("plain",)},)),
 }
 
 

@@ -50,6 +50,7 @@ WHERE = {
     # parameter held as dim-1 columns (tinylm's embedding, the root's first unit) as unmappable at the initial
     # parameters, where that layout is first seen, not the copy-out that misplaces its columns
     "columns_as_rows": (INITIAL, "embed"),
+    "offload_stale_host_copy": (FORWARD, "layers.0"),  # step 2's forward gathers the initial shards
 }
 # name -> why the localiser names nothing for it
 NOT_LOCALISED = {

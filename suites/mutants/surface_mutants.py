@@ -53,3 +53,19 @@ class ColumnsAsRows(MutantAdapter):
                     return p._unsharded_data.view(p.world_size, p.shard_numel)
 
                 p.alloc_unsharded = as_rows
+
+
+class OffloadStaleHostCopy(MutantAdapter):
+    """Under a CPU offload policy the all-gathers read a host copy of each shard made at wrapping, while the
+    optimizer steps the shard the DTensor parameter holds: every forward computes with the initial
+    parameters, and the full parameters reported are those too. Without offload nothing changes (the copy
+    is made for offloaded shards only), so only an offload run shows it."""
+
+    name = "mutant:offload_stale_host_copy"
+
+    def mutate(self, wrapped):
+        from suites.mutants.injection import _params
+
+        for _, p in _params(wrapped):
+            if p.offload is not None:
+                p.padded = p.padded.clone()  # the gathers' source; the optimizer's shard is the original
