@@ -7,6 +7,7 @@
     full_state_dict(module) / load_full_state_dict(module, state_dict)
     materialize_meta(module, device)            # after building on "meta" and sharding
     MixedPrecisionPolicy(param_dtype, reduce_dtype)
+    invariant_forward_backward(module, loss_fn, x, y, micro_batches=L)  # batch-invariant step: the same bits at any W
     CPUOffloadPolicy(pin_memory=True)           # fully_shard(..., offload_policy=...): shards, gradients, optimizer state on the host
     save_sharded(module, optimizer, path)       # each rank writes its rows (collective; torch.distributed.checkpoint)
     load_sharded(module, optimizer, path)       # at any world size: reshards parameters and optimizer state
@@ -29,8 +30,9 @@ from .clip import clip_grad_norm_
 from .mesh import hybrid_groups
 from .meta_init import materialize_meta
 from .mixed_precision import MixedPrecisionPolicy
+from .invariant import invariant_forward_backward
 from .offload import CPUOffloadPolicy
 
 __all__ = ["fully_shard", "hybrid_groups", "set_requires_gradient_sync", "clip_grad_norm_", "full_state_dict",
            "load_full_state_dict", "save_sharded", "load_sharded", "materialize_meta", "MixedPrecisionPolicy",
-           "CPUOffloadPolicy"]
+           "CPUOffloadPolicy", "invariant_forward_backward"]

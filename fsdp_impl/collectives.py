@@ -58,6 +58,22 @@ def _exchanged_sum(full_grad: torch.Tensor, group, dtype: torch.dtype, out_dtype
     return out
 
 
+def reduce_scatter_tree(full_grad: torch.Tensor, group, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's chunk of the SUM over ranks of `full_grad` (1D, W equal chunks; W a power of two), the ranks'
+    copies added in the fixed binary tree over the rank index ((0 + 1) + (2 + 3), ...) in `dtype`, with no
+    division: the upper levels of batch-invariant training's tree (invariant.py). A new tensor."""
+    from .invariant import tree_sum_rows
+
+    world = dist.get_world_size(group)
+    if world == 1:
+        return full_grad.to(dtype, copy=True)
+    recv = torch.empty_like(full_grad, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(recv, full_grad.contiguous(), group=group)
+    out = tree_sum_rows(recv.view(world, -1).to(dtype))
+    recv.untyped_storage().resize_(0)
+    return out
+
+
 def holds_exactly(wide: torch.dtype, narrow: torch.dtype) -> bool:
     """True when every `narrow` value is a `wide` value (the cast there and back is the identity)."""
     if wide == narrow:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_flat, holds_exactly, hybrid_reduce_mean, reduce_scatter_mean
+from .collectives import all_gather_flat, holds_exactly, hybrid_reduce_mean, reduce_scatter_mean, reduce_scatter_tree
 from .mixed_precision import MixedPrecisionPolicy
 from .param import ShardedParam, ShardState
 
@@ -57,6 +57,8 @@ class ParamGroup:
         # reshard_after_forward=g: the g ranks that regather the unit for backward (None: the shard group)
         self.post_forward_group = post_forward_group
         self._kept: dict | None = None  # after forward: param_dtype -> 1D, (W / g) x the unit's padded shards
+        # batch-invariant training (invariant.py): each parameter's micro-batch gradients, summed in the fixed tree
+        self._trees: dict | None = None
 
     # -- unshard / reshard ----------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
@@ -160,9 +162,10 @@ class ParamGroup:
         """Reduce every unsharded gradient of the unit (with what passes without sync held) to the mean over
         all ranks (collective) and add this rank's rows to the sharded gradients; the unsharded gradients are
         released."""
+        invariant = self._trees is not None
         taken = self._take_grads()
         todo = list(taken)
-        if self.world_size == 1 and self.replicate_group is None:
+        if self.world_size == 1 and self.replicate_group is None and not invariant:
             # one rank: the mean is the gradient itself, cast where the policy says; each becomes (or is added
             # to) the sharded gradient without the flat reduce buffer, a copy of the whole unit's gradients
             for p in todo:
@@ -179,7 +182,9 @@ class ParamGroup:
             reduce_dtype = self.mp.reduce_dtype or wider(dtype)
             targets = {p.dtype for p in params}  # the sharded gradients' dtype: one in practice
             out_dtype = targets.pop() if len(targets) == 1 else None  # rounded to it as it is divided
-            if self.replicate_group is None:
+            if invariant:  # the tree's levels across ranks; the loss was already scaled by 1 / L (invariant.py)
+                reduced = reduce_scatter_tree(send.view(-1), self.group, dtype)
+            elif self.replicate_group is None:
                 reduced = reduce_scatter_mean(send.view(-1), self.group, reduce_dtype, out_dtype)
             else:
                 reduced = hybrid_reduce_mean(send.view(-1), self.group, self.replicate_group, reduce_dtype, out_dtype)
@@ -189,11 +194,43 @@ class ParamGroup:
                     p.add_reduced_grad(seg)
 
 
+    # -- batch-invariant training (invariant.py) -------------------------------------------------
+    def begin_tree(self) -> None:
+        """From now on each backward's gradients go into the fixed binary tree (none may be held already)."""
+        if any(p.unsharded_grad() is not None or p.held_grad is not None for p in self.params):
+            raise RuntimeError("batch-invariant step: gradients from an earlier backward are still held; reduce "
+                               "them first (a backward with gradient sync on)")
+        from .invariant import TreeSum
+
+        self._trees = {p: TreeSum() for p in self.params if p.requires_grad}
+
+    def end_tree(self) -> None:
+        self._trees = None
+
+    def _tree_dtype(self, grad: torch.Tensor) -> torch.dtype:
+        return self.mp.reduce_dtype if self.mp.reduce_dtype is not None else grad.dtype
+
+    def _push_trees(self) -> None:
+        """This backward's gradient of every parameter becomes its tree's next leaf (None: a zero, for a parameter
+        the micro-batch left without one). A unit whose parameters got no gradient at all pushes nothing: the
+        backward did not reach it, or its gradients were already taken (the final callback's second look)."""
+        grads = {p: p.unsharded_grad() for p in self._trees}
+        if all(g is None for g in grads.values()):
+            return
+        for p, grad in grads.items():
+            if grad is not None:
+                p.unsharded.grad = None
+                grad = grad.to(self._tree_dtype(grad))
+            self._trees[p].push(grad)
+
     def hold_grads(self) -> None:
         """A backward pass with the reduction switched off: where the policy reduces in a wider dtype than
         the unsharded gradient (bf16 compute, fp32 reduction), each unsharded gradient is added into an
         accumulator of the reduction's dtype and released, so micro-batches add up as the reduction would
         (in fp32), not rounded to bf16 at every pass. Elsewhere autograd's accumulation is already that."""
+        if self._trees is not None:
+            self._push_trees()
+            return
         reduce_dtype = self.mp.reduce_dtype
         for p in self.params:
             grad = p.unsharded_grad()
@@ -206,6 +243,11 @@ class ParamGroup:
     def _take_grads(self) -> dict:
         """parameter -> the gradient to reduce: its held accumulator plus this pass's unsharded gradient (added
         in the accumulator's dtype), both released from the parameter."""
+        if self._trees is not None:  # the last micro-batch: its leaf, then each tree's sum
+            self._push_trees()
+            if not any(len(tree) for tree in self._trees.values()):
+                return {}
+            return {p: total for p, tree in self._trees.items() if (total := tree.result()) is not None}
         out = {}
         for p in self.params:
             grad, held = p.unsharded_grad(), p.held_grad

@@ -1,0 +1,135 @@
+"""Batch-invariant training: the same bits at every world size, in both data modes.
+
+``invariant_forward_backward(module, loss_fn, inputs, targets, micro_batches=L)`` runs one step's forward and
+backward on this rank's contiguous slice of the global batch so that the gradients every rank ends with (and
+the loss it returns) do not depend on the number of ranks W:
+
+    cut      the global batch is L equal micro-batches (L a power of two, W dividing it); rank r takes its
+             slice as L / W of them, micro-batches r x L / W ... (r + 1) x L / W - 1 of the global batch, so
+             every micro-batch has the same shape at every W and every kernel computes the same values
+    scale    each micro-batch's loss is divided by L (a power of two: exact), so the sum of the L micro-batch
+             gradients is the gradient of the global batch's mean loss; there is no division by W
+    sum      the L gradients are added in ONE fixed binary tree over the global micro-batch index (pairs
+             (0, 1), (2, 3), ..., then pairs of those, ...): the levels below a rank's own micro-batches on
+             the rank (``TreeSum``, as each micro-batch's backward ends), the levels above them across ranks in
+             the gradient reduction (collectives.reduce_scatter_tree: rank r's partial sums paired with rank
+             r + 1's, ...). Floating-point addition is commutative, so a + b == b + a; only the grouping could
+             differ, and the tree fixes it
+    loss     the micro-batch losses are summed in the same tree (across ranks with an all-gather of the W
+             partial sums): every rank returns the same bits, at every W
+
+After it, the optimizer steps each rank's shard; every optimizer the harness knows is element-wise, and an
+element's update does not depend on which rank holds it, so parameters and optimizer state stay invariant.
+
+The sums run in the gradient's dtype (the policy's ``reduce_dtype`` under mixed precision: bf16 gradients are
+cast to it as each micro-batch ends). What it costs: L / W forward/backward passes of global / L samples each
+instead of one of global / W samples, and the unsharded gradients held between micro-batches (as with
+gradient accumulation) plus up to log2(L / W) partial sums of them (the tree's pending left operands).
+
+Not invariant (refused): hybrid sharding (its replicas would need the tree's upper levels across the
+replicate group). Gradient clipping by the global L2 norm is not invariant (each rank's partial sum of
+squares covers other elements at another W); by the infinity norm it is (a maximum is exact).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class TreeSum:
+    """Tensors pushed in index order, added in the fixed binary tree over that index: each new tensor is a leaf,
+    and two adjacent subtrees of the same size merge (left + right) as soon as both are complete. A None is a
+    zero (a parameter that got no gradient in a micro-batch). After 2^k pushes one sum is left."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[int, torch.Tensor | None]] = []  # (leaves under it, its sum)
+
+    def push(self, t: torch.Tensor | None) -> None:
+        size, node = 1, t
+        while self.stack and self.stack[-1][0] == size:
+            _, left = self.stack.pop()
+            node = left if node is None else node if left is None else left.add_(node)
+            size *= 2
+        self.stack.append((size, node))
+
+    def __len__(self) -> int:
+        return sum(n for n, _ in self.stack)
+
+    def result(self) -> torch.Tensor | None:
+        """The sum; ValueError unless the pushes made one complete tree (a power of two of them)."""
+        if len(self.stack) != 1:
+            raise ValueError(f"batch-invariant sum: {len(self)} micro-batches do not make one binary tree "
+                             f"(their number per rank must be a power of two)")
+        (_, total), = self.stack
+        self.stack = []
+        return total
+
+
+def tree_sum_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The sum of `rows` (R x ..., R a power of two) in the fixed binary tree over the row index."""
+    if rows.shape[0] & (rows.shape[0] - 1):
+        raise ValueError(f"tree_sum_rows: {rows.shape[0]} rows are not a power of two")
+    while rows.shape[0] > 1:
+        rows = rows[0::2] + rows[1::2]
+    return rows[0]
+
+
+def invariant_forward_backward(module: nn.Module, loss_fn: Callable, inputs: torch.Tensor, targets: torch.Tensor,
+                               *, micro_batches: int) -> torch.Tensor:
+    """Forward and backward of one step on this rank's slice (`inputs`, `targets`: the rank's contiguous
+    1 / W of the global batch) as `micro_batches` = L global micro-batches, gradients summed in the fixed tree
+    (see the module docstring); returns the global batch's mean loss (detached, the same bits on every rank and
+    at every W). `module`: the root passed to ``fully_shard``; `loss_fn(output, targets)` must be a mean over
+    the micro-batch. Collective. Leaves the sharded gradients for the optimizer, as a plain backward does."""
+    from .api import units
+
+    states = [state for _, state in units(module)]
+    if not states:
+        raise ValueError("invariant_forward_backward: no fully_shard unit under this module")
+    group = states[0].params.group
+    world = dist.get_world_size(group)
+    if micro_batches < 1 or micro_batches & (micro_batches - 1) or micro_batches % world:
+        raise ValueError(f"invariant_forward_backward: micro_batches must be a power of two that the {world} "
+                         f"ranks divide, not {micro_batches}")
+    if any(s.params.replicate_group is not None for s in states):
+        raise ValueError("invariant_forward_backward: hybrid sharding is not supported (see fsdp_impl.invariant)")
+    per_rank = micro_batches // world
+    if inputs.shape[0] % per_rank:
+        raise ValueError(f"invariant_forward_backward: a rank's {inputs.shape[0]} samples do not split into its "
+                         f"{per_rank} micro-batches")
+    size = inputs.shape[0] // per_rank
+    losses = TreeSum()
+    for s in states:
+        s.params.begin_tree()
+    try:
+        for i in range(per_rank):
+            for s in states:
+                s.params.sync_grads = i == per_rank - 1
+            sl = slice(i * size, (i + 1) * size)
+            loss = loss_fn(module(inputs[sl]), targets[sl]) / micro_batches
+            loss.backward()
+            losses.push(loss.detach().clone())
+    finally:
+        for s in states:
+            s.params.sync_grads = True
+            s.params.end_tree()
+    mine = losses.result().reshape(1)
+    every = torch.empty(world, dtype=mine.dtype, device=mine.device)
+    if world == 1:
+        every.copy_(mine)
+    else:
+        from .collectives import all_gather_single
+
+        every = every.to(_device(group))
+        all_gather_single(every, mine.to(every.device), group=group)
+    return tree_sum_rows(every).to(mine.device)
+
+
+def _device(group) -> torch.device:
+    from .mesh import device_for
+
+    return device_for(group)

@@ -1,0 +1,75 @@
+"""fsdp_worlds tasks for batch-invariant training (fsdp_impl.invariant): fsdp_impl at any world size with
+split data, and the plain model summing the same micro-batches in the same tree (the reference, written here
+apart from fsdp_impl's TreeSum: a recursive halving over the micro-batch index)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fsdp_impl import clip_grad_norm_
+from fsdp_impl.invariant import invariant_forward_backward
+from harness.train.models import get_model_spec
+from harness.train.optim import make_optimizer
+from suites.unit.fsdp_worlds.common import named_full, shard_model
+
+
+def tree(xs: list):
+    """xs summed as a complete binary tree over their index (left half + right half, recursively)."""
+    if len(xs) == 1:
+        return xs[0]
+    half = len(xs) // 2
+    left, right = tree(xs[:half]), tree(xs[half:])
+    return left if right is None else right if left is None else left + right
+
+
+def plain_tree_step(model: nn.Module, loss_fn, x, y, micro: int) -> torch.Tensor:
+    """The plain model's step: `micro` equal micro-batches of the whole batch, each loss / micro, every
+    parameter's gradients and the losses summed in the tree."""
+    size = x.shape[0] // micro
+    grads: dict[nn.Parameter, list] = {q: [] for q in model.parameters()}
+    losses = []
+    for i in range(micro):
+        loss = loss_fn(model(x[i * size:(i + 1) * size]), y[i * size:(i + 1) * size]) / micro
+        loss.backward()
+        losses.append(loss.detach())
+        for q in grads:
+            grads[q].append(q.grad)
+            q.grad = None
+    for q, gs in grads.items():
+        q.grad = tree(gs)
+    return tree(losses)
+
+
+def train(ctx, p: dict) -> dict:
+    """`steps` steps at batch `batch` with `micro` micro-batches; ``wrap`` False: the plain tree reference at
+    one rank; ``invariant`` False: fsdp_impl's default step on the same contiguous slice (for contrast)."""
+    spec = get_model_spec(p["model"])
+    torch.manual_seed(p.get("seed", 0))
+    model = spec.build()
+    wrap = p.get("wrap", True)
+    if wrap:
+        shard_model(model, spec.units(model), ctx.group)
+    opt = make_optimizer(model.parameters(), p.get("optimizer", "adamw"), 1e-2)
+    losses = []
+    for step in range(1, p.get("steps", 3) + 1):
+        x, y = spec.make_batch(p.get("batch", 16), step, p.get("seed", 0))
+        if not wrap:
+            loss = plain_tree_step(model, spec.loss, x, y, p["micro"])
+        else:
+            n = x.shape[0] // ctx.world_size
+            x, y = x[ctx.rank * n:(ctx.rank + 1) * n], y[ctx.rank * n:(ctx.rank + 1) * n]
+            if p.get("invariant", True):
+                loss = invariant_forward_backward(model, spec.loss, x, y, micro_batches=p["micro"])
+            else:
+                loss = spec.loss(model(x), y)
+                loss.backward()
+        if p.get("clip_inf"):
+            if wrap:
+                clip_grad_norm_(model, p["clip_inf"], float("inf"))
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), p["clip_inf"], float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return {"losses": losses, "params": named_full(model, wrap)}

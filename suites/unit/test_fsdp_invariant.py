@@ -1,0 +1,64 @@
+"""fsdp_impl's batch-invariant mode (fsdp_impl.invariant) in real process worlds (gloo, CPU): with split data,
+every world size trains the same bits as every other and as the plain model summing the same L
+micro-batches in the same tree; the default mode does not (its split runs differ by rounding).
+
+Rank-side steps live in ``suites/unit/fsdp_worlds/invariant.py``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+TASKS = "suites.unit.fsdp_worlds.invariant"
+SIZES = (1, 2, 4, 8)
+
+
+def _same(a: dict, b: dict, what: str) -> None:
+    assert a["losses"] == b["losses"], f"{what}: losses {a['losses']} != {b['losses']}"
+    for k in a["params"]:
+        assert np.array_equal(a["params"][k], b["params"][k]), \
+            f"{what}: {k} max diff {np.max(np.abs(a['params'][k] - b['params'][k]))}"
+
+
+@pytest.fixture(scope="module")
+def reference(world):
+    cache = {}
+
+    def get(**p):
+        key = tuple(sorted(p.items()))
+        if key not in cache:
+            cache[key] = world(1).call(f"{TASKS}:train", {**p, "wrap": False})[0]
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("model", ["mlp", "tinylm_tied"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_every_world_size_is_bitwise_the_tree_reference(world, reference, model, optimizer):
+    p = {"model": model, "optimizer": optimizer, "micro": 8}
+    want = reference(**p)
+    for w in SIZES:
+        got = world(w).call(f"{TASKS}:train", p)
+        for rank, r in enumerate(got):
+            _same(r, want, f"W={w} rank {rank}")
+
+
+def test_sixteen_micro_batches_of_one_sample_and_the_inf_clip_stay_invariant(world, reference):
+    p = {"model": "tinylm", "micro": 16, "clip_inf": 0.01}
+    want = reference(**p)
+    for w in (2, 8):
+        _same(world(w).call(f"{TASKS}:train", p)[0], want, f"W={w}")
+
+
+def test_the_default_mode_is_not_invariant_with_split_data(world):
+    """What the mode buys: fsdp_impl's default step on the same slices differs between world sizes."""
+    p = {"model": "tinylm_tied", "micro": 8, "invariant": False}
+    one, four = world(1).call(f"{TASKS}:train", p)[0], world(4).call(f"{TASKS}:train", p)[0]
+    assert one["losses"] != four["losses"] or any(
+        not np.array_equal(one["params"][k], four["params"][k]) for k in one["params"])
+
+
+def test_micro_batches_that_do_not_make_a_tree_are_refused(world):
+    with pytest.raises(Exception, match="power of two"):
+        world(2).call(f"{TASKS}:train", {"model": "mlp", "micro": 6})
