@@ -59,6 +59,7 @@ class ParamGroup:
         self._kept: dict | None = None  # after forward: param_dtype -> 1D, (W / g) x the unit's padded shards
         # batch-invariant training (invariant.py): each parameter's micro-batch gradients, summed in the fixed tree
         self._trees: dict | None = None
+        self._tree_across = True
 
     # -- unshard / reshard ----------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
@@ -162,7 +163,7 @@ class ParamGroup:
         """Reduce every unsharded gradient of the unit (with what passes without sync held) to the mean over
         all ranks (collective) and add this rank's rows to the sharded gradients; the unsharded gradients are
         released."""
-        invariant = self._trees is not None
+        invariant = self._trees is not None and self._tree_across
         taken = self._take_grads()
         todo = list(taken)
         if self.world_size == 1 and self.replicate_group is None and not invariant:
@@ -195,14 +196,17 @@ class ParamGroup:
 
 
     # -- batch-invariant training (invariant.py) -------------------------------------------------
-    def begin_tree(self) -> None:
-        """From now on each backward's gradients go into the fixed binary tree (none may be held already)."""
+    def begin_tree(self, across_ranks: bool = True) -> None:
+        """From now on each backward's gradients go into the fixed binary tree (none may be held already);
+        `across_ranks`: the reduction sums the ranks' trees in the tree's upper levels (split data), else it
+        averages them as usual (replicated data: W identical sums)."""
         if any(p.unsharded_grad() is not None or p.held_grad is not None for p in self.params):
             raise RuntimeError("batch-invariant step: gradients from an earlier backward are still held; reduce "
                                "them first (a backward with gradient sync on)")
         from .invariant import TreeSum
 
         self._trees = {p: TreeSum() for p in self.params if p.requires_grad}
+        self._tree_across = across_ranks
 
     def end_tree(self) -> None:
         self._trees = None

@@ -79,12 +79,16 @@ def tree_sum_rows(rows: torch.Tensor) -> torch.Tensor:
 
 
 def invariant_forward_backward(module: nn.Module, loss_fn: Callable, inputs: torch.Tensor, targets: torch.Tensor,
-                               *, micro_batches: int) -> torch.Tensor:
+                               *, micro_batches: int, replicated: bool = False) -> torch.Tensor:
     """Forward and backward of one step on this rank's slice (`inputs`, `targets`: the rank's contiguous
     1 / W of the global batch) as `micro_batches` = L global micro-batches, gradients summed in the fixed tree
     (see the module docstring); returns the global batch's mean loss (detached, the same bits on every rank and
     at every W). `module`: the root passed to ``fully_shard``; `loss_fn(output, targets)` must be a mean over
-    the micro-batch. Collective. Leaves the sharded gradients for the optimizer, as a plain backward does."""
+    the micro-batch. Collective. Leaves the sharded gradients for the optimizer, as a plain backward does.
+
+    `replicated`: every rank holds the WHOLE global batch (data-parallel replicas of one batch): each runs all L
+    micro-batches and its own whole tree, and the reduction averages the W identical sums (in the default
+    wider dtype: exact), so the result is one rank's, bit for bit, at every W."""
     from .api import units
 
     states = [state for _, state in units(module)]
@@ -97,14 +101,14 @@ def invariant_forward_backward(module: nn.Module, loss_fn: Callable, inputs: tor
                          f"ranks divide, not {micro_batches}")
     if any(s.params.replicate_group is not None for s in states):
         raise ValueError("invariant_forward_backward: hybrid sharding is not supported (see fsdp_impl.invariant)")
-    per_rank = micro_batches // world
+    per_rank = micro_batches if replicated else micro_batches // world
     if inputs.shape[0] % per_rank:
         raise ValueError(f"invariant_forward_backward: a rank's {inputs.shape[0]} samples do not split into its "
                          f"{per_rank} micro-batches")
     size = inputs.shape[0] // per_rank
     losses = TreeSum()
     for s in states:
-        s.params.begin_tree()
+        s.params.begin_tree(across_ranks=not replicated)
     try:
         for i in range(per_rank):
             for s in states:
@@ -118,6 +122,8 @@ def invariant_forward_backward(module: nn.Module, loss_fn: Callable, inputs: tor
             s.params.sync_grads = True
             s.params.end_tree()
     mine = losses.result().reshape(1)
+    if replicated or world == 1:
+        return mine[0]
     every = torch.empty(world, dtype=mine.dtype, device=mine.device)
     if world == 1:
         every.copy_(mine)

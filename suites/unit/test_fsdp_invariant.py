@@ -51,6 +51,15 @@ def test_sixteen_micro_batches_of_one_sample_and_the_inf_clip_stay_invariant(wor
         _same(world(w).call(f"{TASKS}:train", p)[0], want, f"W={w}")
 
 
+def test_replicated_data_is_the_tree_reference_at_every_world_size(world, reference):
+    """Every rank holds the whole batch: its own whole tree, the W identical sums averaged exactly."""
+    p = {"model": "tinylm_tied", "micro": 8, "data_mode": "replicated"}
+    want = reference(**{k: v for k, v in p.items() if k != "data_mode"})
+    for w in (2, 4):
+        for rank, r in enumerate(world(w).call(f"{TASKS}:train", p)):
+            _same(r, want, f"W={w} rank {rank}")
+
+
 def test_the_default_mode_is_not_invariant_with_split_data(world):
     """What the mode buys: fsdp_impl's default step on the same slices differs between world sizes."""
     p = {"model": "tinylm_tied", "micro": 8, "invariant": False}

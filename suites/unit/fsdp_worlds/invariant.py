@@ -57,10 +57,13 @@ def train(ctx, p: dict) -> dict:
         if not wrap:
             loss = plain_tree_step(model, spec.loss, x, y, p["micro"])
         else:
-            n = x.shape[0] // ctx.world_size
-            x, y = x[ctx.rank * n:(ctx.rank + 1) * n], y[ctx.rank * n:(ctx.rank + 1) * n]
+            replicated = p.get("data_mode") == "replicated"
+            if not replicated:
+                n = x.shape[0] // ctx.world_size
+                x, y = x[ctx.rank * n:(ctx.rank + 1) * n], y[ctx.rank * n:(ctx.rank + 1) * n]
             if p.get("invariant", True):
-                loss = invariant_forward_backward(model, spec.loss, x, y, micro_batches=p["micro"])
+                loss = invariant_forward_backward(model, spec.loss, x, y, micro_batches=p["micro"],
+                                                  replicated=replicated)
             else:
                 loss = spec.loss(model(x), y)
                 loss.backward()
