@@ -285,7 +285,7 @@ def gate_spec(text: str) -> dict:
 
 
 def add_output_arguments(add) -> None:
-    """--report, --no-report and --per-sample: what a session adds to the matrix and writes."""
+    """--report, --no-report, --per-sample, --invariant, --localize: what a session adds to the matrix and writes."""
     add("--report", type=report_path, default=None,
         help="markdown report, written exactly there with <stem>_plots/ and <stem>_tables/ beside it (default: "
              f"{DEFAULT_REPORT.name} in a new folder reports/runs/<time>/, which {DEFAULT_REPORT.parent} points at; "
@@ -293,6 +293,10 @@ def add_output_arguments(add) -> None:
     add("--no-report", action="store_true", help="write no report and no tables")
     add("--per-sample", action="store_true",
         help="also check per-sample gradient norms (DP-SGD) at the same world sizes (mlp; Opacus if installed)")
+    add("--invariant", action="store_true",
+        help="also run the batch-invariant tier: every --impl that declares batch_invariant trained through its own "
+             "invariant step at every --world-sizes, split and replicated data, held bitwise to itself and to the "
+             "plain model summing the same micro-batches in the same tree (harness/invariant)")
     add("--localize", type=non_negative_int, default=None, metavar="N",
         help=f"after the run, localise the first N scenarios with a failing numeric check (default {DEFAULT_LOCALIZE}; "
              "0: none): "

@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # torch and pandas load only once a run starts: a usage error
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUN = 0, 1, 2, 3
 EXIT_INTERRUPTED = 130
 # Packages that add a section to the report: each registers it when imported (harness.report.sections).
-REPORT_SECTION_PACKAGES = ("harness.per_sample", "harness.localize")
+REPORT_SECTION_PACKAGES = ("harness.per_sample", "harness.localize", "harness.invariant")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class SessionOptions:
     save_baseline: str | None = None
     gate_strict: bool = False  # a gate that compared nothing fails (harness.gate.compare)
     localize: int = opt.DEFAULT_LOCALIZE  # failing scenarios localised after the run (harness.localize.auto)
+    invariant: bool = False  # the batch-invariant tier after the matrix (harness.invariant)
 
     @classmethod
     def from_namespace(cls, ns, *, preflight: bool = True) -> "SessionOptions":
@@ -63,7 +64,20 @@ class SessionOptions:
         report = None if getattr(ns, "no_report", False) else getattr(ns, "report", None) or opt.DEFAULT_REPORT
         return cls(opt.matrix_from(ns, preflight=preflight), report, bool(getattr(ns, "per_sample", False)),
                    getattr(ns, "baseline", None), getattr(ns, "gate", None), getattr(ns, "save_baseline", None),
-                   bool(getattr(ns, "gate_strict", False)), _localize_count(ns))
+                   bool(getattr(ns, "gate_strict", False)), _localize_count(ns), bool(getattr(ns, "invariant", False)))
+
+
+def _check_invariant_cells(m: opt.MatrixOptions) -> None:
+    """--invariant's cells: L micro-batches (harness.core.policy.INVARIANT_MICRO_BATCHES) that every world size
+    divides and that divide the global batch; a usage error naming the cause otherwise."""
+    from harness.core.policy import INVARIANT_MICRO_BATCHES as L
+    bad = [w for w in m.world_sizes if L % w]
+    if bad or m.global_batch % L:
+        raise opt.argparse.ArgumentTypeError(
+            f"--invariant cuts the global batch into {L} micro-batches, summed in one binary tree: every world size "
+            f"must divide {L} (not {', '.join(map(str, bad))})" if bad else
+            f"--invariant cuts the global batch into {L} micro-batches: --global-batch {m.global_batch} is not a "
+            f"multiple of {L}")
 
 
 def _localize_count(ns) -> int:
@@ -100,6 +114,11 @@ class Session:
         if under_torchrun and options.per_sample:
             raise opt.argparse.ArgumentTypeError("--per-sample is not available under torchrun yet; run it "
                                                  "without torchrun (python -m harness run --per-sample ...)")
+        if under_torchrun and options.invariant:
+            raise opt.argparse.ArgumentTypeError("--invariant is not available under torchrun yet; run it without "
+                                                 "torchrun (python -m harness run --invariant ...)")
+        if options.invariant:
+            _check_invariant_cells(options.matrix)
         if under_torchrun:  # before anything runs: one usage line, not a progress line first
             from harness.execute.launch import check_job_fits
             check_job_fits(options.matrix.world_sizes, int(os.environ["WORLD_SIZE"]))
@@ -151,6 +170,9 @@ class Session:
         if self.options.per_sample:
             self.say("per-sample gradient norms ...")
             self._add_per_sample(res)
+        if self.options.invariant:
+            self.say("batch-invariant tier ...")
+            self._add_invariant(res)
         if self.baseline is not None:
             self._gate(res)
         self.result = res
@@ -161,6 +183,17 @@ class Session:
         from harness.per_sample.run import run_per_sample
         tables, verdicts = run_per_sample(models=("mlp",), world_sizes=tuple(self.options.matrix.world_sizes),
                                           localise=0 if self.under_torchrun else self.options.localize)
+        res.tables.update(tables)
+        res.verdicts.extend(verdicts)
+        res.tables["verdicts"] = verdict_table(res.verdicts)
+
+    def _add_invariant(self, res: RunResult) -> None:
+        from harness.checks.numeric import verdict_table
+        from harness.core.scenario import DATA_MODES
+        from harness.invariant.run import run_invariant
+        m = self.options.matrix
+        tables, verdicts = run_invariant(m.impls, m.models, m.world_sizes, DATA_MODES, m.optimizers, steps=m.steps,
+                                         seed=m.seeds[0], lr=m.lr, global_batch=m.global_batch)
         res.tables.update(tables)
         res.verdicts.extend(verdicts)
         res.tables["verdicts"] = verdict_table(res.verdicts)

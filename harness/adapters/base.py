@@ -63,6 +63,13 @@ whose adapter lacks one is not run and gets an ``unsupported`` verdict, never a 
 - ``wrap_shard_placement(model, units, *, group, device, shard_placement_fn)`` (feature ``shard1``): ``wrap``
   with each parameter sharded on the dim ``shard_placement_fn(parameter)`` names (a ``Shard(d)``; None: dim 0),
   as FSDP2's ``shard_placement_fn``; the harness asks for ``Shard(1)`` only where dim 1 divides evenly.
+- ``invariant_forward_backward(wrapped, loss_fn, inputs, targets, *, micro_batches, replicated) -> loss`` with the
+  attribute ``batch_invariant = True`` (the batch-invariant tier, ``--invariant``, harness/invariant): one step's
+  forward and backward whose result does not depend on the world size: the global batch as ``micro_batches`` = L
+  equal micro-batches, each loss / L, the gradients summed in one fixed binary tree over the micro-batch index.
+  ``inputs``/``targets``: the rank's contiguous 1 / W of the global batch, or the whole batch when
+  ``replicated``. Returns the global batch's mean loss, the same on every rank. The tier holds such an
+  implementation bitwise to itself at every world size and to the plain model summing the same tree.
 - ``wrap_offload(model, units, *, group, device)`` (feature ``offload``): ``wrap`` with the sharded parameters,
   their gradients and the optimizer state in host memory and forward and backward on ``device``, FSDP2's
   ``CPUOffloadPolicy``. On a GPU the harness checks that the device holds none of that state after a step.
@@ -80,7 +87,8 @@ from harness.train.optim import make_optimizer as _make_optimizer
 REQUIRED = ("wrap", "full_params")
 OPTIONAL = ("make_optimizer", "after_backward")
 CAPABILITIES = ("set_gradient_sync", "clip_grad_norm", "save_checkpoint", "load_checkpoint", "wrap_mixed_precision",
-                "wrap_hybrid", "wrap_reshard_after_forward", "wrap_shard_placement", "wrap_offload")
+                "wrap_hybrid", "wrap_reshard_after_forward", "wrap_shard_placement", "wrap_offload",
+                "invariant_forward_backward")
 
 
 class AdapterError(ValueError):
@@ -90,6 +98,7 @@ class AdapterError(ValueError):
 class Adapter:
     name: str = "adapter"
     sharded: bool = True
+    batch_invariant: bool = False  # claims the batch-invariant tier (invariant_forward_backward)
 
     def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
         raise NotImplementedError
@@ -111,6 +120,7 @@ class _Completed(Adapter):
         self.inner = inner
         self.name = getattr(inner, "name", name)
         self.sharded = bool(getattr(inner, "sharded", True))
+        self.batch_invariant = bool(getattr(inner, "batch_invariant", False))
         for method in REQUIRED + OPTIONAL + CAPABILITIES:
             if callable(getattr(inner, method, None)):
                 setattr(self, method, getattr(inner, method))

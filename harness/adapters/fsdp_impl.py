@@ -9,6 +9,7 @@ from harness.adapters.base import Adapter, AdapterError, cpu_fp32
 
 class FsdpImplAdapter(Adapter):
     name = "fsdp_impl"
+    batch_invariant = True  # fsdp_impl.invariant_forward_backward
 
     def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
         return self._shard(model, units, device, process_group=group)
@@ -36,6 +37,13 @@ class FsdpImplAdapter(Adapter):
         from fsdp_impl import CPUOffloadPolicy
 
         return self._shard(model, units, device, process_group=group, offload_policy=CPUOffloadPolicy())
+
+    def invariant_forward_backward(self, wrapped: nn.Module, loss_fn, inputs, targets, *, micro_batches: int,
+                                   replicated: bool):
+        from fsdp_impl import invariant_forward_backward
+
+        return invariant_forward_backward(wrapped, loss_fn, inputs, targets, micro_batches=micro_batches,
+                                          replicated=replicated)
 
     def save_checkpoint(self, wrapped: nn.Module, optimizer, path) -> None:
         from fsdp_impl import save_sharded

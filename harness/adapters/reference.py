@@ -23,6 +23,27 @@ class ReferenceAdapter(Adapter):
     def wrap_offload(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
         return Offloaded(model.to("cpu"), torch.device(device))
 
+    def invariant_forward_backward(self, wrapped: nn.Module, loss_fn, inputs, targets, *, micro_batches: int,
+                                   replicated: bool = True):
+        """The plain model's step summing `micro_batches` equal micro-batches of the (whole) batch in the fixed
+        binary tree: each loss / L, every parameter's L gradients and the L losses added as left half + right
+        half, recursively (the batch-invariant tier's yardstick, written apart from any implementation's)."""
+        size = inputs.shape[0] // micro_batches
+        params = [q for q in wrapped.parameters() if q.requires_grad]
+        grads: list[list] = [[] for _ in params]
+        losses = []
+        for i in range(micro_batches):
+            sl = slice(i * size, (i + 1) * size)
+            loss = loss_fn(wrapped(inputs[sl]), targets[sl]) / micro_batches
+            loss.backward()
+            losses.append(loss.detach())
+            for q, gs in zip(params, grads):
+                gs.append(q.grad)
+                q.grad = None
+        for q, gs in zip(params, grads):
+            q.grad = _tree(gs)
+        return _tree(losses)
+
     def set_gradient_sync(self, wrapped: nn.Module, enabled: bool) -> None:
         return None  # one process: nothing to reduce
 
@@ -74,3 +95,12 @@ class Offloaded(nn.Module):
     def forward(self, *args, **kwargs):
         on_device = {name: p.to(self.device) for name, p in self.module.named_parameters()}
         return torch.func.functional_call(self.module, on_device, args, kwargs, tie_weights=True, strict=False)
+
+
+def _tree(xs: list):
+    """xs summed as a complete binary tree over their index (None: a zero)."""
+    if len(xs) == 1:
+        return xs[0]
+    half = len(xs) // 2
+    left, right = _tree(xs[:half]), _tree(xs[half:])
+    return left if right is None else right if left is None else left + right

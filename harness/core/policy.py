@@ -307,6 +307,12 @@ _DDP_FP32_RING = (
     "(measured at 8 ranks: 5.96e-08 on mlp after 7 AdamW steps, 1.19e-07 on tinylm after 10 SGD steps, "
     "the same figures as FSDP2)")
 
+# The batch-invariant tier (harness/invariant): L, the global micro-batches an invariant step sums in its tree. A
+# power of two (the tree is complete), at least the largest default world size (8: every rank takes L / W >= 1 of
+# them), dividing the default global batch of 16 (2 samples each). Its bound is 0: nothing is derived because
+# nothing may differ (bitwise at every W).
+INVARIANT_MICRO_BATCHES = 8
+
 # feature eval: what a check says when the only excess is the root's own parameters left gathered after the
 # no_grad forward (harness/checks/resources.py units_gathered, memory_sharding); FSDP2 does that by design
 ROOT_AFTER_EVAL = "the root's own parameters kept gathered after the eval forward"

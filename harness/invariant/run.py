@@ -1,0 +1,176 @@
+"""Run the batch-invariant tier and judge it: every claimed-invariant implementation at every world size, in
+both data modes, held at bound 0 (bitwise) to
+
+    invariant_matches_tree   the plain model (the reference adapter) summing the same L micro-batches in the same
+                             binary tree at one rank: every parameter after every step, and the loss
+    invariant_across_ws      the same implementation at the smallest world size of the run, same data mode
+    invariant_ranks_agree    every rank's loss of every step (a rank that returns its own partial sum fails)
+
+An implementation without ``invariant_forward_backward`` is ``unsupported`` (named), never a pass. An
+implementation that does not declare ``batch_invariant`` is not run here: the tier holds a claim.
+
+Tables: "invariant" (one row per scenario and step: loss, the largest |param diff| to the tree reference and to
+the smallest world size, the parameter where it is largest).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pandas as pd
+
+from harness.core.policy import INVARIANT_MICRO_BATCHES
+from harness.core.scenario import scenario_id
+from harness.core.verdict import FAIL, PASS, UNSUPPORTED, Verdict
+from harness.execute.world import WorldError, WorldPool
+
+TASK = "harness.invariant.task:train_invariant"
+FEATURE = "invariant"
+CHECKS = ("invariant_matches_tree", "invariant_across_ws", "invariant_ranks_agree")
+COLUMNS = ["scenario", "impl", "model", "world_size", "data_mode", "optimizer", "step", "loss", "diff_tree",
+           "diff_ws_min"]
+
+
+def sid(impl: str, model: str, world_size: int, mode: str, optimizer: str, seed: int) -> str:
+    return scenario_id(impl, model, world_size, mode, optimizer, seed=seed, feature=FEATURE)
+
+
+def _call(pool: WorldPool, world_size: int, payload: dict) -> tuple[list | None, str]:
+    try:
+        return pool.get(world_size).call(TASK, payload), ""
+    except WorldError as exc:
+        tracebacks = getattr(exc, "tracebacks", {})
+        text = tracebacks[min(tracebacks)] if tracebacks else str(exc)
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        errors = [ln for ln in lines if re.match(r"[\w.]+(Error|Exception):", ln)]
+        return None, f"{type(exc).__name__}: {' | '.join(dict.fromkeys(errors[-1:] + lines[-1:])) or exc}"[:500]
+
+
+def first_difference(a: list[dict], b: list[dict]) -> tuple[float, int | None, str]:
+    """(the largest |difference| over every step and parameter, the first step where any differs, that step's
+    worst parameter); (0, None, '') when bitwise equal. A parameter missing on one side is an infinite one."""
+    worst, first, where = 0.0, None, ""
+    for step, (x, y) in enumerate(zip(a, b), start=1):
+        step_worst, step_param = 0.0, ""
+        for name in sorted(set(x) | set(y)):
+            if name not in x or name not in y or x[name].shape != y[name].shape:
+                d = math.inf
+            else:
+                d = float((x[name].double() - y[name].double()).abs().max()) if x[name].numel() else 0.0
+                d = d if d == d else math.inf  # NaN on one side
+            if d > step_worst:
+                step_worst, step_param = d, name
+        if step_worst > 0 and first is None:
+            first, where = step, step_param
+        worst = max(worst, step_worst)
+    if len(a) != len(b):
+        return math.inf, min(len(a), len(b)) + 1, "(steps missing)"
+    return worst, first, where
+
+
+def run_invariant(impls, models, world_sizes, data_modes, optimizers, *, steps: int = 3, seed: int = 0,
+                  lr: float = 1e-2, global_batch: int = 16, micro: int = INVARIANT_MICRO_BATCHES,
+                  pool: WorldPool | None = None, progress=None) -> tuple[dict[str, pd.DataFrame], list[Verdict]]:
+    """The tier for `impls` (adapter names); returns ({"invariant": table}, verdicts)."""
+    sizes = sorted(world_sizes)
+    if micro & (micro - 1) or any(micro % w for w in sizes) or global_batch % micro:
+        raise ValueError(f"the batch-invariant tier needs L = {micro} micro-batches: a power of two that every world "
+                         f"size ({', '.join(map(str, sizes))}) divides and that divides the global batch "
+                         f"({global_batch})")
+    unclaimed = {impl: why for impl in impls if (why := unclaimed_reason(impl))[1]}
+    own = pool is None
+    pool = pool or WorldPool()
+    rows, verdicts = [], []
+    try:
+        for model in models:
+            for opt in optimizers:
+                base = {"model": model, "optimizer": opt, "micro": micro, "steps": steps, "seed": seed, "lr": lr,
+                        "global_batch": global_batch}
+                ref, ref_err = _call(pool, 1, {**base, "impl": "reference", "data_mode": "split"})
+                for impl in impls:
+                    for mode in data_modes:
+                        smallest = None
+                        for w in sizes:
+                            s = sid(impl, model, w, mode, opt, seed)
+                            if impl in unclaimed:
+                                status, why = unclaimed[impl]
+                                verdicts += [Verdict(c, s, status, None, None, message=why) for c in CHECKS]
+                                continue
+                            got, err = _call(pool, w, {**base, "impl": impl, "data_mode": mode})
+                            if progress:
+                                progress(s)
+                            if got is not None and "unsupported" in got[0]:
+                                verdicts += [Verdict(c, s, UNSUPPORTED, None, None, message=got[0]["unsupported"])
+                                             for c in CHECKS]
+                                continue
+                            if got is None or ref is None:
+                                why = err or f"the tree reference raised: {ref_err}"
+                                verdicts += [Verdict(c, s, FAIL, None, 0.0, message=f"not measured: {why}")
+                                             for c in CHECKS]
+                                continue
+                            smallest = smallest or (w, got[0])
+                            verdicts += judge(s, got, ref[0], smallest, rows, (impl, model, w, mode, opt))
+    finally:
+        if own:
+            pool.close()
+    return {"invariant": pd.DataFrame(rows, columns=COLUMNS)}, verdicts
+
+
+def unclaimed_reason(impl: str) -> tuple[str, str]:
+    """(status, why) when the tier does not train `impl`: UNSUPPORTED where it does not claim invariance (the
+    tier does not apply), FAIL where it claims it and has no invariant step to hold it by; ('', '') otherwise."""
+    from harness.adapters import load_adapter
+
+    adapter = load_adapter(impl)
+    if not getattr(adapter, "batch_invariant", False):
+        return UNSUPPORTED, (f"adapter '{adapter.name}' does not declare batch_invariant: the tier holds "
+                             f"implementations that claim training independent of the world size "
+                             f"(harness/adapters/base.py)")
+    if not callable(getattr(adapter, "invariant_forward_backward", None)):
+        return FAIL, (f"not measured: adapter '{adapter.name}' declares batch_invariant but has no "
+                      f"invariant_forward_backward() method to train it by (harness/adapters/base.py)")
+    return "", ""
+
+
+def judge(s: str, got: list[dict], ref: dict, smallest: tuple[int, dict], rows: list, cell: tuple) -> list[Verdict]:
+    """The three verdicts of one scenario (`got`: every rank's result) and its table rows."""
+    mine = got[0]
+    tree = first_difference(mine["params"], ref["params"])
+    loss_tree = next((i for i, (a, b) in enumerate(zip(mine["losses"], ref["losses"]), 1) if a != b), None)
+    w0, small = smallest
+    across = first_difference(mine["params"], small["params"])
+    loss_across = next((i for i, (a, b) in enumerate(zip(mine["losses"], small["losses"]), 1) if a != b), None)
+    disagree = [r for r, res in enumerate(got) if res["losses"] != mine["losses"]]
+    for step, loss in enumerate(mine["losses"], start=1):
+        rows.append([s, *cell[:5], step, loss, _step_diff(mine["params"], ref["params"], step),
+                     _step_diff(mine["params"], small["params"], step)])
+    return [
+        _verdict("invariant_matches_tree", s, tree, loss_tree, mine, ref,
+                 "the plain model summing the same micro-batches in the same tree at one rank"),
+        _verdict("invariant_across_ws", s, across, loss_across, mine, small,
+                 f"the same implementation at world size {w0}"),
+        Verdict("invariant_ranks_agree", s, PASS if not disagree else FAIL, float(len(disagree)), 0.0,
+                message=("every rank returned the same loss at every step" if not disagree else
+                         f"rank {disagree[0]} returned losses {got[disagree[0]]['losses']} where rank 0 returned "
+                         f"{mine['losses']}"), rank=disagree[0] if disagree else None),
+    ]
+
+
+def _step_diff(a: list[dict], b: list[dict], step: int) -> float:
+    x, y = a[step - 1], b[step - 1]
+    return max((float((x[k].double() - y[k].double()).abs().max()) for k in x if k in y and x[k].shape == y[k].shape
+                and x[k].numel()), default=0.0)
+
+
+def _verdict(check: str, s: str, params: tuple, loss_step: int | None, mine: dict, other: dict, against: str) -> Verdict:
+    worst, step, param = params
+    if worst == 0 and loss_step is None:
+        return Verdict(check, s, PASS, 0.0, 0.0, message=f"bitwise {against}: every parameter after every step and "
+                                                          f"the loss (max |diff| 0)")
+    if step is None or (loss_step is not None and loss_step <= step):
+        return Verdict(check, s, FAIL, worst, 0.0, step=loss_step, param="loss",
+                       message=f"differs from {against}: loss {mine['losses'][loss_step - 1]!r} against "
+                               f"{other['losses'][loss_step - 1]!r} at step {loss_step} (max |param diff| {worst:.3g})")
+    return Verdict(check, s, FAIL, worst, 0.0, step=step, param=param,
+                   message=f"differs from {against}: max |param diff| {worst:.3g}, first at step {step} in {param}")
