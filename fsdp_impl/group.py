@@ -60,6 +60,7 @@ class ParamGroup:
         # batch-invariant training (invariant.py): each parameter's micro-batch gradients, summed in the fixed tree
         self._trees: dict | None = None
         self._tree_across = True
+        self.keep_gathered = False  # no reshard after backward (invariant.py: between a step's micro-batches)
 
     # -- unshard / reshard ----------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:

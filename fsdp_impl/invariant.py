@@ -79,7 +79,8 @@ def tree_sum_rows(rows: torch.Tensor) -> torch.Tensor:
 
 
 def invariant_forward_backward(module: nn.Module, loss_fn: Callable, inputs: torch.Tensor, targets: torch.Tensor,
-                               *, micro_batches: int, replicated: bool = False) -> torch.Tensor:
+                               *, micro_batches: int, replicated: bool = False,
+                               keep_gathered: bool = True) -> torch.Tensor:
     """Forward and backward of one step on this rank's slice (`inputs`, `targets`: the rank's contiguous
     1 / W of the global batch) as `micro_batches` = L global micro-batches, gradients summed in the fixed tree
     (see the module docstring); returns the global batch's mean loss (detached, the same bits on every rank and
@@ -88,7 +89,12 @@ def invariant_forward_backward(module: nn.Module, loss_fn: Callable, inputs: tor
 
     `replicated`: every rank holds the WHOLE global batch (data-parallel replicas of one batch): each runs all L
     micro-batches and its own whole tree, and the reduction averages the W identical sums (in the default
-    wider dtype: exact), so the result is one rank's, bit for bit, at every W."""
+    wider dtype: exact), so the result is one rank's, bit for bit, at every W.
+
+    `keep_gathered` (default True): the units stay gathered from the first micro-batch's forward to the last one's
+    backward, so each is all-gathered once a step, not twice per micro-batch; the price is the whole model's
+    parameters held unsharded through the step (False: each micro-batch gathers and reshards as a plain step
+    does). Either way the numbers are the same."""
     from .api import units
 
     states = [state for _, state in units(module)]
@@ -107,20 +113,26 @@ def invariant_forward_backward(module: nn.Module, loss_fn: Callable, inputs: tor
                          f"{per_rank} micro-batches")
     size = inputs.shape[0] // per_rank
     losses = TreeSum()
+    resharded = {s: s.reshard_after_forward for s in states}
     for s in states:
         s.params.begin_tree(across_ranks=not replicated)
+        s.reshard_after_forward = s.reshard_after_forward and not keep_gathered
     try:
         for i in range(per_rank):
+            last = i == per_rank - 1
             for s in states:
-                s.params.sync_grads = i == per_rank - 1
+                s.params.sync_grads = last
+                s.params.keep_gathered = keep_gathered and not last
             sl = slice(i * size, (i + 1) * size)
             loss = loss_fn(module(inputs[sl]), targets[sl]) / micro_batches
             loss.backward()
             losses.push(loss.detach().clone())
     finally:
         for s in states:
-            s.params.sync_grads = True
+            s.params.sync_grads, s.params.keep_gathered = True, False
+            s.reshard_after_forward = resharded[s]
             s.params.end_tree()
+            s.params.reshard()  # a step that raised may leave a unit gathered
     mine = losses.result().reshape(1)
     if replicated or world == 1:
         return mine[0]

@@ -198,7 +198,8 @@ class UnitState:
             self.params.reduce_grads()
         else:
             self.params.hold_grads()
-        self.params.reshard()
+        if not self.params.keep_gathered:  # batch-invariant steps keep units gathered between micro-batches
+            self.params.reshard()
 
     def _final_callback(self) -> None:
         self._finish()  # what is left: untracked calls, late gradients; a no-op after _post_backward

@@ -22,8 +22,10 @@ split of the same global batch):
           over steps), which load inflates less than wall time but which misses time spent waiting
           on a collective
 
-Rows: ``fsdp_impl`` (its default policy: gradient shards summed in float64) and
-``fsdp_impl[reduce fp32]`` (``MixedPrecisionPolicy(reduce_dtype=torch.float32)``), each against the
+Rows: ``fsdp_impl`` (its default policy: gradient shards summed in float64),
+``fsdp_impl[reduce fp32]`` (``MixedPrecisionPolicy(reduce_dtype=torch.float32)``) and
+``fsdp_impl[invariant L=8]`` (its batch-invariant step, fsdp_impl.invariant: the global batch as 8 micro-batches
+summed in one fixed tree, so L / W forward and backward passes a step), each against the
 same FSDP2 figures (FSDP2's default: reduce in the gradient dtype, float32). Ratio = fsdp_impl / FSDP2
 (> 1: fsdp_impl is slower / uses more memory).
 """
@@ -43,6 +45,7 @@ import torch.distributed as dist
 from harness import options as opt
 from harness.adapters import load_adapter
 from harness.adapters.fsdp_impl import FsdpImplAdapter
+from harness.core.policy import INVARIANT_MICRO_BATCHES
 from harness.execute.world import World
 from harness.measure import PeakMemory, state_bytes
 from harness.train.data import global_batch, local_slice
@@ -50,7 +53,8 @@ from harness.train.models import get_model_spec
 
 TASK = "harness.bench.fsdp_vs_fsdp2:bench_rank"
 FSDP2 = "torch_fsdp2"
-IMPLS = ("fsdp_impl", "fsdp_impl[reduce fp32]", FSDP2)
+INVARIANT = f"fsdp_impl[invariant L={INVARIANT_MICRO_BATCHES}]"
+IMPLS = ("fsdp_impl", "fsdp_impl[reduce fp32]", INVARIANT, FSDP2)
 
 
 class FsdpImplFp32Reduce(FsdpImplAdapter):
@@ -69,7 +73,8 @@ class FsdpImplFp32Reduce(FsdpImplAdapter):
 
 
 def _adapter(label: str):
-    return FsdpImplFp32Reduce() if label == "fsdp_impl[reduce fp32]" else load_adapter(label)
+    return {"fsdp_impl[reduce fp32]": FsdpImplFp32Reduce, INVARIANT: FsdpImplAdapter}.get(label, load_adapter)(
+        *(() if label in ("fsdp_impl[reduce fp32]", INVARIANT) else (label,)))
 
 
 def _build(label: str, p: dict, ctx):
@@ -88,9 +93,14 @@ def _batch(spec, p: dict, step: int, ctx):
     return x.to(ctx.device), y.to(ctx.device)
 
 
-def _step(spec, adapter, wrapped, optimizer, x, y) -> float:
-    loss = spec.loss(wrapped(x), y)
-    loss.backward()
+def _step(spec, adapter, wrapped, optimizer, x, y, invariant: str = "") -> float:
+    """One training step; `invariant` ("split" / "replicated"): through fsdp_impl's batch-invariant step."""
+    if invariant:
+        loss = adapter.invariant_forward_backward(wrapped, spec.loss, x, y, micro_batches=INVARIANT_MICRO_BATCHES,
+                                                  replicated=invariant == "replicated")
+    else:
+        loss = spec.loss(wrapped(x), y)
+        loss.backward()
     adapter.after_backward(wrapped, optimizer)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -108,12 +118,22 @@ def bench_rank(ctx, p: dict) -> dict:
     # memory: one implementation alive at a time
     for label in p["impls"]:
         spec, adapter, wrapped, optimizer = _build(label, p, ctx)
+        mode = p["data_mode"] if label == INVARIANT else ""
         for step in range(1, p["warmup"] + 1):  # optimizer state exists after the first step
-            _step(spec, adapter, wrapped, optimizer, *_batch(spec, p, step, ctx))
+            _step(spec, adapter, wrapped, optimizer, *_batch(spec, p, step, ctx), mode)
         x, y = _batch(spec, p, p["warmup"] + 1, ctx)
         mem = PeakMemory(wrapped, optimizer, ctx.device, extra=(x, y))
-        with mem:
-            _step(spec, adapter, wrapped, optimizer, x, y)
+        # the invariant step runs several forwards of the root in the window: the tracker's per-module statistics
+        # are cleared before each (a global hook made before the tracker's own runs before it)
+        root = wrapped
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda m, a: mem.next_forward() if m is root and mem.tracker is not None else None) if mode else None
+        try:
+            with mem:
+                _step(spec, adapter, wrapped, optimizer, x, y, mode)
+        finally:
+            if hook is not None:
+                hook.remove()
         out[label]["peak"] = mem.result()["peak"]
         out[label]["state"] = sum(state_bytes(wrapped, optimizer).values())
         del spec, adapter, wrapped, optimizer, mem
@@ -128,7 +148,7 @@ def bench_rank(ctx, p: dict) -> dict:
             dist.barrier(group=ctx.group)
             _sync(ctx)
             t0, c0 = time.perf_counter(), time.process_time()
-            loss = _step(spec, adapter, wrapped, optimizer, x, y)
+            loss = _step(spec, adapter, wrapped, optimizer, x, y, p["data_mode"] if label == INVARIANT else "")
             _sync(ctx)
             if step > p["warmup"]:
                 out[label]["times_s"].append(time.perf_counter() - t0)
