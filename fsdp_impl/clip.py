@@ -61,12 +61,71 @@ def _local_parts(module: nn.Module, norm_type: float) -> tuple[list[torch.Tensor
     return own, grads, group
 
 
-def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def row_norm_sq(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The squared L2 norm of whole gradients computed the batch-invariant way: each gradient's sums of squares
+    per dim-0 row in float64, every gradient's rows concatenated in order, summed as one vector. A rank holding a
+    row range of each computes those rows alike, so the sum is the same at every world size (0-dim: one row)."""
+    rows = [g.double().pow(2).reshape(g.shape[0] if g.dim() else 1, -1).sum(1) for g in grads]
+    return torch.cat(rows).sum() if rows else torch.zeros((), dtype=torch.float64)
+
+
+def _invariant_sq(module: nn.Module, group) -> torch.Tensor:
+    """``row_norm_sq`` of every gradient of `module` in ``module.parameters()`` order, from this rank's rows: each
+    sharded gradient's row sums, padded to its chunk, one all-gather of all of them, the full vectors cut out."""
+    from .api import sharded_params
+
+    by_id = {id(p.sharded): p for _, p in sharded_params(module)}
+    world, device = dist.get_world_size(group), device_for(group)
+    pieces, layout = [], []  # layout: ("sharded", ShardedParam, offset) or ("whole", row sums)
+    offset = 0
+    for q in module.parameters():
+        if q.grad is None:
+            continue
+        p = by_id.get(id(q))
+        if p is None:
+            layout.append(("whole", q.grad.double().pow(2).reshape(q.shape[0] if q.dim() else 1, -1).sum(1)))
+            continue
+        if p.dim != 0:
+            raise ValueError(f"clip_grad_norm_(batch_invariant=True): '{p.fqn}' is sharded on dim {p.dim}; the "
+                             f"invariant norm reads dim-0 rows")
+        local = q.grad._local_tensor if isinstance(q.grad, DTensor) else q.grad
+        sums = local.double().pow(2).reshape(p.end - p.start, p.row_numel).sum(1)
+        padded = torch.zeros(p.chunk, dtype=torch.float64, device=device)
+        padded[:sums.numel()] = sums.to(device)
+        pieces.append(padded)
+        layout.append(("sharded", p, offset))
+        offset += p.chunk
+    gathered = None
+    if pieces:
+        send = torch.cat(pieces)
+        gathered = torch.empty(world * send.numel(), dtype=send.dtype, device=device)
+        if world == 1:
+            gathered.copy_(send)
+        else:
+            from .collectives import all_gather_single
+            all_gather_single(gathered, send, group=group)
+        gathered = gathered.view(world, -1)
+    rows = []
+    for kind, a, *rest in layout:
+        if kind == "whole":
+            rows.append(a.to(device))
+        else:
+            rows.append(gathered[:, rest[0]:rest[0] + a.chunk].reshape(-1)[:a.rows])
+    return torch.cat(rows).sum() if rows else torch.zeros((), dtype=torch.float64, device=device)
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, *,
+                    batch_invariant: bool = False) -> torch.Tensor:
     """Scale every gradient of `module` (sharded by fully_shard) so that the global norm is at most
     `max_norm`, as ``torch.nn.utils.clip_grad_norm_`` does for an unsharded model (same coefficient
     ``max_norm / (norm + 1e-6)``, clamped at 1). Returns the global norm before clipping (float32,
     the same on every rank). Collective: every rank of the units' group calls it (under HSDP every
-    rank of every replica: each reduces over its own shard group)."""
+    rank of every replica: each reduces over its own shard group).
+
+    `batch_invariant` (norm 2; fsdp_impl.invariant): the norm computed the same way at every world size
+    (``row_norm_sq``: float64 sums of squares per dim-0 row, gathered, summed in row order), so clipping keeps a
+    batch-invariant step's bits independent of W; it is not torch's per-parameter formula, so at one rank it is
+    not bitwise ``torch.nn.utils.clip_grad_norm_``. The infinity norm is invariant as it is (a maximum)."""
     norm_type = float(norm_type)
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"clip_grad_norm_: norm_type {norm_type} is not supported (2 or inf)")
@@ -74,7 +133,9 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     world = dist.get_world_size(group)
     dtype = next((g.dtype for g in grads), torch.float32)
     device = next((g.device for g in grads), torch.device("cpu"))
-    if world == 1:  # torch's computation on the whole parameters: per-parameter norms, then their norm
+    if batch_invariant and norm_type == 2.0:
+        total = _invariant_sq(module, group).sqrt().to(dtype).to(device)
+    elif world == 1:  # torch's computation on the whole parameters: per-parameter norms, then their norm
         norms = torch._foreach_norm(own, norm_type) if own else []
         total = (torch.linalg.vector_norm(torch.stack(list(norms)), norm_type) if norms
                  else torch.zeros((), dtype=dtype, device=device))

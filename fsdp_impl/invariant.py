@@ -26,9 +26,20 @@ cast to it as each micro-batch ends). What it costs: L / W forward/backward pass
 instead of one of global / W samples, and the unsharded gradients held between micro-batches (as with
 gradient accumulation) plus up to log2(L / W) partial sums of them (the tree's pending left operands).
 
-Not invariant (refused): hybrid sharding (its replicas would need the tree's upper levels across the
-replicate group). Gradient clipping by the global L2 norm is not invariant (each rank's partial sum of
-squares covers other elements at another W); by the infinity norm it is (a maximum is exact).
+The other features (tested in suites/unit/test_fsdp_invariant.py at W = 1, 2, 4, 8 against the plain model doing
+the same):
+    accumulation / no_sync  are more micro-batches: raise L (the tree spans a step's every micro-batch)
+    bf16                    each micro-batch's bf16 gradient is cast to the policy's fp32 reduce dtype as it ends;
+                            the tree runs in fp32: invariant
+    ac                      the recomputation computes what the forward computed: invariant
+    ckpt                    parameters and optimizer state are element-wise and the checkpoint moves them whole: a
+                            run saved at W and resumed at W' is bitwise the uninterrupted run
+    clip_inf                a maximum is exact: invariant as it is
+    clip (L2)               ``clip_grad_norm_(..., batch_invariant=True)``: float64 sums of squares per dim-0 row,
+                            gathered, summed in row order, the same at every W. The default norm (each rank's
+                            float64 partial sum, all-reduced) differs between world sizes in float64's last bits,
+                            which the rounding to float32 almost always removes: almost, not always
+    hsdp                    refused: the tree's upper levels would run across the replicate group (not built)
 """
 
 from __future__ import annotations

@@ -51,6 +51,39 @@ def test_sixteen_micro_batches_of_one_sample_and_the_inf_clip_stay_invariant(wor
         _same(world(w).call(f"{TASKS}:train", p)[0], want, f"W={w}")
 
 
+@pytest.mark.parametrize("feature", ["bf16", "ac"])
+def test_bf16_and_activation_checkpointing_stay_invariant(world, reference, feature):
+    """bf16: each micro-batch's bf16 gradient cast to the policy's fp32 reduce dtype, the tree in fp32; ac: the
+    recomputation computes what the forward computed."""
+    p = {"model": "tinylm_tied", "micro": 8, feature: True}
+    want = reference(**p)
+    for w in (2, 4):
+        _same(world(w).call(f"{TASKS}:train", p)[0], want, f"{feature} W={w}")
+
+
+def test_the_invariant_l2_clip_keeps_every_world_size_bitwise(world, reference):
+    """clip_grad_norm_(batch_invariant=True): float64 sums of squares per row, gathered, summed in row order; the
+    reference clips the plain model by the same formula (fsdp_impl.clip.row_norm_sq on its whole gradients)."""
+    p = {"model": "tinylm_tied", "micro": 8, "clip2": 0.01}
+    want = reference(**p)
+    for w in (2, 4, 8):
+        for rank, r in enumerate(world(w).call(f"{TASKS}:train", p)):
+            _same(r, want, f"W={w} rank {rank}")
+
+
+@pytest.mark.parametrize("saved,resumed", [(2, 8), (8, 1), (4, 2)])
+def test_a_run_resumed_at_another_world_size_is_bitwise_the_uninterrupted_run(world, tmp_path, saved, resumed):
+    """Parameters and optimizer state are element-wise, and a checkpoint moves them whole: 2 steps at one world
+    size, saved, 2 more at another, is every step's loss and the final parameters of 4 uninterrupted steps."""
+    p = {"model": "tinylm_tied", "micro": 8}
+    whole = world(1).call(f"{TASKS}:train_part", {**p, "first": 1, "last": 4})[0]
+    path = str(tmp_path / "ckpt")
+    first = world(saved).call(f"{TASKS}:train_part", {**p, "first": 1, "last": 2, "save": path})[0]
+    second = world(resumed).call(f"{TASKS}:train_part", {**p, "first": 3, "last": 4, "load": path})[0]
+    _same({"losses": first["losses"] + second["losses"], "params": second["params"]}, whole,
+          f"saved at {saved}, resumed at {resumed}")
+
+
 def test_replicated_data_is_the_tree_reference_at_every_world_size(world, reference):
     """Every rank holds the whole batch: its own whole tree, the W identical sums averaged exactly."""
     p = {"model": "tinylm_tied", "micro": 8, "data_mode": "replicated"}
