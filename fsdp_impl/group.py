@@ -182,6 +182,8 @@ class ParamGroup:
             send = torch._chunk_cat(grads, dim=0, num_chunks=self.world_size)
             del grads
             reduce_dtype = self.mp.reduce_dtype or wider(dtype)
+            if self._trees is not None and not invariant:  # replicated trees: W identical sums, averaged exactly
+                reduce_dtype = wider(dtype)  # (summed one by one in fp32, 3 x g already rounds)
             targets = {p.dtype for p in params}  # the sharded gradients' dtype: one in practice
             out_dtype = targets.pop() if len(targets) == 1 else None  # rounded to it as it is divided
             if invariant:  # the tree's levels across ranks; the loss was already scaled by 1 / L (invariant.py)

@@ -191,9 +191,16 @@ class Session:
         from harness.checks.numeric import verdict_table
         from harness.core.scenario import DATA_MODES
         from harness.invariant.run import run_invariant
+        from harness.invariant.task import FEATURES
         m = self.options.matrix
+        features = [f for f in m.features if f in FEATURES]
+        left = [f for f in m.features if f not in FEATURES]
+        if left:
+            self.say(f"the batch-invariant tier runs {', '.join(FEATURES)}; not {', '.join(left)} "
+                     f"(harness/invariant/task.py)")
         tables, verdicts = run_invariant(m.impls, m.models, m.world_sizes, DATA_MODES, m.optimizers, steps=m.steps,
-                                         seed=m.seeds[0], lr=m.lr, global_batch=m.global_batch)
+                                         seed=m.seeds[0], lr=m.lr, global_batch=m.global_batch,
+                                         features=features or ("plain",))
         res.tables.update(tables)
         res.verdicts.extend(verdicts)
         res.tables["verdicts"] = verdict_table(res.verdicts)

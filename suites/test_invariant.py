@@ -38,6 +38,28 @@ def test_fsdp_impl_is_bitwise_itself_and_the_tree_at_every_world_size(tier, worl
     assert len(table) == 2 * len(world_sizes) * 2 * 2 and (table.diff_tree == 0).all() and (table.diff_ws_min == 0).all()
 
 
+@pytest.mark.parametrize("feature", ["bf16", "ac", "clip_inf", "ckpt"])
+def test_the_features_that_keep_the_mode_keep_every_world_size_bitwise(kept_worlds, feature):
+    """bf16 (fp32 trees), ac, the inf-norm clip, and a run resumed at another world size (ckpt: W = 1 resumes what
+    4 ranks saved, 4 what 1 saved), each against the plain model doing the same uninterrupted; both data modes;
+    the slow tier runs them at every world size on both zoo models."""
+    _, verdicts = run_invariant(["fsdp_impl"], ["tinylm_tied"], (1, 4), ["split", "replicated"], ["adamw"], steps=4,
+                                features=(feature,), pool=kept_worlds)
+    assert len(verdicts) == len(CHECKS) * 2 * 2
+    bad = [str(v) for v in verdicts if v.status != PASS or v.measured != 0]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.slow
+def test_every_feature_of_the_mode_at_every_world_size_on_both_zoo_models(kept_worlds, world_sizes):
+    from harness.invariant.task import FEATURES
+
+    _, verdicts = run_invariant(["fsdp_impl"], ["mlp", "tinylm_tied"], world_sizes, ["split", "replicated"],
+                                ["adamw", "sgd"], steps=4, features=FEATURES, pool=kept_worlds)
+    bad = [str(v) for v in verdicts if v.status != PASS or v.measured != 0]
+    assert verdicts and not bad, "\n".join(bad)
+
+
 def test_the_report_shows_the_tier_with_its_zeros(tier):
     from harness.checks.numeric import verdict_table
     from harness.invariant.section import invariant_section

@@ -15,25 +15,44 @@ the smallest world size, the parameter where it is largest).
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
+import tempfile
 
 import pandas as pd
 
 from harness.core.policy import INVARIANT_MICRO_BATCHES
-from harness.core.scenario import scenario_id
+from harness.core.scenario import ckpt_step, scenario_id
 from harness.core.verdict import FAIL, PASS, UNSUPPORTED, Verdict
 from harness.execute.world import WorldError, WorldPool
 
 TASK = "harness.invariant.task:train_invariant"
 FEATURE = "invariant"
 CHECKS = ("invariant_matches_tree", "invariant_across_ws", "invariant_ranks_agree")
-COLUMNS = ["scenario", "impl", "model", "world_size", "data_mode", "optimizer", "step", "loss", "diff_tree",
-           "diff_ws_min"]
+COLUMNS = ["scenario", "impl", "model", "world_size", "data_mode", "optimizer", "feature", "step", "loss",
+           "diff_tree", "diff_ws_min"]
 
 
-def sid(impl: str, model: str, world_size: int, mode: str, optimizer: str, seed: int) -> str:
-    return scenario_id(impl, model, world_size, mode, optimizer, seed=seed, feature=FEATURE)
+def sid(impl: str, model: str, world_size: int, mode: str, optimizer: str, seed: int, feature: str = "plain",
+        resume_from: int = 0) -> str:
+    return scenario_id(impl, model, world_size, mode, optimizer, seed=seed, resume_from=resume_from,
+                       feature=FEATURE if feature == "plain" else f"{feature}+{FEATURE}")
+
+
+def _resumed(pool: WorldPool, saver: int, world_size: int, payload: dict) -> tuple[list | None, str]:
+    """The ckpt run: the first ckpt_step(steps) steps at `saver` ranks, saved; the rest at `world_size`, loaded.
+    Every rank's result joins both parts (the saver's rank 0 parameters, then the loader's)."""
+    first = ckpt_step(payload["steps"])
+    with tempfile.TemporaryDirectory(prefix="fsdp-harness-invariant-") as tmp:
+        saved, err = _call(pool, saver, {**payload, "last": first, "save": f"{tmp}/ckpt"})
+        if saved is None or "unsupported" in saved[0]:
+            return saved, err
+        loaded, err = _call(pool, world_size, {**payload, "first": first + 1, "load": f"{tmp}/ckpt"})
+    if loaded is None:
+        return None, err
+    return [{"losses": saved[0]["losses"] + r["losses"], "params": saved[0]["params"] + r["params"]}
+            for r in loaded], ""
 
 
 def _call(pool: WorldPool, world_size: int, payload: dict) -> tuple[list | None, str]:
@@ -71,8 +90,15 @@ def first_difference(a: list[dict], b: list[dict]) -> tuple[float, int | None, s
 
 def run_invariant(impls, models, world_sizes, data_modes, optimizers, *, steps: int = 3, seed: int = 0,
                   lr: float = 1e-2, global_batch: int = 16, micro: int = INVARIANT_MICRO_BATCHES,
-                  pool: WorldPool | None = None, progress=None) -> tuple[dict[str, pd.DataFrame], list[Verdict]]:
-    """The tier for `impls` (adapter names); returns ({"invariant": table}, verdicts)."""
+                  features=("plain",), pool: WorldPool | None = None,
+                  progress=None) -> tuple[dict[str, pd.DataFrame], list[Verdict]]:
+    """The tier for `impls` (adapter names) under each of `features` (harness.invariant.task.FEATURES; ckpt: each
+    world size resumes the checkpoint the next one saved); returns ({"invariant": table}, verdicts)."""
+    from harness.invariant.task import FEATURES as SUPPORTED
+
+    unknown = [f for f in features if f not in SUPPORTED]
+    if unknown:
+        raise ValueError(f"the batch-invariant tier runs {', '.join(SUPPORTED)}, not {', '.join(unknown)}")
     sizes = sorted(world_sizes)
     if micro & (micro - 1) or any(micro % w for w in sizes) or global_batch % micro:
         raise ValueError(f"the batch-invariant tier needs L = {micro} micro-batches: a power of two that every world "
@@ -83,34 +109,35 @@ def run_invariant(impls, models, world_sizes, data_modes, optimizers, *, steps: 
     pool = pool or WorldPool()
     rows, verdicts = [], []
     try:
-        for model in models:
-            for opt in optimizers:
-                base = {"model": model, "optimizer": opt, "micro": micro, "steps": steps, "seed": seed, "lr": lr,
-                        "global_batch": global_batch}
-                ref, ref_err = _call(pool, 1, {**base, "impl": "reference", "data_mode": "split"})
-                for impl in impls:
-                    for mode in data_modes:
-                        smallest = None
-                        for w in sizes:
-                            s = sid(impl, model, w, mode, opt, seed)
-                            if impl in unclaimed:
-                                status, why = unclaimed[impl]
-                                verdicts += [Verdict(c, s, status, None, None, message=why) for c in CHECKS]
-                                continue
-                            got, err = _call(pool, w, {**base, "impl": impl, "data_mode": mode})
-                            if progress:
-                                progress(s)
-                            if got is not None and "unsupported" in got[0]:
-                                verdicts += [Verdict(c, s, UNSUPPORTED, None, None, message=got[0]["unsupported"])
-                                             for c in CHECKS]
-                                continue
-                            if got is None or ref is None:
-                                why = err or f"the tree reference raised: {ref_err}"
-                                verdicts += [Verdict(c, s, FAIL, None, 0.0, message=f"not measured: {why}")
-                                             for c in CHECKS]
-                                continue
-                            smallest = smallest or (w, got[0])
-                            verdicts += judge(s, got, ref[0], smallest, rows, (impl, model, w, mode, opt))
+        for model, opt, feature in itertools.product(models, optimizers, features):
+            base = {"model": model, "optimizer": opt, "micro": micro, "steps": steps, "seed": seed, "lr": lr,
+                    "global_batch": global_batch, "feature": feature}
+            # the yardstick trains without interruption
+            ref, ref_err = _call(pool, 1, {**base, "feature": feature.replace("ckpt", "plain"), "impl": "reference",
+                                           "data_mode": "split"})
+            for impl, mode in itertools.product(impls, data_modes):
+                smallest = None
+                for i, w in enumerate(sizes):
+                    saver = sizes[(i + 1) % len(sizes)] if feature == "ckpt" else 0
+                    s = sid(impl, model, w, mode, opt, seed, feature, saver)
+                    if impl in unclaimed:
+                        status, why = unclaimed[impl]
+                        verdicts += [Verdict(c, s, status, None, None, message=why) for c in CHECKS]
+                        continue
+                    payload = {**base, "impl": impl, "data_mode": mode}
+                    got, err = _resumed(pool, saver, w, payload) if saver else _call(pool, w, payload)
+                    if progress:
+                        progress(s)
+                    if got is not None and "unsupported" in got[0]:
+                        verdicts += [Verdict(c, s, UNSUPPORTED, None, None, message=got[0]["unsupported"])
+                                     for c in CHECKS]
+                        continue
+                    if got is None or ref is None:
+                        why = err or f"the tree reference raised: {ref_err}"
+                        verdicts += [Verdict(c, s, FAIL, None, 0.0, message=f"not measured: {why}") for c in CHECKS]
+                        continue
+                    smallest = smallest or (w, got[0])
+                    verdicts += judge(s, got, ref[0], smallest, rows, (impl, model, w, mode, opt, feature))
     finally:
         if own:
             pool.close()
@@ -143,7 +170,7 @@ def judge(s: str, got: list[dict], ref: dict, smallest: tuple[int, dict], rows: 
     loss_across = next((i for i, (a, b) in enumerate(zip(mine["losses"], small["losses"]), 1) if a != b), None)
     disagree = [r for r, res in enumerate(got) if res["losses"] != mine["losses"]]
     for step, loss in enumerate(mine["losses"], start=1):
-        rows.append([s, *cell[:5], step, loss, _step_diff(mine["params"], ref["params"], step),
+        rows.append([s, *cell[:6], step, loss, _step_diff(mine["params"], ref["params"], step),
                      _step_diff(mine["params"], small["params"], step)])
     return [
         _verdict("invariant_matches_tree", s, tree, loss_tree, mine, ref,
