@@ -26,9 +26,11 @@ def invariant_section(tables: dict) -> list[str]:
         mine = verdicts[verdicts["check"].astype(str).str.startswith("invariant_")]
         for s, g in mine.groupby("scenario"):
             status[s] = ", ".join(f"{c} {v.upper()}" for c, v in zip(g["check"], g["status"]))
-    per = table.groupby(["scenario", "impl", "model", "world_size", "data_mode", "optimizer"], sort=False).agg(
+    per = table.groupby(["scenario", "impl", "model", "feature", "world_size", "data_mode", "optimizer"],
+                        sort=False).agg(
         steps=("step", "max"), tree=("diff_tree", "max"), ws_min=("diff_ws_min", "max")).reset_index()
-    rows = [{"implementation": r.impl, "model": r.model, "W": int(r.world_size), "data": r.data_mode,
+    rows = [{"implementation": r.impl, "model": r.model, "feature": r.feature, "W": int(r.world_size),
+             "data": r.data_mode,
              "optimizer": r.optimizer, "steps": int(r.steps), "max diff vs tree reference": f"{r.tree:.3g}",
              "max diff vs smallest W": f"{r.ws_min:.3g}", "verdicts": status.get(r.scenario, "—")}
             for r in per.itertuples()]
