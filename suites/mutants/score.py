@@ -30,6 +30,8 @@ from suites.mutants import false_alarms as fa
 from suites.mutants.catalog import CATALOGUE, CONTROL_CELLS, CONTROLS, Mutant, on_models
 from suites.mutants.exposure import run_exposure
 from suites.mutants.exposure import section as exposure_section
+from suites.mutants.invariant_score import run_invariant_mutants
+from suites.mutants.invariant_score import section as invariant_section
 
 DEFAULT_OUT = Path("reports/mutation_score.md")
 PER_SAMPLE_BATCH = 16
@@ -122,11 +124,13 @@ class CatalogueRun:
     localised: dict = field(default_factory=dict)  # mutant name -> harness.localize.replay.Localised, or an error
     exposure: list = field(default_factory=list)  # suites.mutants.exposure.Exposure per composition/surface mutant
     composition_alarms: list = field(default_factory=list)  # false_alarms.FalseAlarmRun of the CI compositions per seed
+    invariant: list = field(default_factory=list)  # invariant_score.InvariantMutant per fault of the invariant step
 
 
 def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), pool=None,
                   progress=None, false_alarm_models=fa.DEFAULT_MODELS, localise: bool = False,
-                  exposure: bool = False, composition_seeds=(), sweep_dir: Path | None = None) -> CatalogueRun:
+                  exposure: bool = False, composition_seeds=(), sweep_dir: Path | None = None,
+                  invariant: bool = False) -> CatalogueRun:
     """Run every mutant (and the controls) in one matrix; then the per-sample mutants; then the
     correct implementations' full matrix on `false_alarm_models` under each of `false_alarm_seeds`;
     `localise`: each numeric mutant localised in its catalogue cell (suites/mutants/localised.py); `exposure`:
@@ -170,10 +174,11 @@ def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), poo
         exposed = run_exposure({m.name for m in mutants}, pool, seed, progress) if exposure else []
         composed = [fa.run_false_alarms(fa.composition_matrix(s), seed=s, pool=pool, progress=progress)
                     for s in composition_seeds]
+        tier = run_invariant_mutants(pool) if invariant else []
     finally:
         if own_pool:
             pool.close()
-    return CatalogueRun(results, controls, wall_s, res, alarms, located, exposed, composed)
+    return CatalogueRun(results, controls, wall_s, res, alarms, located, exposed, composed, tier)
 
 
 def localise_catalogue(names: set[str], pool) -> dict:
@@ -281,6 +286,7 @@ def escaped_or_alarmed(run: CatalogueRun) -> bool:
     return (not all(r.caught for r in run.results.values())
             or not all(localised_ok(n, f) for n, f in run.localised.items())
             or any(v.status == FAIL for v in run.controls)
+            or not all(r.caught and r.only_there for r in run.invariant)
             or any(r.false_alarms or r.unjudged for r in run.false_alarms + run.composition_alarms))
 
 
@@ -310,6 +316,7 @@ def render(run: CatalogueRun, *, full: bool = False) -> str:
               + ("no check failed." if not bad_controls else f"{len(bad_controls)} FAILED:")]
     lines += [f"- {v}" for v in bad_controls] + [""]
     lines += exposure_section(run.exposure, run.results)
+    lines += invariant_section(run.invariant)
     lines += _localised_section(run.localised)
     lines += _false_alarm_section(run.false_alarms)
     lines += _composition_alarm_section(run.composition_alarms)
@@ -392,6 +399,9 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-dir", type=Path, default=None, metavar="DIR",
                    help="save the false-alarm sweep to DIR one (seed, model) at a time as each finishes, and read "
                         "back what DIR already holds: a sweep of hours can be stopped and resumed")
+    p.add_argument("--no-invariant", action="store_true",
+                   help="skip the faults of the batch-invariant step (suites/mutants/invariant_score.py: the tier, "
+                        "and the default matrix where nothing may catch them; about two minutes)")
     p.add_argument("--quiet", action="store_true")
     ns = p.parse_args(argv)
     names = [n for n in ns.only.split(",") if n]
@@ -405,7 +415,7 @@ def main(argv=None) -> int:
     run = run_catalogue(mutants, false_alarm_seeds=ns.false_alarm_seeds, progress=progress,
                         false_alarm_models=ns.false_alarm_models, localise=not ns.no_localise,
                         exposure=not ns.no_exposure, composition_seeds=ns.composition_seeds,
-                        sweep_dir=ns.sweep_dir)
+                        sweep_dir=ns.sweep_dir, invariant=not ns.no_invariant)
     path = write_text_atomic(ns.out, render(run, full=ns.full_matrix))
     caught = sum(r.caught for r in run.results.values())
     alarms = sum(len(r.false_alarms) for r in run.false_alarms)
