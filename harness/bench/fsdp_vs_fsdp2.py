@@ -87,9 +87,15 @@ def _build(label: str, p: dict, ctx):
     return spec, adapter, wrapped, optimizer
 
 
-def _batch(spec, p: dict, step: int, ctx):
+def _batch(spec, p: dict, step: int, ctx, contiguous: bool = False):
+    """This rank's batch: local_slice's (strided with split data), or its contiguous 1 / W (`contiguous`: the
+    invariant step's micro-batch index runs over contiguous slices, so its losses are the same at every W)."""
     inputs, targets = global_batch(spec, p["global_batch"], step, p["seed"])
-    x, y, _ = local_slice(inputs, targets, ctx.rank, ctx.world_size, p["data_mode"])
+    if contiguous and p["data_mode"] == "split":
+        n = inputs.shape[0] // ctx.world_size
+        x, y = inputs[ctx.rank * n:(ctx.rank + 1) * n], targets[ctx.rank * n:(ctx.rank + 1) * n]
+    else:
+        x, y, _ = local_slice(inputs, targets, ctx.rank, ctx.world_size, p["data_mode"])
     return x.to(ctx.device), y.to(ctx.device)
 
 
@@ -120,8 +126,8 @@ def bench_rank(ctx, p: dict) -> dict:
         spec, adapter, wrapped, optimizer = _build(label, p, ctx)
         mode = p["data_mode"] if label == INVARIANT else ""
         for step in range(1, p["warmup"] + 1):  # optimizer state exists after the first step
-            _step(spec, adapter, wrapped, optimizer, *_batch(spec, p, step, ctx), mode)
-        x, y = _batch(spec, p, p["warmup"] + 1, ctx)
+            _step(spec, adapter, wrapped, optimizer, *_batch(spec, p, step, ctx, bool(mode)), mode)
+        x, y = _batch(spec, p, p["warmup"] + 1, ctx, bool(mode))
         mem = PeakMemory(wrapped, optimizer, ctx.device, extra=(x, y))
         # the invariant step runs several forwards of the root in the window: the tracker's per-module statistics
         # are cleared before each (a global hook made before the tracker's own runs before it)
@@ -144,7 +150,7 @@ def bench_rank(ctx, p: dict) -> dict:
         out[label]["times_s"], out[label]["cpu_s"], out[label]["losses"] = [], [], []
     for step in range(1, p["warmup"] + p["steps"] + 1):
         for label, (spec, adapter, wrapped, optimizer) in runs.items():
-            x, y = _batch(spec, p, step, ctx)
+            x, y = _batch(spec, p, step, ctx, label == INVARIANT)
             dist.barrier(group=ctx.group)
             _sync(ctx)
             t0, c0 = time.perf_counter(), time.process_time()
