@@ -18,7 +18,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m harness.invariant", description=__doc__.splitlines()[0])
     p.add_argument("--impl", type=lambda t: tuple(x for x in t.split(",") if x), default=("fsdp_impl",))
-    p.add_argument("--models", type=opt.models, default=("mlp", "tinylm_tied"))
+    p.add_argument("--models", type=opt.models, default=opt.DEFAULT_MODELS)
     p.add_argument("--world-sizes", type=opt.world_sizes, default=(1, 2, 4, 8))
     p.add_argument("--optimizers", type=lambda t: tuple(x for x in t.split(",") if x), default=("adamw", "sgd"))
     p.add_argument("--features", type=lambda t: tuple(x for x in t.split(",") if x), default=FEATURES)
