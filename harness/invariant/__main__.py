@@ -1,4 +1,4 @@
-"""python -m harness.invariant [--impl fsdp_impl] [--models mlp,tinylm_tied] [--world-sizes 1,2,4,8]
+"""python -m harness.invariant [--impl fsdp_impl] [--models mlp,tinylm,tinylm_tied] [--world-sizes 1,2,4,8]
 [--features plain,bf16,ac,clip_inf,ckpt] [--optimizers adamw,sgd] [--steps 4] [--out reports/invariant.md]
 
 The batch-invariant tier alone (without the equivalence matrix that ``python -m harness run --invariant`` runs
