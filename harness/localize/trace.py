@@ -11,14 +11,20 @@ keeps a record: index among the step's ops, step, pass (the micro-batch index of
 op name, the shape, dtype and a CRC-32 of the output's bytes, and the output itself while the rank's kept
 values stay under `keep_bytes` (one copy for outputs of the same bytes: a view, a reshape, a
 recomputation). Every other op is only counted (the index) and, where it reads parameters alone, its
-outputs marked as such. Around the op records it keeps the rank's state, with values: the parameters it
+outputs marked as such (and their autograd nodes, see below). Around the op records it keeps the rank's state, with values: the parameters it
 holds at the start of each step, its gradients after the backward and the reduction, after clipping,
 and the parameters after the optimizer step, each with the dim-0 rows of the full parameter it holds
 (read from the DTensor's own spec; a plain tensor of the full shape holds them all).
 
 Phases (what `mark` says, as harness.train.features.forward_backward and harness.train.task call it):
 ``forward`` (an op outside any autograd node), ``recomputation`` (a module's forward run again inside
-the backward: activation checkpointing), ``backward`` (an op the engine runs for a node); ops after the
+the backward: activation checkpointing), ``backward`` (an op the engine runs for a node), except two
+kinds of node whose ops are counted, not compared: ``parameter preparation``, the node of a forward op
+that read parameters (or outputs made from them) alone, a cast, a transpose, a view, whose backward turns a
+gradient back into the parameter's (how an implementation prepares its parameters is its own business; a
+node is marked so from the op the tracer saw make it, not from the graph's shape, which cannot tell an
+input that needs no gradient, an activation or token ids, from one that is not there), and ``gradient
+accumulation`` (AccumulateGrad: summing into ``.grad``, and the hooks that run after it). Ops after the
 backward (the reduction's tail, clipping, the optimizer step) are compared through the state, not op
 by op: their operands are shards, the reference's are full tensors. Collectives are recorded in every
 phase with a hash of what the rank put in (before it runs), for the report's context and to tell which

@@ -228,10 +228,20 @@ def _correct_cells() -> list[Scenario]:
 @pytest.mark.slow
 def test_correct_implementations_show_no_divergence_over_every_feature(pool):
     """Over every feature and both data modes (about 90 cells per implementation), the localiser names no
-    divergence beyond a reduction's rounding for fsdp_impl, FSDP2 reducing in fp64, and DDP."""
-    diverged = []
-    for sc in _correct_cells():
+    divergence beyond a reduction's rounding for fsdp_impl, FSDP2 reducing in fp64, and DDP. The one gap, said
+    as such: the localiser maps parameters held whole or as dim-0 rows, so a run that holds tinylm_tied's
+    matrices as dim-1 columns (shard1) is named unmappable at its initial parameters, and nothing after them is
+    compared (the mlp's widths are odd: its shard1 cells are the plain step, compared in full)."""
+    from harness.core.scenario import has
+
+    cells = _correct_cells()
+    diverged, unmapped = [], set()
+    for sc in cells:
         found = _localise(sc, pool)
-        if found.diverged:
+        p = found.point
+        if found.diverged and p.phase == "initial parameters" and p.detail.endswith("no mapping"):
+            unmapped.add(sc.id)
+        elif found.diverged:
             diverged.append("\n".join(found.lines()))
     assert not diverged, "\n\n".join(diverged)
+    assert unmapped == {sc.id for sc in cells if has(sc.feature, "shard1") and sc.model == "tinylm_tied"}, unmapped
