@@ -10,7 +10,10 @@ process; harness.localize.replay says which one):
   pass r x k + j (the yardstick sums the ranks' slices as micro-batches). The yardstick's ops of a
   module must appear, in order and bit for bit, among the rank's ops of that module (an implementation
   adds ops of its own: gathers, copies, hooks); the first that does not is where they parted. A
-  recomputed forward (activation checkpointing) is held to the yardstick's forward of the same module;
+  recomputed forward (activation checkpointing) is held to the yardstick's forward of the same module.
+  The yardstick's ops on parameters alone (its bf16 casts, a transpose) and the backward of the autograd
+  nodes they made (phase "parameter preparation", trace.py) are not held: how parameters are prepared is
+  the implementation's own;
 - the gradient after the backward and the reduction, after clipping, and the parameters after the
   optimizer step: the rows the rank holds against the yardstick's rows. A reduction adds the ranks'
   gradients in an order of its own, so a difference no larger than the rounding of summing those n

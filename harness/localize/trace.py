@@ -11,14 +11,20 @@ keeps a record: index among the step's ops, step, pass (the micro-batch index of
 op name, the shape, dtype and a CRC-32 of the output's bytes, and the output itself while the rank's kept
 values stay under `keep_bytes` (one copy for outputs of the same bytes: a view, a reshape, a
 recomputation). Every other op is only counted (the index) and, where it reads parameters alone, its
-outputs marked as such. Around the op records it keeps the rank's state, with values: the parameters it
+outputs marked as such (and their autograd nodes, see below). Around the op records it keeps the rank's state, with values: the parameters it
 holds at the start of each step, its gradients after the backward and the reduction, after clipping,
 and the parameters after the optimizer step, each with the dim-0 rows of the full parameter it holds
 (read from the DTensor's own spec; a plain tensor of the full shape holds them all).
 
 Phases (what `mark` says, as harness.train.features.forward_backward and harness.train.task call it):
 ``forward`` (an op outside any autograd node), ``recomputation`` (a module's forward run again inside
-the backward: activation checkpointing), ``backward`` (an op the engine runs for a node); ops after the
+the backward: activation checkpointing), ``backward`` (an op the engine runs for a node), except two
+kinds of node whose ops are counted, not compared: ``parameter preparation``, the node of a forward op
+that read parameters (or outputs made from them) alone, a cast, a transpose, a view, whose backward turns a
+gradient back into the parameter's (how an implementation prepares its parameters is its own business; a
+node is marked so from the op the tracer saw make it, not from the graph's shape, which cannot tell an
+input that needs no gradient, an activation or token ids, from one that is not there), and ``gradient
+accumulation`` (AccumulateGrad: summing into ``.grad``, and the hooks that run after it). Ops after the
 backward (the reduction's tail, clipping, the optimizer step) are compared through the state, not op
 by op: their operands are shards, the reference's are full tensors. Collectives are recorded in every
 phase with a hash of what the rank put in (before it runs), for the report's context and to tell which
@@ -38,7 +44,7 @@ from harness.measure.memory import local_tensor
 
 COMPARED = ("forward", "recomputation", "backward")  # the phases whose ops are compared op by op (compare.py)
 TAG = "harness_localize_module"  # the key of a node's metadata that names the module that made it
-PREP = "harness_localize_prep"  # ... that says whether it only prepares parameters (_param_only)
+PREP = "harness_localize_prep"  # ... set where it only prepares parameters: its forward read parameters alone
 # ops whose output is memory not yet written, not a value, or autograd's bookkeeping (the same values as
 # their input, made where autograd saves a tensor, which activation checkpointing changes): never compared
 UNWRITTEN = {"detach", "alias", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_", "resize_",
@@ -71,16 +77,6 @@ def _kind(func) -> tuple[str, str]:
     return ("unwritten" if func._overloadpacket.__name__ in UNWRITTEN else "op"), name
 
 
-def _param_only(node) -> bool:
-    """Whether every path from this autograd node leads to parameters alone (AccumulateGrad) through ops of
-    one input: the backward of ops that prepared a parameter. Kept in the node's metadata."""
-    md = node.metadata
-    if PREP not in md:
-        nexts = [n for n, _ in node.next_functions if n is not None]
-        md[PREP] = bool(nexts) and all(type(n).__name__ == "AccumulateGrad" or _param_only(n) for n in nexts)
-    return md[PREP]
-
-
 class StepTracer(TorchDispatchMode):
     """Records the traced steps of one rank. `model`: the plain model before any implementation wraps it
     (its module names are the ones both runs are compared by)."""
@@ -104,6 +100,7 @@ class StepTracer(TorchDispatchMode):
         self._kinds: dict = {}  # func -> _kind(func)
         self._seen = 0  # the records' index "i": ops seen in a marked phase and collectives, records or not
         self._prepared: dict[int, weakref.ref] = {}  # id -> the op outputs made from parameters alone
+        self._untagged: list[weakref.ref] = []  # the last such op's outputs, whose autograd node is not set yet
         self._rows_key, self._rows = None, {}
         self._hooks = []
 
@@ -140,6 +137,7 @@ class StepTracer(TorchDispatchMode):
                 self.pass_ += 1
                 self.phase = "forward"
             elif phase == "backward":
+                self._tag_prepared()
                 self.phase = "backward"
             return mark(phase, value)
         return both
@@ -177,10 +175,11 @@ class StepTracer(TorchDispatchMode):
         self._early_stop = set_checkpoint_early_stop(False)
         self._early_stop.__enter__()
         self._stack.clear()
-        self._prepared = {}
+        self._prepared, self._untagged = {}, []
         return super().__enter__()
 
     def __exit__(self, *exc):
+        self._untagged = []
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -208,6 +207,8 @@ class StepTracer(TorchDispatchMode):
             todo.extend(n for n, _ in node.next_functions)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._untagged:
+            self._tag_prepared()
         kwargs = kwargs or {}
         kind = self._kinds.get(func)
         if kind is None:
@@ -226,6 +227,20 @@ class StepTracer(TorchDispatchMode):
         if self.phase is not None:
             self._op(kind, out, args, kwargs)
         return out
+
+    def _tag_prepared(self) -> None:
+        """Marks the autograd nodes of the last op's parameter-made outputs as preparing parameters: autograd
+        sets a node on an op's outputs after the op returns below it (here), so it is read at the next op (or
+        at the backward's start), while every op that could use the outputs has yet to run. The backward ops
+        the engine runs for those nodes are the implementation's own business (_where), as their forward
+        ops were; every other node's are compared. A recomputation (activation checkpointing) makes nodes of
+        its own, marked alike; the engine runs the first forward's."""
+        for ref in self._untagged:
+            t = ref()
+            node = t.grad_fn if t is not None else None
+            if node is not None:
+                node.metadata[PREP] = True
+        self._untagged = []
 
     def _made_from_params(self, t: torch.Tensor) -> bool:
         if id(t) in self._param_ids:
@@ -260,7 +275,7 @@ class StepTracer(TorchDispatchMode):
         module = node.metadata.get(TAG, "(outside modules)")
         if type(node).__name__ == "AccumulateGrad":  # summing into .grad, and the hooks run after it
             return "gradient accumulation", module
-        if _param_only(node):  # the backward of a parameter's preparation (a cast, a transpose)
+        if PREP in node.metadata:  # the backward of a parameter's preparation (a cast, a transpose)
             return "parameter preparation", module
         return "backward", module
 
@@ -270,9 +285,12 @@ class StepTracer(TorchDispatchMode):
         are counted in the index alone: compare reads nothing of them."""
         tensors = [out] if isinstance(out, torch.Tensor) else _outputs(out)
         prep = self._from_params(args, kwargs)
-        if prep:
-            for t in tensors:
-                self._prepared[id(t)] = weakref.ref(t)
+        for t in tensors:
+            if prep:
+                self._prepared[id(t)] = ref = weakref.ref(t)
+                self._untagged.append(ref)
+            else:  # (written in place from more than parameters: no longer made from them alone)
+                self._prepared.pop(id(t), None)
         i = self._seen
         self._seen += 1
         if kind[0] == "unwritten" or not tensors:

@@ -1,6 +1,6 @@
-"""The localiser names where each numeric mutant's defect is (suites/mutants/localised.py), and names nothing
-beyond rounding on correct implementations. A few cells run in every CI run; the whole catalogue with --slow
-(about a minute)."""
+"""The localiser names where each numeric mutant's defect is (suites/mutants/localised.py) and a fault inside a
+backward op at that op, and names nothing beyond rounding on correct implementations. A few cells run in every CI
+run; the whole catalogue and the correct cells of every feature with --slow (13 to 17 minutes on 2 busy cores)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness.core.scenario import Scenario
 from harness.localize.replay import replay, scenario_of_id
@@ -90,6 +91,54 @@ def test_a_failing_per_sample_verdict_of_a_run_gets_where_it_diverged_appended(p
                      truth("mlp", 0, 8).norms)
     assert out.message.startswith("max relative error 1. Where it diverged: "), out.message
     assert "every rank's norms match the truth" in out.message, out.message
+
+
+def test_a_correct_step_compares_its_backward_op_by_op_and_leaves_out_the_parameters_preparation():
+    """Traced in process on the plain bf16 policy: the backward's ops of the model (the embedding's, whose only
+    differentiable input is its weight, and the linear's) are recorded as backward; the backward of the
+    parameters' bf16 copies (the casts back to the fp32 master parameters) is preparation, not compared."""
+    from torch import nn
+
+    from harness.adapters.reference import MixedPrecision
+    from harness.localize.trace import StepTracer
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.proj = nn.Embedding(11, 6), nn.Linear(6, 5)
+
+        def forward(self, ids):
+            return self.proj(self.embed(ids))
+
+    torch.manual_seed(0)
+    model = Tiny()
+    wrapped = MixedPrecision(model, torch.bfloat16)
+    tracer = StepTracer(model, [model.embed, model.proj])
+    tracer.begin_step(1, wrapped)
+    mark = tracer.marking(lambda phase, value=None: None)
+    with tracer:
+        mark("forward")
+        loss = wrapped(torch.tensor([[1, 2, 3, 4]])).float().square().sum()
+        mark("backward")
+        loss.backward()
+    backward = [o for o in tracer.ops if o["phase"] == "backward"]
+    ops = {(o["module"], o["op"]) for o in backward}
+    assert {("embed", "aten.embedding_dense_backward"), ("proj", "aten.mm")} <= ops, ops
+    shapes = [list(p.shape) for p in model.parameters()]
+    casts = [o for o in backward if o["dtype"] == "float32" and o["shape"][0] in shapes]
+    assert not casts, casts
+
+
+def test_a_fault_inside_a_backward_op_is_named_at_that_op(pool):
+    """The last rank's backward re-gather hands layers.1 its weight one ulp off in one element
+    (suites/mutants/backward_probe.py): the first op that differs is that unit's backward mm, on that rank
+    alone (the reduction after it would only say that the gradients came out an ulp off)."""
+    found = _localise(Scenario("suites.mutants.backward_probe:backward_regather_nudged", "mlp", 2, "replicated",
+                               "adamw", steps=2), pool)
+    p = found.point
+    assert p is not None and not p.rounding, "\n".join(found.lines())
+    assert (p.step, p.phase, p.module, p.ranks) == (1, "backward", "layers.1", [1]), "\n".join(found.lines())
+    assert p.op.startswith("aten.mm (call 1 of that op in layers.1)"), "\n".join(found.lines())
 
 
 @pytest.mark.parametrize("impl,model,ws,mode,feature", [
@@ -179,10 +228,20 @@ def _correct_cells() -> list[Scenario]:
 @pytest.mark.slow
 def test_correct_implementations_show_no_divergence_over_every_feature(pool):
     """Over every feature and both data modes (about 90 cells per implementation), the localiser names no
-    divergence beyond a reduction's rounding for fsdp_impl, FSDP2 reducing in fp64, and DDP."""
-    diverged = []
-    for sc in _correct_cells():
+    divergence beyond a reduction's rounding for fsdp_impl, FSDP2 reducing in fp64, and DDP. The one gap, said
+    as such: the localiser maps parameters held whole or as dim-0 rows, so a run that holds tinylm_tied's
+    matrices as dim-1 columns (shard1) is named unmappable at its initial parameters, and nothing after them is
+    compared (the mlp's widths are odd: its shard1 cells are the plain step, compared in full)."""
+    from harness.core.scenario import has
+
+    cells = _correct_cells()
+    diverged, unmapped = [], set()
+    for sc in cells:
         found = _localise(sc, pool)
-        if found.diverged:
+        p = found.point
+        if found.diverged and p.phase == "initial parameters" and p.detail.endswith("no mapping"):
+            unmapped.add(sc.id)
+        elif found.diverged:
             diverged.append("\n".join(found.lines()))
     assert not diverged, "\n\n".join(diverged)
+    assert unmapped == {sc.id for sc in cells if has(sc.feature, "shard1") and sc.model == "tinylm_tied"}, unmapped
