@@ -203,6 +203,8 @@ def compare_state(mine: dict, ref: dict, allowance: dict | None = None, what: st
                           f"{list(full.shape)}: no mapping"), False
         if local.shape != theirs.shape:
             local = local[:theirs.shape[0]] if local.dim() and local.shape[1:] == theirs.shape[1:] else local
+        if theirs.device != local.device:  # state offloaded to the host against the yardstick's on the device
+            theirs = theirs.to(local.device)
         if local.shape == theirs.shape and torch.equal(local, theirs):
             continue
         detail, flat = element(name, local, theirs, row0)
