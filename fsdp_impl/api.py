@@ -52,11 +52,12 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, process_gr
 
     `reshard_after_forward`, as FSDP2 has it: True frees the unit's gathered parameters after its forward
     (backward gathers them again), False keeps them until its backward; None (FSDP2's default) is False
-    for the root unit (the one whose forward encloses the others') and True for the others; an int g dividing the shard group's
-    W ranks reshards to groups of g consecutive ranks: each rank keeps 1 / g of the unit between forward
-    and backward, and backward's all-gather runs within those g ranks (group.py, [Note: resharding to a
-    smaller group]); g = W is True, g = 1 is False. The groups are made at the first use of a g with this
-    shard group (collective: every rank of it calls fully_shard alike) and kept for later units.
+    for the root unit (the one whose forward encloses the others') and True for the others; an int g
+    dividing the shard group's W ranks reshards to groups of g consecutive ranks: each rank keeps 1 / g of
+    the unit between forward and backward, and backward's all-gather runs within those g ranks (group.py,
+    [Note: resharding to a smaller group]); g = W is True, g = 1 is False. The groups are made at the first
+    use of a g with this shard group (collective: every rank of it calls fully_shard alike) and kept for
+    later units.
 
     `shard_placement_fn(parameter) -> Shard(d) | None`, as FSDP2 has it: the dim each parameter is sharded on
     (None: 0). A dim other than 0 must divide evenly over the shard group (param.py, [Note: another shard
@@ -177,10 +178,11 @@ def sharded_params(module: nn.Module):
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
     """Switch the gradient reduction of every unit under `module` off (False) or back on (True), as
-    FSDP2's method of the same name does (``module.set_requires_gradient_sync(flag)`` too). While it is off, each unit keeps its full, unreduced
-    gradients between backward passes and later ones add to them; the first backward with it on
-    reduces the sum once. Gradient accumulation over k micro-batches: off for the first k - 1, on
-    for the last. Under HSDP both reductions (over the shard group and across replicas) are skipped."""
+    FSDP2's method of the same name does (``module.set_requires_gradient_sync(flag)`` too). While it is
+    off, each unit keeps its full, unreduced gradients between backward passes and later ones add to
+    them; the first backward with it on reduces the sum once. Gradient accumulation over k
+    micro-batches: off for the first k - 1, on for the last. Under HSDP both reductions (over the shard
+    group and across replicas) are skipped."""
     for _, state in units(module):
         state.params.sync_grads = bool(requires_gradient_sync)
 
