@@ -26,8 +26,11 @@ def groups_from_mesh(mesh) -> tuple[object, object, DeviceMesh | None]:
         raise ValueError(f"fully_shard: mesh must be a DeviceMesh, not {type(mesh).__name__}")
     if mesh.ndim == 1:
         group = mesh.get_group(0)
-        if mesh.get_local_rank(0) != dist.get_rank(group):
-            raise ValueError("fully_shard: the mesh's rank order does not match its process group's")
+        # DTensor places this rank's rows by its mesh coordinate, fsdp_impl and the collectives by its group rank
+        coordinate = mesh.get_coordinate()
+        if coordinate is None or coordinate[0] != dist.get_rank(group):
+            raise ValueError(f"fully_shard: this rank sits at position {coordinate} of the mesh but is rank "
+                             f"{dist.get_rank(group)} of its process group; give a mesh in its group's rank order")
         return group, None, mesh
     if mesh.ndim == 2:  # FSDP2's HSDP: (replicate, shard), whatever the dims are named
         return mesh.get_group(1), mesh.get_group(0), None

@@ -262,6 +262,11 @@ def errors(ctx, p: dict) -> dict[str, str]:
         "mesh_3d": lambda: fsdp_impl.fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 1, ctx.world_size))),
         "mesh_not_a_mesh": lambda: fsdp_impl.fully_shard(nn.Linear(4, 4), mesh=ctx.group),
     }
+    if ctx.world_size == 2:  # the ranks in reverse: rank 0 at mesh position 1 (its group keeps rank order)
+        from torch.distributed.device_mesh import DeviceMesh
+
+        reverse = DeviceMesh("cpu", [1, 0])
+        cases["mesh_out_of_order"] = lambda: fsdp_impl.fully_shard(nn.Linear(4, 4), mesh=reverse)
     unit = fsdp_impl.fully_shard(nn.Sequential(nn.Linear(4, 4)), mesh=mesh)
     cases["reshard_after_forward_int"] = lambda: unit.set_reshard_after_forward(2)
     cases["prefetch_not_a_unit"] = lambda: unit.set_modules_to_forward_prefetch([nn.Linear(4, 4)])
