@@ -11,17 +11,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from .collectives import all_gather_flat
+from .compat import as_mp_policy, as_offload_policy, groups_from_mesh, refuse_unsupported
 from .group import ParamGroup
 from .mesh import check_hybrid_layout, device_for, post_forward_group
 from .mixed_precision import MixedPrecisionPolicy
+from .module import make_fsdp_module
 from .offload import CPUOffloadPolicy
 from .param import Owner, ShardedParam
 from .state import UnitState
 
 
-def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None,
-                reshard_after_forward: bool | int = True, mp_policy: MixedPrecisionPolicy | None = None,
-                shard_placement_fn=None, offload_policy: CPUOffloadPolicy | None = None) -> nn.Module:
+def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, process_group=None, replicate_group=None,
+                reshard_after_forward: bool | int | None = True, mp_policy: MixedPrecisionPolicy | None = None,
+                shard_placement_fn=None, offload_policy: CPUOffloadPolicy | None = None, ignored_params=None,
+                dp_mesh_dims=None) -> nn.Module:
     """Shard `module`'s parameters (those not already in a sharded submodule) across `process_group`.
 
     Apply bottom-up: each block first, then the root. Afterwards every parameter is, under its
@@ -38,12 +41,23 @@ def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None,
     group, then across the replicas, and divided once: the mean over all R x S ranks. The DTensors
     live on the shard group's mesh: every replica holds its own copy of the same shards.
 
+    `mesh`, FSDP2's form (compat.py), in place of the two groups: a 1-D DeviceMesh shards over its group,
+    with the DTensors on that mesh; a 2-D one is FSDP2's HSDP, (replicate, shard): the shard group is its
+    dim 1's, the replicate group its dim 0's (the layout above), the DTensors on the shard group's 1-D mesh.
+    Giving `mesh` with `process_group` or `replicate_group` is a ValueError. Neither: the whole job.
+    `mp_policy` and `offload_policy` may be FSDP2's own objects (mapped to ours; FSDP2's ``OffloadPolicy()``
+    is no offload). FSDP2's `ignored_params`, `dp_mesh_dims`, a list of modules and the policy fields
+    fsdp_impl has no counterpart of are refused (ValueError). The module returned is `module`, now an
+    instance of ``FSDP<its class>`` with FSDP2's methods (module.py).
+
     `reshard_after_forward`, as FSDP2 has it: True frees the unit's gathered parameters after its forward
-    (backward gathers them again), False keeps them until its backward; an int g dividing the shard group's
-    W ranks reshards to groups of g consecutive ranks: each rank keeps 1 / g of the unit between forward
-    and backward, and backward's all-gather runs within those g ranks (group.py, [Note: resharding to a
-    smaller group]); g = W is True, g = 1 is False. The groups are made at the first use of a g with this
-    shard group (collective: every rank of it calls fully_shard alike) and kept for later units.
+    (backward gathers them again), False keeps them until its backward; None (FSDP2's default) is False
+    for the root unit (the one whose forward encloses the others') and True for the others; an int g
+    dividing the shard group's W ranks reshards to groups of g consecutive ranks: each rank keeps 1 / g of
+    the unit between forward and backward, and backward's all-gather runs within those g ranks (group.py,
+    [Note: resharding to a smaller group]); g = W is True, g = 1 is False. The groups are made at the first
+    use of a g with this shard group (collective: every rank of it calls fully_shard alike) and kept for
+    later units.
 
     `shard_placement_fn(parameter) -> Shard(d) | None`, as FSDP2 has it: the dim each parameter is sharded on
     (None: 0). A dim other than 0 must divide evenly over the shard group (param.py, [Note: another shard
@@ -53,13 +67,19 @@ def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None,
     gradients and so the optimizer's state live in host memory; forward and backward run on the device the
     module is on (offload.py). Apply it to every unit of a model alike.
     """
-    if offload_policy is not None and not isinstance(offload_policy, CPUOffloadPolicy):
-        raise ValueError(f"fully_shard: offload_policy must be a CPUOffloadPolicy or None, not {offload_policy!r}")
+    refuse_unsupported(module, ignored_params, dp_mesh_dims)
+    offload_policy, mp_policy = as_offload_policy(offload_policy), as_mp_policy(mp_policy)
     if getattr(module, "_fsdp_state", None) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
     if not dist.is_initialized():
         raise RuntimeError("fully_shard needs torch.distributed: call init_process_group first "
                            "(a world of size 1 is fine)")
+    dtensor_mesh = None  # made from the shard group unless a 1-D mesh was given
+    if mesh is not None:
+        if process_group is not None or replicate_group is not None:
+            raise ValueError("fully_shard: give either mesh= (FSDP2's form) or process_group= / replicate_group=, "
+                             "not both")
+        process_group, replicate_group, dtensor_mesh = groups_from_mesh(mesh)
     group = process_group if process_group is not None else dist.group.WORLD
     if replicate_group is not None and dist.get_world_size(replicate_group) == 1:
         replicate_group = None  # one replica: plain sharding
@@ -79,9 +99,9 @@ def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None,
                                  f"tied parameters must live in one unit: shard their common ancestor instead")
             entries.setdefault(id(p), (p, []))[1].append(Owner(sub, name, fqn))
 
-    mesh = _mesh(group)
+    dtensor_mesh = dtensor_mesh or _mesh(group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    params = [ShardedParam(p, owners, mesh, rank, world, mp.param_dtype, _shard_dim(shard_placement_fn, p),
+    params = [ShardedParam(p, owners, dtensor_mesh, rank, world, mp.param_dtype, _shard_dim(shard_placement_fn, p),
                            offload_policy) for p, owners in entries.values()]
     for p, _ in entries.values():
         p._fsdp_claimed = True  # the original, still held by any module outside this unit
@@ -93,6 +113,7 @@ def fully_shard(module: nn.Module, *, process_group=None, replicate_group=None,
     for _, unit in units(module):  # the units already under `module` prefetch in its forward order
         unit.schedule = state.schedule
     module._fsdp_state = state
+    make_fsdp_module(module)
     return module
 
 
@@ -106,9 +127,10 @@ def _shard_dim(placement_fn, param: nn.Parameter) -> int:
     return placement.dim % param.dim()
 
 
-def _post_forward(reshard_after_forward: bool | int, group) -> tuple[bool, object]:
-    """(whether to reshard after forward, the post-forward group or None) for a bool or an int."""
-    if isinstance(reshard_after_forward, bool):
+def _post_forward(reshard_after_forward: bool | int | None, group) -> tuple[bool | None, object]:
+    """(whether to reshard after forward, None: at all but the root; the post-forward group or None) for a
+    bool, None or an int."""
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
         return reshard_after_forward, None
     world = dist.get_world_size(group)
     if not isinstance(reshard_after_forward, int) or reshard_after_forward < 1 or world % reshard_after_forward:
@@ -156,10 +178,11 @@ def sharded_params(module: nn.Module):
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
     """Switch the gradient reduction of every unit under `module` off (False) or back on (True), as
-    FSDP2's method of the same name does. While it is off, each unit keeps its full, unreduced
-    gradients between backward passes and later ones add to them; the first backward with it on
-    reduces the sum once. Gradient accumulation over k micro-batches: off for the first k - 1, on
-    for the last. Under HSDP both reductions (over the shard group and across replicas) are skipped."""
+    FSDP2's method of the same name does (``module.set_requires_gradient_sync(flag)`` too). While it is
+    off, each unit keeps its full, unreduced gradients between backward passes and later ones add to
+    them; the first backward with it on reduces the sum once. Gradient accumulation over k
+    micro-batches: off for the first k - 1, on for the last. Under HSDP both reductions (over the shard
+    group and across replicas) are skipped."""
     for _, state in units(module):
         state.params.sync_grads = bool(requires_gradient_sync)
 

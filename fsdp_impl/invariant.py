@@ -127,7 +127,7 @@ def invariant_forward_backward(module: nn.Module, loss_fn: Callable, inputs: tor
     resharded = {s: s.reshard_after_forward for s in states}
     for s in states:
         s.params.begin_tree(across_ranks=not replicated)
-        s.reshard_after_forward = s.reshard_after_forward and not keep_gathered
+        s.reshard_after_forward = False if keep_gathered else s.reshard_after_forward  # (None: FSDP2's default)
     try:
         for i in range(per_rank):
             last = i == per_rank - 1

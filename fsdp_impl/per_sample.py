@@ -56,6 +56,7 @@ from torch import Tensor, nn
 from torch.func import vjp, vmap
 
 from .api import units
+from .module import original_class
 
 __all__ = ["per_sample_grad_norms", "local_per_sample_grad_norms", "clipped_mean_grads", "gather_by_index"]
 
@@ -254,10 +255,11 @@ class _GhostNorms:
         names = self.owners[module]
         tied = [self.uses[key] > 1 for _, key in names]
         if not any(tied) and not kw:
-            if type(module) is nn.Linear:
+            kind = original_class(type(module))  # a unit's class is FSDP<class> (module.py)
+            if kind is nn.Linear:
                 self.sq += _linear_sq(module, acts[0], g).cpu()
                 return
-            if type(module) is nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq:
+            if kind is nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq:
                 self.sq += _embedding_sq(module, acts[0], g).cpu()
                 return
         grads = _per_sample_grads(module, [n for n, _ in names], acts, kw, g)

@@ -32,7 +32,8 @@ computes while the next one's parameters travel, and at most two units are unsha
 besides those whose forward encloses them (the root). The first forward has no recorded order
 and so no prefetching. A prefetched unit that is never used in a backward is resharded by the
 final callback, which its prefetch queues. Every rank issues the same collectives in the same
-order: the order is the model's, not the data's.
+order: the order is the model's, not the data's. FSDP2's ``set_modules_to_forward_prefetch`` /
+``set_modules_to_backward_prefetch`` (module.py) replace the recorded neighbour by the units given.
 """
 
 from __future__ import annotations
@@ -104,11 +105,16 @@ class Schedule:
 class UnitState:
     """Attached to each module passed to fully_shard as ``module._fsdp_state``."""
 
-    def __init__(self, module: nn.Module, params: ParamGroup, reshard_after_forward: bool,
+    def __init__(self, module: nn.Module, params: ParamGroup, reshard_after_forward: bool | None,
                  param_dtype: torch.dtype | None):
         self.module = module
         self.params = params
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward  # None: at every unit but the schedule's root
+        self.reshard_after_backward = True  # False: stay gathered after backward (module.py)
+        self.is_last_backward = True  # FSDP2's flag: kept, changes nothing here (module.py)
+        # units to prefetch, set by FSDP2's set_modules_to_*_prefetch; None: the recorded order's neighbour
+        self.forward_prefetch: list[UnitState] | None = None
+        self.backward_prefetch: list[UnitState] | None = None
         self.param_dtype = param_dtype
         self.schedule = Schedule(self)  # until a fully_shard of an ancestor adopts this unit
         self.training_state = TrainingState.IDLE
@@ -132,8 +138,9 @@ class UnitState:
         if _in_backward():  # a recomputation (see the note)
             return args, kwargs
         nxt = self.schedule.started(self)
-        if _prefetch(nxt):
-            self.schedule.prefetched(nxt)
+        for unit in self.forward_prefetch if self.forward_prefetch is not None else [nxt]:
+            if _prefetch(unit):
+                unit.schedule.prefetched(unit)  # freed at its root's forward end should it not run
         self.training_state = TrainingState.FORWARD
         if torch.is_grad_enabled() and self.params.params:
             args, kwargs = self._register_post_backward(args, kwargs)
@@ -162,9 +169,12 @@ class UnitState:
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward)
+        reshard = self.reshard_after_forward
+        if reshard is None:  # FSDP2's default: the root stays gathered, its backward comes first
+            reshard = self.schedule.root is not self
         if not torch.is_grad_enabled():  # no backward will come to regather: reshard fully
             self.params.reshard()
-        elif self.reshard_after_forward:  # to the post-forward group where there is one (group.py)
+        elif reshard:  # to the post-forward group where there is one (group.py)
             self.params.reshard(after_forward=True)
         self.schedule.finished(self)
         self.training_state = TrainingState.IDLE
@@ -176,10 +186,11 @@ class UnitState:
             self.training_state = TrainingState.PRE_BACKWARD
             self.params.unshard()
             self._queue_final_callback()
-            nxt = self.schedule.before(self)
-            if nxt is not None and nxt.training_state is not TrainingState.PRE_BACKWARD:
-                if _prefetch(nxt):
-                    nxt._queue_final_callback()  # reshards it should its backward never come
+            before = self.schedule.before(self)
+            for nxt in self.backward_prefetch if self.backward_prefetch is not None else [before]:
+                if nxt is not None and nxt.training_state is not TrainingState.PRE_BACKWARD:
+                    if _prefetch(nxt):
+                        nxt._queue_final_callback()  # reshards it should its backward never come
         return grad
 
     def _queue_final_callback(self) -> None:
@@ -198,7 +209,8 @@ class UnitState:
             self.params.reduce_grads()
         else:
             self.params.hold_grads()
-        if not self.params.keep_gathered:  # batch-invariant steps keep units gathered between micro-batches
+        # batch-invariant steps keep units gathered between micro-batches; so does set_reshard_after_backward(False)
+        if self.reshard_after_backward and not self.params.keep_gathered:
             self.params.reshard()
 
     def _final_callback(self) -> None:
