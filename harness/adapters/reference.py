@@ -41,8 +41,8 @@ class ReferenceAdapter(Adapter):
                 gs.append(q.grad)
                 q.grad = None
         for q, gs in zip(params, grads):
-            q.grad = _tree(gs)
-        return _tree(losses)
+            q.grad = tree_sum(gs)
+        return tree_sum(losses)
 
     def set_gradient_sync(self, wrapped: nn.Module, enabled: bool) -> None:
         return None  # one process: nothing to reduce
@@ -97,10 +97,10 @@ class Offloaded(nn.Module):
         return torch.func.functional_call(self.module, on_device, args, kwargs, tie_weights=True, strict=False)
 
 
-def _tree(xs: list):
+def tree_sum(xs: list):
     """xs summed as a complete binary tree over their index (None: a zero)."""
     if len(xs) == 1:
         return xs[0]
     half = len(xs) // 2
-    left, right = _tree(xs[:half]), _tree(xs[half:])
+    left, right = tree_sum(xs[:half]), tree_sum(xs[half:])
     return left if right is None else right if left is None else left + right

@@ -1,6 +1,7 @@
 """fsdp_worlds tasks for batch-invariant training (fsdp_impl.invariant): fsdp_impl at any world size with
-split data, and the plain model summing the same micro-batches in the same tree (the reference, written here
-apart from fsdp_impl's TreeSum: a recursive halving over the micro-batch index)."""
+split data, and the plain model summing the same micro-batches in the same tree (the reference: the harness's
+recursive halving over the micro-batch index, harness.adapters.reference.tree_sum, apart from fsdp_impl's
+TreeSum)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,10 @@ from torch import nn
 
 from fsdp_impl import clip_grad_norm_
 from fsdp_impl.invariant import invariant_forward_backward
+from harness.adapters.reference import tree_sum as tree
 from harness.train.models import get_model_spec
 from harness.train.optim import make_optimizer
 from suites.unit.fsdp_worlds.common import named_full, shard_model
-
-
-def tree(xs: list):
-    """xs summed as a complete binary tree over their index (left half + right half, recursively)."""
-    if len(xs) == 1:
-        return xs[0]
-    half = len(xs) // 2
-    left, right = tree(xs[:half]), tree(xs[half:])
-    return left if right is None else right if left is None else left + right
 
 
 def plain_tree_step(model: nn.Module, loss_fn, x, y, micro: int) -> torch.Tensor:
