@@ -3,7 +3,8 @@
 Registered by the `pytest11` entry point and by the root conftest.py. Tests reach the run through
 the `harness_run` fixture; `matrix_options(config)` gives the matrix tests parametrize on. The
 matrix runs lazily, once, on the first test that needs it, and only the part the selected tests
-need: `-k fsdp_impl-mlp-ws2` runs that scenario and the runs it is compared with. At the end the
+need: `-k fsdp_impl-mlp-ws2` runs that scenario and the runs it is compared with, and tests of the
+slow tier skipped without `--slow` need nothing (suites/test_equivalence.py). At the end the
 session writes the same report, tables and baseline as `python -m harness run` with the same
 options, and a failed verdict fails the pytest run even where no test asserted on it; so does a run
 that reads NOT RUN (an implementation under test ran no scenario to its end: its tests are all
@@ -77,8 +78,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """Which scenarios the selected tests need: those they are parametrized on, or every one."""
-    needing = [i for i in session.items if MATRIX_FIXTURE in getattr(i, "fixturenames", ())]
+    """Which scenarios the selected tests need: those they are parametrized on, or every one. A test
+    that will be skipped (the slow tier's without --slow) needs none."""
+    needing = [i for i in session.items
+               if MATRIX_FIXTURE in getattr(i, "fixturenames", ()) and i.get_closest_marker("skip") is None]
     ids = [getattr(i, "callspec", None) and i.callspec.params.get("scenario_id") for i in needing]
     session.config.stash[_SELECTED] = None if any(x is None for x in ids) else set(ids)
 

@@ -1,8 +1,10 @@
 """Features composed in one run (`--features hsdp+clip`): each composition compared with the plain model
 doing the same composition, bounds composed by the rule in harness/core/policy.py [Note: compositions].
 
-CI runs the everyday pairs on fsdp_impl and FSDP2 (mlp, W 1,2,4, both data modes, AdamW, 3 steps); every
-supported pair runs in the slow tier (`--slow`)."""
+CI runs the everyday pairs on fsdp_impl and FSDP2 (mlp, both data modes, AdamW, 3 steps) at W 1, 2, those
+with hsdp (2 replicas x W/2 shards, which shards nothing at W = 2) at W 1, 4 instead; every supported pair
+runs in the slow tier (`--slow`), and the CI pairs at W 1, 2, 4 on fsdp_impl, FSDP2 and DDP over five seeds
+(the false-alarm test below)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import re
 
 import pytest
 
-from harness.core.scenario import EXCLUSIVE, FEATURES, Scenario, build_matrix, check_feature, parts
+from harness.core.scenario import EXCLUSIVE, FEATURES, Scenario, build_matrix, check_feature, has, parts
 from harness.core.verdict import FAIL, PASS
 from harness.execute.executor import run_matrix
 from suites.mutants.false_alarms import CI_COMPOSITIONS, SEEDS, composition_matrix, run_false_alarms
@@ -26,15 +28,22 @@ def every_pair() -> list[str]:
             if (a, b) not in EXCLUSIVE and (b, a) not in EXCLUSIVE]
 
 
+def _matrix(compositions, world_sizes, steps):
+    return build_matrix(IMPLS, ["mlp"], list(world_sizes), ("replicated", "split"), ("adamw",), steps=steps,
+                        features=tuple(check_feature(c) for c in compositions))
+
+
 def _run(compositions, world_sizes, steps, pool=None):
-    scenarios = build_matrix(IMPLS, ["mlp"], list(world_sizes), ("replicated", "split"), ("adamw",), steps=steps,
-                             features=tuple(check_feature(c) for c in compositions))
+    scenarios = _matrix(compositions, world_sizes, steps)
     return scenarios, run_matrix(scenarios, pool=pool)
 
 
 @pytest.fixture(scope="module")
 def ci_run(kept_worlds):
-    return _run(CI_COMPOSITIONS, (1, 2, 4), steps=3, pool=kept_worlds)
+    hybrid = [c for c in CI_COMPOSITIONS if has(c, "hsdp")]
+    scenarios = _matrix(hybrid, (1, 4), steps=3)
+    scenarios += [s for s in _matrix([c for c in CI_COMPOSITIONS if c not in hybrid], (1, 2), steps=3) if s not in scenarios]
+    return scenarios, run_matrix(scenarios, pool=kept_worlds)
 
 
 def test_the_ci_compositions_run_and_pass_for_fsdp_impl_and_fsdp2(ci_run):

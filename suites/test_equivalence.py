@@ -5,6 +5,13 @@ A verdict with status "known" (a documented deviation of a real implementation, 
 makes the test xfail with the measured value and the cause; any other failure fails the test. A
 scenario whose implementation lacks what its feature needs was not run: the test is skipped with a
 reason that starts "[UNSUPPORTED]".
+
+Tiers: without --slow the matrix runs its first model, first optimizer and first seed (mlp and AdamW
+by default) for every implementation, world size, data mode and feature: every check, every cell
+shape. Every check applies whatever the model and optimizer, so the other models, optimizers and seeds
+repeat the same checks on other numbers: they are the slow tier (--slow), and the main job
+(`python -m harness run`) runs all of them. The slow tier's tests are skipped and their scenarios are
+not run (harness/plugin.py runs only what the tests that run need).
 """
 
 import pytest
@@ -14,8 +21,11 @@ from harness.plugin import matrix_options
 
 def pytest_generate_tests(metafunc):
     if "scenario_id" in metafunc.fixturenames:
-        ids = [s.id for s in matrix_options(metafunc.config).scenarios()]
-        metafunc.parametrize("scenario_id", ids, ids=ids)
+        m = matrix_options(metafunc.config)
+        first = (m.models[0], m.optimizers[0], m.seeds[0])
+        params = [pytest.param(s.id, id=s.id, marks=() if (s.model, s.optimizer, s.seed) == first else pytest.mark.slow)
+                  for s in m.scenarios()]
+        metafunc.parametrize("scenario_id", params)
 
 
 def test_scenario(harness_run, scenario_id):

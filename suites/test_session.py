@@ -5,7 +5,7 @@ default output has a folder of its own.
 
 Each test runs the entry point in a subprocess on a small slice (mlp, W 1 and 2, 2 steps), in a
 fresh working directory, so the default output location is the one a user gets. The CLI run and the
-plain pytest run of that slice are each made once (module fixtures) and read by every test about
+pytest run of that slice (under xdist, as the README's test command runs it) are each made once (module fixtures) and read by every test about
 them; both compare with the committed baseline, which a 2-step run shares no figure with.
 """
 
@@ -65,10 +65,15 @@ def cli_dir(tmp_path_factory) -> Path:
     return d
 
 
+XDIST = ("-n", "2", "--dist", "loadfile")  # as in the README's test command
+
+
 @pytest.fixture(scope="module")
-def pytest_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    d = _with_baselines(tmp_path_factory.mktemp("pytest"))
-    return d, _pytest(d, *GATED)
+def xdist_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The slice through pytest as the README's test command runs it (xdist, gated): the run that is
+    compared with the CLI's. pytest without xdist makes the -k and NOT RUN runs below."""
+    d = _with_baselines(tmp_path_factory.mktemp("xdist"))
+    return d, _pytest(d, *GATED, *XDIST)
 
 
 def test_a_world_size_list_without_1_passes_on_correct_code(cli_dir):
@@ -89,8 +94,8 @@ def test_default_output_goes_to_a_run_folder_that_reports_latest_points_at_not_t
         assert ignored == 0, f"{generated} must be git-ignored"
 
 
-def test_pytest_and_the_cli_write_the_same_tables_and_verdicts(cli_dir, pytest_run):
-    tmp_path, proc = pytest_run
+def test_pytest_and_the_cli_write_the_same_tables_and_verdicts(cli_dir, xdist_run):
+    tmp_path, proc = xdist_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / REPORT).is_file()
     assert _verdicts(tmp_path) == _verdicts(cli_dir)
@@ -101,18 +106,9 @@ def test_pytest_and_the_cli_write_the_same_tables_and_verdicts(cli_dir, pytest_r
     pd.testing.assert_frame_equal(mine["steps"][cols], theirs["steps"][cols])
     # each records the command that made it
     assert load_tables(tmp_path / REPORT.parent / "verification_tables")[1]["command"] == \
-        "python -m pytest " + shlex.join(_pytest_args(*GATED))
+        "python -m pytest " + shlex.join(_pytest_args(*GATED, *XDIST))
     assert load_tables(cli_dir / REPORT.parent / "verification_tables")[1]["command"] == \
         "python -m harness " + shlex.join(["run", *SLICE, *GATED])
-
-
-XDIST = ("-n", "2", "--dist", "loadfile")  # as in the README's test command
-
-
-@pytest.fixture(scope="module")
-def xdist_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    d = tmp_path_factory.mktemp("xdist")
-    return d, _pytest(d, *XDIST)
 
 
 def test_under_xdist_the_matrix_runs_once_and_one_report_is_written(xdist_run):
@@ -132,17 +128,22 @@ def test_under_xdist_the_report_records_the_pytest_command_line_not_the_workers(
     tmp_path, proc = xdist_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     _, env = load_tables(tmp_path / "reports" / "latest" / "verification_tables")
-    assert env["command"] == "python -m pytest " + shlex.join(_pytest_args(*XDIST))
+    assert env["command"] == "python -m pytest " + shlex.join(_pytest_args(*GATED, *XDIST))
     rows = [line.split("|") for line in (tmp_path / REPORT).read_text().splitlines() if line.startswith("| command ")]
     assert [cells[2].strip() for cells in rows] == [env["command"]]  # the report's environment table says it too
 
 
 def test_k_runs_only_the_selected_scenario_and_what_it_is_compared_with(tmp_path):
-    # both data modes: 5 scenarios in the matrix; the selected one needs the plain reference and
-    # the same implementation at W=1, not the split-data runs
-    proc = _pytest(tmp_path, "--data-modes", "replicated,split", "-k", "fsdp_impl-mlp-ws2-replicated-sgd")
+    # both data modes and optimizers: 10 scenarios in the matrix; the selected one needs the plain
+    # reference and the same implementation at W=1, not the split-data runs; the AdamW one that -k
+    # also selects is the slow tier's (the second optimizer's), skipped without --slow: not run either
+    proc = _pytest(tmp_path, "--data-modes", "replicated,split", "--optimizers", "sgd,adamw",
+                   "-k", "fsdp_impl-mlp-ws2-replicated")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "running 3 scenarios" in proc.stderr, proc.stderr
+    assert load_tables(tmp_path / REPORT.parent / "verification_tables")[1]["command"] == "python -m pytest " + \
+        shlex.join(_pytest_args("--data-modes", "replicated,split", "--optimizers", "sgd,adamw",
+                                "-k", "fsdp_impl-mlp-ws2-replicated"))  # pytest without xdist records its own
     assert {s for _, s, _ in _verdicts(tmp_path)} == {"reference-mlp-ws1-replicated-sgd",
                                                     "fsdp_impl-mlp-ws1-replicated-sgd",
                                                     "fsdp_impl-mlp-ws2-replicated-sgd"}
@@ -174,10 +175,10 @@ def test_under_pytest_not_run_fails_the_run(tmp_path):
     assert f"NOT RUN: {BARE} ran no scenario to its end" in proc.stderr, proc.stderr
 
 
-def test_under_pytest_gate_strict_fails_a_gate_that_compared_nothing(pytest_run, tmp_path):
+def test_under_pytest_gate_strict_fails_a_gate_that_compared_nothing(xdist_run, tmp_path):
     """The committed baseline ran 10 steps: a 2-step run shares no comparable figure with it (and on
     a machine kind it has no file for, nothing at all). Reported without --gate-strict; failed with it."""
-    _, proc = pytest_run
+    _, proc = xdist_run
     assert proc.returncode == 0 and "the gate compared nothing with baseline 'default'" in proc.stderr, proc.stderr
     proc = _pytest(_with_baselines(tmp_path), *GATED, "--gate-strict", "--no-report")
     assert proc.returncode == pytest.ExitCode.TESTS_FAILED, proc.stdout + proc.stderr

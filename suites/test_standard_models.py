@@ -27,9 +27,9 @@ IMPLS = ("fsdp_impl",)  # FSDP2 and DDP through every feature: the slow tier
 
 @pytest.fixture(scope="module")
 def split_run(kept_worlds):
-    """The three models, split data at W 1, 2, 4, AdamW, 10 steps (the false alarm showed at step 1, for
+    """The three models, split data at W 1, 2, 4, AdamW, 3 steps (the false alarm showed at step 1, for
     fsdp_impl, FSDP2 and DDP alike: the model's, not the implementation's)."""
-    scenarios = build_matrix(IMPLS, list(STANDARD_MODELS), [1, 2, 4], ("split",), ("adamw",), steps=10)
+    scenarios = build_matrix(IMPLS, list(STANDARD_MODELS), [1, 2, 4], ("split",), ("adamw",), steps=3)
     return scenarios, run_matrix(scenarios, pool=kept_worlds)
 
 

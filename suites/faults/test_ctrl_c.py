@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from harness.session import EXIT_INTERRUPTED
 from suites.faults.processes import alive, in_session, kill_session, start, wait_session_empty
 from suites.faults.scenarios import FA
@@ -96,8 +98,12 @@ def test_ctrl_c_while_a_world_starts(tmp_path):
         kill_session(proc)
 
 
+@pytest.mark.slow
 def test_ctrl_c_of_the_cli_exits_non_zero_with_one_line_and_no_orphans(tmp_path):
-    """Mid-step: rank 1 hangs with a timeout far away, so the world of 2 is certainly mid-run."""
+    """Mid-step: rank 1 hangs with a timeout far away, so the world of 2 is certainly mid-run.
+
+    The default tier runs it once, from test_launch_context.py (launched as a background job with SIGINT
+    and SIGHUP ignored and stdin closed): run here as well, it is the same run from a friendlier parent."""
     report = tmp_path / "out" / "r.md"
     proc = start([*CLI, "--world-sizes", "1,2", "--models", "mlp", "--impl", f"{FA}:hang_rank1",
                   "--data-modes", "replicated", "--optimizers", "adamw", "--steps", "3", "--scenario-timeout", "600",

@@ -19,7 +19,8 @@ BACKGROUND_JOB = ("import os, signal, sys\n"
                   "os.execvp(sys.argv[1], sys.argv[1:])\n")
 
 # one test per way a signal reaches a process: Ctrl-C of the CLI's process group, SIGHUP of the CLI
-# alone, SIGINT to the test process itself
+# alone, SIGINT to the test process itself (the first two are the slow tier's when run directly: the
+# default tier runs them here, with --slow in the inner run)
 SIGNAL_TESTS = ["suites/faults/test_ctrl_c.py::test_ctrl_c_of_the_cli_exits_non_zero_with_one_line_and_no_orphans",
                 "suites/faults/test_signals_and_env.py::test_sigterm_or_sighup_of_the_cli_unwinds_like_ctrl_c[SIGHUP]",
                 "suites/unit/test_world.py::test_ctrl_c_in_the_parent_kills_the_world"]
@@ -27,7 +28,7 @@ SIGNAL_TESTS = ["suites/faults/test_ctrl_c.py::test_ctrl_c_of_the_cli_exits_non_
 
 def test_the_signal_tests_pass_when_started_as_a_background_job_with_signals_ignored(tmp_path):
     cmd = [sys.executable, "-c", BACKGROUND_JOB, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "--basetemp", str(tmp_path / "inner"), *SIGNAL_TESTS]
+           "--basetemp", str(tmp_path / "inner"), "--slow", *SIGNAL_TESTS]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                           timeout=300, start_new_session=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

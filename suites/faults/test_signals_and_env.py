@@ -74,10 +74,12 @@ def first_progress_line(proc: subprocess.Popen, lines: "queue.Queue[str | None]"
     pytest.fail(f"no progress line within {within_s:.0f} s; it printed:\n" + "".join(seen))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGHUP, marks=pytest.mark.slow)],
+                         ids=["SIGTERM", "SIGHUP"])
 def test_sigterm_or_sighup_of_the_cli_unwinds_like_ctrl_c(tmp_path, sig):
     """`kill PID` (or a closed terminal) mid-run: the run ends at once, its worlds' workers die and
-    its temp dirs (snapshots, FileStores, the forkserver's socket dir) are removed."""
+    its temp dirs (snapshots, FileStores, the forkserver's socket dir) are removed. The default tier runs
+    the SIGHUP case once, from test_launch_context.py (a parent that ignores SIGINT and SIGHUP)."""
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     # world of 1: progress lines; then rank 1 of the world of 2 hangs, so the run is certainly mid-way

@@ -1,7 +1,7 @@
 """No false alarms: correct implementations (fsdp_impl, PyTorch FSDP2, DDP) fail no check.
 
 KNOWN verdicts (documented deviations of a real implementation, harness/core/policy.py) are allowed. The
-quick matrix runs in every CI run; the full matrix under 5 seeds is the slow tier (``--slow``,
+quick matrix's mlp and AdamW cells run in every CI run, its other cells with ``--slow``; the full matrix under 5 seeds is the slow tier (``--slow``,
 about 4 minutes a seed on 2 cores), on the zoo's models and on the standard architectures.
 ``python -m suites.mutants.score --false-alarm-seeds 0,1,2,3,4``
 runs the same tier and writes its table into the mutation score report.
@@ -20,8 +20,20 @@ def _assert_no_false_alarm(run):
     assert not failed, f"{len(failed)} false alarm(s):\n" + "\n".join(failed)
 
 
+def _everyday(s) -> bool:
+    """The quick matrix's cells on the mlp with AdamW: every feature for all three implementations and
+    DDP's plain step, in both data modes at W = 1, 2. Its other cells (tinylm_tied through every feature,
+    DDP's plain step on the other models and with SGD) repeat those checks on other numbers."""
+    return s.model == "mlp" and s.optimizer == "adamw"
+
+
 def test_correct_implementations_pass_quick_matrix(kept_worlds):
-    _assert_no_false_alarm(run_false_alarms(quick_matrix(), seed=0, pool=kept_worlds))
+    _assert_no_false_alarm(run_false_alarms([s for s in quick_matrix() if _everyday(s)], seed=0, pool=kept_worlds))
+
+
+@pytest.mark.slow
+def test_correct_implementations_pass_the_rest_of_the_quick_matrix(kept_worlds):
+    _assert_no_false_alarm(run_false_alarms([s for s in quick_matrix() if not _everyday(s)], seed=0, pool=kept_worlds))
 
 
 @pytest.mark.slow

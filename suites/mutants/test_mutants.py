@@ -45,11 +45,24 @@ def pool(kept_worlds):
     return kept_worlds
 
 
+# the data mode a check applies in (harness.checks.numeric); every other check applies in both
+MODE_OF = {"cross_ws_replicated": "replicated", "grads_match_ws1": "replicated", "split_matches_full_batch": "split"}
+
+
 def quick(m: Mutant) -> Mutant:
-    """`m` in the quick tier: its first optimizer (AdamW) only. Every mutant is caught there by
-    its expected check; the SGD cells (and their controls), which double the run, are the slow
-    tier's and the score report's (`python -m suites.mutants.score`)."""
-    return dataclasses.replace(m, optimizers=m.optimizers[:1])
+    """`m` in the quick tier: the cells its expected check can see it in, once. Its first optimizer
+    (AdamW); of its data modes, the one its check applies in (the first where the check applies in
+    both); of its world sizes, W = 1 and the smallest above it, and for ws1_exact, which compares
+    W = 1 with the plain model, W = 1 only (a fault on the gradient path acts there, catalog.py).
+    Every mutant is caught there by its expected check; its other cells (the SGD ones, the other data
+    mode, the larger world sizes) and their controls repeat the catch: they are the slow tier's and
+    the score report's (`python -m suites.mutants.score`)."""
+    modes = [d for d in m.data_modes if MODE_OF.get(m.expected, d) == d][:1]
+    smallest = [w for w in m.world_sizes if w > 1][:1]
+    if m.expected == "ws1_exact" and 1 in m.world_sizes:
+        smallest = []
+    sizes = tuple(w for w in m.world_sizes if w == 1) + tuple(smallest)
+    return dataclasses.replace(m, optimizers=m.optimizers[:1], data_modes=tuple(modes), world_sizes=sizes)
 
 
 @pytest.fixture(scope="module")
