@@ -66,8 +66,9 @@ STANDARD = STANDARD_MODELS + ("hf:gpt2",)
 
 
 def composition_matrix(seed: int) -> list[Scenario]:
-    """The CI compositions for fsdp_impl, FSDP2 and DDP under one seed, in the cells CI runs them in (mlp, W 1,
-    2, 4, both data modes, AdamW, 3 steps; a composition DDP cannot run is its unsupported verdict)."""
+    """The CI compositions for fsdp_impl, FSDP2 and DDP under one seed (mlp, W 1, 2, 4, both data modes, AdamW,
+    3 steps; a composition DDP cannot run is its unsupported verdict): the cells of the slow five-seed tier. The
+    README's test command runs them at W 1, 2 (1, 4 for those with hsdp), seed 0 (suites/test_compositions.py)."""
     from harness.core.scenario import check_feature
 
     return build_matrix(CORRECT, ["mlp"], [1, 2, 4], DATA_MODES, ("adamw",), steps=3, seeds=(seed,),
