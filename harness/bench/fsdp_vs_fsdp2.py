@@ -24,8 +24,9 @@ split of the same global batch):
 
 Rows: ``fsdp_impl`` (its default policy: gradient shards summed in float64),
 ``fsdp_impl[reduce fp32]`` (``MixedPrecisionPolicy(reduce_dtype=torch.float32)``) and
-``fsdp_impl[invariant L=8]`` (its batch-invariant step, fsdp_impl.invariant: the global batch as 8 micro-batches
-summed in one fixed tree, so L / W forward and backward passes a step), each against the
+``fsdp_impl[invariant]`` (its batch-invariant step, fsdp_impl.invariant: the global batch as L micro-batches, 8 or
+the largest power of two below that the batch and the world sizes allow, summed in one fixed tree, so L / W
+forward and backward passes a step), each against the
 same FSDP2 figures (FSDP2's default: reduce in the gradient dtype, float32). Ratio = fsdp_impl / FSDP2
 (> 1: fsdp_impl is slower / uses more memory).
 """
@@ -53,7 +54,7 @@ from harness.train.models import get_model_spec
 
 TASK = "harness.bench.fsdp_vs_fsdp2:bench_rank"
 FSDP2 = "torch_fsdp2"
-INVARIANT = f"fsdp_impl[invariant L={INVARIANT_MICRO_BATCHES}]"
+INVARIANT = "fsdp_impl[invariant]"
 IMPLS = ("fsdp_impl", "fsdp_impl[reduce fp32]", INVARIANT, FSDP2)
 
 
@@ -99,10 +100,11 @@ def _batch(spec, p: dict, step: int, ctx, contiguous: bool = False):
     return x.to(ctx.device), y.to(ctx.device)
 
 
-def _step(spec, adapter, wrapped, optimizer, x, y, invariant: str = "") -> float:
-    """One training step; `invariant` ("split" / "replicated"): through fsdp_impl's batch-invariant step."""
+def _step(spec, adapter, wrapped, optimizer, x, y, invariant: str = "", micro: int = 0) -> float:
+    """One training step; `invariant` ("split" / "replicated"): through fsdp_impl's batch-invariant step, as `micro`
+    micro-batches."""
     if invariant:
-        loss = adapter.invariant_forward_backward(wrapped, spec.loss, x, y, micro_batches=INVARIANT_MICRO_BATCHES,
+        loss = adapter.invariant_forward_backward(wrapped, spec.loss, x, y, micro_batches=micro,
                                                   replicated=invariant == "replicated")
     else:
         loss = spec.loss(wrapped(x), y)
@@ -126,7 +128,7 @@ def bench_rank(ctx, p: dict) -> dict:
         spec, adapter, wrapped, optimizer = _build(label, p, ctx)
         mode = p["data_mode"] if label == INVARIANT else ""
         for step in range(1, p["warmup"] + 1):  # optimizer state exists after the first step
-            _step(spec, adapter, wrapped, optimizer, *_batch(spec, p, step, ctx, bool(mode)), mode)
+            _step(spec, adapter, wrapped, optimizer, *_batch(spec, p, step, ctx, bool(mode)), mode, p.get("micro", 0))
         x, y = _batch(spec, p, p["warmup"] + 1, ctx, bool(mode))
         mem = PeakMemory(wrapped, optimizer, ctx.device, extra=(x, y))
         # the invariant step runs several forwards of the root in the window: the tracker's per-module statistics
@@ -136,7 +138,7 @@ def bench_rank(ctx, p: dict) -> dict:
             lambda m, a: mem.next_forward() if m is root and mem.tracker is not None else None) if mode else None
         try:
             with mem:
-                _step(spec, adapter, wrapped, optimizer, x, y, mode)
+                _step(spec, adapter, wrapped, optimizer, x, y, mode, p.get("micro", 0))
         finally:
             if hook is not None:
                 hook.remove()
@@ -154,7 +156,8 @@ def bench_rank(ctx, p: dict) -> dict:
             dist.barrier(group=ctx.group)
             _sync(ctx)
             t0, c0 = time.perf_counter(), time.process_time()
-            loss = _step(spec, adapter, wrapped, optimizer, x, y, p["data_mode"] if label == INVARIANT else "")
+            loss = _step(spec, adapter, wrapped, optimizer, x, y, p["data_mode"] if label == INVARIANT else "",
+                         p.get("micro", 0))
             _sync(ctx)
             if step > p["warmup"]:
                 out[label]["times_s"].append(time.perf_counter() - t0)
@@ -241,6 +244,15 @@ def _n_params(name: str) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
+def invariant_micro_batches(batch: int, world_sizes) -> int:
+    """L for the invariant row: the largest power of two up to INVARIANT_MICRO_BATCHES that divides the global
+    batch and that every world size divides; 0 where none does."""
+    micro = INVARIANT_MICRO_BATCHES
+    while micro and (batch % micro or any(micro % w for w in world_sizes)):
+        micro //= 2
+    return micro
+
+
 def main(argv: list[str] | None = None) -> dict[str, dict[int, dict[str, dict]]]:
     """Runs the benchmark, prints its tables; returns {model: {world size: summarize(...)}}."""
     ap = argparse.ArgumentParser(prog="python -m harness.bench.fsdp_vs_fsdp2", description=__doc__.split("\n")[0])
@@ -263,13 +275,18 @@ def main(argv: list[str] | None = None) -> dict[str, dict[int, dict[str, dict]]]
         ap.error(f"--global-batch {args.global_batch} must be divisible by every world size {args.world_sizes}")
     models = list(dict.fromkeys(args.model))
     n_params = {m: _n_params(m) for m in models}  # unknown names fail here, before any world starts
+    micro = invariant_micro_batches(args.global_batch, args.world_sizes)
+    impls = [label for label in IMPLS if label != INVARIANT or micro]
     payload = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed,
                "global_batch": args.global_batch, "data_mode": args.data_mode,
-               "optimizer": args.optimizer, "lr": args.lr, "impls": list(IMPLS)}
+               "optimizer": args.optimizer, "lr": args.lr, "impls": impls, "micro": micro}
     print(f"# fsdp_impl vs FSDP2: models {', '.join(f'{m} ({n_params[m]:,} parameters)' for m in models)}; "
           f"optimizer={args.optimizer} global_batch={args.global_batch} ({args.data_mode}) "
           f"steps={args.steps} (+{args.warmup} warm-up) backend={args.backend}")
     print(machine_line(args.backend))
+    print(f"# {INVARIANT}: L = {micro} micro-batches a step" if micro else
+          f"# {INVARIANT} left out: no power of two up to {INVARIANT_MICRO_BATCHES} divides the global batch "
+          f"({args.global_batch}) and is divided by every world size")
     print(f"# load average at start {os.getloadavg()[0]:.1f}", flush=True)
     t_all = time.perf_counter()
     results: dict[str, dict[int, dict[str, dict]]] = {m: {} for m in models}
