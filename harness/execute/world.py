@@ -21,6 +21,7 @@ import multiprocessing as mp
 import multiprocessing.process
 import multiprocessing.util
 import os
+import re
 import shutil
 import signal
 import sys
@@ -498,3 +499,17 @@ def _env(values: dict[str, str]) -> Iterator[None]:
 def _close_live_worlds() -> None:
     for world in list(_LIVE):
         world.close()
+
+
+def call_or_error(pool: "WorldPool", world_size: int, task: str, payload) -> tuple[list | None, str]:
+    """`task` run on `pool`'s world of `world_size` ranks: (per-rank results, '') or (None, one line: the
+    exception and the last line of the first failing rank's traceback); a failed world is rebuilt on next get."""
+    try:
+        return pool.get(world_size).call(task, payload), ""
+    except WorldError as exc:
+        tracebacks = getattr(exc, "tracebacks", {})
+        text = tracebacks[min(tracebacks)] if tracebacks else str(exc)
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        errors = [ln for ln in lines if re.match(r"[\w.]+(Error|Exception):", ln)]
+        picked = list(dict.fromkeys(errors[-1:] + lines[-1:]))  # the exception, then the last line
+        return None, f"{type(exc).__name__}: {' | '.join(picked) or exc}"[:500]

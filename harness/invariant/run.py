@@ -6,18 +6,17 @@ both data modes, held at bound 0 (bitwise) to
     invariant_across_ws      the same implementation at the smallest world size of the run, same data mode
     invariant_ranks_agree    every rank's loss of every step (a rank that returns its own partial sum fails)
 
-An implementation without ``invariant_forward_backward`` is ``unsupported`` (named), never a pass. An
-implementation that does not declare ``batch_invariant`` is not run here: the tier holds a claim.
+The tier holds a claim: an implementation that does not declare ``batch_invariant`` gets ``unsupported`` verdicts
+(named), one that declares it without ``invariant_forward_backward`` fails (not measured), never a pass.
 
 Tables: "invariant" (one row per scenario and step: loss, the largest |param diff| to the tree reference and to
-the smallest world size, the parameter where it is largest).
+the smallest world size).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import re
 import tempfile
 
 import pandas as pd
@@ -25,7 +24,7 @@ import pandas as pd
 from harness.core.policy import INVARIANT_MICRO_BATCHES
 from harness.core.scenario import ckpt_step, scenario_id
 from harness.core.verdict import FAIL, PASS, UNSUPPORTED, Verdict
-from harness.execute.world import WorldError, WorldPool
+from harness.execute.world import WorldPool, call_or_error
 
 TASK = "harness.invariant.task:train_invariant"
 FEATURE = "invariant"
@@ -56,36 +55,34 @@ def _resumed(pool: WorldPool, saver: int, world_size: int, payload: dict) -> tup
 
 
 def _call(pool: WorldPool, world_size: int, payload: dict) -> tuple[list | None, str]:
-    try:
-        return pool.get(world_size).call(TASK, payload), ""
-    except WorldError as exc:
-        tracebacks = getattr(exc, "tracebacks", {})
-        text = tracebacks[min(tracebacks)] if tracebacks else str(exc)
-        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-        errors = [ln for ln in lines if re.match(r"[\w.]+(Error|Exception):", ln)]
-        return None, f"{type(exc).__name__}: {' | '.join(dict.fromkeys(errors[-1:] + lines[-1:])) or exc}"[:500]
+    return call_or_error(pool, world_size, TASK, payload)
 
 
-def first_difference(a: list[dict], b: list[dict]) -> tuple[float, int | None, str]:
-    """(the largest |difference| over every step and parameter, the first step where any differs, that step's
-    worst parameter); (0, None, '') when bitwise equal. A parameter missing on one side is an infinite one."""
-    worst, first, where = 0.0, None, ""
-    for step, (x, y) in enumerate(zip(a, b), start=1):
-        step_worst, step_param = 0.0, ""
+def step_differences(a: list[dict], b: list[dict]) -> list[tuple[float, str]]:
+    """Per step: (the largest |difference| over its parameters, the parameter where it is); a parameter missing on
+    one side, or of another shape, or NaN on one side, is an infinite difference. (0, '') when bitwise equal."""
+    out = []
+    for x, y in zip(a, b):
+        worst, where = 0.0, ""
         for name in sorted(set(x) | set(y)):
             if name not in x or name not in y or x[name].shape != y[name].shape:
                 d = math.inf
             else:
                 d = float((x[name].double() - y[name].double()).abs().max()) if x[name].numel() else 0.0
                 d = d if d == d else math.inf  # NaN on one side
-            if d > step_worst:
-                step_worst, step_param = d, name
-        if step_worst > 0 and first is None:
-            first, where = step, step_param
-        worst = max(worst, step_worst)
-    if len(a) != len(b):
-        return math.inf, min(len(a), len(b)) + 1, "(steps missing)"
-    return worst, first, where
+            if d > worst:
+                worst, where = d, name
+        out.append((worst, where))
+    return out
+
+
+def first_difference(steps: list[tuple[float, str]], complete: bool = True) -> tuple[float, int | None, str]:
+    """From `step_differences`: (the largest over every step, the first step where any differs, that step's worst
+    parameter); (0, None, '') when bitwise equal; `complete` False (a run with steps missing): infinite."""
+    if not complete:
+        return math.inf, len(steps) + 1, "(steps missing)"
+    first = next(((i, p) for i, (d, p) in enumerate(steps, start=1) if d > 0), (None, ""))
+    return max((d for d, _ in steps), default=0.0), first[0], first[1]
 
 
 def run_invariant(impls, models, world_sizes, data_modes, optimizers, *, steps: int = 3, seed: int = 0,
@@ -163,15 +160,16 @@ def unclaimed_reason(impl: str) -> tuple[str, str]:
 def judge(s: str, got: list[dict], ref: dict, smallest: tuple[int, dict], rows: list, cell: tuple) -> list[Verdict]:
     """The three verdicts of one scenario (`got`: every rank's result) and its table rows."""
     mine = got[0]
-    tree = first_difference(mine["params"], ref["params"])
-    loss_tree = next((i for i, (a, b) in enumerate(zip(mine["losses"], ref["losses"]), 1) if a != b), None)
     w0, small = smallest
-    across = first_difference(mine["params"], small["params"])
+    to_tree, to_small = step_differences(mine["params"], ref["params"]), step_differences(mine["params"], small["params"])
+    tree = first_difference(to_tree, len(mine["params"]) == len(ref["params"]))
+    across = first_difference(to_small, len(mine["params"]) == len(small["params"]))
+    loss_tree = next((i for i, (a, b) in enumerate(zip(mine["losses"], ref["losses"]), 1) if a != b), None)
     loss_across = next((i for i, (a, b) in enumerate(zip(mine["losses"], small["losses"]), 1) if a != b), None)
     disagree = [r for r, res in enumerate(got) if res["losses"] != mine["losses"]]
     for step, loss in enumerate(mine["losses"], start=1):
-        rows.append([s, *cell[:6], step, loss, _step_diff(mine["params"], ref["params"], step),
-                     _step_diff(mine["params"], small["params"], step)])
+        rows.append([s, *cell[:6], step, loss, to_tree[step - 1][0] if step <= len(to_tree) else math.inf,
+                     to_small[step - 1][0] if step <= len(to_small) else math.inf])
     return [
         _verdict("invariant_matches_tree", s, tree, loss_tree, mine, ref,
                  "the plain model summing the same micro-batches in the same tree at one rank"),
@@ -182,12 +180,6 @@ def judge(s: str, got: list[dict], ref: dict, smallest: tuple[int, dict], rows: 
                          f"rank {disagree[0]} returned losses {got[disagree[0]]['losses']} where rank 0 returned "
                          f"{mine['losses']}"), rank=disagree[0] if disagree else None),
     ]
-
-
-def _step_diff(a: list[dict], b: list[dict], step: int) -> float:
-    x, y = a[step - 1], b[step - 1]
-    return max((float((x[k].double() - y[k].double()).abs().max()) for k in x if k in y and x[k].shape == y[k].shape
-                and x[k].numel()), default=0.0)
 
 
 def _verdict(check: str, s: str, params: tuple, loss_step: int | None, mine: dict, other: dict, against: str) -> Verdict:

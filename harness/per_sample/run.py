@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import statistics
 
 import pandas as pd
@@ -29,7 +28,7 @@ import torch
 from harness.core.policy import OPACUS_EMPTY_SHARD
 from harness.core.scenario import scenario_id
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
-from harness.execute.world import WorldError, WorldPool
+from harness.execute.world import WorldPool, call_or_error
 from harness.per_sample import tasks as ps
 from harness.per_sample.section import NEGATIVE_CONTROL
 from harness.tables.schema import columns
@@ -56,15 +55,7 @@ TASKS = "harness.per_sample.tasks"
 
 def _run(pool: WorldPool, world_size: int, fn: str, payload: dict) -> tuple[list | None, str]:
     """(per-rank results, '') or (None, the error's first line); a failed world is rebuilt on next get."""
-    try:
-        return pool.get(world_size).call(f"{TASKS}:{fn}", payload), ""
-    except WorldError as exc:
-        tracebacks = getattr(exc, "tracebacks", {})
-        text = tracebacks[min(tracebacks)] if tracebacks else str(exc)
-        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-        errors = [ln for ln in lines if re.match(r"[\w.]+(Error|Exception):", ln)]
-        picked = list(dict.fromkeys(errors[-1:] + lines[-1:]))  # the exception, then the last line
-        return None, f"{type(exc).__name__}: {' | '.join(picked) or exc}"[:500]
+    return call_or_error(pool, world_size, f"{TASKS}:{fn}", payload)
 
 
 def _small_dims(model: str, world_size: int) -> str:
