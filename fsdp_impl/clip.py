@@ -68,8 +68,14 @@ def row_norm_sq(grads: list[torch.Tensor]) -> torch.Tensor:
     """The squared L2 norm of whole gradients computed the batch-invariant way: each gradient's sums of squares
     per dim-0 row in float64, every gradient's rows concatenated in order, summed as one vector. A rank holding a
     row range of each computes those rows alike, so the sum is the same at every world size (0-dim: one row)."""
-    rows = [g.double().pow(2).reshape(g.shape[0] if g.dim() else 1, -1).sum(1) for g in grads]
+    rows = [_row_sums(g) for g in grads]
     return torch.cat(rows).sum() if rows else torch.zeros((), dtype=torch.float64)
+
+
+def _row_sums(g: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """float64 sums of squares of `g` per dim-0 row (`rows` of them: a shard may hold none; 0-dim: one row)."""
+    n = rows if rows is not None else g.shape[0] if g.dim() else 1
+    return g.double().pow(2).reshape(n, g.numel() // n if n else 0).sum(1)
 
 
 def _invariant_sq(module: nn.Module, group) -> torch.Tensor:
@@ -86,13 +92,13 @@ def _invariant_sq(module: nn.Module, group) -> torch.Tensor:
             continue
         p = by_id.get(id(q))
         if p is None:
-            layout.append(("whole", q.grad.double().pow(2).reshape(q.shape[0] if q.dim() else 1, -1).sum(1)))
+            layout.append(("whole", _row_sums(q.grad)))
             continue
         if p.dim != 0:
             raise ValueError(f"clip_grad_norm_(batch_invariant=True): '{p.fqn}' is sharded on dim {p.dim}; the "
                              f"invariant norm reads dim-0 rows")
         local = q.grad._local_tensor if isinstance(q.grad, DTensor) else q.grad
-        sums = local.double().pow(2).reshape(p.end - p.start, p.row_numel).sum(1)
+        sums = _row_sums(local, p.end - p.start)
         padded = torch.zeros(p.chunk, dtype=torch.float64, device=device)
         padded[:sums.numel()] = sums.to(device)
         pieces.append(padded)
