@@ -86,6 +86,8 @@ class FalseAlarmRun:
     scenarios: list[Scenario]
     verdicts: list[Verdict]
     wall_s: float
+    # a saved sweep's chunks, one line each: model, commit, torch, CPU kernels, cores, wall time
+    origins: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def impl_of(self) -> dict[str, str]:
@@ -117,7 +119,7 @@ def run_saved(seed: int, models, save_dir: Path, *, pool=None, progress=None, lo
     can be stopped and resumed, and a stopped one still leaves its finished models behind. A file made
     for another matrix (the scenario ids differ: the code changed) is refused, not mixed in."""
     save_dir.mkdir(parents=True, exist_ok=True)
-    scenarios, verdicts, wall = [], [], 0.0
+    scenarios, verdicts, wall, origins = [], [], 0.0, []
     for model in models:
         cells = full_matrix(seed, [model])
         path = save_dir / f"seed{seed}-{model.replace(':', '_')}.json"
@@ -127,19 +129,39 @@ def run_saved(seed: int, models, save_dir: Path, *, pool=None, progress=None, lo
                 raise SystemExit(f"{path} was made for another matrix (the code changed since): move it away")
             got = [Verdict(**v) for v in saved["verdicts"]]
             wall += saved["wall_s"]
+            origins.append(_origin(saved))
             if log:
                 log(f"seed {seed}, {model}: read back from {path} ({saved['commit']})")
         else:
             run = run_false_alarms(cells, seed=seed, pool=pool, progress=progress)
             got, wall = run.verdicts, wall + run.wall_s
-            path.write_text(json.dumps({"seed": seed, "model": model, "commit": _commit(),
-                                        "wall_s": run.wall_s, "scenarios": [c.id for c in cells],
-                                        "verdicts": [dataclasses.asdict(v) for v in got]}))
+            saved = {"seed": seed, "model": model, "commit": _commit(), **_machine(), "wall_s": run.wall_s,
+                     "scenarios": [c.id for c in cells], "verdicts": [dataclasses.asdict(v) for v in got]}
+            path.write_text(json.dumps(saved))
+            origins.append(_origin(saved))
             if log:
                 log(f"seed {seed}, {model}: {sum(v.status == FAIL for v in got)} false alarm(s), saved to {path}")
         scenarios += [c for c in cells if c not in scenarios]
         verdicts += got
-    return FalseAlarmRun(seed, scenarios, verdicts, wall)
+    return FalseAlarmRun(seed, scenarios, verdicts, wall, origins)
+
+
+def _origin(saved: dict) -> str:
+    """One line on where a saved chunk ran (files saved before the machine was recorded say so)."""
+    where = (f"torch {saved['torch']}, {saved['cpu_kernels']}, {saved['cores']} cores" if "torch" in saved
+             else "machine not recorded")
+    return f"seed {saved['seed']}, {saved['model']}: commit {saved['commit']}, {where}, {saved['wall_s']:.0f} s"
+
+
+def _machine() -> dict:
+    """Where a saved chunk ran: chunks of one sweep may come from different machines (a sweep of hours is
+    resumed elsewhere), and the report says which."""
+    import os
+
+    import torch
+
+    return {"torch": torch.__version__, "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
+            "cores": os.cpu_count()}
 
 
 def _commit() -> str:

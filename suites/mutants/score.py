@@ -258,6 +258,9 @@ def _alarm_lines(title: str, runs: list, through: str, note: str, margins: bool)
     if margins:
         lines += ["How close the correct implementations came to each bound (the pass nearest its bound):", "",
                   fa.margins(runs).to_markdown(index=False), ""]
+    origins = [o for r in runs for o in r.origins]
+    if origins:
+        lines += ["Where each saved part of the sweep ran (`--sweep-dir`):", ""] + [f"- {o}" for o in origins] + [""]
     return lines + [f"- {v}" for r in runs for v in r.false_alarms]
 
 

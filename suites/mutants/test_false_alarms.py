@@ -111,6 +111,11 @@ def test_a_saved_sweep_resumes_where_it_stopped_and_refuses_another_matrix(tmp_p
     assert ran == ["mlp", "hf:gpt2"], "the saved model ran again"
     assert both.verdicts[:2] == first.verdicts and len(both.false_alarms) == 2 and not both.unjudged
     assert (tmp_path / "seed4-hf_gpt2.json").exists()
+    import torch
+
+    # each part says where it ran: a resumed sweep's parts may come from different machines
+    assert len(both.origins) == 2 and all(f"torch {torch.__version__}" in o for o in both.origins)
+    assert both.origins[0].startswith("seed 4, mlp: commit ") and both.origins[1].startswith("seed 4, hf:gpt2:")
     monkeypatch.setattr(fa, "full_matrix", lambda seed, models: cells(seed, models)[:1])
     with pytest.raises(SystemExit, match="another matrix"):
         fa.run_saved(4, ["mlp"], tmp_path)
