@@ -8,18 +8,28 @@ in tests); `plot_*` builds and saves it as PNG at the given path.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
+
+if TYPE_CHECKING:  # matplotlib loads on the first figure (0.3-0.9 s): a run that writes no report never pays it
+    from matplotlib.figure import Figure
 
 MARKERS = "osD^v<>ph*"
 DPI = 110
 
 
+def _ticker():
+    import matplotlib.ticker
+
+    return matplotlib.ticker
+
+
 def _figure(width: float = 7.0, height: float = 4.2) -> tuple[Figure, object]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(width, height), dpi=DPI)
     fig.subplots_adjust(left=0.14, right=0.97, top=0.92, bottom=0.12)  # fixed: layout engines cost seconds
     FigureCanvasAgg(fig)
@@ -49,7 +59,7 @@ def loss_figure(steps: pd.DataFrame, reference: pd.DataFrame | None, title: str)
         r = reference.sort_values("step")
         ax.plot(r["step"], r["loss"], "k--", linewidth=1, label="reference (1 process)")
     ax.set(title=title, xlabel="step", ylabel="global loss")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(_ticker().MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend()
     return fig
@@ -83,12 +93,12 @@ def diff_figure(steps: pd.DataFrame, title: str, *, column: str = "max_diff_ref"
     def tick(v: float, _pos: int) -> str:
         return "0 (exact)" if np.isclose(v, floor, rtol=1e-6, atol=0.0) else f"{v:.0e}"
 
-    ax.yaxis.set_major_formatter(FuncFormatter(tick))
-    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter(_ticker().FuncFormatter(tick))
+    ax.yaxis.set_minor_locator(_ticker().NullLocator())
     ax.set_yticks(sorted({floor, *[t for t in ax.get_yticks() if t > floor * 5]}))
     ax.set_ylim(bottom=floor / 3)
     ax.set(title=title, xlabel="step", ylabel=f"max |param diff| ({column.removeprefix('max_diff_')})")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(_ticker().MaxNLocator(integer=True))
     ax.grid(alpha=0.3, which="major")
     ax.legend()
     return fig
@@ -116,15 +126,15 @@ def memory_figure(per_ws: pd.DataFrame, title: str) -> Figure:
     ax.set_xscale("log", base=2)
     ax.set_xticks(ws, [str(int(w)) for w in ws])
     ax.set_yscale("log")
-    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_locator(_ticker().NullLocator())
     ticks = sorted({float(v) for c in ("state_bytes", "peak_bytes") if c in d for v in d[c].dropna() / mib})
     kept: list[float] = []
     for t in ticks:  # labels closer than 15% would overlap on the log axis
         if t > 0 and (not kept or t / kept[-1] >= 1.15):
             kept.append(t)
     ax.set_yticks(kept)
-    ax.yaxis.set_minor_locator(NullLocator())
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:.3g}"))
+    ax.yaxis.set_minor_locator(_ticker().NullLocator())
+    ax.yaxis.set_major_formatter(_ticker().FuncFormatter(lambda v, _pos: f"{v:.3g}"))
     ax.set(title=title, xlabel="world size W (ranks)", ylabel=f"bytes per rank ({unit})")
     ax.grid(alpha=0.3, which="both")
     ax.legend()
