@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,7 +123,7 @@ def run_saved(seed: int, models, save_dir: Path, *, pool=None, progress=None, lo
     scenarios, verdicts, wall, origins = [], [], 0.0, []
     for model in models:
         cells = full_matrix(seed, [model])
-        path = save_dir / f"seed{seed}-{model.replace(':', '_')}.json"
+        path = part_path(save_dir, seed, model)
         if path.exists():
             saved = json.loads(path.read_text())
             if saved["scenarios"] != [c.id for c in cells]:
@@ -144,6 +145,52 @@ def run_saved(seed: int, models, save_dir: Path, *, pool=None, progress=None, lo
         scenarios += [c for c in cells if c not in scenarios]
         verdicts += got
     return FalseAlarmRun(seed, scenarios, verdicts, wall, origins)
+
+
+def part_path(save_dir: Path, seed: int, model: str) -> Path:
+    """Where a saved sweep keeps the verdicts of (seed, model)."""
+    return save_dir / f"seed{seed}-{model.replace(':', '_')}.json"
+
+
+def part_command(seed: int, model: str, save_dir: Path) -> list[str]:
+    """The process that runs one (seed, model) part of a sweep and saves it (this module's main)."""
+    return [sys.executable, "-m", "suites.mutants.false_alarms", str(seed), model, str(save_dir)]
+
+
+def run_parts(seeds, models, save_dir: Path, jobs: int, *, log=None, poll_s: float = 1.0) -> None:
+    """The (seed, model) parts of a sweep not yet in `save_dir`, `jobs` at a time, each in a process of its own
+    (`part_command`) that saves it as run_saved does: a machine with many cores runs the hours of a five-seed
+    sweep that many times faster (each part's worlds take at most 8 cores). Each part's output goes to
+    `save_dir/log-seed<S>-<model>.txt`. A part that fails stops the others and is named with its log; what
+    finished stays saved, and run_saved reads it all back afterwards."""
+    save_dir.mkdir(parents=True, exist_ok=True)
+    todo = [(s, m) for s in seeds for m in models if not part_path(save_dir, s, m).exists()]
+    running: dict = {}
+    try:
+        while todo or running:
+            while todo and len(running) < jobs:
+                seed, model = todo.pop(0)
+                out = part_path(save_dir, seed, model).with_name(f"log-seed{seed}-{model.replace(':', '_')}.txt")
+                with open(out, "w") as f:
+                    running[(seed, model)] = (subprocess.Popen(part_command(seed, model, save_dir), stdout=f,
+                                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL), out)
+                if log:
+                    log(f"seed {seed}, {model}: started ({len(running)} running, {len(todo)} waiting)")
+            time.sleep(poll_s)
+            for part, (proc, out) in list(running.items()):
+                rc = proc.poll()
+                if rc is None:
+                    continue
+                del running[part]
+                if rc != 0 or not part_path(save_dir, *part).exists():
+                    raise SystemExit(f"the sweep's part seed {part[0]}, {part[1]} failed (exit {rc}); its log: {out}")
+                if log:
+                    log(f"seed {part[0]}, {part[1]}: saved ({len(running)} running, {len(todo)} waiting)")
+    finally:
+        for proc, _ in running.values():
+            proc.terminate()
+        for proc, _ in running.values():
+            proc.wait()
 
 
 def _origin(saved: dict) -> str:
@@ -225,3 +272,16 @@ def known(runs: list[FalseAlarmRun]) -> pd.DataFrame:
     out["largest measured"] = [f"{x:.3g}" for x in out["largest measured"]]
     out["bound"] = [f"{x:.3g}" for x in out["bound"]]
     return out
+
+
+def _main(argv: list[str]) -> int:
+    """python -m suites.mutants.false_alarms SEED MODEL DIR: one part of a saved sweep (run_parts starts these)."""
+    seed, model, save_dir = int(argv[0]), argv[1], Path(argv[2])
+    run = run_saved(seed, [model], save_dir, log=print,
+                    progress=lambda i, n, sc, s: print(f"[{i}/{n}] {sc.id} {s:.1f}s", flush=True))
+    print(f"seed {seed}, {model}: {len(run.false_alarms)} false alarm(s), {len(run.unjudged)} unjudged")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -119,3 +119,39 @@ def test_a_saved_sweep_resumes_where_it_stopped_and_refuses_another_matrix(tmp_p
     monkeypatch.setattr(fa, "full_matrix", lambda seed, models: cells(seed, models)[:1])
     with pytest.raises(SystemExit, match="another matrix"):
         fa.run_saved(4, ["mlp"], tmp_path)
+
+
+def test_a_saved_sweep_runs_its_missing_parts_n_at_a_time_and_names_a_failing_one(tmp_path, monkeypatch):
+    """--sweep-jobs: the parts not yet saved run `jobs` at a time, each in a process of its own; a saved part
+    is not run again; a part that fails stops the sweep with its name and its log."""
+    import sys
+
+    from suites.mutants import false_alarms as fa
+
+    # a stand-in part: marks itself running, waits (up to 5 s) to see a second part running, saves a file where
+    # the real one would be (or fails)
+    code = ("import sys, time, pathlib; seed, model, d = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3]); "
+            "print('part', seed, model); sys.exit(3) if model == 'broken' else None\n"
+            "mark = d / f'running-{seed}-{model}'; mark.touch(); end = time.time() + 5; peak = 0\n"
+            "while peak < 2 and time.time() < end:\n"
+            "    peak = max(peak, len(list(d.glob('running-*')))); time.sleep(0.02)\n"
+            "(d / f'peak-{seed}-{model}').write_text(str(peak)); mark.unlink()\n"
+            "(d / f'seed{seed}-{model}.json').write_text('{}')")
+    monkeypatch.setattr(fa, "part_command", lambda seed, model, d: [sys.executable, "-c", code, str(seed), model, str(d)])
+    for saved in ("seed0-a.json", "seed1-c.json"):  # saved before: not run again
+        (tmp_path / saved).write_text("{}")
+    fa.run_parts([0, 1], ["a", "b", "c"], tmp_path, jobs=2, poll_s=0.05)
+    assert sorted(p.name for p in tmp_path.glob("seed*.json")) == [f"seed{s}-{m}.json" for s in (0, 1) for m in "abc"]
+    assert sorted(p.name for p in tmp_path.glob("peak-*")) == ["peak-0-b", "peak-0-c", "peak-1-a", "peak-1-b"]
+    assert [int(p.read_text()) for p in sorted(tmp_path.glob("peak-*"))] == [2, 2, 2, 2]  # two at a time, no more
+    assert (tmp_path / "log-seed1-a.txt").read_text() == "part 1 a\n"
+    with pytest.raises(SystemExit, match=r"part seed 2, broken failed \(exit 3\); its log: .*log-seed2-broken.txt"):
+        fa.run_parts([2], ["broken"], tmp_path, jobs=2, poll_s=0.05)
+
+
+def test_sweep_jobs_without_a_sweep_dir_is_a_usage_error(capsys):
+    from suites.mutants.score import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--sweep-jobs", "4", "--false-alarm-seeds", "0"])
+    assert e.value.code == 2 and "give --sweep-dir DIR too" in capsys.readouterr().err
