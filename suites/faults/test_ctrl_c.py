@@ -8,6 +8,10 @@ shows that moment, and where the moment is short it freezes the process that wou
 (SIGSTOP), sends Ctrl-C to the whole process group as a terminal does, then lets it go on (SIGCONT).
 The moments that nothing outside the process shows, or too briefly (a world worker before its
 entry point, the gate), are held by suites/faults/paused_cli.py.
+
+The default tier interrupts a world's start here and mid-step in test_launch_context.py (as a background
+job); the forkserver's start, the report and the gate are the slow tier's (`--slow`): the same handler,
+the same exit, at other moments.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ def _assert_interrupted(proc: subprocess.Popen, report: Path, timeout: float = 6
     assert not report.parent.exists(), list(report.parent.iterdir())
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_forkserver_starts(tmp_path):
     """The forkserver is still importing torch (it ignores SIGINT only once it has): frozen there,
     it gets the Ctrl-C in its imports (before the fix: a traceback ending in KeyboardInterrupt)."""
@@ -117,6 +122,7 @@ def test_ctrl_c_of_the_cli_exits_non_zero_with_one_line_and_no_orphans(tmp_path)
         kill_session(proc)
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_report_is_written(tmp_path):
     """Frozen while its outputs are staged beside the report (.fsdp-harness-out-*) and before the
     tables, the last of them, are in place: nothing of the report may be left."""
@@ -133,6 +139,7 @@ def test_ctrl_c_while_the_report_is_written(tmp_path):
         kill_session(proc)
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_the_gate(tmp_path):
     proc, report = _start_paused(tmp_path, "harness.gate.compare:compare", *SMALL, "--baseline", "default")
     try:
