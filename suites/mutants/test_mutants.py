@@ -191,10 +191,12 @@ def test_a_unit_left_gathered_after_a_no_grad_forward_is_seen_by_eval_and_by_no_
     assert {v.check for v in seen.failed} >= {"units_gathered"}
 
 
+@pytest.mark.slow
 def test_an_optimizer_stepping_shards_is_seen_only_by_a_per_matrix_optimizer(pool):
     """shard_normalised steps each rank's shard as if it were the matrix. AdamW and SGD act element by
     element, so there it changes nothing and no check fails in any cell (a per-matrix optimizer is the only
-    way to hold it: its own cells catch it, test_mutant_is_caught)."""
+    way to hold it: its own cells catch it, test_mutant_is_caught). Like the other mutants' counterpart
+    cells (below), the slow tier's."""
     m = dataclasses.replace(next(m for m in CATALOGUE if m.name == "shard_normalised"), optimizers=("adamw", "sgd"))
     run = run_catalogue([m], pool=pool)
     r = run.results[m.name]
