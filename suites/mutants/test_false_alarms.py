@@ -106,16 +106,23 @@ def test_a_saved_sweep_resumes_where_it_stopped_and_refuses_another_matrix(tmp_p
     monkeypatch.setattr(fa, "full_matrix", cells)
     monkeypatch.setattr(fa, "run_false_alarms", fake_run)
     first = fa.run_saved(4, ["mlp"], tmp_path)
-    assert ran == ["mlp"] and sorted(p.name for p in tmp_path.iterdir()) == ["seed4-mlp.json"]
+    assert ran == ["mlp"] and sorted(p.name for p in tmp_path.iterdir()) == ["seed4-mlp.json.gz"]
     both = fa.run_saved(4, ["mlp", "hf:gpt2"], tmp_path)
     assert ran == ["mlp", "hf:gpt2"], "the saved model ran again"
     assert both.verdicts[:2] == first.verdicts and len(both.false_alarms) == 2 and not both.unjudged
-    assert (tmp_path / "seed4-hf_gpt2.json").exists()
+    assert (tmp_path / "seed4-hf_gpt2.json.gz").exists()
     import torch
 
     # each part says where it ran: a resumed sweep's parts may come from different machines
     assert len(both.origins) == 2 and all(f"torch {torch.__version__}" in o for o in both.origins)
     assert both.origins[0].startswith("seed 4, mlp: commit ") and both.origins[1].startswith("seed 4, hf:gpt2:")
+    # a part saved as plain JSON, as the first sweeps saved them, is read back as well
+    import gzip
+
+    with gzip.open(tmp_path / "seed4-mlp.json.gz", "rt") as f:
+        (tmp_path / "seed5-mlp.json").write_text(f.read().replace('"seed": 4', '"seed": 5'))
+    monkeypatch.setattr(fa, "full_matrix", lambda seed, models: cells(4, models))
+    assert fa.run_saved(5, ["mlp"], tmp_path).verdicts == first.verdicts and ran == ["mlp", "hf:gpt2"]
     monkeypatch.setattr(fa, "full_matrix", lambda seed, models: cells(seed, models)[:1])
     with pytest.raises(SystemExit, match="another matrix"):
         fa.run_saved(4, ["mlp"], tmp_path)
@@ -136,12 +143,12 @@ def test_a_saved_sweep_runs_its_missing_parts_n_at_a_time_and_names_a_failing_on
             "while peak < 2 and time.time() < end:\n"
             "    peak = max(peak, len(list(d.glob('running-*')))); time.sleep(0.02)\n"
             "(d / f'peak-{seed}-{model}').write_text(str(peak)); mark.unlink()\n"
-            "(d / f'seed{seed}-{model}.json').write_text('{}')")
+            "(d / f'seed{seed}-{model}.json.gz').write_text('{}')")
     monkeypatch.setattr(fa, "part_command", lambda seed, model, d: [sys.executable, "-c", code, str(seed), model, str(d)])
-    for saved in ("seed0-a.json", "seed1-c.json"):  # saved before: not run again
+    for saved in ("seed0-a.json.gz", "seed1-c.json"):  # saved before (gzipped, or as the first sweeps did): not run again
         (tmp_path / saved).write_text("{}")
     fa.run_parts([0, 1], ["a", "b", "c"], tmp_path, jobs=2, poll_s=0.05)
-    assert sorted(p.name for p in tmp_path.glob("seed*.json")) == [f"seed{s}-{m}.json" for s in (0, 1) for m in "abc"]
+    assert {p.name.split(".")[0] for p in tmp_path.glob("seed*.json*")} == {f"seed{s}-{m}" for s in (0, 1) for m in "abc"}
     assert sorted(p.name for p in tmp_path.glob("peak-*")) == ["peak-0-b", "peak-0-c", "peak-1-a", "peak-1-b"]
     assert [int(p.read_text()) for p in sorted(tmp_path.glob("peak-*"))] == [2, 2, 2, 2]  # two at a time, no more
     assert (tmp_path / "log-seed1-a.txt").read_text() == "part 1 a\n"
