@@ -1,8 +1,9 @@
 """Features composed in one run (`--features hsdp+clip`): each composition compared with the plain model
 doing the same composition, bounds composed by the rule in harness/core/policy.py [Note: compositions].
 
-CI runs the everyday pairs on fsdp_impl and FSDP2 (mlp, both data modes, AdamW, 3 steps) at W 1, 2, those
-with hsdp (2 replicas x W/2 shards, which shards nothing at W = 2) at W 1, 4 instead; every supported pair
+CI runs the everyday pairs on fsdp_impl and FSDP2 (mlp, AdamW, 3 steps, each in the data mode where its bug
+class shows: DEFAULT_MODE; both with --slow) at W 1, 2, those with hsdp (2 replicas x W/2 shards, which shards
+nothing at W = 2) at W 1, 4 instead; every supported pair
 runs in the slow tier (`--slow`), and the CI pairs at W 1, 2, 4 on fsdp_impl, FSDP2 and DDP over five seeds
 (the false-alarm test below)."""
 
@@ -28,9 +29,26 @@ def every_pair() -> list[str]:
             if (a, b) not in EXCLUSIVE and (b, a) not in EXCLUSIVE]
 
 
-def _matrix(compositions, world_sizes, steps):
-    return build_matrix(IMPLS, ["mlp"], list(world_sizes), ("replicated", "split"), ("adamw",), steps=steps,
+def _matrix(compositions, world_sizes, steps, modes=("replicated", "split")):
+    return build_matrix(IMPLS, ["mlp"], list(world_sizes), modes, ("adamw",), steps=steps,
                         features=tuple(check_feature(c) for c in compositions))
+
+
+# The default tier runs each CI composition in the data mode where its bug class shows (both with --slow):
+# split data where replicas or micro-batches must differ for the fault to matter (hybrid sharding's replicas
+# average different gradients, hsdp+clip's norm group, hsdp+no_sync's replica agreement, bf16+accum's
+# micro-batch rounding: the bf16_summed mutant is caught there), replicated data, where every check is bitwise
+# against the plain model, for the rest.
+DEFAULT_MODE = {"hsdp+clip": "split", "hsdp+no_sync": "split", "bf16+accum": "split"}
+
+
+def _ci_matrix(slow: bool) -> list[Scenario]:
+    scenarios = []
+    for comp in CI_COMPOSITIONS:
+        modes = ("replicated", "split") if slow else (DEFAULT_MODE.get(comp, "replicated"),)
+        sizes = (1, 4) if has(comp, "hsdp") else (1, 2)  # 2 replicas x 2 shards: W = 2 would shard nothing
+        scenarios += [s for s in _matrix([comp], sizes, 3, modes) if s not in scenarios]
+    return scenarios
 
 
 def _run(compositions, world_sizes, steps, pool=None):
@@ -39,10 +57,8 @@ def _run(compositions, world_sizes, steps, pool=None):
 
 
 @pytest.fixture(scope="module")
-def ci_run(kept_worlds):
-    hybrid = [c for c in CI_COMPOSITIONS if has(c, "hsdp")]
-    scenarios = _matrix(hybrid, (1, 4), steps=3)
-    scenarios += [s for s in _matrix([c for c in CI_COMPOSITIONS if c not in hybrid], (1, 2), steps=3) if s not in scenarios]
+def ci_run(kept_worlds, request):
+    scenarios = _ci_matrix(request.config.getoption("--slow", default=False))
     return scenarios, run_matrix(scenarios, pool=kept_worlds)
 
 

@@ -21,37 +21,27 @@ from suites.faults.scenarios import FA
 SMALL = ["--models", "mlp", "--data-modes", "replicated", "--optimizers", "sgd", "--steps", "2"]
 
 
-def test_stale_torchrun_variables_in_the_shell_do_not_make_a_plain_run_wait_for_peers(tmp_path):
-    # what a shell keeps after e.g. `export RANK=0 WORLD_SIZE=2 ...` for another job; no torchrun here
+def test_a_plain_run_goes_on_in_a_shell_with_stale_torchrun_variables_and_a_deep_temp_dir(tmp_path):
+    """Two things a user's shell may hold, in one run (each a CLI run of its own before; a failure names which):
+    torchrun's variables kept after e.g. `export RANK=0 WORLD_SIZE=2 ...` for another job, with no torchrun
+    here, must not make the run wait for peers (a torchrun rank would wait 5 minutes); and the forkserver's
+    socket lives under TMPDIR, where Linux caps a socket path at 107 bytes: a deep TMPDIR (pytest's own
+    tmp_path under a long test name is one) must not break the run."""
     stale = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
-    proc = start([sys.executable, "-m", "harness", "run", "--world-sizes", "1", "--impl", "fsdp_impl", *SMALL,
-                  "--report", str(tmp_path / "r.md")],
-                 env={**ENV, **stale})
-    try:
-        out, err = proc.communicate(timeout=90)  # ~5 s on 2 cores; a torchrun rank would wait 5 min
-        assert proc.returncode == 0, out + err
-        assert "running 2 scenarios in worlds of 1 ranks" in err
-        assert (tmp_path / "r.md").is_file()
-        assert wait_session_empty(proc.pid, 10) == []
-    finally:
-        kill_session(proc)
-
-
-def test_a_temp_dir_too_long_for_a_unix_socket_path_still_runs(tmp_path):
-    """The forkserver's socket lives under TMPDIR; Linux caps a socket path at 107 bytes. A deep
-    TMPDIR (pytest's own tmp_path under a long test name is one) must not break the run."""
     tmpdir = tmp_path / ("t" * 80)
     tmpdir.mkdir()
     assert len(str(tmpdir)) + len("/pymp-XXXXXXXX/listener-XXXXXXXX") > 107
     proc = start([sys.executable, "-m", "harness", "run", "--world-sizes", "1,2", "--impl", "fsdp_impl", *SMALL,
                   "--report", str(tmp_path / "r.md")],
-                 env={**ENV, "TMPDIR": str(tmpdir), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+                 env={**ENV, **stale, "TMPDIR": str(tmpdir), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
     try:
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=120)  # ~6 s on 2 cores
         assert proc.returncode == 0, out + err
         assert "Traceback" not in err, err
+        assert "in worlds of 1,2 ranks" in err, f"the stale torchrun variables made it a torchrun job: {err}"
         assert (tmp_path / "r.md").is_file()
-        assert sorted(p.name for p in tmpdir.iterdir()) == []  # nothing left behind
+        assert sorted(p.name for p in tmpdir.iterdir()) == [], "the deep TMPDIR kept files behind"
+        assert wait_session_empty(proc.pid, 10) == []
     finally:
         kill_session(proc)
 

@@ -18,7 +18,7 @@ from suites.faults.scenarios import FA, scenario
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
-def test_under_torchrun_the_matrix_runs_fails_faults_and_goes_on(tmp_path):
+def test_under_torchrun_the_matrix_runs_fails_faults_and_goes_on(tmp_path, kept_worlds):
     """run_matrix_under_torchrun in a real 2-rank torchrun job (--standalone: no fixed port)."""
     out = tmp_path / "out.json"
     specs = ["reference@1", "fsdp_impl@1", "fsdp_impl@2", "forward_rank1_step3@2",
@@ -48,7 +48,7 @@ def test_under_torchrun_the_matrix_runs_fails_faults_and_goes_on(tmp_path):
         assert "hang_in_skipped_collective" in waiting and "all_reduce" in waiting
         # bitwise the same numbers as the same scenarios in process worlds
         same = [scenario("reference", 1), scenario("fsdp_impl", 1), scenario("fsdp_impl", 2)]
-        local = run_matrix(same, timeout_s=120).tables["steps"]
+        local = run_matrix(same, pool=kept_worlds).tables["steps"]
         cols = ["scenario", "step", "loss", "grad_norm", "max_diff_ref", "max_diff_ws1"]
         ids = {sc.id for sc in same}
         assert _no_nan([r for r in got["steps"] if r["scenario"] in ids]) == _no_nan(local[cols].to_dict("records"))

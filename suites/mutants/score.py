@@ -65,9 +65,11 @@ def scenarios_of(m: Mutant, seed: int = 0) -> list[Scenario]:
     return [c for c in cells if c.impl != REFERENCE_IMPL]
 
 
-def control_scenarios(mutants, seed: int = 0) -> list[Scenario]:
+def control_scenarios(mutants, seed: int = 0, designs_up_to: int | None = None) -> list[Scenario]:
     """Every control adapter in every (model, W, mode, optimizer, steps) cell some mutant runs in
-    (those of CONTROL_CELLS in the cells it names)."""
+    (those of CONTROL_CELLS in the cells it names). `designs_up_to`: the controls that are other correct
+    designs (every one but fsdp_impl itself) only at world sizes up to it (the quick tier's 2: a design the
+    checks accept at 1 and 2 ranks is accepted; larger worlds repeat it)."""
     shapes = sorted({(c.model, c.world_size, c.data_mode, c.optimizer, c.steps, c.feature)
                      for m in mutants for c in scenarios_of(m, seed)})
     # in a feature's cells the product itself is the control; the other controls are about init,
@@ -75,7 +77,8 @@ def control_scenarios(mutants, seed: int = 0) -> list[Scenario]:
     return [Scenario(impl, model, ws, mode, opt, steps=steps, seed=seed, feature=feature)
             for impl, _ in CONTROLS for model, ws, mode, opt, steps, feature in shapes
             if feature == "plain" or impl == "fsdp_impl"
-            if CONTROL_CELLS.get(impl, lambda *_: True)(model, ws)]
+            if CONTROL_CELLS.get(impl, lambda *_: True)(model, ws)
+            if impl == "fsdp_impl" or designs_up_to is None or ws <= designs_up_to]
 
 
 @dataclass
@@ -130,7 +133,7 @@ class CatalogueRun:
 def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), pool=None,
                   progress=None, false_alarm_models=fa.DEFAULT_MODELS, localise: bool = False,
                   exposure: bool = False, composition_seeds=(), sweep_dir: Path | None = None,
-                  sweep_jobs: int = 1, invariant: bool = False) -> CatalogueRun:
+                  sweep_jobs: int = 1, invariant: bool = False, designs_up_to: int | None = None) -> CatalogueRun:
     """Run every mutant (and the controls) in one matrix; then the per-sample mutants; then the
     correct implementations' full matrix on `false_alarm_models` under each of `false_alarm_seeds`;
     `localise`: each numeric mutant localised in its catalogue cell (suites/mutants/localised.py); `exposure`:
@@ -144,7 +147,7 @@ def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), poo
     t0 = time.perf_counter()
     mutants = list(mutants)
     own = {m.name: scenarios_of(m, seed) for m in mutants}
-    cells = [c for m in mutants for c in own[m.name]] + control_scenarios(mutants, seed)
+    cells = [c for m in mutants for c in own[m.name]] + control_scenarios(mutants, seed, designs_up_to)
     # the reference runs they are compared with: the plain model and, for split data, its noise probes
     refs = sorted({d for c in cells for d in c.dependencies() if d.impl == REFERENCE_IMPL}, key=lambda s: s.id)
     own_pool = pool is None
