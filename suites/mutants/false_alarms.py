@@ -124,8 +124,8 @@ def run_saved(seed: int, models, save_dir: Path, *, pool=None, progress=None, lo
     scenarios, verdicts, wall, origins = [], [], 0.0, []
     for model in models:
         cells = full_matrix(seed, [model])
-        path = saved_part(save_dir, seed, model) or part_path(save_dir, seed, model)
-        if path.exists():
+        path = saved_part(save_dir, seed, model)
+        if path is not None:
             saved = read_part(path)
             if saved["scenarios"] != [c.id for c in cells]:
                 raise SystemExit(f"{path} was made for another matrix (the code changed since): move it away")
@@ -139,6 +139,7 @@ def run_saved(seed: int, models, save_dir: Path, *, pool=None, progress=None, lo
             got, wall = run.verdicts, wall + run.wall_s
             saved = {"seed": seed, "model": model, "commit": _commit(), **_machine(), "wall_s": run.wall_s,
                      "scenarios": [c.id for c in cells], "verdicts": [dataclasses.asdict(v) for v in got]}
+            path = part_path(save_dir, seed, model)
             part = path.with_name(path.name + ".part")  # written whole, then put in place: a stop leaves no half
             with gzip.open(part, "wt", encoding="utf-8") as f:  # a part's verdicts: 3 MB of JSON, 75 KB gzipped
                 json.dump(saved, f)

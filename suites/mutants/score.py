@@ -23,7 +23,7 @@ import pandas as pd
 
 from harness.core.scenario import REFERENCE_IMPL, Scenario, build_matrix
 from harness.core.verdict import FAIL, Verdict
-from harness.options import DEFAULT_WORLD_SIZES
+from harness.options import DEFAULT_WORLD_SIZES, positive_int
 from harness.options import seeds as seed_list
 from harness.tables.store import write_text_atomic
 from suites.mutants import false_alarms as fa
@@ -375,16 +375,6 @@ def _localised_section(located: dict) -> list[str]:
             pd.DataFrame(rows).to_markdown(index=False), ""]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
-    return n
-
-
 def _model_list(text: str) -> tuple[str, ...]:
     from harness.options import models
     return fa.STANDARD if text == "standard" else models(text)
@@ -418,7 +408,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-dir", type=Path, default=None, metavar="DIR",
                    help="save the false-alarm sweep to DIR one (seed, model) at a time as each finishes, and read "
                         "back what DIR already holds: a sweep of hours can be stopped and resumed")
-    p.add_argument("--sweep-jobs", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--sweep-jobs", type=positive_int, default=1, metavar="N",
                    help="with --sweep-dir: run N (seed, model) parts of the sweep at a time, each in a process of its "
                         "own (a part's worlds take up to 8 cores: on 16 cores, about 6)")
     p.add_argument("--no-invariant", action="store_true",
