@@ -6,7 +6,8 @@ storage counted once: tied weights, parameters that are views into one flat buff
 padding included; a storage freed by ``resize_(0)`` counts 0. DTensors count their local shard.
 
 Categories (both functions use the same names):
-    params           parameters (sharded and, during the step, unsharded copies / all-gather output)
+    params           parameters (sharded and, during the step, unsharded copies / all-gather output,
+                     unless what was gathered was computed from gradients: then grads)
     grads            gradients (sharded and unsharded, reduce-scatter input)
     optimizer_state  tensors in ``optimizer.state`` (exp_avg, exp_avg_sq, momentum_buffer, step)
     activations      tensors made in forward, and temporaries of backward (activation gradients)
@@ -23,7 +24,9 @@ from typing import Any, Iterable
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, get_untyped_storages
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 try:
     from torch.distributed.tensor import DTensor
@@ -128,10 +131,15 @@ class _GlobalPeakOnly:
 
 
 class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
-    """MemTracker that files all-gather outputs under params and reduce-scatter inputs under
+    """MemTracker that files all-gather outputs under params (grads where the gathered data came from
+    gradients: an all-reduce spelled as reduce-scatter + all-gather) and reduce-scatter inputs under
     grads, so any ZeRO-3 implementation's unsharded buffers are attributed without knowing it.
     It also skips gradient hooks on parameters that are not leaves during forward (FSDP1 with
     ``use_orig_params=True`` makes them views of the flat parameter), which MemTracker rejects."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._gradient_data: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> True
 
     def _track_module_params_and_buffers(self, module: nn.Module,
                                          install_grad_hooks: bool = True) -> tuple[int, int]:
@@ -158,13 +166,73 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
         res = super().__torch_dispatch__(func, types, args, kwargs)
         if res is NotImplemented:
             return res
-        if func in _GATHERS or func in _SCATTERS:
-            which = 0 if func in _GATHERS else 1
-            ref = _MemRefType.PARAM if func in _GATHERS else _MemRefType.GRAD
-            tensors = args[which] if isinstance(args[which], (list, tuple)) else [args[which]]
-            for t in tensors:
+        outputs, inputs = _written_and_read(func, args, kwargs or {}, res)
+        from_grads = func in _SCATTERS or any(self._holds_gradient_data(t) for t in inputs)
+        if func in _GATHERS:  # what is gathered from gradient data is a gradient, not a parameter
+            ref = _MemRefType.GRAD if from_grads else _MemRefType.PARAM
+            for t in _tensors(args[0]):
                 self._update_and_maybe_create_winfos(t, ref)
+        elif func in _SCATTERS:
+            for t in _tensors(args[1]):
+                self._update_and_maybe_create_winfos(t, _MemRefType.GRAD)
+        self._mark_gradient_data(outputs, from_grads)
         return res
+
+    # Gradient provenance. An all-gather is filed under params unless what it gathers was computed from
+    # gradients: an all-reduce spelled as reduce-scatter + all-gather (fsdp_impl's HSDP replica exchange)
+    # gathers a reduced gradient. A storage holds gradient data when the last operation that wrote it
+    # read a gradient or gradient data; parameters, buffers and optimizer state are never re-marked (an
+    # optimizer step writes parameters from gradients; they stay parameters).
+    def _holds_gradient_data(self, t: torch.Tensor) -> bool:
+        for st in get_untyped_storages(t):
+            winfo, _ = self._WINFO.get(st, (None, None))
+            if (winfo is not None and winfo.reftype == _MemRefType.GRAD) or st in self._gradient_data:
+                return True
+        return False
+
+    def _mark_gradient_data(self, outputs: list[torch.Tensor], from_grads: bool) -> None:
+        for t in outputs:
+            for st in get_untyped_storages(t):
+                winfo, _ = self._WINFO.get(st, (None, None))
+                if winfo is not None and winfo.reftype in _STATE_REFS:
+                    continue
+                if from_grads:
+                    self._gradient_data[st] = True
+                else:
+                    self._gradient_data.pop(st, None)
+
+
+_STATE_REFS = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.OPT)
+_OVERWRITTEN = {torch.ops.aten.copy_.default, torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar}
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def _written_and_read(func, args: tuple, kwargs: dict, res: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(the tensors an operation wrote, the tensors it read). An aten operation writes its results and
+    the arguments its schema marks as written (``out=``, in-place ``self``); it reads every other tensor
+    argument and an in-place ``self`` (except where it overwrites it whole: copy_, zero_, fill_). The c10d
+    collectives mark nothing in their schemas: those with an input argument (all-gather, reduce-scatter,
+    all-to-all) write their first argument from their second; the others (all-reduce, broadcast) work in
+    place on their first."""
+    if func.namespace == "c10d":
+        if len(args) > 1 and _tensors(args[1]):
+            return _tensors(args[0]), _tensors(args[1])
+        return _tensors(args[0]) if args else [], _tensors(args[0]) if args else []
+    written, read = _tensors(res), []
+    schema = func._schema.arguments
+    for i, a in enumerate(schema):
+        value = args[i] if i < len(args) else kwargs.get(a.name)
+        if value is None:
+            continue
+        is_write = a.alias_info is not None and a.alias_info.is_write
+        if is_write:
+            written += _tensors(value)
+        if not is_write or (not a.is_out and func not in _OVERWRITTEN):
+            read += _tensors(value)
+    return written, read
 
 
 def _is_fsdp2(model: nn.Module) -> bool:

@@ -136,6 +136,28 @@ def _solo(group) -> list[dict]:
     return cc.summary()
 
 
+GATHERED = 1 << 16  # elements of the weight each rank gathers in `_gathered` (256 KiB a copy)
+
+
+def _gathered(what: str) -> dict[str, int]:
+    """A step of a plain Linear in which every rank all-gathers W copies of `what` (its gradient
+    scaled, as a reduction spelled reduce-scatter + all-gather gathers a reduced gradient; or a copy
+    of its weight, as ZeRO-3 gathers a parameter) and keeps them to the end: the peak's breakdown."""
+    import torch.distributed as dist
+
+    model = nn.Linear(GATHERED, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with PeakMemory(model, opt, "cpu") as pm:
+        model(torch.ones(1, GATHERED)).sum().backward()
+        source = model.weight.grad * 0.5 if what == "grads" else model.weight.detach() * 1.0
+        out = torch.empty(W * GATHERED)
+        dist.all_gather_into_tensor(out, source.flatten())
+        out.sum()  # a new peak, taken with the gathered copies filed (they are filed once gathered)
+        opt.step()
+        del out
+    return pm.result()
+
+
 def _rank_main(rank: int, store_path: str, queue) -> None:
     try:
         import torch.distributed as dist
@@ -150,6 +172,7 @@ def _rank_main(rank: int, store_path: str, queue) -> None:
         out["fsdp2_w1"] = _measured(lambda: _fsdp2(EVEN, solo), EVEN)
         out["ddp_w2"] = _measured(lambda: DDP(mlp(EVEN), gradient_as_bucket_view=True), EVEN)
         out["plain"] = _measured(lambda: mlp(EVEN), EVEN)
+        out["gathered"] = {what: _gathered(what) for what in ("grads", "params")}
         queue.put((rank, out))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report to the parent, which fails the test
@@ -306,6 +329,18 @@ def test_peak_is_positive_covers_state_and_sums_categories(world, case):
 
 def test_fsdp2_w2_peak_below_unsharded_peak(world):
     assert world[0]["fsdp2_w2_even"]["peak"]["peak"] < world[0]["plain"]["peak"]["peak"]
+
+
+def test_an_all_gather_of_gradient_data_is_filed_under_grads_not_params(world):
+    """An all-reduce spelled as reduce-scatter + all-gather (fsdp_impl's HSDP replica exchange) gathers
+    a reduced gradient: counted as parameters it made peak_params_bound fail a correct implementation.
+    A gathered copy of the weight stays a parameter."""
+    copy = 4 * GATHERED
+    for rank in range(W):
+        grads, params = world[rank]["gathered"]["grads"], world[rank]["gathered"]["params"]
+        assert params["params"] >= copy + W * copy  # the weight and the W copies gathered
+        assert grads["params"] < 2 * copy  # the weight only (and nothing gathered)
+        assert grads["grads"] >= copy + W * copy  # its gradient and the W gathered from gradient data
 
 
 def test_peak_sees_a_known_temporary():
