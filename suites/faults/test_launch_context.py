@@ -18,12 +18,11 @@ BACKGROUND_JOB = ("import os, signal, sys\n"
                   "os.close(0)\n"
                   "os.execvp(sys.argv[1], sys.argv[1:])\n")
 
-# one test per way a signal reaches a process: Ctrl-C of the CLI's process group, SIGHUP of the CLI
-# alone, SIGINT to the test process itself (the first two are the slow tier's when run directly: the
-# default tier runs them here, with --slow in the inner run)
+# the signal tests the default tier runs here only (the slow tier's when run directly; --slow in the inner
+# run): Ctrl-C of the CLI's process group, and SIGHUP of the CLI alone. Both rely on the default action
+# of a signal that a background job's parent ignores.
 SIGNAL_TESTS = ["suites/faults/test_ctrl_c.py::test_ctrl_c_of_the_cli_exits_non_zero_with_one_line_and_no_orphans",
-                "suites/faults/test_signals_and_env.py::test_sigterm_or_sighup_of_the_cli_unwinds_like_ctrl_c[SIGHUP]",
-                "suites/unit/test_world.py::test_ctrl_c_in_the_parent_kills_the_world"]
+                "suites/faults/test_signals_and_env.py::test_sigterm_or_sighup_of_the_cli_unwinds_like_ctrl_c[SIGHUP]"]
 
 
 def test_the_signal_tests_pass_when_started_as_a_background_job_with_signals_ignored(tmp_path):

@@ -149,14 +149,14 @@ def test_allow_large_lifts_the_limits_but_not_the_temp_dir_check(monkeypatch, tm
     assert shutil.disk_usage(tmp_path).free  # the real free space is what check_steps reads
 
 
-@pytest.mark.parametrize("model", ["mlp", "tinylm_tied", "mha_lm", "bn_mlp"])
+SIZED = ["mlp", "tinylm_tied", "mha_lm", "bn_mlp"]
+
+
+@pytest.mark.parametrize("model", SIZED)
 def test_model_sizes_on_meta_without_fills_are_those_of_the_model_built_for_real(model):
     """model_size builds on the meta device with value fills skipped (nn.init's, which would import
     torch._dynamo in the judging process): every parameter's shape, dtype and trainability must be
-    those of the model built on the CPU, and no torch._dynamo import may be needed for it."""
-    import subprocess
-    import sys
-
+    those of the model built on the CPU."""
     with torch.random.fork_rng(devices=[]):
         real = get_model_spec(model).build()
     params = list(real.named_parameters())
@@ -168,6 +168,15 @@ def test_model_sizes_on_meta_without_fills_are_those_of_the_model_built_for_real
         meta = get_model_spec(model).build()
     assert [(n, p.shape, p.dtype, p.requires_grad) for n, p in meta.named_parameters()] == \
         [(n, p.shape, p.dtype, p.requires_grad) for n, p in params]
-    code = f"import sys; from harness.limits import model_size; model_size({model!r}); print('torch._dynamo' in sys.modules)"
+
+
+def test_model_sizes_need_no_torch_dynamo_import():
+    """In a fresh interpreter (this one has imported torch._dynamo long ago), sizing every model above
+    imports no torch._dynamo: one process for them all."""
+    import subprocess
+    import sys
+
+    code = (f"import sys; from harness.limits import model_size\nfor m in {SIZED!r}: model_size(m)\n"
+            "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
