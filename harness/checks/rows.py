@@ -26,18 +26,19 @@ def rows_trained(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             out.append(not_measured("rows_trained", row, f"no starting and last snapshots of it and of {ref}"))
             continue
         apart = apart_of.get(row.scenario)
+        noise = _noise_note(getattr(row, "rows_noise", math.nan), ref)
         if apart is None or not len(apart):
             moved = getattr(row, "rows_moved", math.nan)
             out.append(judge("rows_trained", row, True, 0, 0, (
-                f"the run moved exactly the rows that {ref} moved ({_count(moved)} of the {int(n)} rows of its "
-                "parameters)")))
+                f"the run moved {'' if noise else 'exactly '}the rows that {ref} moved ({_count(moved)} of the "
+                f"{int(n)} rows of its parameters)" + noise)))
             continue
         apart = apart.sort_values(["step", "param"], kind="stable")
         first = apart.iloc[0]
         rank = _one_rank(first.ranks)
         out.append(judge("rows_trained", row, False, len(apart), 0,
                          "; ".join(_phrase(r, ref) for r in apart.head(4).itertuples())
-                         + (f" (and {len(apart) - 4} more parameters)" if len(apart) > 4 else ""),
+                         + (f" (and {len(apart) - 4} more parameters)" if len(apart) > 4 else "") + noise,
                          step=int(first.step), param=str(first.param), rank=rank,
                          where=f"rows {first.still or first.extra}"))
     return out
@@ -51,6 +52,15 @@ def _phrase(r, ref: str) -> str:
     if _text(r.extra):
         parts.append(f"rows {r.extra} of {r.param}{held if not parts else ''} moved, which {ref} left as they were")
     return " and ".join(parts) + f" (from step {int(r.step)})"
+
+
+def _noise_note(n, ref: str) -> str:
+    """What a verdict says of the rows left unheld at the model's noise level ('' for none)."""
+    if n is None or (isinstance(n, float) and math.isnan(n)) or int(n) == 0:
+        return ""
+    return (f"; {int(n)} row{'s' if int(n) > 1 else ''} moved otherwise than in {ref} not held: the plain model "
+            "itself moves them or not as the batch is cut into the ranks' slices (its noise probes part from it "
+            "there), so their gradient is rounding noise (model-sensitive rows)")
 
 
 def _count(x) -> str:

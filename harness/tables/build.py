@@ -135,9 +135,10 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             final = {"final_loss": rec["loss"], "param_sum": sum(float(t.double().sum()) for t in cur.values()),
                      "max_diff_ref": mr, "max_diff_ws1": m1}
         restore = _restore(sc, snaps, by_id)
-        rows_compared = rows_moved = math.nan
+        rows_compared = rows_moved = rows_noise = math.nan
         if sc.impl != REFERENCE_IMPL and ref_id in by_id:
-            apart, rows_compared, rows_moved = rows_apart(sc, snaps, res["ranks"], ref_id)
+            apart, rows_compared, rows_moved, rows_noise = rows_apart(
+                sc, snaps, res["ranks"], ref_id, [p for p in sc.noise_probes() if p.id in by_id])
             apart_rows += apart
         calm = _calm(sc, snaps, by_id, [rec["step"] for rec in r0["steps"]])
         for rank_rec in res["ranks"]:
@@ -161,7 +162,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                           "buffer_bytes": r0.get("buffer_bytes", math.nan),
                           "batch_stats": r0.get("batch_stats", ""),
                           "params_compared": compared, "rows_compared": rows_compared,
-                          "rows_moved": rows_moved, **restore, **calm, "state_bytes": max(state), "peak_bytes": max(peak),
+                          "rows_moved": rows_moved, "rows_noise": rows_noise, **restore, **calm, "state_bytes": max(state), "peak_bytes": max(peak),
                           "step_time_s": max(rr["step_time_s"] for rr in res["ranks"])})
     rows = {"steps": steps_rows, "params": param_rows, "scenarios": scen_rows, "memory": mem_rows,
             "comm": comm_rows, "coverage": cover_rows, "gathered": gathered_rows, "rank_diffs": rank_rows,
@@ -217,6 +218,9 @@ def reduction_ranks(ranks: list[dict], i: int, param_tensors: int) -> str | floa
     return ",".join(str(r) for g in groups.values() if g is not largest for r in g)
 
 
+MODEL_LIMIT = "model limit:"  # how a failure that is the model's, not an implementation's, begins
+
+
 def model_limit(sc: Scenario, status: str, error: str, results: dict[str, dict]) -> tuple[str, str]:
     """(status, error) of a failed scenario, told apart from an implementation's failure where the plain
     model fails too. A sharded run that fails as a plain run it is compared with fails (that run's exception
@@ -226,7 +230,7 @@ def model_limit(sc: Scenario, status: str, error: str, results: dict[str, dict])
     if status != "error":
         return status, error
     if sc.impl == REFERENCE_IMPL:
-        return status, (f"model limit: the plain model itself fails in this scenario, no implementation involved "
+        return status, (f"{MODEL_LIMIT} the plain model itself fails in this scenario, no implementation involved "
                         f"({_last_line(error)}):\n{error}")
     mine = {line.strip() for line in str(error).splitlines()}
     for dep in (sc.reference(), *sc.noise_probes()):
@@ -234,7 +238,7 @@ def model_limit(sc: Scenario, status: str, error: str, results: dict[str, dict])
         raised = _last_line(theirs.get("error", ""))
         # the plain run's exception line, raised on some rank of this run ("rank 3 failed too: <it>" included)
         if raised and (raised in mine or any(line.endswith(": " + raised) for line in mine)):
-            return "unsupported", (f"model limit: fails as the plain model fails in {dep.id} ({raised}); the model "
+            return "unsupported", (f"{MODEL_LIMIT} fails as the plain model fails in {dep.id} ({raised}); the model "
                                    "cannot run this scenario, whoever shards it")
     return status, error
 

@@ -7,6 +7,18 @@ loaded at). The sharded run and the plain model it is compared with must move th
 reference trains and the run leaves at its starting value never trained (a tail of rows that no rank's
 gradient or optimizer reached); a row the run moves that the reference leaves was trained by the run
 alone (a frozen or unused row updated).
+
+Rows at the model's own noise level are held to it. Where a run's batch is cut into slices (split data, and
+the nudged clip probes), the plain model doing the same cut (its noise probes, Scenario.noise_probes) is a
+correct computation too, and by the last step it lands up to some distance F from the full-batch reference
+in each parameter (the parameter's noise floor, as the value checks measure it). A row that moved by no more
+than NOISE_FLOOR_FACTOR x F cannot say whether a run trained it: its gradient may be rounding noise (a bias
+before a BatchNorm, whose true gradient is zero, moves under SGD by lr x that noise or not at all, and which
+rows move depends on the order of summation). So where a parameter has a floor, a row is apart when one run
+left it exactly at its starting value and the other moved it beyond the floor (the never-trained row and the
+row trained alone); a row one run left and the other moved no further than the floor is counted
+(`rows_noise`), not held. A parameter with no floor (replicated data has no probes; a probe that lands on
+the reference exactly) is held bit for bit.
 """
 
 from __future__ import annotations
@@ -15,6 +27,7 @@ import math
 
 import torch
 
+from harness.core.policy import NOISE_FLOOR_FACTOR
 from harness.core.scenario import Scenario, ckpt_step
 
 
@@ -52,30 +65,61 @@ def holders(rows: list[int], name: str, ranks: list[dict]) -> str:
     return ",".join(out)
 
 
-def rows_apart(sc: Scenario, snaps, ranks: list[dict], ref_id: str) -> tuple[list[dict], float, float]:
-    """(rows_trained table rows, rows compared, rows the reference moved) for one run against its reference
-    `ref_id`: a table row per parameter whose moved rows differ, with the first step where they part. The
-    counts are NaN where a snapshot of either run is missing (the check then fails as not measured)."""
+def noise_floors(snaps, ref_id: str, probes: list[Scenario], last: int) -> dict[str, float]:
+    """parameter -> the largest |difference| at step `last` between the reference `ref_id` and any of its noise
+    `probes` that have a snapshot there (parameters where every probe lands on the reference: absent)."""
+    ref, out = snaps.get(ref_id, last), {}
+    for probe in probes if ref else ():
+        for name, t in (snaps.get(probe.id, last) or {}).items():
+            if name in ref and t.shape == ref[name].shape:
+                d = float((t.double() - ref[name].double()).abs().max()) if t.numel() else 0.0
+                if d > 0 or d != d:
+                    out[name] = max(out.get(name, 0.0), d) if d == d else math.inf
+    return out
+
+
+def moved_beyond(now: torch.Tensor, start: torch.Tensor, limit: float) -> torch.Tensor:
+    """Bool per dim-0 row: some value is more than `limit` from `start` (NaN counts as moved); `moved` for 0."""
+    if limit <= 0:
+        return moved(now, start)
+    far = ~((now.double() - start.double()).abs() <= limit)
+    return far.reshape(1) if far.dim() == 0 else far.reshape(far.shape[0], -1).any(1)
+
+
+def rows_apart(sc: Scenario, snaps, ranks: list[dict], ref_id: str,
+               probes: list[Scenario] = ()) -> tuple[list[dict], float, float, float]:
+    """(rows_trained table rows, rows compared, rows the reference moved, rows apart left unheld) for one run
+    against its reference `ref_id`: a table row per parameter whose moved rows differ, with the first step
+    where they part. Where a parameter has a noise floor (`noise_floors` of `probes`, times NOISE_FLOOR_FACTOR)
+    a row is apart only when one run left it exactly and the other moved it beyond that; the rows apart bit
+    for bit but within it are counted. The counts are NaN where a snapshot of either run is missing (the check then fails as not
+    measured)."""
     first, last = start_step(sc), sc.steps
     mine0, ref0 = snaps.get(sc.id, first), snaps.get(ref_id, first)
     mine, ref = snaps.get(sc.id, last), snaps.get(ref_id, last)
     if not (mine0 and ref0 and mine and ref):
-        return [], math.nan, math.nan
-    out, compared, trained = [], 0, 0
+        return [], math.nan, math.nan, math.nan
+    floor = noise_floors(snaps, ref_id, list(probes), last)
+    out, compared, trained, unheld = [], 0, 0, 0
     for name, t in mine.items():
         if name not in ref or name not in mine0 or name not in ref0 or t.shape != ref[name].shape \
                 or ref0[name].shape != t.shape or mine0[name].shape != t.shape:
             continue  # a parameter full_params lost or misshaped: params_cover_model's
         a, b = moved(t, mine0[name]), moved(ref[name], ref0[name])
         compared, trained = compared + a.numel(), trained + int(b.sum())
-        still = torch.nonzero(b & ~a).flatten().tolist()  # the reference moved them, this run did not
-        extra = torch.nonzero(a & ~b).flatten().tolist()  # this run moved them, the reference did not
+        limit = NOISE_FLOOR_FACTOR * floor.get(name, 0.0)
+        a_far, b_far = (moved_beyond(t, mine0[name], limit), moved_beyond(ref[name], ref0[name], limit)) \
+            if limit > 0 else (a, b)
+        gone, alone = b_far & ~a, a_far & ~b  # one run left the row exactly as it was, the other moved it far
+        unheld += int(((a != b) & ~gone & ~alone).sum())
+        still = torch.nonzero(gone).flatten().tolist()  # the reference moved them, this run did not
+        extra = torch.nonzero(alone).flatten().tolist()  # this run moved them, the reference did not
         if not (still or extra):
             continue
         step = _first_parting(sc, snaps, ref_id, name, first, still, extra)
         out.append({"scenario": sc.id, "param": name, "step": step, "still": spans(still), "extra": spans(extra),
                     "ranks": holders(still + extra, name, ranks)})
-    return out, float(compared), float(trained)
+    return out, float(compared), float(trained), float(unheld)
 
 
 def _first_parting(sc: Scenario, snaps, ref_id: str, name: str, first: int, still: list[int],

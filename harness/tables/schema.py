@@ -57,7 +57,9 @@ class Table:
 #               every parameter tensor, summed; param_tensors: their count; params_compared: the
 #               plain model's parameters whose names and shapes were held against full_params; rows_compared:
 #               the dim-0 rows whose moving was held against the reference's (harness/tables/rows.py),
-#               rows_moved: how many of them the reference moved;
+#               rows_moved: how many of them the reference moved; rows_noise: how many rows the run moved
+#               otherwise than the reference that were left unheld, the plain model itself moving them or
+#               not as the batch is cut (its noise probes disagree with the reference on them);
 #               buffer_bytes: the plain model's buffers; batch_stats: the plain model's layers that
 #               normalise with batch statistics (BatchNorm), comma-separated; restore_diff (ckpt, resumed
 #               runs): max |difference|
@@ -96,7 +98,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         "max_diff_ws1", "sharded",
         "param_bytes", "trainable_bytes", "param_elements", "trainable_elements", "largest_unit_bytes",
         "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "buffer_bytes", "batch_stats", "params_compared",
-        "rows_compared", "rows_moved", "restore_diff",
+        "rows_compared", "rows_moved", "rows_noise", "restore_diff",
         "restore_param", "state_restore_diff", "state_restore_param", "state_restore_rank", "state_restore_where",
         "state_restored", "calm_step", "calm_param", "calm_element", "calm_compared", "state_bytes",
         "peak_bytes", "step_time_s"),

@@ -51,8 +51,8 @@ def test_a_row_moved_when_any_of_its_values_changed():
 
 def test_rows_the_reference_trains_and_the_run_leaves_are_named_with_their_rank():
     snaps = Snaps({REF: trajectory(range(33)), SC.id: trajectory(range(30))})  # rows 30-32 never move
-    apart, compared, trained = rows_apart(SC, snaps, RANKS, REF)
-    assert (compared, trained) == (33 + 4, 33 + 4)
+    apart, compared, trained, unheld = rows_apart(SC, snaps, RANKS, REF)
+    assert (compared, trained, unheld) == (33 + 4, 33 + 4, 0)
     assert apart == [{"scenario": SC.id, "param": "embed.weight", "step": 1, "still": "30-32", "extra": "",
                       "ranks": "6"}]
 
@@ -62,14 +62,57 @@ def test_rows_the_run_alone_moves_are_named_from_the_step_they_move():
     run = trajectory(range(33), bias_moves=False)
     run[2]["norm.bias"][3] = 1.0
     run[3]["norm.bias"][3] = 1.0
-    apart, _, trained = rows_apart(SC, Snaps({REF: ref, SC.id: run}), RANKS, REF)
+    apart, _, trained, _ = rows_apart(SC, Snaps({REF: ref, SC.id: run}), RANKS, REF)
     assert trained == 33
     assert apart == [{"scenario": SC.id, "param": "norm.bias", "step": 2, "still": "", "extra": "3", "ranks": ""}]
 
 
 def test_a_missing_snapshot_is_not_measured():
-    apart, compared, trained = rows_apart(SC, Snaps({REF: trajectory(range(33))}), RANKS, REF)
-    assert apart == [] and math.isnan(compared) and math.isnan(trained)
+    apart, compared, trained, unheld = rows_apart(SC, Snaps({REF: trajectory(range(33))}), RANKS, REF)
+    assert apart == [] and math.isnan(compared) and math.isnan(trained) and math.isnan(unheld)
+
+
+SPLIT = Scenario("fsdp_impl", "bn_mlp", 8, "split", "sgd", steps=3)  # a probe of the ranks' slices exists
+
+
+def _bias_moving(rows: dict[int, float]) -> dict:
+    """A bias of 6 whose given rows move by the given amount at each of the 3 steps."""
+    out, b = {}, torch.zeros(6)
+    for k in range(4):
+        out[k] = {"hidden.0.0.bias": b.clone()}
+        for r, by in rows.items():
+            b[r] += by
+    return out
+
+
+NOISE, REAL = 1e-12, 1e-3  # a step of lr x a rounding-noise gradient; a trained row's step
+
+
+def test_rows_that_moved_no_further_than_the_models_noise_floor_are_counted_not_held():
+    """A bias before a BatchNorm: its true gradient is zero, so under SGD a row moves by lr x rounding noise
+    or not at all, and which rows move depends on how the batch is cut and summed. The plain model cut into
+    the ranks' slices (the noise probe) lands 3e-12 from the full batch there: a row the run moved by no more
+    than 2 x that is not held; a row moved, or left, by a trained row's step still is."""
+    ref_id, probes = SPLIT.reference().id, SPLIT.noise_probes()
+    assert probes, "a split run at 8 ranks has noise probes"
+    runs = {ref_id: _bias_moving({0: REAL, 1: NOISE}), probes[0].id: _bias_moving({0: REAL, 2: NOISE, 3: NOISE})}
+    runs[SPLIT.id] = _bias_moving({0: REAL, 4: NOISE})  # rows 1 (ref only) and 4 (run only): noise
+    apart, compared, trained, unheld = rows_apart(SPLIT, Snaps(runs), [], ref_id, probes)
+    assert (apart, compared, trained, unheld) == ([], 6, 2, 2)
+    runs[SPLIT.id] = _bias_moving({1: NOISE, 4: NOISE, 5: REAL})  # row 0 never trained, row 5 trained alone
+    apart, _, _, unheld = rows_apart(SPLIT, Snaps(runs), [], ref_id, probes)
+    assert unheld == 1 and [(a["param"], a["still"], a["extra"]) for a in apart] == [("hidden.0.0.bias", "0", "5")]
+    runs[SPLIT.id] = _bias_moving({0: REAL, 4: NOISE})
+    apart, _, _, unheld = rows_apart(SPLIT, Snaps(runs), [], ref_id)  # without its probes: bit for bit
+    assert unheld == 0 and (apart[0]["still"], apart[0]["extra"]) == ("1", "4")
+
+
+def test_the_verdict_says_how_many_rows_it_left_unheld_and_why():
+    t = _tables([])
+    t["scenarios"] = t["scenarios"].assign(rows_noise=3.0)
+    verdicts = [v for v in run_checks(t) if v.check == "rows_trained"]
+    assert verdicts and all(v.status == PASS and "; 3 rows moved otherwise than in" in v.message
+                            and "model-sensitive rows" in v.message for v in verdicts)
 
 
 def _tables(apart: list[dict], compared=syn.ROWS):
