@@ -253,10 +253,13 @@ def _alarm_lines(title: str, runs: list, through: str, note: str, margins: bool)
     deviations seen, optionally how close the passes came to their bounds, and each alarm."""
     n_alarms = sum(len(r.false_alarms) for r in runs)
     n_scen = sum(len(r.scenarios) for r in runs)
+    limits = [v for r in runs for v in r.model_limits]
     lines = [f"## {title}", "",
              f"**{n_alarms} false alarm(s)** in {n_scen} scenarios: {', '.join(fa.CORRECT)} (and the non-sharded "
              f"reference) through {through}, seeds {', '.join(str(r.seed) for r in runs)} "
-             f"({sum(r.wall_s for r in runs):.0f} s). {note}", "",
+             f"({sum(r.wall_s for r in runs):.0f} s). {note}"
+             + (f" Apart from them, {len(limits)} model limit(s): scenarios the plain model itself cannot run (no "
+                "implementation involved; each run's verdict says so), listed at the end." if limits else ""), "",
              fa.summary(runs).to_markdown(index=False), ""]
     known = fa.known(runs)
     if len(known):
@@ -267,7 +270,9 @@ def _alarm_lines(title: str, runs: list, through: str, note: str, margins: bool)
     origins = [o for r in runs for o in r.origins]
     if origins:
         lines += ["Where each saved part of the sweep ran (`--sweep-dir`):", ""] + [f"- {o}" for o in origins] + [""]
-    return lines + [f"- {v}" for r in runs for v in r.false_alarms]
+    return lines + [f"- {v}" for r in runs for v in r.false_alarms] + \
+        ([f"Model limits: {len(limits)}", ""] + [f"- {v.scenario}: {str(v.message).splitlines()[0]}" for v in limits]
+         if limits else [])
 
 
 def _false_alarm_section(runs: list) -> list[str]:

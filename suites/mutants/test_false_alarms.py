@@ -85,6 +85,25 @@ def test_false_alarm_tables_count_and_rank_the_verdicts():
     assert k[["check", "implementation", "verdicts"]].values.tolist() == [["cross_ws_replicated", "ddp", 1]]
 
 
+def test_the_plain_model_failing_a_scenario_is_a_model_limit_not_a_false_alarm():
+    """A BatchNorm model under the bf16 policy: the plain run itself raises, and its verdict says that no
+    implementation is involved. Counted apart; any other failure, the reference's own included, is an alarm."""
+    from harness.core.scenario import Scenario
+    from harness.core.verdict import FAIL, Verdict
+    from harness.tables.build import model_limit
+    from suites.mutants.false_alarms import FalseAlarmRun
+
+    ref = Scenario("reference", "bn_mlp", 1, "replicated", "adamw", feature="bf16")
+    impl = Scenario("fsdp_impl", "bn_mlp", 2, "replicated", "adamw", feature="bf16")
+    _, said = model_limit(ref, "error", "Traceback ...\nRuntimeError: expected scalar type BFloat16", {})
+    verdicts = [Verdict("completed", ref.id, FAIL, None, None, message=said),
+                Verdict("converges", ref.id, FAIL, None, None, message="the loss rose"),
+                Verdict("completed", impl.id, FAIL, None, None, message=said)]  # said of an implementation's run: an alarm
+    run = FalseAlarmRun(0, [ref, impl], verdicts, 1.0)
+    assert [(v.scenario, v.check) for v in run.model_limits] == [(ref.id, "completed")]
+    assert [(v.scenario, v.check) for v in run.false_alarms] == [(ref.id, "converges"), (impl.id, "completed")]
+
+
 def test_a_saved_sweep_resumes_where_it_stopped_and_refuses_another_matrix(tmp_path, monkeypatch):
     """Each model's verdicts are saved as it finishes; a second sweep reads them back (the same verdicts,
     nothing run again) and runs only the models not saved; a file of another matrix is refused."""
