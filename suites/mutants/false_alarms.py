@@ -136,6 +136,7 @@ def run_saved(seed: int, models, save_dir: Path, *, pool=None, progress=None, lo
     for another matrix (the scenario ids differ: the code changed) is refused, not mixed in."""
     save_dir.mkdir(parents=True, exist_ok=True)
     scenarios, verdicts, wall, origins = [], [], 0.0, []
+    made_with = _commit()  # the code this process runs: read now, not when a part is saved (HEAD may move)
     for model in models:
         cells = full_matrix(seed, [model])
         path = saved_part(save_dir, seed, model)
@@ -151,7 +152,7 @@ def run_saved(seed: int, models, save_dir: Path, *, pool=None, progress=None, lo
         else:
             run = run_false_alarms(cells, seed=seed, pool=pool, progress=progress)
             got, wall = run.verdicts, wall + run.wall_s
-            saved = {"seed": seed, "model": model, "commit": _commit(), **_machine(), "wall_s": run.wall_s,
+            saved = {"seed": seed, "model": model, "commit": made_with, **_machine(), "wall_s": run.wall_s,
                      "scenarios": [c.id for c in cells], "verdicts": [dataclasses.asdict(v) for v in got]}
             path = part_path(save_dir, seed, model)
             part = path.with_name(path.name + ".part")  # written whole, then put in place: a stop leaves no half
