@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from harness.checks.numeric import _ROW, Check, _not_reference, _ok, by_scenario, judge, not_measured
-from harness.core.policy import Bounds
+from harness.core.policy import NOISE_FLOOR_FACTOR, Bounds
 from harness.core.scenario import REFERENCE_IMPL, Scenario
 from harness.core.verdict import Verdict
 
@@ -58,9 +58,10 @@ def _noise_note(n, ref: str) -> str:
     """What a verdict says of the rows left unheld at the model's noise level ('' for none)."""
     if n is None or (isinstance(n, float) and math.isnan(n)) or int(n) == 0:
         return ""
-    return (f"; {int(n)} row{'s' if int(n) > 1 else ''} moved otherwise than in {ref} not held: the plain model "
-            "itself moves them or not as the batch is cut into the ranks' slices (its noise probes part from it "
-            "there), so their gradient is rounding noise (model-sensitive rows)")
+    return (f"; {int(n)} row{'s' if int(n) > 1 else ''} moved otherwise than in {ref}, but no further than "
+            f"{NOISE_FLOOR_FACTOR:g} x the noise floor of their parameter (how far the plain model itself lands when "
+            "the batch is cut into the ranks' slices), not held: model-sensitive rows, whose gradient is rounding "
+            "noise")
 
 
 def _count(x) -> str:

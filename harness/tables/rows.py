@@ -73,8 +73,9 @@ def noise_floors(snaps, ref_id: str, probes: list[Scenario], last: int) -> dict[
         for name, t in (snaps.get(probe.id, last) or {}).items():
             if name in ref and t.shape == ref[name].shape:
                 d = float((t.double() - ref[name].double()).abs().max()) if t.numel() else 0.0
-                if d > 0 or d != d:
-                    out[name] = max(out.get(name, 0.0), d) if d == d else math.inf
+                d = math.inf if d != d else d  # a NaN apart: no floor can hold the rows
+                if d > 0:
+                    out[name] = max(out.get(name, 0.0), d)
     return out
 
 
@@ -92,8 +93,8 @@ def rows_apart(sc: Scenario, snaps, ranks: list[dict], ref_id: str,
     against its reference `ref_id`: a table row per parameter whose moved rows differ, with the first step
     where they part. Where a parameter has a noise floor (`noise_floors` of `probes`, times NOISE_FLOOR_FACTOR)
     a row is apart only when one run left it exactly and the other moved it beyond that; the rows apart bit
-    for bit but within it are counted. The counts are NaN where a snapshot of either run is missing (the check then fails as not
-    measured)."""
+    for bit but within it are counted. The counts are NaN where a snapshot of either run is missing (the
+    check then fails as not measured)."""
     first, last = start_step(sc), sc.steps
     mine0, ref0 = snaps.get(sc.id, first), snaps.get(ref_id, first)
     mine, ref = snaps.get(sc.id, last), snaps.get(ref_id, last)

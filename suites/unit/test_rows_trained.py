@@ -112,7 +112,7 @@ def test_the_verdict_says_how_many_rows_it_left_unheld_and_why():
     t["scenarios"] = t["scenarios"].assign(rows_noise=3.0)
     verdicts = [v for v in run_checks(t) if v.check == "rows_trained"]
     assert verdicts and all(v.status == PASS and "; 3 rows moved otherwise than in" in v.message
-                            and "model-sensitive rows" in v.message for v in verdicts)
+                            and "model-sensitive rows" in v.message and "noise floor" in v.message for v in verdicts)
 
 
 def _tables(apart: list[dict], compared=syn.ROWS):
