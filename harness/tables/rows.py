@@ -36,9 +36,10 @@ def start_step(sc: Scenario) -> int:
     return ckpt_step(sc.steps) if sc.resume_from else 0
 
 
-def moved(now: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """Bool per dim-0 row: any value differs from `start` (one row for a 0-dim parameter)."""
-    diff = now != start
+def moved(now: torch.Tensor, start: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+    """Bool per dim-0 row (one row for a 0-dim parameter): any value differs from `start`, or with a positive
+    `limit` is more than `limit` from it (NaN counts as moved)."""
+    diff = now != start if limit <= 0 else ~((now.double() - start.double()).abs() <= limit)
     return diff.reshape(1) if diff.dim() == 0 else diff.reshape(diff.shape[0], -1).any(1)
 
 
@@ -79,14 +80,6 @@ def noise_floors(snaps, ref_id: str, probes: list[Scenario], last: int) -> dict[
     return out
 
 
-def moved_beyond(now: torch.Tensor, start: torch.Tensor, limit: float) -> torch.Tensor:
-    """Bool per dim-0 row: some value is more than `limit` from `start` (NaN counts as moved); `moved` for 0."""
-    if limit <= 0:
-        return moved(now, start)
-    far = ~((now.double() - start.double()).abs() <= limit)
-    return far.reshape(1) if far.dim() == 0 else far.reshape(far.shape[0], -1).any(1)
-
-
 def rows_apart(sc: Scenario, snaps, ranks: list[dict], ref_id: str,
                probes: list[Scenario] = ()) -> tuple[list[dict], float, float, float]:
     """(rows_trained table rows, rows compared, rows the reference moved, rows apart left unheld) for one run
@@ -109,8 +102,7 @@ def rows_apart(sc: Scenario, snaps, ranks: list[dict], ref_id: str,
         a, b = moved(t, mine0[name]), moved(ref[name], ref0[name])
         compared, trained = compared + a.numel(), trained + int(b.sum())
         limit = NOISE_FLOOR_FACTOR * floor.get(name, 0.0)
-        a_far, b_far = (moved_beyond(t, mine0[name], limit), moved_beyond(ref[name], ref0[name], limit)) \
-            if limit > 0 else (a, b)
+        a_far, b_far = (moved(t, mine0[name], limit), moved(ref[name], ref0[name], limit)) if limit > 0 else (a, b)
         gone, alone = b_far & ~a, a_far & ~b  # one run left the row exactly as it was, the other moved it far
         unheld += int(((a != b) & ~gone & ~alone).sum())
         still = torch.nonzero(gone).flatten().tolist()  # the reference moved them, this run did not

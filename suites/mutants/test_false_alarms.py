@@ -98,7 +98,7 @@ def test_the_plain_model_failing_a_scenario_is_a_model_limit_not_a_false_alarm()
     _, said = model_limit(ref, "error", "Traceback ...\nRuntimeError: expected scalar type BFloat16", {})
     verdicts = [Verdict("completed", ref.id, FAIL, None, None, message=said),
                 Verdict("converges", ref.id, FAIL, None, None, message="the loss rose"),
-                Verdict("completed", impl.id, FAIL, None, None, message=said)]  # said of an implementation's run: an alarm
+                Verdict("completed", impl.id, FAIL, None, None, message=said)]  # an implementation's run: an alarm
     run = FalseAlarmRun(0, [ref, impl], verdicts, 1.0)
     assert [(v.scenario, v.check) for v in run.model_limits] == [(ref.id, "completed")]
     assert [(v.scenario, v.check) for v in run.false_alarms] == [(ref.id, "converges"), (impl.id, "completed")]
