@@ -36,7 +36,7 @@ from typing import Any, Iterator
 
 import torch
 
-from harness.execute import worker
+from harness.execute import forked_server, worker
 from harness.execute.launch import launched_by_torchrun
 from harness.execute.worker import RankContext
 
@@ -364,12 +364,15 @@ class WorldPool:
 def _start_forkserver() -> None:
     """Start multiprocessing's forkserver, if it is not running, with SIGINT blocked in it (see
     [Note: Ctrl-C while a world starts]); a Ctrl-C meanwhile reaches this thread once unblocked.
+    Forked from this process where that is safe (harness/execute/forked_server.py), else executed.
     The resource tracker first: starting it unblocks SIGINT on its way out."""
     from multiprocessing import forkserver, resource_tracker
     resource_tracker.ensure_running()
     before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        forkserver.ensure_running()
+        server = forkserver._forkserver  # multiprocessing's own instance, whose preload set_forkserver_preload set
+        if not forked_server.start(server, server._preload_modules):
+            forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
 

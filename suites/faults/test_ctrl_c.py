@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.execute.forked_server import is_forkserver
 from harness.session import EXIT_INTERRUPTED
 from suites.faults.processes import alive, in_session, kill_session, start, wait_session_empty
 from suites.faults.scenarios import FA
@@ -163,9 +164,9 @@ def _start_paused(tmp_path: Path, target: str, *args: str) -> tuple[subprocess.P
 
 
 def _forkservers(proc: subprocess.Popen, keep) -> list[int]:
-    """The processes of ``proc``'s session that run multiprocessing's forkserver code (the
-    forkserver, and every world worker forked from it: they keep its command line) and pass ``keep``."""
-    return [p for p in in_session(proc.pid) if b"multiprocessing.forkserver" in _cmdline(p) and keep(p)]
+    """The processes of ``proc``'s session that are the forkserver, executed or forked (and every world
+    worker forked from it: they keep its mark), and pass ``keep``."""
+    return [p for p in in_session(proc.pid) if is_forkserver(p) and keep(p)]
 
 
 def _signals(pid: int, field: str) -> int:
@@ -198,14 +199,6 @@ def _importing(pid: int) -> bool:
     catches SIGCHLD from then on, and ignores SIGINT)."""
     caught = _signals(pid, "SigCgt")
     return _has(caught, signal.SIGINT) and not _has(caught, signal.SIGCHLD)
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def test_ctrl_c_of_a_pytest_xdist_run_leaves_no_orphans(tmp_path):
