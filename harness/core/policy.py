@@ -7,6 +7,7 @@ anywhere else the same miss is a FAIL.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from harness.core.scenario import has, parts, user_optimizer
@@ -133,6 +134,32 @@ BF16_SPLIT = (
 #   by that slice's statistics: split data is not the full batch's computation at all. The probe is then
 #   the equivalent computation, and such a run is held to it with the tier bound (no floor applies).
 NOISE_FLOOR_FACTOR = 2.0
+
+
+# [Note: rows at rounding level] rows_trained compares which rows of a parameter a run and its reference
+# moved from their start. A row whose computed gradient is rounding noise (a bias before a BatchNorm, an
+# attention key bias: their true gradient is zero) moves under SGD by lr x that noise, and whether that
+# survives the rounding of the update depends on the last bits of everything before it: seed 1 of the
+# standard architectures had a row of bn_mlp's first bias stay exactly in the plain model and move by one
+# ulp (1.2e-10 at its value) in DDP and FSDP2 at 8 ranks with replicated data, whose reductions round
+# otherwise (a documented deviation), and in runs resumed across world sizes. How far can rounding alone move
+# an element? The noise in a computed gradient is a few ulps of the terms it sums, so lr x noise is about
+# (lr x gradient term / parameter) ulps of the parameter: the relative size of a training step, below 1 for
+# any stable run; each update then moves such an element by at most about one ulp of its parameter's scale,
+# and `steps` updates by `steps` ulps. A row trained for real moves by that relative step size times the
+# parameter (1e-3 to 1e-5 of it per step, ten thousand ulps and more). So a row is held as moved only beyond
+# NOISE_FLOOR_FACTOR x steps ulps of its parameter's scale (the largest |value| of the parameter in either
+# run, at the start or the end; `rounding_drift`), besides its noise floor where probes measured one. Left
+# out: a parameter that is zero everywhere in both runs at both ends has no scale and is held bit for bit.
+
+
+def rounding_drift(scale: float, eps: float, steps: int) -> float:
+    """How far rounding alone can move an element of a parameter whose largest |value| is `scale`, in a
+    format whose machine epsilon is `eps`, over `steps` updates: NOISE_FLOOR_FACTOR x steps ulps of `scale`
+    ([Note: rows at rounding level]); 0 for no scale."""
+    if not (scale > 0 and math.isfinite(scale)) or steps <= 0:
+        return 0.0
+    return NOISE_FLOOR_FACTOR * steps * eps * 2.0 ** math.floor(math.log2(scale))
 BATCH_STATS_SPLIT = (
     "the model normalises with batch statistics ({layers}), so each rank normalises its own slice and split "
     "data is not the full batch's computation (it would be with SyncBatchNorm); it is held to the plain model "

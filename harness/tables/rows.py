@@ -17,8 +17,11 @@ before a BatchNorm, whose true gradient is zero, moves under SGD by lr x that no
 rows move depends on the order of summation). So where a parameter has a floor, a row is apart when one run
 left it exactly at its starting value and the other moved it beyond the floor (the never-trained row and the
 row trained alone); a row one run left and the other moved no further than the floor is counted
-(`rows_noise`), not held. A parameter with no floor (replicated data has no probes; a probe that lands on
-the reference exactly) is held bit for bit.
+(`rows_noise`), not held. Every parameter, with a floor or without one (replicated data has no probes; a
+probe may land on the reference exactly), is also allowed what rounding alone can move an element over the
+run's updates, a few ulps of the parameter's scale (harness/core/policy.py [Note: rows at rounding level]):
+a reduction that rounds otherwise (DDP's, documented) moves such a row by one ulp in one run and not at all
+in the other. A row trained for real moves ten thousand ulps and more.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import math
 
 import torch
 
-from harness.core.policy import NOISE_FLOOR_FACTOR
+from harness.core.policy import NOISE_FLOOR_FACTOR, rounding_drift
 from harness.core.scenario import Scenario, ckpt_step
 
 
@@ -84,10 +87,10 @@ def rows_apart(sc: Scenario, snaps, ranks: list[dict], ref_id: str,
                probes: list[Scenario] = ()) -> tuple[list[dict], float, float, float]:
     """(rows_trained table rows, rows compared, rows the reference moved, rows apart left unheld) for one run
     against its reference `ref_id`: a table row per parameter whose moved rows differ, with the first step
-    where they part. Where a parameter has a noise floor (`noise_floors` of `probes`, times NOISE_FLOOR_FACTOR)
-    a row is apart only when one run left it exactly and the other moved it beyond that; the rows apart bit
-    for bit but within it are counted. The counts are NaN where a snapshot of either run is missing (the
-    check then fails as not measured)."""
+    where they part. A row is apart only when one run left it exactly and the other moved it beyond the larger
+    of the parameter's noise floor (`noise_floors` of `probes`, times NOISE_FLOOR_FACTOR) and its rounding
+    drift (`_drift`); the rows apart bit for bit but within that are counted. The counts are NaN where a
+    snapshot of either run is missing (the check then fails as not measured)."""
     first, last = start_step(sc), sc.steps
     mine0, ref0 = snaps.get(sc.id, first), snaps.get(ref_id, first)
     mine, ref = snaps.get(sc.id, last), snaps.get(ref_id, last)
@@ -101,7 +104,8 @@ def rows_apart(sc: Scenario, snaps, ranks: list[dict], ref_id: str,
             continue  # a parameter full_params lost or misshaped: params_cover_model's
         a, b = moved(t, mine0[name]), moved(ref[name], ref0[name])
         compared, trained = compared + a.numel(), trained + int(b.sum())
-        limit = NOISE_FLOOR_FACTOR * floor.get(name, 0.0)
+        limit = max(NOISE_FLOOR_FACTOR * floor.get(name, 0.0),
+                    _drift(t, mine0[name], ref[name], ref0[name], steps=last - first))
         a_far, b_far = (moved(t, mine0[name], limit), moved(ref[name], ref0[name], limit)) if limit > 0 else (a, b)
         gone, alone = b_far & ~a, a_far & ~b  # one run left the row exactly as it was, the other moved it far
         unheld += int(((a != b) & ~gone & ~alone).sum())
@@ -113,6 +117,14 @@ def rows_apart(sc: Scenario, snaps, ranks: list[dict], ref_id: str,
         out.append({"scenario": sc.id, "param": name, "step": step, "still": spans(still), "extra": spans(extra),
                     "ranks": holders(still + extra, name, ranks)})
     return out, float(compared), float(trained), float(unheld)
+
+
+def _drift(*tensors: torch.Tensor, steps: int) -> float:
+    """How far rounding alone can move an element of this parameter over `steps` updates (policy.rounding_drift):
+    its scale is its largest finite |value| in either run at either end."""
+    finite = [t[torch.isfinite(t)] for t in tensors if t.is_floating_point()]
+    scale = max((float(f.abs().max()) for f in finite if f.numel()), default=0.0)
+    return rounding_drift(scale, torch.finfo(tensors[0].dtype).eps, steps) if finite else 0.0
 
 
 def _first_parting(sc: Scenario, snaps, ref_id: str, name: str, first: int, still: list[int],

@@ -85,7 +85,7 @@ def _bias_moving(rows: dict[int, float]) -> dict:
     return out
 
 
-NOISE, REAL = 1e-12, 1e-3  # a step of lr x a rounding-noise gradient; a trained row's step
+NOISE, MID, REAL = 1e-12, 1e-8, 1e-3  # a step of lr x a rounding-noise gradient; a small step; a trained row's step
 
 
 def test_rows_that_moved_no_further_than_the_models_noise_floor_are_counted_not_held():
@@ -102,9 +102,37 @@ def test_rows_that_moved_no_further_than_the_models_noise_floor_are_counted_not_
     runs[SPLIT.id] = _bias_moving({1: NOISE, 4: NOISE, 5: REAL})  # row 0 never trained, row 5 trained alone
     apart, _, _, unheld = rows_apart(SPLIT, Snaps(runs), [], ref_id, probes)
     assert unheld == 1 and [(a["param"], a["still"], a["extra"]) for a in apart] == [("hidden.0.0.bias", "0", "5")]
-    runs[SPLIT.id] = _bias_moving({0: REAL, 4: NOISE})
-    apart, _, _, unheld = rows_apart(SPLIT, Snaps(runs), [], ref_id)  # without its probes: bit for bit
+    # rows moved by 1e-8 a step: beyond what rounding moves a parameter of this scale (3e-3: a few ulps are
+    # 1e-9), within 2 x the floor of a probe that moved others as far
+    runs = {ref_id: _bias_moving({0: REAL, 1: MID}), probes[0].id: _bias_moving({0: REAL, 2: MID, 3: MID}),
+            SPLIT.id: _bias_moving({0: REAL, 4: MID})}
+    apart, _, _, unheld = rows_apart(SPLIT, Snaps(runs), [], ref_id, probes)
+    assert (apart, unheld) == ([], 2)
+    apart, _, _, unheld = rows_apart(SPLIT, Snaps(runs), [], ref_id)  # without its probes: no floor
     assert unheld == 0 and (apart[0]["still"], apart[0]["extra"]) == ("1", "4")
+
+
+REPLICATED = Scenario("ddp", "bn_mlp", 8, "replicated", "sgd", steps=10)  # no noise probe
+
+
+def test_a_row_one_run_moved_by_an_ulp_and_the_other_left_is_rounding_not_a_row_apart():
+    """Seed 1 of the standard architectures: bn_mlp's first bias (values up to 0.28, true gradient zero) had
+    row 25 stay exactly in the plain model and move by one ulp of its value at step 2 in DDP at 8 ranks, whose
+    reduction rounds otherwise. Rounding moves an element by about an ulp of its parameter's scale per update
+    (policy [Note: rows at rounding level]); a row trained for real moves thousands of ulps."""
+    ref_id = REPLICATED.reference().id
+    start = torch.linspace(-0.28, 0.28, 29)
+    ref = {k: {"hidden.0.0.bias": start.clone()} for k in range(11)}
+    run = {k: {"hidden.0.0.bias": start.clone()} for k in range(11)}
+    one_ulp = torch.nextafter(start[25], torch.tensor(1.0))
+    for k in range(2, 11):
+        run[k]["hidden.0.0.bias"][25] = one_ulp
+    apart, compared, trained, unheld = rows_apart(REPLICATED, Snaps({ref_id: ref, REPLICATED.id: run}), [], ref_id)
+    assert (apart, compared, trained, unheld) == ([], 29, 0, 1)
+    for k in range(2, 11):  # a step of lr x a small real gradient: 0.05 x 1e-4
+        run[k]["hidden.0.0.bias"][25] = start[25] + 5e-6
+    apart, _, _, unheld = rows_apart(REPLICATED, Snaps({ref_id: ref, REPLICATED.id: run}), [], ref_id)
+    assert unheld == 0 and [(a["extra"], a["step"]) for a in apart] == [("25", 2)]
 
 
 def test_the_verdict_says_how_many_rows_it_left_unheld_and_why():
