@@ -72,3 +72,21 @@ def test_a_parent_with_a_second_thread_gets_the_executed_server():
     assert "multiprocessing.forkserver" in got["cmdline"] and got["comm"] != "fsdp-forkserver", got
     assert got["marked"] == [True, True, True] and got["holds_parents_pipe"] == [False, False, False]
     assert wait_all_dead([got["server"]], 10) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads counted in /proc")
+def test_the_cli_process_stays_single_threaded_through_its_imports_unless_the_user_asked_for_threads():
+    """numpy's OpenBLAS starts a thread pool at import where OMP_NUM_THREADS is unset (2 threads on 2
+    cores), which would leave every CLI run the executed server; `python -m harness` asks for one thread
+    first, and keeps a value the user set."""
+    code = ("import harness.__main__, os, harness.cli, numpy, torch\n"
+            "from harness.execute.forked_server import single_threaded\n"
+            "print(single_threaded(), os.environ['OMP_NUM_THREADS'])")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                                             "MKL_NUM_THREADS")}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "1"], out.stdout + out.stderr
+    env["OMP_NUM_THREADS"] = "2"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split()[1] == "2", out.stdout + out.stderr
