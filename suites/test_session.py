@@ -30,7 +30,8 @@ REPORT = Path("reports/latest/verification.md")
 
 
 def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # one thread per process, as every rank has: a single-threaded pytest forks its forkserver too
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
