@@ -9,15 +9,16 @@ worker is what the executed server would fork. Measured: a world of 2 started an
 costs 3.8 to 4.2 CPU-seconds in all, against 5.1 to 6.2 with the executed server.
 
 A fork copies one thread. So the fork is made only where this process has a single thread, counted by the
-kernel (an OpenMP pool that torch started, numpy's OpenBLAS pool, a gloo thread, faulthandler's watchdog
-would be missing in the child, and a lock one of them held would stay held); elsewhere, and off Linux, multiprocessing's own start
-runs. The child is made to look like an executed server before it serves: it keeps only the descriptors an
-executed server would have (stdin, stdout, stderr, the listener and the alive pipe: a copy of a world's
-lifeline pipe would keep that world's workers alive after its parent died), signal handlers the program
-installed go back to their defaults (an ignored signal stays ignored, as across exec), faulthandler is off,
-and the parent's objects are frozen out of the collector (none of their finalizers may run in the server:
-they would close descriptors the server has since reused). The server's command line stays its parent's; its
-kernel name (/proc/<pid>/comm) is TITLE, and `is_forkserver` tells either kind from the outside.
+kernel (an OpenMP pool that torch started, numpy's OpenBLAS pool, a gloo thread, faulthandler's watchdog would
+be missing in the child, and a lock one of them held would stay held); elsewhere, and off Linux,
+multiprocessing's own start runs. The child is made to look like an executed server before it serves: it keeps
+only the descriptors an executed server would have (stdin, stdout, stderr, the listener and the alive pipe: a
+copy of a world's lifeline pipe would keep that world's workers alive after its parent died), signal handlers
+the program installed go back to their defaults (an ignored signal stays ignored, as across exec),
+faulthandler is off, and the parent's objects are frozen out of the collector (none of their finalizers may
+run in the server: they would close descriptors the server has since reused). The server's command line stays
+its parent's; its kernel name (/proc/<pid>/comm) is TITLE, and `is_forkserver` tells either kind from the
+outside.
 """
 
 from __future__ import annotations
