@@ -135,6 +135,11 @@ BF16_SPLIT = (
 #   the equivalent computation, and such a run is held to it with the tier bound (no floor applies).
 NOISE_FLOOR_FACTOR = 2.0
 
+BATCH_STATS_SPLIT = (
+    "the model normalises with batch statistics ({layers}), so each rank normalises its own slice and split "
+    "data is not the full batch's computation (it would be with SyncBatchNorm); it is held to the plain model "
+    "stepping on the sum of the same per-rank micro-batches instead")
+
 
 # [Note: rows at rounding level] rows_trained compares which rows of a parameter a run and its reference
 # moved from their start. A row whose computed gradient is rounding noise (a bias before a BatchNorm, an
@@ -160,10 +165,6 @@ def rounding_drift(scale: float, eps: float, steps: int) -> float:
     if not (scale > 0 and math.isfinite(scale)) or steps <= 0:
         return 0.0
     return NOISE_FLOOR_FACTOR * steps * eps * 2.0 ** math.floor(math.log2(scale))
-BATCH_STATS_SPLIT = (
-    "the model normalises with batch statistics ({layers}), so each rank normalises its own slice and split "
-    "data is not the full batch's computation (it would be with SyncBatchNorm); it is held to the plain model "
-    "stepping on the sum of the same per-rank micro-batches instead")
 
 
 ADAMW_BETAS = (0.9, 0.999)  # harness.train.optim's AdamW (torch's defaults)
