@@ -58,8 +58,9 @@ class Table:
 #               plain model's parameters whose names and shapes were held against full_params; rows_compared:
 #               the dim-0 rows whose moving was held against the reference's (harness/tables/rows.py),
 #               rows_moved: how many of them the reference moved; rows_noise: how many rows the run moved
-#               otherwise than the reference that were left unheld, the plain model itself moving them or
-#               not as the batch is cut (its noise probes disagree with the reference on them);
+#               otherwise than the reference that were left unheld, moved by no more than 2 x their
+#               parameter's noise floor (the plain model itself moves them or not as the batch is cut) or
+#               than rounding alone moves an element (policy [Note: rows at rounding level]);
 #               buffer_bytes: the plain model's buffers; batch_stats: the plain model's layers that
 #               normalise with batch statistics (BatchNorm), comma-separated; restore_diff (ckpt, resumed
 #               runs): max |difference|
