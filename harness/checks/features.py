@@ -9,9 +9,9 @@ import struct
 
 import pandas as pd
 
-from harness.checks.noise_floor import batch_stats_of, holding, probe_maxima, resumed_across_sizes, split_yardstick
+from harness.checks.noise_floor import batch_stats_of, holding, probe_maxima
 from harness.checks.numeric import _ROW, Check, _fmt, _ok, by_scenario, first_param_crossing, judge, not_measured
-from harness.core.policy import BATCH_STATS_SPLIT, BF16_SPLIT, NOISE_FLOOR_FACTOR, Bounds, not_exact
+from harness.core.policy import BF16_SPLIT, Bounds, not_exact
 from harness.core.scenario import (
     REFERENCE_IMPL,
     Scenario,
@@ -283,46 +283,48 @@ def _multi_rank_ok(row) -> bool:
 
 
 def eval_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
-    """Feature eval: the loss of the no_grad forward on the held-out batch after each step against the
-    yardstick's, by the tier of the data mode (harness/core/policy.py [Note: eval loss]): bitwise the plain
-    model's at W = 1 and the same implementation's at W = 1 with replicated data; with split data (or L2
-    clipping) the split yardstick's within the relative tier or twice the noise probes' spread."""
+    """Feature eval: the loss of the no_grad forward on the held-out batch after each step, by the tier of the
+    data mode (harness/core/policy.py [Note: eval loss]): bitwise the plain model's at W = 1 and the same
+    implementation's at W = 1 with replicated data; with split data (or L2 clipping) the plain model's eval
+    loss at the run's own parameters (eval_loss_plain), within the relative tier, at every step it trained."""
     out = []
     sc = tables["scenarios"]
     done = set(_ok(sc).scenario)
-    evals = {s: g.sort_values("step").set_index("step").eval_loss for s, g in by_scenario(tables["steps"]).items()}
+    steps = by_scenario(tables["steps"])
+    evals = {s: g.sort_values("step").set_index("step").eval_loss for s, g in steps.items()}
     for row in _ok(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
         if not has(feature_of(row), "eval"):
             continue
         scen = Scenario.of_row(row)
         exact = widest(row) == 1 or (row.data_mode == "replicated" and not not_exact(scen.feature))
-        if row.data_mode == "split" and batch_stats_of(row) and resumed_across_sizes(row):
-            out.append(Verdict("eval_matches", row.scenario, SKIP, None, 0.0, message=(
-                f"does not apply: {BATCH_STATS_SPLIT.format(layers=batch_stats_of(row))}; a run resumed at another "
-                "world size normalised two different cuts of the batch, whose eval loss no single plain run traces")))
-            continue
-        yard = scen.reference().id if widest(row) == 1 else scen.ws1().id if exact else split_yardstick(row)
-        mine, theirs = evals.get(row.scenario), evals.get(yard)
-        probes = [] if exact else [p.id for p in scen.noise_probes() if p.id != yard]
-        lost = [i for i in (yard, *probes) if i not in done or evals.get(i) is None or evals[i].isna().all()]
-        if mine is None or lost or mine.isna().all():
-            what = f"no eval loss of {lost[0]}" if lost else f"no eval loss recorded for {row.scenario}"
-            out.append(not_measured("eval_matches", row, what, 0.0))
-            continue
-        floor = max((float((evals[p] - theirs).abs().max()) for p in probes), default=0.0)
+        mine = evals.get(row.scenario)
         if exact:
-            bound, why = pd.Series(0.0, index=mine.index), (
-                "bitwise, as ws1_exact holds the training loss" if widest(row) == 1 else
-                "bitwise: replicated data, parameters held bitwise to world size 1")
+            yard = scen.reference().id if widest(row) == 1 else scen.ws1().id
+            theirs = evals.get(yard) if yard in done else None
+            what = f"no eval loss of {yard}" if theirs is None or theirs.isna().all() else None
+            bound = pd.Series(0.0, index=mine.index) if mine is not None else None
+            why = ("bitwise, as ws1_exact holds the training loss" if widest(row) == 1 else
+                   "bitwise: replicated data, parameters held bitwise to world size 1")
+            against = yard
         else:
-            tier = bounds.eval_loss_rel * theirs.abs()
-            bound = tier.clip(lower=NOISE_FLOOR_FACTOR * floor)
-            why = (f"{bounds.eval_loss_rel:g} x |its eval loss|, or {NOISE_FLOOR_FACTOR:g} x the noise probes' "
-                   f"spread {_fmt(floor)} where larger")
+            own = steps[row.scenario].sort_values("step").set_index("step")
+            if mine is not None and "eval_loss_plain" in own:
+                trained = own.index > (ckpt_step(int(row.steps)) if scen.resume_from else 0)  # the rest: its saver's
+                mine, theirs = mine[trained], own.eval_loss_plain[trained]
+            else:
+                theirs = None
+            what = ("no eval loss of the plain model at the run's parameters"
+                    if theirs is None or theirs.isna().any() else None)
+            bound = bounds.eval_loss_rel * theirs.abs() if what is None else None
+            why = f"{bounds.eval_loss_rel:g} x |its eval loss|"
+            against = "the plain model at the run's own parameters (eval_loss_plain)"
+        if mine is None or mine.isna().all() or what:
+            out.append(not_measured("eval_matches", row, what or f"no eval loss recorded for {row.scenario}", 0.0))
+            continue
         diff = (mine - theirs.reindex(mine.index)).abs()
         over = diff[diff.isna() | (diff > bound.reindex(mine.index))]  # bitwise tiers: a bound of 0
         worst = float(diff.max())
-        msg = f"max |eval loss diff| vs {yard} = {_fmt(worst)} over {len(mine)} steps (bound: {why})"
+        msg = f"max |eval loss diff| vs {against} = {_fmt(worst)} over {len(mine)} steps (bound: {why})"
         if not len(over):
             out.append(judge("eval_matches", row, True, worst, float(bound.max()), msg))
             continue

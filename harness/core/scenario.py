@@ -38,7 +38,8 @@ REFERENCE_IMPL = "reference"
 #            split data (the slices' losses all-reduced to the global batch's mean; a yardstick that sums the
 #            ranks' micro-batches evaluates each slice). The model stays in training mode (the harness never calls eval(): every
 #            dropout is 0, and BatchNorm's running statistics are per rank under split data). The eval loss is
-#            recorded per step and held to the reference's (harness/checks/features.py eval_matches); the
+#            recorded per step and held by harness/checks/features.py eval_matches (bitwise to the yardstick's
+#            where the training is bitwise, else to the plain model's at the run's own parameters); the
 #            timeline marks the pass and the moment after it (every child unit resharded:
 #            harness/measure/timeline.py). Needs no adapter method: the training step's numbers are unchanged
 #   jitter   timing perturbation: seeded, bounded delays where asynchronous work races (before each

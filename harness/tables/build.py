@@ -131,7 +131,8 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                                "jitter_s": sum(r["steps"][i].get("jitter_s", 0.0) for r in res["ranks"]),
                                "reduction_ranks": reduction_ranks(res["ranks"], i, r0.get("param_tensors", 0)),
                                "reports_differ": reports_differ(res["ranks"], i),
-                               "eval_loss": rec.get("eval_loss", math.nan)})
+                               "eval_loss": rec.get("eval_loss", math.nan),
+                               "eval_loss_plain": rec.get("eval_loss_plain", math.nan)})
             final = {"final_loss": rec["loss"], "param_sum": sum(float(t.double().sum()) for t in cur.values()),
                      "max_diff_ref": mr, "max_diff_ws1": m1}
         restore = _restore(sc, snaps, by_id)

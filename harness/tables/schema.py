@@ -36,7 +36,9 @@ class Table:
 #               reports_differ: what ranks > 0 recorded for the step (loss, the norm clip_grad_norm returned,
 #               the eval loss) that differs from rank 0's, 'rank:field=value' comma-separated ('' when every rank agrees)
 #               eval_loss (feature eval): the loss of the no_grad forward on the step's held-out batch, after
-#               the optimizer step (NaN otherwise)
+#               the optimizer step (NaN otherwise); eval_loss_plain: the plain model's eval loss at the parameters
+#               the step left (the run's snapshot, harness/train/plain_eval.py), on the held-out batch cut as the
+#               run cut it (NaN without eval, and at a resumed run's steps that its saver trained)
 #               reduction_ranks (replicated data, W > 1, not hsdp): the ranks whose inputs to the step's
 #               gradient reductions (hashed as the rank issued them) differ from the other ranks', comma-separated
 #               ('' when all agree)
@@ -88,7 +90,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("steps", "scenario x step", SCENARIO_IDS + FEATURE + (
         "step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1",
         "grad_diff_ws1", "clip_norm", "max_diff_factor", "worst_param_factor", "replicas_differ", "max_diff_probe",
-        "worst_param_probe", "reduction_ranks", "reports_differ", "eval_loss", "jitter_delays", "jitter_s"),
+        "worst_param_probe", "reduction_ranks", "reports_differ", "eval_loss", "eval_loss_plain", "jitter_delays", "jitter_s"),
           required=SCENARIO_IDS + ("step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1",
                                    "worst_param_ws1")),
     Table("params", "scenario x step x parameter", (

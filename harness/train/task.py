@@ -2,7 +2,8 @@
 
 Rank 0 writes the full parameters after every step to ``<snapshot_dir>/<scenario id>/step<k>.pt``
 (step 0 = initial weights); the parent compares trajectories after the world is done, so no
-process that trains and measures ever holds the reference model.
+process holds the reference model while it trains and measures (feature eval: rank 0 evaluates the
+plain model at its snapshots once the run is done, harness.train.plain_eval).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from harness.measure.optim_state import param_names, save_held_state
 from harness.measure.timeline import UnitTimeline
 from harness.train.checkpointing import Checkpointing
 from harness.train.data import eval_batch, global_batch, local_slice
-from harness.train.features import checkpoint_units, evaluate, forward_backward, rank_slices, wrap_for
+from harness.train.features import checkpoint_units, evaluate, forward_backward, wrap_for
 from harness.train.jitter import Jitter
 from harness.train.models import get_model_spec
+from harness.train.plain_eval import add_plain_eval_losses, held_out_cut
 from harness.train.user_models import check_batch, check_built
 
 MEASURED_STEP = 1  # memory is measured on the second step: optimizer state exists by then
@@ -48,7 +50,10 @@ def train_scenario(ctx, payload: dict) -> dict:
         ckpt = Checkpointing(payload, snap_dir, ctx.rank)
         # what the process holds before the scenario is not the scenario's
         with Census(ctx.device, keep_frozen=True) as census:
-            return _train(ctx, sc, spec, adapter, census, snap_dir, ckpt, payload.get("trace"))
+            res = _train(ctx, sc, spec, adapter, census, snap_dir, ckpt, payload.get("trace"))
+        if ctx.rank == 0 and has(sc.feature, "eval"):  # after the run: nothing of it is measured
+            add_plain_eval_losses(sc, spec, snap_dir, res["steps"], ctx.device)
+        return res
 
 
 def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckpt: "Checkpointing",
@@ -188,13 +193,10 @@ def _held_out(sc: Scenario, spec, step: int, ctx) -> list[tuple[torch.Tensor, to
     """Feature eval: what this rank evaluates after step `step`: its slice of the held-out batch, cut as the
     data mode cuts the training batch (the whole batch with replicated data); a reference that sums the
     micro-batches of `micro_batches` ranks evaluates each of their slices."""
-    inputs, targets = eval_batch(spec, sc.global_batch, step, sc.seed)
-    check_batch(sc.model, (inputs, targets), sc.global_batch)
-    if sc.micro_batches > 1:
-        slices = rank_slices(inputs, targets, sc.micro_batches)
-    else:
-        slices = [local_slice(inputs, targets, ctx.rank, ctx.world_size, sc.data_mode)[:2]]
-    return [(x.to(ctx.device), y.to(ctx.device)) for x, y in slices]
+    check_batch(sc.model, eval_batch(spec, sc.global_batch, step, sc.seed), sc.global_batch)
+    cut = held_out_cut(sc, spec, step)
+    mine = cut if sc.micro_batches > 1 or len(cut) == 1 else [cut[ctx.rank]]
+    return [(x.to(ctx.device), y.to(ctx.device)) for x, y in mine]
 
 
 def _global_eval_loss(losses: list[float], sc: Scenario, ctx) -> float:
