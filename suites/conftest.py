@@ -1,8 +1,17 @@
-"""What the suite's files share within one pytest process (one xdist worker): `kept_worlds`."""
+"""What the suite's files share within one pytest process (one xdist worker): `kept_worlds`, and one
+intra-op thread."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+
+# The tests that compute in the pytest process itself (models trained in-process, the unit tests of the
+# checks and tables) share the machine with the other xdist worker and with the ranks of the worlds the
+# tests start: with torch's default of one intra-op thread per core, its threads wait for each other on busy
+# cores. One thread: test_models.py took 6.4 CPU seconds instead of 27.8 on 2 busy cores. Only this
+# process: the processes the tests start keep their own settings (the harness's ranks and CLI set theirs).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
