@@ -21,10 +21,9 @@ from harness.train.data import eval_batch
 from harness.train.features import BF16_POLICY, evaluate, rank_slices
 
 
-def held_out_cut(sc: Scenario, spec, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The held-out batch of `step` as the run's ranks evaluate it together: every rank's slice under split
-    data (a reference's micro-batches: its ranks' slices), the whole batch when replicated."""
-    inputs, targets = eval_batch(spec, sc.global_batch, step, sc.seed)
+def held_out_cut(sc: Scenario, inputs: torch.Tensor, targets: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A held-out batch (harness.train.data.eval_batch) as the run's ranks evaluate it together: every rank's
+    slice under split data (a reference's micro-batches: its ranks' slices), the whole batch when replicated."""
     if sc.micro_batches > 1:
         return rank_slices(inputs, targets, sc.micro_batches)
     if sc.data_mode == "split" and sc.world_size > 1:
@@ -51,6 +50,7 @@ def add_plain_eval_losses(sc: Scenario, spec, snap_dir: Path, steps: list[dict],
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(full[name])
-        slices = [(x.to(device), y.to(device)) for x, y in held_out_cut(sc, spec, rec["step"])]
+        cut = held_out_cut(sc, *eval_batch(spec, sc.global_batch, rec["step"], sc.seed))
+        slices = [(x.to(device), y.to(device)) for x, y in cut]
         losses = evaluate(sc.feature, spec, forward, slices)
         rec["eval_loss_plain"] = math.fsum(losses) / len(losses)

@@ -193,8 +193,9 @@ def _held_out(sc: Scenario, spec, step: int, ctx) -> list[tuple[torch.Tensor, to
     """Feature eval: what this rank evaluates after step `step`: its slice of the held-out batch, cut as the
     data mode cuts the training batch (the whole batch with replicated data); a reference that sums the
     micro-batches of `micro_batches` ranks evaluates each of their slices."""
-    check_batch(sc.model, eval_batch(spec, sc.global_batch, step, sc.seed), sc.global_batch)
-    cut = held_out_cut(sc, spec, step)
+    batch = eval_batch(spec, sc.global_batch, step, sc.seed)
+    check_batch(sc.model, batch, sc.global_batch)
+    cut = held_out_cut(sc, *batch)
     mine = cut if sc.micro_batches > 1 or len(cut) == 1 else [cut[ctx.rank]]
     return [(x.to(ctx.device), y.to(ctx.device)) for x, y in mine]
 
