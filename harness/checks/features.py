@@ -290,8 +290,8 @@ def eval_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     out = []
     sc = tables["scenarios"]
     done = set(_ok(sc).scenario)
-    steps = by_scenario(tables["steps"])
-    evals = {s: g.sort_values("step").set_index("step").eval_loss for s, g in steps.items()}
+    steps = {s: g.sort_values("step").set_index("step") for s, g in by_scenario(tables["steps"]).items()}
+    evals = {s: g.eval_loss for s, g in steps.items()}
     for row in _ok(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
         if not has(feature_of(row), "eval"):
             continue
@@ -307,7 +307,7 @@ def eval_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                    "bitwise: replicated data, parameters held bitwise to world size 1")
             against = yard
         else:
-            own = steps[row.scenario].sort_values("step").set_index("step")
+            own = steps[row.scenario]
             if mine is not None and "eval_loss_plain" in own:
                 trained = own.index > (ckpt_step(int(row.steps)) if scen.resume_from else 0)  # the rest: its saver's
                 mine, theirs = mine[trained], own.eval_loss_plain[trained]

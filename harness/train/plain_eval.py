@@ -33,9 +33,10 @@ def held_out_cut(sc: Scenario, inputs: torch.Tensor, targets: torch.Tensor) -> l
 
 def add_plain_eval_losses(sc: Scenario, spec, snap_dir: Path, steps: list[dict], device) -> None:
     """Set ``eval_loss_plain`` in each step record of `steps` that this run trained (a resumed run's first
-    records are its saver's, which evaluated them at its own world size): the mean over the cut's slices of the plain model's no_grad loss at the snapshot's
-    parameters (in bf16 under bf16, as the reference computes). NaN where the snapshot does not name
-    exactly the plain model's parameters (params_cover_model says what is missing)."""
+    records are its saver's, which evaluated them at its own world size): the mean over the cut's slices of
+    the plain model's no_grad loss at the snapshot's parameters (in bf16 under bf16, as the reference
+    computes). NaN where the snapshot does not name exactly the plain model's parameters (params_cover_model
+    says what is missing)."""
     model = spec.build().to(device)
     forward = MixedPrecision(model, BF16_POLICY["param_dtype"]) if has(sc.feature, "bf16") else model
     params = dict(model.named_parameters())
