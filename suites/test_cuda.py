@@ -104,3 +104,19 @@ def test_fsdp_impl_offloaded_is_bitwise_the_plain_model_offloaded(offload_run):
 def test_an_offload_that_keeps_the_state_on_the_device_fails(offload_run):
     held = _of(offload_run, IGNORED, "offload_host")
     assert held and all(v.status == "fail" for v in held), [str(v) for v in held]
+
+
+@pytest.mark.parametrize("name", ["bf16_optimizer_step", "offload_stale_host_copy"])
+def test_the_localiser_names_a_mutants_defect_over_nccl(name):
+    """Replayed at one rank over NCCL with every op traced on the device, a mutant's defect is named where it is
+    on the CPU: its phase and module (the tracer compares each device output with the CPU copies it keeps)."""
+    import dataclasses
+
+    from harness.localize.replay import localize
+    from suites.mutants.catalog import CATALOGUE
+    from suites.mutants.localised import WHERE, cell
+
+    mutant = next(m for m in CATALOGUE if m.name == name)
+    found = localize(dataclasses.replace(cell(mutant), world_size=1, backend="nccl"))
+    assert found.diverged, "\n".join(found.lines())
+    assert (found.point.phase, found.point.module) == WHERE[name], "\n".join(found.lines())

@@ -315,8 +315,8 @@ class StepTracer(TorchDispatchMode):
         key = (digest, t.dtype, t.numel())
         same = self._copies.get(key)
         if same is not None and not torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python):
-            with torch._C._DisableTorchDispatch():
-                if torch.equal(same.view(t.shape), t):
+            with torch._C._DisableTorchDispatch():  # the kept copies are on the CPU, a device's outputs are not
+                if torch.equal(same.view(t.shape), t if t.device == same.device else t.to(same.device)):
                     return same.view(t.shape)
         self._copies[key] = copy = plain_copy(t)
         return copy
