@@ -11,7 +11,7 @@ import pandas as pd
 from harness.checks.noise_floor import (batch_stats_of, holding, probe_maxima, resumed_across_sizes,
                                         split_yardstick)
 from harness.core.policy import BATCH_STATS_SPLIT, BF16_SPLIT, Bounds, known_deviation, not_exact
-from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of, resume_of, rounded_per_rank, widest
+from harness.core.scenario import REFERENCE_IMPL, Scenario, backend_of, feature_of, resume_of, rounded_per_rank, widest
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, UNSUPPORTED, VERDICT_COLUMNS, Verdict
 
 
@@ -57,7 +57,7 @@ def judge(check, row, passed, measured, bound, message, *, at: Crossing | None =
     if passed:
         return Verdict(check, row.scenario, PASS, measured, bound, message=message, rank=rank)
     loc = dict(where=where, step=step, param=param, rank=rank)
-    dev = known_deviation(row.impl, check, widest(row), feature_of(row), message)
+    dev = known_deviation(row.impl, check, widest(row), feature_of(row), message, backend_of(row))
     if dev is not None:
         return Verdict(check, row.scenario, KNOWN, measured, bound, message=f"{message} Known deviation: {dev.cause}.",
                        **loc)

@@ -208,6 +208,12 @@ def reverse_micro_of(row) -> bool:
     return bool(_stored_int(row, "reverse_micro", 0))
 
 
+def backend_of(row) -> str:
+    """A table row's backend; a row stored before the column existed (or empty) ran on gloo."""
+    backend = getattr(row, "backend", "gloo")
+    return backend if isinstance(backend, str) and backend else "gloo"
+
+
 def feature_of(row) -> str:
     """A table row's feature; a row stored before features existed (no column, or empty) is plain."""
     feature = getattr(row, "feature", "plain")
@@ -267,7 +273,7 @@ class Scenario:
         """The scenario of a scenarios-table row."""
         return cls(row.impl, row.model, int(row.world_size), row.data_mode, row.optimizer, seed=int(row.seed),
                    feature=feature_of(row), resume_from=resume_of(row), micro_batches=micro_batches_of(row),
-                   reverse_micro=reverse_micro_of(row), nudge=_stored_int(row, "nudge", 0))
+                   reverse_micro=reverse_micro_of(row), nudge=_stored_int(row, "nudge", 0), backend=backend_of(row))
 
     @property
     def device_type(self) -> str:

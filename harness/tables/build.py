@@ -251,7 +251,7 @@ def _last_line(error: str) -> str:
 
 def _settings(sc: Scenario) -> dict:
     """What a scenarios-table row records of the run's settings beside its id fields."""
-    return {"steps": sc.steps, "lr": sc.lr, "global_batch": sc.global_batch}
+    return {"steps": sc.steps, "lr": sc.lr, "global_batch": sc.global_batch, "backend": sc.backend}
 
 
 def _rank_diffs(sid: str, step: int, ranks: list[dict], cur: dict, ref: dict | None, ws1: dict | None,

@@ -53,7 +53,8 @@ class Table:
 #               order (Scenario.rank_order_probe: a split run's at its W, a reversed probe's twin); diff_factor
 #               (split data, accum / no_sync): vs the same implementation's plain step at W x k ranks
 #   scenarios   global_batch: samples per step over all ranks (optional when reading: a run stored
-#               before it was recorded has none); failed_rank: the rank a failure started on;
+#               before it was recorded has none); backend: gloo or nccl (optional when reading: gloo);
+#               failed_rank: the rank a failure started on;
 #               param_bytes: the full parameters;
 #               largest_unit_bytes: the largest unit's full parameters; row_bytes: one dim-0 row of
 #               every parameter tensor, summed; param_tensors: their count; params_compared: the
@@ -97,7 +98,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         "scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum", "diff_probe", "diff_factor"),
           required=("scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum")),
     Table("scenarios", "scenario", SCENARIO_IDS + FEATURE + (
-        "steps", "lr", "global_batch", "status", "error", "failed_rank", "final_loss", "param_sum", "max_diff_ref",
+        "steps", "lr", "global_batch", "backend", "status", "error", "failed_rank", "final_loss", "param_sum", "max_diff_ref",
         "max_diff_ws1", "sharded",
         "param_bytes", "trainable_bytes", "param_elements", "trainable_elements", "largest_unit_bytes",
         "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "buffer_bytes", "batch_stats", "params_compared",

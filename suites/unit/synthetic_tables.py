@@ -105,7 +105,7 @@ def _rows(sc: Scenario, fail: bool, steps: int):
                                    diff_ws1=diffs[p], sum=0.5 * n + diffs[p]))
     last = step_rows[-1]
     m = mem(ws, mode)
-    scen = dict(head, steps=steps, lr=sc.lr, global_batch=sc.global_batch, status="ok", error="",
+    scen = dict(head, steps=steps, lr=sc.lr, global_batch=sc.global_batch, backend=sc.backend, status="ok", error="",
                 final_loss=last["loss"],
                 param_sum=sum(r["sum"] for r in param_rows if r["step"] == steps),
                 max_diff_ref=max(r["max_diff_ref"] for r in step_rows),
@@ -236,7 +236,7 @@ def check_tables(cells, probes: bool = True):
                           "max_diff_ws1": dws1[k], "worst_param_ws1": "fc2.weight", "grad_diff_ws1": dws1[k]})
             params.append({"scenario": sc.id, "step": k + 1, "param": "fc2.weight", "numel": 10,
                            "diff_ref": dref[k], "diff_ws1": dws1[k], "sum": 1.0})
-        scen.append({**base, "steps": 3, "lr": sc.lr, "status": "ok", "error": "", "sharded": True,
+        scen.append({**base, "feature": sc.feature, "backend": sc.backend, "steps": 3, "lr": sc.lr, "status": "ok", "error": "", "sharded": True,
                      "param_bytes": P_BYTES, "param_elements": P_BYTES // 4, "trainable_elements": P_BYTES // 4,
                      "largest_unit_bytes": P_BYTES // 2,
                      "largest_child_bytes": P_BYTES // 4, "root_bytes": P_BYTES // 4, "row_bytes": 40,
