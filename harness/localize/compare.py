@@ -19,7 +19,13 @@ process; harness.localize.replay says which one):
   gradients in an order of its own, so a difference no larger than the rounding of summing those n
   terms in another order (2 (n-1) u sum|g_i| per element, u the unit roundoff of fp32, the terms read
   from the yardstick's gradient after each pass) is named as such: the runs part there by rounding
-  alone, and no later step can be compared bit for bit;
+  alone (the yardstick starts the next step from the run's parameters, so its forward and backward are
+  compared bit for bit again);
+- the optimizer step: the yardstick's optimizer steps on the gradients the run applied (assembled from its
+  ranks' rows) from the run's own parameters, so its state follows the run's gradients and the updates
+  must agree bit for bit at every step, after a reduction's rounding too (the optimizer's math is
+  elementwise: sharding changes none of it); a resumed run's state is its saver's and is compared only
+  until its runs part;
 - nothing else: the optimizer's own ops run on shards against full tensors and are not compared op by
   op; a parameter a rank holds other than as dim-0 rows of the full tensor (a flat buffer) is named as
   having no mapping.
@@ -223,12 +229,14 @@ def first_point(ref: dict, mine: dict, *, rank: int, world_size: int, split: boo
     """Where rank `rank`'s trace `mine` first parts from the yardstick's `ref` beyond rounding; else the
     first place they part by a reduction's rounding alone (Point.rounding), or None. The yardstick starts
     each step after the first from the parameters the run holds (replay.assemble), so a step is compared
-    from the same parameters even after an earlier step's rounding; the optimizer's update is compared
-    only while nothing has been rounded apart (its state carries the rounding); `carried`: a resumed run's
+    from the same parameters even after an earlier step's rounding, and its optimizer steps on the run's
+    own gradients (replay.replay, StepTracer.force_grads), so the optimizer's update is compared bit for bit
+    at every step, after rounding too (its state follows the run's); without forced gradients only while
+    nothing has been rounded apart (its state would carry the rounding); `carried`: a resumed run's
     checkpoint came from a trajectory the yardstick's differs from by rounding (another world size), so its
     updates are not compared from the start."""
     units = ref.get("units", [])
-    rounded, apart = None, carried
+    rounded, apart, steady = None, carried, None
     for step in steps:
         before = compare_state(_state(mine, step, "params_before") or {}, _state(ref, step, "params_before") or {},
                                what="parameter")
@@ -243,9 +251,17 @@ def first_point(ref: dict, mine: dict, *, rank: int, world_size: int, split: boo
         terms = _terms(ref, step)
         n = world_size * passes
         allowance = {k: 2 * max(n - 1, 0) * U32 * v for k, v in terms.items() if v is not None}
+        # the parameters whose gradients the yardstick's optimizer took from the run at every step so far: its
+        # state then follows the run's, and their update is compared bit for bit even after rounding apart
+        forced = set(_state(ref, step, "grads_forced") or ())
+        steady = forced if steady is None else steady & forced
         for what in ("grads_reduced", "grads_clipped", "params_after"):
             theirs, ours = _state(ref, step, what), _state(mine, step, what)
-            if theirs is None or ours is None or (what == "params_after" and apart):
+            if theirs is not None and what == "params_after" and apart:
+                # and those without a gradient, which no optimizer moves
+                held = (steady or set()) | (set(theirs) - set(_state(ref, step, "grads_reduced") or ()))
+                theirs = {k: v for k, v in theirs.items() if k in held} if not carried else None
+            if not theirs or ours is None:
                 continue
             slot, phase = STATE_SLOTS[what]
             bound = allowance if what == "grads_reduced" else (

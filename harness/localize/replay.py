@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from harness.core.scenario import REFERENCE_IMPL, Scenario, ckpt_step, has, passes_per_step
+from harness.core.scenario import OPTIMIZERS, REFERENCE_IMPL, Scenario, ckpt_step, has, passes_per_step
 from harness.localize.compare import Point, localise
 
 KEEP_BYTES = 32 << 20  # per rank: op outputs kept with their values (beyond it, hashes only)
@@ -103,10 +103,16 @@ def replay(sc: Scenario, *, pool, workdir: Path, steps: int | None = None,
         torch.save(saved, force_dir / f"step{start}.pt")
     run(sc, traced)
     traces = _load(workdir / sc.id / "trace", sc.world_size)
-    for step in step_list[:-1]:  # the parameters the run under test holds after each step, from its ranks
+    for step in step_list:  # what the run under test holds after each step and applied in it, from its ranks
         full = assemble(traces, step)
-        if full:
+        if full and step != step_list[-1]:
             torch.save(full, force_dir / f"step{step}.pt")
+        applied = assemble(traces, step, "grads_clipped") or assemble(traces, step, "grads_reduced")
+        # a resumed run's optimizer state is its saver's: nothing to force it to; a user's optimizer may reduce
+        # over a whole matrix (harness.train.optim.normalised_sgd), whose order a sharded run chooses: only the
+        # harness's elementwise optimizers are held bit for bit on the same inputs
+        if applied and not start and sc.optimizer in OPTIMIZERS:
+            torch.save(applied, force_dir / f"grads{step}.pt")
     run(ref, {**traced, "pass_grads": ref.micro_batches * passes_per_step(ref.feature) > 1,
               "slices_summed": ref.micro_batches > 1, "force_dir": str(force_dir)})
     ref_trace = _load(workdir / ref.id / "trace", 1)[0]
@@ -119,13 +125,14 @@ def replay(sc: Scenario, *, pool, workdir: Path, steps: int | None = None,
     return Localised(sc, ref, point, step_list)
 
 
-def assemble(traces: list[dict], step: int) -> dict[str, torch.Tensor]:
-    """The full parameters after `step`, put together from the rows every rank held (its own word is not
-    asked: harness.localize.trace keeps what the rank holds). A parameter no rank holds whole or as dim-0
-    rows covering it is left out (the yardstick keeps its own)."""
+def assemble(traces: list[dict], step: int, what: str = "params_after") -> dict[str, torch.Tensor]:
+    """The full parameters after `step` (or what else the tracer kept: "grads_reduced", "grads_clipped"), put
+    together from the rows every rank held (its own word is not asked: harness.localize.trace keeps what the
+    rank holds). A parameter no rank holds whole or as dim-0 rows covering it is left out (the yardstick keeps
+    its own)."""
     pieces: dict[str, dict[int, torch.Tensor]] = {}
     for trace in traces:
-        state = next((s["params"] for s in trace["state"] if s["step"] == step and s["what"] == "params_after"), {})
+        state = next((s["params"] for s in trace["state"] if s["step"] == step and s["what"] == what), {})
         for name, (rows, local) in state.items():
             pieces.setdefault(name, {})
             if rows is None:

@@ -160,6 +160,25 @@ class StepTracer(TorchDispatchMode):
     def end_clip(self, wrapped) -> None:
         self._keep_state("grads_clipped", wrapped, grads=True)
 
+    def force_grads(self, wrapped, force_dir: str | None) -> None:
+        """Before the yardstick's optimizer step (the localiser's replay): the gradients the run under test
+        applied in this step (grads<k>.pt, assembled from its ranks' rows) replace the yardstick's own, once
+        those are kept for comparison. Its optimizer state then follows the run's gradients, so its update
+        is the plain optimizer's on the run's own parameters and gradients: comparable bit for bit even
+        after the runs parted by a reduction's rounding. The names it forced are kept ("grads_forced")."""
+        forced = Path(force_dir) / f"grads{self.step}.pt" if force_dir else None
+        if forced is None or not forced.exists():
+            return
+        params = {self.plain_name(n): p for n, p in wrapped.named_parameters()}
+        done = {}
+        with torch.no_grad():
+            for name, full in torch.load(forced, weights_only=True).items():
+                p = params.get(name)
+                if p is not None and p.grad is not None and p.grad.shape == full.shape:
+                    p.grad.copy_(full)
+                    done[name] = (None, torch.empty(0))
+        self.state.append({"step": self.step, "what": "grads_forced", "pass": self.pass_, "params": done})
+
     def end_step(self, wrapped) -> None:
         self._keep_state("params_after", wrapped, grads=False)
 

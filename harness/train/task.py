@@ -132,6 +132,8 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
                 clip_norm = _clip(adapter, wrapped, sc.feature, sc.nudge)
                 if traced and clip_of(sc.feature) is not None:
                     tracer.end_clip(wrapped)
+                if traced:  # the localiser's yardstick: the run's own gradients into its optimizer
+                    tracer.force_grads(wrapped, trace.get("force_dir"))
                 mark("optimizer")
                 if jitter is not None:
                     jitter.pause("optimizer")

@@ -245,3 +245,18 @@ def test_correct_implementations_show_no_divergence_over_every_feature(pool):
             diverged.append("\n".join(found.lines()))
     assert not diverged, "\n\n".join(diverged)
     assert unmapped == {sc.id for sc in cells if has(sc.feature, "shard1") and sc.model == "tinylm_tied"}, unmapped
+
+
+def test_an_optimizer_defect_is_named_after_the_runs_parted_by_rounding(pool):
+    """Split data at 4 ranks parts from the yardstick by the reduction's rounding at step 1. The yardstick's
+    optimizer then steps on the run's own gradients from the run's own parameters (StepTracer.force_grads), so a
+    wrong update is still named, at the optimizer step (bf16_optimizer_step read 'rounding only' before), while
+    the correct fsdp_impl and a user's matrix-wise optimizer (its norm summed in the run's order) show none."""
+    import dataclasses
+
+    m = next(m for m in NUMERIC if m.name == "bf16_optimizer_step")
+    found = _localise(dataclasses.replace(cell(m), world_size=4, data_mode="split"), pool)
+    assert found.diverged and (found.point.step, found.point.phase) == (1, "optimizer step"), "\n".join(found.lines())
+    for optimizer in ("adamw", "harness.train.optim:normalised_sgd"):
+        found = _localise(Scenario("fsdp_impl", "mlp", 4, "split", optimizer, steps=3), pool)
+        assert found.point is not None and not found.diverged, "\n".join(found.lines())
