@@ -159,7 +159,7 @@ class Session:
                 return None
         else:
             from harness.execute.executor import run_matrix
-            res = run_matrix(scenarios, timeout_s=m.timeout_s, bounds=m.bounds, progress=progress)
+            res = run_matrix(scenarios, timeout_s=m.timeout_s, bounds=m.bounds, progress=progress, say=self.say)
         if self.command is not None:
             res.env["command"] = self.command
         if self.options.localize and not self.under_torchrun:

@@ -134,6 +134,25 @@ BF16_SPLIT = (
 #   the equivalent computation, and such a run is held to it with the tier bound (no floor applies).
 NOISE_FLOOR_FACTOR = 2.0
 
+# [Note: trajectory replayed] The floor is one draw, and a trajectory can leave it without any fault. Seed 3 of
+# the standard architectures (AVX512): FSDP2 on encoder_lm, 8 ranks, split data, AdamW with accumulation, moved
+# a few rows of layers.0.linear1.weight 8.7e-4 from the full batch's (tier 1e-4) at step 6, rank 5's rows only,
+# while both probes stayed below half the tier (fsdp_impl and DDP: 2.4e-7). Simulated on AVX2 (encoder_lm,
+# seed 5, the same cut): the rank-order, reversed, pass-major and ring orders of summing the same 16 slice
+# gradients all moved one row of that weight 5.8e-4 from the full batch by step 10, a live unit whose
+# gradient was ordinary at every step (1e-4 to 3e-3), 100x any other row: a token whose pre-activation lies
+# within rounding of the ReLU's zero goes to the other side in one trajectory, its gradient contribution
+# appears or vanishes, and AdamW, which normalises each element's step, carries it on. Which trajectory crosses
+# such a kink is a draw no probe can make for another run. So a split run whose only failing verdict is that
+# crossing, with every parameter within AdamW's reach (no bound is derived for SGD), is replayed up to the
+# step of the crossing (harness.localize.replayed): the yardstick starts each step from the run's parameters
+# and its optimizer steps on the run's gradients, and the localiser holds forward and backward bit for bit,
+# the reduction within 2 (n - 1) u sum |g_i| (the rounding of summing the same terms in another order) and
+# the optimizer's update bit for bit. A run that passes every step did, from where it stood, exactly what the
+# plain model does: it is held to the reach and the verdict names the replay; any step that parts is the
+# FAIL's cause, localised. Left out: runs resumed from a checkpoint (their optimizer state is the saver's),
+# user optimizers (their update may reduce in the run's own order), torchrun jobs (no worlds to replay in).
+
 BATCH_STATS_SPLIT = (
     "the model normalises with batch statistics ({layers}), so each rank normalises its own slice and split "
     "data is not the full batch's computation (it would be with SyncBatchNorm); it is held to the plain model "

@@ -147,10 +147,12 @@ def execute(scenarios: list[Scenario], *, snapshot_dir: str | Path, pool: Scenar
 
 def run_matrix(scenarios: list[Scenario], *, pool: WorldPool | ScenarioPool | None = None, timeout_s: float = 300.0,
                bounds: Bounds = Bounds(), progress: Progress | None = None,
-               snapshot_dir: str | Path | None = None) -> RunResult:
-    """Run every scenario, build the tables, run the checks. `pool`: a WorldPool to reuse (it stays
-    open), any other ScenarioPool, or None for a WorldPool of this call's own. `snapshot_dir`: where
-    the ranks write full-parameter snapshots (a temp dir of this call's own when None)."""
+               snapshot_dir: str | Path | None = None, say=lambda line: None) -> RunResult:
+    """Run every scenario, build the tables, run the checks; in worlds (a WorldPool), a split run whose
+    trajectory alone left the full batch's is replayed step by step before it is blamed
+    (harness.localize.replayed). `pool`: a WorldPool to reuse (it stays open), any other ScenarioPool, or
+    None for a WorldPool of this call's own. `snapshot_dir`: where the ranks write full-parameter snapshots
+    (a temp dir of this call's own when None). `say`: a line of progress (the replays)."""
     t0 = time.perf_counter()
     own_pool = pool is None
     world_pool = WorldPool(timeout_s=timeout_s) if own_pool else pool
@@ -159,11 +161,14 @@ def run_matrix(scenarios: list[Scenario], *, pool: WorldPool | ScenarioPool | No
     with own_dir or contextlib.nullcontext(snapshot_dir) as snapshots:
         try:
             records = execute(scenarios, snapshot_dir=snapshots, pool=scenario_pool, progress=progress)
+            tables = build_tables(scenarios, records)
+            verdicts = run_checks(tables, bounds)
+            if isinstance(world_pool, WorldPool):
+                from harness.localize.replayed import replay_crossings
+                verdicts = replay_crossings(scenarios, verdicts, world_pool, bounds, say=say)
         finally:
             if own_pool:
                 world_pool.close()
-        tables = build_tables(scenarios, records)
-    verdicts = run_checks(tables, bounds)
     tables["verdicts"] = verdict_table(verdicts)
     backend = scenarios[0].backend if scenarios else "gloo"
     return RunResult(scenarios, tables, verdicts, environment(backend), time.perf_counter() - t0,
