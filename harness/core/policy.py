@@ -140,9 +140,11 @@ NOISE_FLOOR_FACTOR = 2.0
 # while both probes stayed below half the tier (fsdp_impl and DDP: 2.4e-7). Simulated on AVX2 (encoder_lm,
 # seed 5, the same cut): the rank-order, reversed, pass-major and ring orders of summing the same 16 slice
 # gradients all moved one row of that weight 5.8e-4 from the full batch by step 10, a live unit whose
-# gradient was ordinary at every step (1e-4 to 3e-3), 100x any other row: a token whose pre-activation lies
-# within rounding of the ReLU's zero goes to the other side in one trajectory, its gradient contribution
-# appears or vanishes, and AdamW, which normalises each element's step, carries it on. Which trajectory crosses
+# gradient was ordinary at every step (1e-4 to 3e-3), 100x any other row: at step 7 that unit's ReLU input for
+# one token was +4.1e-8 in the full batch's trajectory and -8.9e-8 in the rank order's (rounding-sized
+# parameter differences, 1.5e-8, put it on either side of the kink), its gradient contribution appeared in
+# one and not the other, and AdamW, which normalises each element's step, carried it on
+# (reports/sweep/summation_orders.py, its output beside it). Which trajectory crosses
 # such a kink is a draw no probe can make for another run. So a split run whose only failing verdict is that
 # crossing, with every parameter within AdamW's reach (no bound is derived for SGD), is replayed up to the
 # step of the crossing (harness.localize.replayed): the yardstick starts each step from the run's parameters
