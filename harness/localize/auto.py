@@ -4,12 +4,11 @@ yardstick (harness.localize.replay), their chains in the "localised" table and i
 from __future__ import annotations
 
 import dataclasses
-import tempfile
-from pathlib import Path
 
 import pandas as pd
 
 from harness.core.scenario import REFERENCE_IMPL
+from harness.localize.replayed import REPLAYED
 from harness.options import DEFAULT_LOCALIZE
 from harness.core.verdict import FAIL
 from harness.tables.schema import columns
@@ -24,11 +23,13 @@ def to_localise(result, n: int) -> list:
     """The first `n` scenarios (in the verdicts' order) with a failing numeric verdict, the plain model's own
     runs left out (nothing to localise them against)."""
     by_id = {s.id: s for s in result.scenarios}
+    # a split crossing the run already replayed (harness.localize.replayed) names where it parted: not again
+    replayed = {v.scenario for v in result.verdicts if REPLAYED in v.message}
     chosen = []
     for v in result.verdicts:
         sc = by_id.get(v.scenario)
         if (v.status == FAIL and v.check in LOCALISED_CHECKS and sc is not None and sc.impl != REFERENCE_IMPL
-                and sc not in chosen):
+                and sc not in chosen and v.scenario not in replayed):
             chosen.append(sc)
     return chosen[:n]
 
@@ -37,7 +38,7 @@ def localise_failures(result, n: int = DEFAULT_LOCALIZE, *, timeout_s: float = 3
     """Localise up to `n` failing scenarios of `result` (a RunResult) in place: the "localised" table, and the
     chain's one-line form appended to each failing verdict of those scenarios."""
     from harness.execute.world import WorldPool
-    from harness.localize.replay import replay
+    from harness.localize.replay import replay_or_why
 
     chosen = to_localise(result, n)
     if not chosen:
@@ -46,14 +47,11 @@ def localise_failures(result, n: int = DEFAULT_LOCALIZE, *, timeout_s: float = 3
     rows, lines = [], {}
     with WorldPool(timeout_s=timeout_s) as pool:
         for sc in chosen:
-            with tempfile.TemporaryDirectory(prefix="fsdp-localize-") as d:
-                try:
-                    found = replay(sc, pool=pool, workdir=Path(d))
-                except Exception as e:  # the run itself stays judged: the localisation says why it could not
-                    last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-                    rows.append({"scenario": sc.id, "element": f"could not be localised: {last}"})
-                    lines[sc.id] = f"could not be localised ({last})"
-                    continue
+            found, why = replay_or_why(sc, pool=pool)
+            if found is None:  # the run itself stays judged: the localisation says why it could not
+                rows.append({"scenario": sc.id, "element": f"could not be localised: {why}"})
+                lines[sc.id] = f"could not be localised ({why})"
+                continue
             rows.append(row_of(found))
             lines[sc.id] = found.short()
             say(f"  {sc.id}: {found.short()}")

@@ -103,15 +103,17 @@ def replay(sc: Scenario, *, pool, workdir: Path, steps: int | None = None,
         torch.save(saved, force_dir / f"step{start}.pt")
     run(sc, traced)
     traces = _load(workdir / sc.id / "trace", sc.world_size)
+    # the gradients the run applied, for the yardstick's optimizer; not for a resumed run (its optimizer state is
+    # its saver's: nothing to force it to), nor a user's optimizer, which may reduce over a whole matrix
+    # (harness.train.optim.normalised_sgd) in the order a sharded run chooses: only the harness's elementwise
+    # optimizers are held bit for bit on the same inputs
+    force_grads = not start and sc.optimizer in OPTIMIZERS
     for step in step_list:  # what the run under test holds after each step and applied in it, from its ranks
         full = assemble(traces, step)
         if full and step != step_list[-1]:
             torch.save(full, force_dir / f"step{step}.pt")
-        applied = assemble(traces, step, "grads_clipped") or assemble(traces, step, "grads_reduced")
-        # a resumed run's optimizer state is its saver's: nothing to force it to; a user's optimizer may reduce
-        # over a whole matrix (harness.train.optim.normalised_sgd), whose order a sharded run chooses: only the
-        # harness's elementwise optimizers are held bit for bit on the same inputs
-        if applied and not start and sc.optimizer in OPTIMIZERS:
+        applied = force_grads and (assemble(traces, step, "grads_clipped") or assemble(traces, step, "grads_reduced"))
+        if applied:
             torch.save(applied, force_dir / f"grads{step}.pt")
     run(ref, {**traced, "pass_grads": ref.micro_batches * passes_per_step(ref.feature) > 1,
               "slices_summed": ref.micro_batches > 1, "force_dir": str(force_dir)})
@@ -157,6 +159,16 @@ def assemble(traces: list[dict], step: int, what: str = "params_after") -> dict[
 
 def _load(folder: Path, ranks: int) -> list[dict]:
     return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
+
+
+def replay_or_why(sc: Scenario, *, pool, steps: int | None = None) -> tuple[Localised | None, str]:
+    """`replay` in `pool`'s worlds and a temp dir of its own: (its Localised, ""), or (None, the last line of
+    what kept it from running): the run stays judged as it was, and says why it could not be localised."""
+    with tempfile.TemporaryDirectory(prefix="fsdp-localize-") as d:
+        try:
+            return replay(sc, pool=pool, workdir=Path(d), steps=steps), ""
+        except Exception as e:
+            return None, (str(e).strip().splitlines() or [type(e).__name__])[-1]
 
 
 def localize(sc: Scenario, *, steps: int | None = None, timeout_s: float = 300.0) -> Localised:

@@ -16,14 +16,13 @@ stood: its parameters are held to AdamW's reach, the most two runs can part by w
 from __future__ import annotations
 
 import dataclasses
-import tempfile
-from pathlib import Path
 
 from harness.core.policy import Bounds
 from harness.core.scenario import OPTIMIZERS, REFERENCE_IMPL, Scenario
 from harness.core.verdict import FAIL, PASS, Verdict
 
 CHECK = "split_matches_full_batch"
+REPLAYED = "replayed step by step"  # in every verdict a replay judged (harness.localize.auto does not redo it)
 
 
 def candidates(scenarios: list[Scenario], verdicts: list[Verdict], bounds: Bounds) -> list[tuple[int, Scenario]]:
@@ -53,7 +52,7 @@ def replay_crossings(scenarios: list[Scenario], verdicts: list[Verdict], pool, b
                      say=lambda line: None) -> list[Verdict]:
     """`verdicts` with each candidate crossing replayed (`pool`: a WorldPool): PASS held to the reach where
     every step matched its yardstick beyond rounding, else FAIL naming where the run parted."""
-    from harness.localize.replay import replay
+    from harness.localize.replay import replay_or_why
 
     chosen = candidates(scenarios, verdicts, bounds)
     if not chosen:
@@ -62,14 +61,11 @@ def replay_crossings(scenarios: list[Scenario], verdicts: list[Verdict], pool, b
     out = list(verdicts)
     for i, sc in chosen:
         v = out[i]
-        with tempfile.TemporaryDirectory(prefix="fsdp-replay-") as d:
-            try:
-                found = replay(sc, pool=pool, workdir=Path(d), steps=v.step)
-            except Exception as e:  # the verdict stands as judged; the replay says why it could not run
-                last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-                out[i] = dataclasses.replace(v, message=f"{v.message.rstrip('. ')}. The step-by-step replay could "
-                                                        f"not run ({last}), so the crossing stands")
-                continue
+        found, why = replay_or_why(sc, pool=pool, steps=v.step)
+        if found is None:  # the verdict stands as judged; the replay says why it could not run
+            out[i] = dataclasses.replace(v, message=f"{v.message.rstrip('. ')}. The crossing could not be "
+                                                    f"{REPLAYED} ({why}), so it stands")
+            continue
         out[i] = judged(v, sc, found, bounds)
         say(f"  {sc.id}: {out[i].status}")
     return out
@@ -79,14 +75,14 @@ def judged(v: Verdict, sc: Scenario, found, bounds: Bounds) -> Verdict:
     """The crossing `v` after its replay `found` (harness.localize.replay.Localised)."""
     steps = f"steps {found.steps[0]}-{found.steps[-1]}"
     if found.diverged:
-        return dataclasses.replace(v, message=f"{v.message.rstrip('. ')}. Replayed step by step ({steps}), the run "
+        return dataclasses.replace(v, message=f"{v.message.rstrip('. ')}. The run, {REPLAYED} ({steps}), "
                                               f"parted from the plain model's computation: {found.short()}")
     reach = bounds.reach(sc.optimizer, sc.lr, sc.steps)
     how = ("every op bit for bit" if found.point is None else
            "forward and backward bit for bit, the gradient reduction within the rounding of summing its terms in "
            "another order, the optimizer's update bit for bit")
     return dataclasses.replace(v, status=PASS, bound=reach, message=(
-        f"{v.message.rstrip('. ')}. Not the implementation: replayed step by step ({steps}) from the run's own "
+        f"{v.message.rstrip('. ')}. Not the implementation: {REPLAYED} ({steps}) from the run's own "
         f"parameters and gradients, every step computed what the plain model computes there ({how}), so the "
         f"trajectory left the full batch's by the model's own amplification of rounding (model-sensitive, found "
         f"by replay: a token near a kink such as a ReLU's zero, sent the other way, then AdamW's step of its own "

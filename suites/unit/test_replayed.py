@@ -4,11 +4,14 @@ computes from the run's own parameters and gradients, still FAIL and localised w
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from harness.core.policy import Bounds, adamw_reach
 from harness.core.scenario import Scenario
 from harness.core.verdict import FAIL, PASS, Verdict
+from harness.localize.auto import to_localise
 from harness.localize.replayed import CHECK, candidates, replay_crossings
 
 MUTANT = "suites.mutants.catalog:bf16_optimizer_step"
@@ -35,6 +38,10 @@ def test_a_wrong_optimizer_step_stays_a_failure_and_is_named(kept_worlds):
     v = _replayed(MUTANT, kept_worlds)
     assert v.status == FAIL
     assert "parted from the plain model's computation" in v.message and "optimizer step" in v.message, v.message
+    # the run's localisation afterwards (harness.localize.auto) does not replay it again; an unreplayed one it does
+    sc = Scenario(MUTANT, "mlp", 4, "split", "adamw", steps=3, feature="bf16")
+    assert to_localise(SimpleNamespace(scenarios=[sc], verdicts=[v]), 2) == []
+    assert to_localise(SimpleNamespace(scenarios=[sc], verdicts=[_v(sc.id)]), 2) == [sc]
 
 
 @pytest.mark.parametrize("case,expected", [
