@@ -147,16 +147,22 @@ def execute(scenarios: list[Scenario], *, snapshot_dir: str | Path, pool: Scenar
 
 def run_matrix(scenarios: list[Scenario], *, pool: WorldPool | ScenarioPool | None = None, timeout_s: float = 300.0,
                bounds: Bounds = Bounds(), progress: Progress | None = None,
-               snapshot_dir: str | Path | None = None, say=lambda line: None) -> RunResult:
+               snapshot_dir: str | Path | None = None, say=lambda line: None, journal=None) -> RunResult:
     """Run every scenario, build the tables, run the checks; in worlds (a WorldPool), a split run whose
     trajectory alone left the full batch's is replayed step by step before it is blamed
     (harness.localize.replayed). `pool`: a WorldPool to reuse (it stays open), any other ScenarioPool, or
     None for a WorldPool of this call's own. `snapshot_dir`: where the ranks write full-parameter snapshots
-    (a temp dir of this call's own when None). `say`: a line of progress (the replays)."""
+    (a temp dir of this call's own when None). `say`: a line of progress (the replays). `journal`: a
+    harness.execute.journal.Journal that keeps the snapshots and every scenario's record as it is made, and
+    gives back those of a run that stopped (snapshot_dir is then the journal's)."""
     t0 = time.perf_counter()
     own_pool = pool is None
     world_pool = WorldPool(timeout_s=timeout_s) if own_pool else pool
     scenario_pool = ReusedWorlds(world_pool, timeout_s) if isinstance(world_pool, WorldPool) else world_pool
+    if journal is not None:
+        from harness.execute.journal import Journaled
+
+        scenario_pool, snapshot_dir = Journaled(scenario_pool, journal), journal.snapshots
     own_dir = tempfile.TemporaryDirectory(prefix="fsdp-harness-") if snapshot_dir is None else None
     with own_dir or contextlib.nullcontext(snapshot_dir) as snapshots:
         try:
@@ -171,5 +177,6 @@ def run_matrix(scenarios: list[Scenario], *, pool: WorldPool | ScenarioPool | No
                 world_pool.close()
     tables["verdicts"] = verdict_table(verdicts)
     backend = scenarios[0].backend if scenarios else "gloo"
-    return RunResult(scenarios, tables, verdicts, environment(backend), time.perf_counter() - t0,
+    earlier_s = scenario_pool.read_back_s if journal is not None else 0.0  # what the records read back took
+    return RunResult(scenarios, tables, verdicts, environment(backend), time.perf_counter() - t0 + earlier_s,
                      scenario_pool.worlds_started, records)

@@ -10,9 +10,11 @@ measured value at 90% of its bound is one seed away from a false alarm.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -124,11 +126,11 @@ class FalseAlarmRun:
         return {s.id for s in self.scenarios} - {v.scenario for v in self.verdicts if v.scenario}
 
 
-def run_false_alarms(scenarios: list[Scenario], *, seed: int, pool=None, progress=None) -> FalseAlarmRun:
+def run_false_alarms(scenarios: list[Scenario], *, seed: int, pool=None, progress=None, journal=None) -> FalseAlarmRun:
     from harness.execute.executor import run_matrix
 
     t0 = time.perf_counter()
-    res = run_matrix(scenarios, pool=pool, progress=progress)
+    res = run_matrix(scenarios, pool=pool, progress=progress, journal=journal)
     return FalseAlarmRun(seed, scenarios, res.verdicts, time.perf_counter() - t0)
 
 
@@ -137,7 +139,10 @@ def run_saved(seed: int, models, save_dir: Path, *, pool=None, progress=None, lo
     `save_dir` as soon as it is judged (every check compares runs of one model only, so a model is a
     complete unit). A model whose file is there already is read back instead of run: an hour-long sweep
     can be stopped and resumed, and a stopped one still leaves its finished models behind. A file made
-    for another matrix (the scenario ids differ: the code changed) is refused, not mixed in."""
+    for another matrix (the scenario ids differ: the code changed) is refused, not mixed in. A model that
+    stopped half way resumes too: its scenarios are journaled in `unfinished_dir` as they are run
+    (harness.execute.journal; refused if other code started it), and the journal is removed once the
+    model's file is saved."""
     save_dir.mkdir(parents=True, exist_ok=True)
     scenarios, verdicts, wall, origins = [], [], 0.0, []
     made_with = _commit()  # the code this process runs: read now, not when a part is saved (HEAD may move)
@@ -154,7 +159,16 @@ def run_saved(seed: int, models, save_dir: Path, *, pool=None, progress=None, lo
             if log:
                 log(f"seed {seed}, {model}: read back from {path} ({saved['commit']})")
         else:
-            run = run_false_alarms(cells, seed=seed, pool=pool, progress=progress)
+            from harness.execute.journal import Journal, JournalMismatch
+
+            try:
+                journal = Journal(unfinished_dir(save_dir, seed, model), made_with)
+            except JournalMismatch as e:
+                raise SystemExit(str(e)) from None
+            if log and len(journal):
+                log(f"seed {seed}, {model}: resuming, {len(journal)} of {len(cells)} scenarios already run "
+                    f"({journal.root})")
+            run = run_false_alarms(cells, seed=seed, pool=pool, progress=progress, journal=journal)
             got, wall = run.verdicts, wall + run.wall_s
             saved = {"seed": seed, "model": model, "commit": made_with, **_machine(), "wall_s": run.wall_s,
                      "scenarios": [c.id for c in cells], "verdicts": [dataclasses.asdict(v) for v in got]}
@@ -163,6 +177,9 @@ def run_saved(seed: int, models, save_dir: Path, *, pool=None, progress=None, lo
             with gzip.open(part, "wt", encoding="utf-8") as f:  # a part's verdicts: 3 MB of JSON, 75 KB gzipped
                 json.dump(saved, f)
             part.replace(path)
+            shutil.rmtree(journal.root)
+            with contextlib.suppress(OSError):  # the last unfinished part gone: its folder too
+                journal.root.parent.rmdir()
             origins.append(_origin(saved))
             if log:
                 done = FalseAlarmRun(seed, cells, got, run.wall_s)
@@ -177,6 +194,11 @@ def part_path(save_dir: Path, seed: int, model: str) -> Path:
     """Where a saved sweep keeps the verdicts of (seed, model), gzipped (small enough to commit, so that a sweep
     of hours goes on in another session, on another machine)."""
     return save_dir / f"seed{seed}-{model.replace(':', '_')}.json.gz"
+
+
+def unfinished_dir(save_dir: Path, seed: int, model: str) -> Path:
+    """Where the part (seed, model) keeps its journal until it is saved (ignored by git: snapshots, gigabytes)."""
+    return save_dir / "unfinished" / part_path(save_dir, seed, model).name.removesuffix(".json.gz")
 
 
 def saved_part(save_dir: Path, seed: int, model: str) -> Path | None:

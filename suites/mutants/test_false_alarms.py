@@ -116,7 +116,7 @@ def test_a_saved_sweep_resumes_where_it_stopped_and_refuses_another_matrix(tmp_p
 
     ran = []
 
-    def fake_run(scenarios, *, seed, pool=None, progress=None):
+    def fake_run(scenarios, *, seed, pool=None, progress=None, journal=None):
         ran.append(scenarios[0].model)
         verdicts = [Verdict("cross_ws_replicated", c.id, FAIL if c.world_size == 2 else PASS, 1.5e-7 * c.world_size,
                             3e-8, step=1, param="fc.weight") for c in scenarios]
@@ -145,6 +145,13 @@ def test_a_saved_sweep_resumes_where_it_stopped_and_refuses_another_matrix(tmp_p
     monkeypatch.setattr(fa, "full_matrix", lambda seed, models: cells(seed, models)[:1])
     with pytest.raises(SystemExit, match="another matrix"):
         fa.run_saved(4, ["mlp"], tmp_path)
+    # a part half run by other code (its journal, harness.execute.journal) is refused, not mixed in
+    from harness.execute.journal import Journal
+
+    Journal(fa.unfinished_dir(tmp_path, 6, "mlp"), "0000000 + changes")
+    with pytest.raises(SystemExit, match="was started by '0000000 \\+ changes'"):
+        fa.run_saved(6, ["mlp"], tmp_path)
+    assert ran == ["mlp", "hf:gpt2"]
 
 
 def test_a_saved_sweep_runs_its_missing_parts_n_at_a_time_and_names_a_failing_one(tmp_path, monkeypatch):
@@ -169,7 +176,9 @@ def test_a_saved_sweep_runs_its_missing_parts_n_at_a_time_and_names_a_failing_on
     fa.run_parts([0, 1], ["a", "b", "c"], tmp_path, jobs=2, poll_s=0.05)
     assert {p.name.split(".")[0] for p in tmp_path.glob("seed*.json*")} == {f"seed{s}-{m}" for s in (0, 1) for m in "abc"}
     assert sorted(p.name for p in tmp_path.glob("peak-*")) == ["peak-0-b", "peak-0-c", "peak-1-a", "peak-1-b"]
-    assert [int(p.read_text()) for p in sorted(tmp_path.glob("peak-*"))] == [2, 2, 2, 2]  # two at a time, no more
+    # two at a time, no more (the last part may find itself alone: which part ends first is the scheduler's)
+    peaks = [int(p.read_text()) for p in sorted(tmp_path.glob("peak-*"))]
+    assert max(peaks) == 2 and peaks.count(2) >= 2, peaks
     assert (tmp_path / "log-seed1-a.txt").read_text() == "part 1 a\n"
     with pytest.raises(SystemExit, match=r"part seed 2, broken failed \(exit 3\); its log: .*log-seed2-broken.txt"):
         fa.run_parts([2], ["broken"], tmp_path, jobs=2, poll_s=0.05)
