@@ -11,7 +11,7 @@ goes on at its own risk). They catch sizes that cannot work here, not slow ones:
 - steps: rank 0 of every scenario writes the full parameters after every step (and, with replicated
   data, the gradient values) into the temp dir, kept until the run's tables are built; the files of
   all scenarios must fit the free space there. Each file's size is the model's parameter bytes plus
-  what `torch.save` adds per tensor, measured on the model's own parameter names.
+  what its format adds (harness.train.params_file), measured on the model's own parameter names.
 - planner world size (`plan`): above the largest dim 0 of any parameter every rank holds at most one
   row of each, so the per-rank state stops falling: the plan of a larger W is that of this one,
   while the planner's time and memory keep growing with W (FSDP2 keeps per-rank lists per parameter).
@@ -39,7 +39,7 @@ ALLOW = "--allow-large to run it anyway"
 class ModelSize:
     param_bytes: int  # every parameter once, at its dtype
     trainable_bytes: int
-    snapshot_bytes: int  # one torch.save of the full parameters in fp32, as rank 0 writes it per step
+    snapshot_bytes: int  # one file of the full parameters in fp32, as rank 0 writes it per step
     largest_rows: int  # the largest dim 0 of any parameter
 
 
@@ -48,6 +48,8 @@ def model_size(name: str) -> ModelSize:
     import torch
 
     from harness.train.models import get_model_spec
+    from harness.train.params_file import save_params
+
     build = get_model_spec(name).build
     with torch.random.fork_rng(devices=[]):
         try:
@@ -57,8 +59,8 @@ def model_size(name: str) -> ModelSize:
             model = build()
     params = dict(model.named_parameters())
     nbytes = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
-    buf = io.BytesIO()  # what torch.save adds: each tensor's record under its own name, one element each
-    torch.save({k: torch.zeros(1) for k in params}, buf)
+    buf = io.BytesIO()  # what the snapshot's format adds: the names, shapes and records, one element each
+    save_params({k: torch.zeros(1) for k in params}, buf)
     snapshot = len(buf.getvalue()) + 4 * sum(p.numel() - 1 for p in params.values())
     return ModelSize(nbytes(params.values()), nbytes(p for p in params.values() if p.requires_grad), snapshot,
                      max((p.shape[0] if p.dim() else 1) for p in params.values()))

@@ -89,19 +89,26 @@ def _max_over_ranks(mem: pd.DataFrame, sid: str, *categories: str) -> float:
     parts = [per_rank.get((sid, c)) for c in dict.fromkeys(categories)]
     if any(p is None for p in parts):
         return math.nan
-    return float(pd.concat(parts).groupby(level=0).sum().max())
+    total: dict = {}
+    for part in parts:
+        for rank, b in part.items():
+            total[rank] = total.get(rank, 0.0) + b
+    return float(max(total.values()))
 
 
 _INDEXED: list = []  # [(the memory table, its stamp, (scenario, category) -> bytes per rank)]: the last one indexed
 
 
 def _per_rank(mem: pd.DataFrame) -> dict:
-    """The memory table's bytes per rank for each (scenario, category), indexed once per table (the checks
-    ask for every scenario: a scan of the whole table each time made verdicts quadratic in the run)."""
+    """The memory table's bytes per rank for each (scenario, category), {rank: bytes} (a missing value counts
+    0, as a pandas sum does), indexed once per table in one grouping (the checks ask for every scenario: a scan
+    of the whole table each time made verdicts quadratic in the run, a grouping per scenario slow)."""
     stamp = (len(mem), float(mem["bytes"].sum()) if len(mem) else 0.0)  # a table changed in place is indexed anew
     if not _INDEXED or _INDEXED[0][0] is not mem or _INDEXED[0][1] != stamp:
-        index = {key: g.groupby("rank")["bytes"].sum() for key, g in mem.groupby(["scenario", "category"])} \
-            if len(mem) else {}
+        index: dict = {}
+        if len(mem):
+            for (sid, cat, rank), b in mem.groupby(["scenario", "category", "rank"])["bytes"].sum().items():
+                index.setdefault((sid, cat), {})[rank] = float(b)
         _INDEXED[:] = [(mem, stamp, index)]
     return _INDEXED[0][2]
 

@@ -253,7 +253,7 @@ def first_point(ref: dict, mine: dict, *, rank: int, world_size: int, split: boo
         allowance = {k: 2 * max(n - 1, 0) * U32 * v for k, v in terms.items() if v is not None}
         # the parameters whose gradients the yardstick's optimizer took from the run at every step so far: its
         # state then follows the run's, and their update is compared bit for bit even after rounding apart
-        forced = set(_state(ref, step, "grads_forced") or ())
+        forced = set(ref.get("forced", {}).get(step, ()))
         steady = forced if steady is None else steady & forced
         for what in ("grads_reduced", "grads_clipped", "params_after"):
             theirs, ours = _state(ref, step, what), _state(mine, step, what)

@@ -18,6 +18,7 @@ import torch
 
 from harness.core.scenario import OPTIMIZERS, REFERENCE_IMPL, Scenario, ckpt_step, has, passes_per_step
 from harness.localize.compare import Point, localise
+from harness.train.params_file import save_params
 
 KEEP_BYTES = 32 << 20  # per rank: op outputs kept with their values (beyond it, hashes only)
 
@@ -100,7 +101,7 @@ def replay(sc: Scenario, *, pool, workdir: Path, steps: int | None = None,
     for saver in savers:  # what it saved: the parameters the resumed run must load, from the saver's ranks
         run(saver, {"steps": start, "keep_bytes": 0})
         saved = assemble(_load(workdir / saver.id / "trace", saver.world_size), start)
-        torch.save(saved, force_dir / f"step{start}.pt")
+        save_params(saved, force_dir / f"step{start}.pt")
     run(sc, traced)
     traces = _load(workdir / sc.id / "trace", sc.world_size)
     # the gradients the run applied, for the yardstick's optimizer; not for a resumed run (its optimizer state is
@@ -111,10 +112,10 @@ def replay(sc: Scenario, *, pool, workdir: Path, steps: int | None = None,
     for step in step_list:  # what the run under test holds after each step and applied in it, from its ranks
         full = assemble(traces, step)
         if full and step != step_list[-1]:
-            torch.save(full, force_dir / f"step{step}.pt")
+            save_params(full, force_dir / f"step{step}.pt")
         applied = force_grads and (assemble(traces, step, "grads_clipped") or assemble(traces, step, "grads_reduced"))
         if applied:
-            torch.save(applied, force_dir / f"grads{step}.pt")
+            save_params(applied, force_dir / f"grads{step}.pt")
     run(ref, {**traced, "pass_grads": ref.micro_batches * passes_per_step(ref.feature) > 1,
               "slices_summed": ref.micro_batches > 1, "force_dir": str(force_dir)})
     ref_trace = _load(workdir / ref.id / "trace", 1)[0]

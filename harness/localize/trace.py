@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.measure.comm import _DTensor, _NAMESPACES, _classify, _REDUCTION_INPUT, _tensors, plain_copy, tensor_digest
 from harness.measure.memory import local_tensor
+from harness.train.params_file import load_params
 
 COMPARED = ("forward", "recomputation", "backward")  # the phases whose ops are compared op by op (compare.py)
 TAG = "harness_localize_module"  # the key of a node's metadata that names the module that made it
@@ -95,6 +96,7 @@ class StepTracer(TorchDispatchMode):
         self.values: dict[int, torch.Tensor] = {}  # op record index -> its output, while under keep_bytes
         self._copies: dict[tuple, torch.Tensor] = {}  # (digest, dtype, numel) -> a value kept (see _value)
         self.state: list[dict] = []  # {"step", "what", "params": {name: (rows, tensor)}}
+        self.forced: dict[int, list[str]] = {}  # step -> the parameters whose gradients force_grads replaced
         self.step, self.pass_, self.phase = 0, -1, None
         self._stack: list[str] = []
         self._kinds: dict = {}  # func -> _kind(func)
@@ -115,7 +117,7 @@ class StepTracer(TorchDispatchMode):
         if forced is not None and forced.exists():
             params = {self.plain_name(n): p for n, p in wrapped.named_parameters()}
             with torch.no_grad():
-                for name, full in torch.load(forced, weights_only=True).items():
+                for name, full in load_params(forced).items():
                     # a parameter its ranks held neither whole nor as dim-0 rows (Shard(1)) came back as one
                     # rank's piece, not the full tensor: the yardstick keeps its own
                     if name in params and params[name].shape == full.shape:
@@ -165,19 +167,18 @@ class StepTracer(TorchDispatchMode):
         applied in this step (grads<k>.pt, assembled from its ranks' rows) replace the yardstick's own, once
         those are kept for comparison. Its optimizer state then follows the run's gradients, so its update
         is the plain optimizer's on the run's own parameters and gradients: comparable bit for bit even
-        after the runs parted by a reduction's rounding. The names it forced are kept ("grads_forced")."""
+        after the runs parted by a reduction's rounding. The names it forced are kept (`forced`, per step)."""
         forced = Path(force_dir) / f"grads{self.step}.pt" if force_dir else None
         if forced is None or not forced.exists():
             return
         params = {self.plain_name(n): p for n, p in wrapped.named_parameters()}
-        done = {}
+        done = self.forced.setdefault(self.step, [])
         with torch.no_grad():
-            for name, full in torch.load(forced, weights_only=True).items():
+            for name, full in load_params(forced).items():
                 p = params.get(name)
                 if p is not None and p.grad is not None and p.grad.shape == full.shape:
                     p.grad.copy_(full)
-                    done[name] = (None, torch.empty(0))
-        self.state.append({"step": self.step, "what": "grads_forced", "pass": self.pass_, "params": done})
+                    done.append(name)
 
     def end_step(self, wrapped) -> None:
         self._keep_state("params_after", wrapped, grads=False)
@@ -374,5 +375,5 @@ class StepTracer(TorchDispatchMode):
         return ".".join(p for p in name.split(".") if p not in WRAPPER_PARTS)
 
     def save(self, path: Path) -> None:
-        torch.save({"ops": self.ops, "values": self.values, "state": self.state, "units": self.units,
-                    "kept_bytes": self.kept_bytes, "keep_bytes": self.keep_bytes}, path)
+        torch.save({"ops": self.ops, "values": self.values, "state": self.state, "forced": self.forced,
+                    "units": self.units, "kept_bytes": self.kept_bytes, "keep_bytes": self.keep_bytes}, path)

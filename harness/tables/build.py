@@ -19,6 +19,7 @@ from harness.tables.restored_state import compare_files
 from harness.tables.rows import rows_apart
 from harness.tables.schema import columns
 from harness.train.checkpointing import RESTORED_STATE, SAVED_STATE
+from harness.train.params_file import load_params
 
 
 def _scenario_fields(sc: Scenario) -> dict:
@@ -45,7 +46,7 @@ class _Snapshots:
         key = (scenario_id, step)
         if key not in self._cache:
             path = Path(d) / f"step{step}.pt"
-            self._cache[key] = torch.load(path, weights_only=True) if path.exists() else None
+            self._cache[key] = load_params(path) if path.exists() else None
         return self._cache[key]
 
 

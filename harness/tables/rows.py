@@ -71,7 +71,10 @@ def holders(rows: list[int], name: str, ranks: list[dict]) -> str:
 
 def noise_floors(snaps, ref_id: str, probes: list[Scenario], last: int) -> dict[str, float]:
     """parameter -> the largest |difference| at step `last` between the reference `ref_id` and any of its noise
-    `probes` that have a snapshot there (parameters where every probe lands on the reference: absent)."""
+    `probes` that have a snapshot there (parameters where every probe lands on the reference: absent). The same
+    difference the params table records as a probe's diff_ref at that step, which checks/noise_floor.py takes the
+    largest of over every step for the value checks; rows_trained holds a row's end state only, so its floor is
+    the last step's, read here from the snapshots (this table is built beside that one, run by run)."""
     ref, out = snaps.get(ref_id, last), {}
     for probe in probes if ref else ():
         for name, t in (snaps.get(probe.id, last) or {}).items():

@@ -19,6 +19,7 @@ from harness.adapters.reference import MixedPrecision
 from harness.core.scenario import Scenario, ckpt_step, has
 from harness.train.data import eval_batch
 from harness.train.features import BF16_POLICY, evaluate, rank_slices
+from harness.train.params_file import load_params
 
 
 def held_out_cut(sc: Scenario, inputs: torch.Tensor, targets: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -44,7 +45,7 @@ def add_plain_eval_losses(sc: Scenario, spec, snap_dir: Path, steps: list[dict],
     for rec in steps:
         if rec["step"] < first:
             continue
-        full = torch.load(snap_dir / f"step{rec['step']}.pt")
+        full = load_params(snap_dir / f"step{rec['step']}.pt")
         if set(full) != set(params):
             rec["eval_loss_plain"] = math.nan
             continue

@@ -31,6 +31,7 @@ from harness.train.data import eval_batch, global_batch, local_slice
 from harness.train.features import checkpoint_units, evaluate, forward_backward, wrap_for
 from harness.train.jitter import Jitter
 from harness.train.models import get_model_spec
+from harness.train.params_file import save_params
 from harness.train.plain_eval import add_plain_eval_losses, held_out_cut
 from harness.train.user_models import check_batch, check_built
 
@@ -266,7 +267,7 @@ def batch_stat_layers(model) -> str:
 def _snapshot(adapter, wrapped, path: Path, rank: int) -> None:
     full = adapter.full_params(wrapped)  # collective: every rank calls it
     if rank == 0:
-        torch.save({k: v.detach().to("cpu", torch.float32).clone() for k, v in full.items()}, path)
+        save_params({k: v.detach().to("cpu", torch.float32) for k, v in full.items()}, path)
 
 
 def _optimizer_grads(optimizer, mine: bool) -> torch.Tensor:

@@ -49,11 +49,13 @@ def test_a_larger_model_leaves_room_for_fewer_ranks():
 # -- steps -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["mlp", "tinylm_tied"])
-def test_the_snapshot_size_is_what_torch_save_writes_for_the_model(name):
+def test_the_snapshot_size_is_what_a_snapshot_file_of_the_model_takes(name):
+    from harness.train.params_file import save_params
+
     torch.manual_seed(0)
     model = get_model_spec(name).build()
-    buf = io.BytesIO()
-    torch.save({k: v.detach().float().clone() for k, v in model.named_parameters()}, buf)
+    buf = io.BytesIO()  # what rank 0 writes after each step (harness.train.task._snapshot)
+    save_params({k: v.detach().float() for k, v in model.named_parameters()}, buf)
     estimate = limits.model_size(name).snapshot_bytes
     assert abs(estimate - len(buf.getvalue())) <= 64 * len(list(model.parameters()))  # record alignment at most
 

@@ -1,0 +1,29 @@
+"""Packed parameter files (harness.train.params_file): what is read back is what was written, bit for bit."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.train.params_file import load_params, save_params
+
+
+def test_packed_tensors_come_back_bitwise_with_their_names_shapes_and_dtypes(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a.weight": torch.randn(3, 5, generator=g), "scalar": torch.tensor(2.5),
+               "empty": torch.zeros(0, 4), "half": torch.randn(7, generator=g).to(torch.bfloat16),
+               "strided": torch.randn(4, 6, generator=g).t(), "b.bias": torch.tensor([float("nan"), -0.0, 1e-45])}
+    save_params(tensors, tmp_path / "p.pt")
+    back = load_params(tmp_path / "p.pt")
+    assert list(back) == list(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape, name
+        bits = [x.contiguous().view(-1).view(torch.uint8) for x in (back[name], t)]
+        assert torch.equal(*bits), name  # every bit, NaN and -0.0 too
+    save_params({}, tmp_path / "none.pt")
+    assert load_params(tmp_path / "none.pt") == {}
+
+
+def test_a_plain_saved_dict_is_read_as_it_is(tmp_path):
+    torch.save({"w": torch.ones(2)}, tmp_path / "plain.pt")
+    back = load_params(tmp_path / "plain.pt")
+    assert list(back) == ["w"] and torch.equal(back["w"], torch.ones(2))
