@@ -61,8 +61,8 @@ def _noise_note(n, ref: str) -> str:
     return (f"; {int(n)} row{'s' if int(n) > 1 else ''} moved otherwise than in {ref}, but no further than "
             f"{NOISE_FLOOR_FACTOR:g} x the noise floor of their parameter (how far the plain model itself lands when "
             "the batch is cut into the ranks' slices) or than rounding alone moves an element over the run's "
-            f"updates ({NOISE_FLOOR_FACTOR:g} x steps ulps of the parameter's largest value), not held: "
-            "model-sensitive rows, whose gradient is rounding noise")
+            f"updates ({NOISE_FLOOR_FACTOR:g} x steps ulps of the parameter's largest value), or that a noise probe "
+            "moved otherwise than the plain model too, not held: model-sensitive rows, whose gradient is rounding noise")
 
 
 def _count(x) -> str:

@@ -112,6 +112,29 @@ def test_rows_that_moved_no_further_than_the_models_noise_floor_are_counted_not_
     assert unheld == 0 and (apart[0]["still"], apart[0]["extra"]) == ("1", "4")
 
 
+def test_a_row_a_noise_probe_moves_where_the_plain_model_does_not_is_rounding_however_far_the_run_moves_it():
+    """Seed 4 of the standard architectures: bn_mlp's first bias feeds a BatchNorm over two-sample slices at 8
+    ranks, whose tiny variance amplifies rounding. Its row 16 stayed exactly in the plain model, its 8-slice
+    probe moved it 1.1e-8 (so the floor of 2 x the probes' farthest is small), and runs resumed at 8 ranks from
+    2, a trajectory no probe follows, moved it 8.7e-7. A correct split computation already disagrees with the
+    plain model about whether that row moves: it is not held. A row that no probe moves otherwise (a frozen
+    row, a row every run trains) still is, however little the run moved it."""
+    ref_id, probes = SPLIT.reference().id, SPLIT.noise_probes()
+    runs = {ref_id: _bias_moving({0: REAL}), probes[0].id: _bias_moving({0: REAL, 1: NOISE}),
+            SPLIT.id: _bias_moving({0: REAL, 1: 100 * MID})}  # far beyond 2 x the floor and any rounding drift
+    apart, compared, trained, unheld = rows_apart(SPLIT, Snaps(runs), [], ref_id, probes)
+    assert (apart, compared, trained, unheld) == ([], 6, 1, 1)
+    runs[SPLIT.id] = _bias_moving({0: REAL, 1: 100 * MID, 2: 100 * MID})  # row 2: no probe moves it
+    apart, _, _, unheld = rows_apart(SPLIT, Snaps(runs), [], ref_id, probes)
+    assert unheld == 1 and [(a["still"], a["extra"]) for a in apart] == [("", "2")]
+    # seed 4 at 8 ranks resumed from 4: the probe moved the row at one step and back at the next
+    there_and_back = _bias_moving({0: REAL})
+    there_and_back[2]["hidden.0.0.bias"][1] += NOISE
+    runs[probes[0].id] = there_and_back
+    apart, _, _, unheld = rows_apart(SPLIT, Snaps(runs), [], ref_id, probes)
+    assert unheld == 1 and [(a["still"], a["extra"]) for a in apart] == [("", "2")]
+
+
 REPLICATED = Scenario("ddp", "bn_mlp", 8, "replicated", "sgd", steps=10)  # no noise probe
 
 
