@@ -111,10 +111,11 @@ def rows_apart(sc: Scenario, snaps, ranks: list[dict], ref_id: str,
         limit = max(NOISE_FLOOR_FACTOR * floor.get(name, 0.0),
                     _drift(t, mine0[name], ref[name], ref0[name], steps=last - first))
         a_far, b_far = (moved(t, mine0[name], limit), moved(ref[name], ref0[name], limit)) if limit > 0 else (a, b)
-        torn = _probe_rows(snaps, ref_id, probes, name, first, last) if probes else None
-        noisy = torn if torn is not None and torn.shape == a.shape else torch.zeros_like(a)
-        # one run left the row exactly as it was, the other moved it far, and no correct split computation is torn
-        gone, alone = b_far & ~a & ~noisy, a_far & ~b & ~noisy
+        gone, alone = b_far & ~a, a_far & ~b  # one run left the row exactly as it was, the other moved it far
+        if probes and bool((gone | alone).any()):  # unless a correct split computation is torn over it too
+            torn = _probe_rows(snaps, ref_id, probes, name, first, last)
+            if torn is not None and torn.shape == a.shape:
+                gone, alone = gone & ~torn, alone & ~torn
         unheld += int(((a != b) & ~gone & ~alone).sum())
         still = torch.nonzero(gone).flatten().tolist()  # the reference moved them, this run did not
         extra = torch.nonzero(alone).flatten().tolist()  # this run moved them, the reference did not
