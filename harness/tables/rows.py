@@ -135,11 +135,11 @@ def _probe_rows(snaps, ref_id: str, probes, name: str, first: int, last: int) ->
     had bn_mlp's first bias, fed to a BatchNorm over two-sample slices (whose tiny variance amplifies rounding),
     move 8.7e-7 and 3.5e-6 (30 and 120 ulps) in runs resumed at 8 ranks from 2 and from 4, trajectories no probe
     follows, where the plain model left it exactly and its 8-slice probe moved it by 1e-8 or 4e-9 (and back)."""
-    touched = {run: _touched(snaps, run, name, first, last) for run in (ref_id, *(p.id for p in probes))}
-    ref = touched.pop(ref_id)
+    ref = _touched(snaps, ref_id, name, first, last)
     torn = None
-    for rows in touched.values():
-        if ref is not None and rows is not None and rows.shape == ref.shape:
+    for probe in probes if ref is not None else ():
+        rows = _touched(snaps, probe.id, name, first, last)
+        if rows is not None and rows.shape == ref.shape:
             torn = (rows != ref) if torn is None else torn | (rows != ref)
     return torn
 
