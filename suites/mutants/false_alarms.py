@@ -116,14 +116,19 @@ class FalseAlarmRun:
         return [v for v in self.verdicts if id(v) in limits]
 
     def _model_limit_ids(self) -> set[int]:
-        impl_of = self.impl_of  # built once: a part holds about 9,000 verdicts of 880 scenarios
-        return {id(v) for v in self.verdicts if v.status == FAIL and impl_of.get(v.scenario) == REFERENCE_IMPL
-                and str(v.message).startswith(MODEL_LIMIT)}
+        return model_limit_ids(self.verdicts, self.impl_of)  # impl_of built once: a part has ~9,000 verdicts
 
     @property
     def unjudged(self) -> set[str]:
         """Scenarios that got no verdict at all (a run that silently dropped them is no evidence)."""
         return {s.id for s in self.scenarios} - {v.scenario for v in self.verdicts if v.scenario}
+
+
+def model_limit_ids(verdicts: list[Verdict], impl_of: dict[str, str]) -> set[int]:
+    """id() of each verdict in which the plain model itself fails its scenario (a model limit: no
+    implementation involved); `impl_of`: scenario id -> implementation."""
+    return {id(v) for v in verdicts if v.status == FAIL and impl_of.get(v.scenario) == REFERENCE_IMPL
+            and str(v.message).startswith(MODEL_LIMIT)}
 
 
 def run_false_alarms(scenarios: list[Scenario], *, seed: int, pool=None, progress=None, journal=None) -> FalseAlarmRun:

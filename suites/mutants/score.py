@@ -129,6 +129,14 @@ class CatalogueRun:
     composition_alarms: list = field(default_factory=list)  # false_alarms.FalseAlarmRun of the CI compositions per seed
     invariant: list = field(default_factory=list)  # invariant_score.InvariantMutant per fault of the invariant step
 
+    def control_failures(self) -> tuple[list[Verdict], list[Verdict]]:
+        """The controls' failures, and apart from them the plain model's own limits (a BatchNorm under the bf16
+        policy: no implementation involved, counted apart as the false-alarm tier counts them)."""
+        impl_of = {s.id: s.impl for s in self.run.scenarios} if self.run is not None else {}
+        limits = fa.model_limit_ids(self.controls, impl_of)
+        failed = [v for v in self.controls if v.status == FAIL]
+        return [v for v in failed if id(v) not in limits], [v for v in failed if id(v) in limits]
+
 
 def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), pool=None,
                   progress=None, false_alarm_models=fa.DEFAULT_MODELS, localise: bool = False,
@@ -299,7 +307,7 @@ def escaped_or_alarmed(run: CatalogueRun) -> bool:
     """True when the harness missed a mutant, failed a control, raised a false alarm, or mislocalised."""
     return (not all(r.caught for r in run.results.values())
             or not all(localised_ok(n, f) for n, f in run.localised.items())
-            or any(v.status == FAIL for v in run.controls)
+            or bool(run.control_failures()[0])
             or not all(r.caught and r.only_there for r in run.invariant)
             or any(r.false_alarms or r.unjudged for r in run.false_alarms + run.composition_alarms))
 
@@ -308,7 +316,7 @@ def render(run: CatalogueRun, *, full: bool = False) -> str:
     table = score_table(run)
     n, caught = len(run.results), sum(r.caught for r in run.results.values())
     escaped = [r.mutant.name for r in run.results.values() if not r.caught]
-    bad_controls = [v for v in run.controls if v.status == FAIL]
+    bad_controls, control_limits = run.control_failures()
     lines = [
         "# Mutation score", "",
         f"**{caught}/{n} mutants caught** by the harness's checks ({caught / n:.0%}). Run time {run.wall_s:.0f} s.",
@@ -327,8 +335,14 @@ def render(run: CatalogueRun, *, full: bool = False) -> str:
     lines += ["## Controls", "",
               f"{len({v.scenario for v in run.controls})} unmutated scenarios (the reference and "
               f"{', '.join(c for c, _ in CONTROLS)}) in the same cells: "
-              + ("no check failed." if not bad_controls else f"{len(bad_controls)} FAILED:")]
+              + ("no check failed" if not bad_controls else f"{len(bad_controls)} FAILED")
+              + (f" (apart from {len(control_limits)} model limit(s), below)" if control_limits else "")
+              + ("." if not bad_controls else ":")]
     lines += [f"- {v}" for v in bad_controls] + [""]
+    if control_limits:
+        lines += ["Model limits: scenarios the plain model itself cannot run (no implementation involved; each "
+                  "run's verdict says so):", ""]
+        lines += [f"- {v.scenario}: {str(v.message).splitlines()[0]}" for v in control_limits] + [""]
     lines += exposure_section(run.exposure, run.results)
     lines += invariant_section(run.invariant)
     lines += _localised_section(run.localised)
