@@ -10,25 +10,24 @@ from dataclasses import dataclass
 import pandas as pd
 
 from harness.core.policy import NOISE_FLOOR_FACTOR, Bounds, model_sensitive, noise_floor_bound
-from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of, resume_of, rounded_per_rank
+from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of, resume_of, rounded_per_rank, user_optimizer
 
 SENSITIVITY_COLUMNS = ("probe", "model", "optimizer", "seed", "feature", "micro_batches", "params", "sensitive",
                        "tier_bound", "which")
 
 
 def probe_maxima(tables) -> pd.DataFrame:
-    """(scenario, param) -> the largest diff_ref and diff_probe over the steps, for the reference runs that
-    are noise probes (micro_batches > 1 or nudged): read once per run, each split scenario's floor picks its rows."""
+    """(scenario, param) -> the largest diff_ref and diff_probe over the steps, and the travel summed over them
+    (how far the run moved the parameter, step by step), for the plain model's runs (the noise probes, and the
+    full-batch references whose travel a user's optimizer's reach reads): read once per run, each split
+    scenario's floor picks its rows."""
     sc, params = tables.get("scenarios"), tables.get("params")
     if not isinstance(sc, pd.DataFrame) or not isinstance(params, pd.DataFrame) or not len(params) \
             or "micro_batches" not in sc:
-        return pd.DataFrame(columns=["diff_ref", "diff_probe"])
-    nudged = pd.to_numeric(sc.nudge, errors="coerce").fillna(0) > 0 if "nudge" in sc else False
-    probe_ids = sc.scenario[(sc.impl == REFERENCE_IMPL)
-                            & ((pd.to_numeric(sc.micro_batches, errors="coerce") > 1) | nudged)]
-    rows = params[params.scenario.isin(set(probe_ids))]
-    cols = [c for c in ("diff_ref", "diff_probe") if c in rows]
-    return rows.groupby(["scenario", "param"])[cols].max() if len(rows) else pd.DataFrame(columns=cols)
+        return pd.DataFrame(columns=["diff_ref", "diff_probe", "travel"])
+    rows = params[params.scenario.isin(set(sc.scenario[sc.impl == REFERENCE_IMPL]))]
+    how = {c: ("sum" if c == "travel" else "max") for c in ("diff_ref", "diff_probe", "travel") if c in rows}
+    return rows.groupby(["scenario", "param"]).agg(how) if len(rows) else pd.DataFrame(columns=list(how))
 
 
 def floors(maxima: pd.DataFrame, probes: list[Scenario], against_probe: bool = False) -> dict[str, float]:
@@ -51,10 +50,26 @@ def floors(maxima: pd.DataFrame, probes: list[Scenario], against_probe: bool = F
     return {q: float(v) for q, v in pd.concat(parts).groupby(level=0).max().items()}
 
 
-def held_bounds(floor: dict[str, float], tier_bound: float, reach: float = 0.0) -> dict[str, float]:
+def held_bounds(floor: dict[str, float], tier_bound: float, reach: float = 0.0,
+                travel: dict[str, float] | None = None) -> dict[str, float]:
     """parameter -> the bound it is held to: the tier's, or for a model-sensitive one the larger of 2 x its
-    floor and the optimizer's reach (policy.noise_floor_bound)."""
-    return {p: noise_floor_bound(tier_bound, f, reach) for p, f in floor.items()}
+    floor and the optimizer's reach (policy.noise_floor_bound): AdamW's `reach`, or a user's optimizer's
+    measured one, `travel` (measured_reach)."""
+    travel = travel or {}
+    return {p: noise_floor_bound(tier_bound, f, max(reach, travel.get(p, 0.0))) for p, f in floor.items()}
+
+
+def measured_reach(maxima: pd.DataFrame, runs: list[Scenario]) -> dict[str, float]:
+    """parameter -> a user's optimizer's reach on it, measured ([Note: user optimizer] in harness/core/policy.py):
+    twice the furthest any of the plain model's `runs` (the full-batch reference and the noise probes) travelled
+    it, each step's ||step||_F summed over the steps (probe_maxima's travel)."""
+    if "travel" not in maxima or not len(maxima):
+        return {}
+    have = set(maxima.index.get_level_values("scenario"))
+    parts = [maxima.loc[r.id]["travel"] for r in runs if r.id in have]
+    if not parts:
+        return {}
+    return {q: 2 * float(v) for q, v in pd.concat(parts).groupby(level=0).max().items() if v == v}
 
 
 def sensitive(floor: dict[str, float], tier_bound: float) -> dict[str, float]:
@@ -71,26 +86,32 @@ class Holding:
     held: dict[str, float]
     hot: dict[str, float]
     reach: float
+    measured_reach: bool = False  # a user's optimizer: each parameter's reach measured (measured_reach)
 
     def note(self, measured: pd.Series) -> str:
-        return sensitive_note(self.hot, self.held, measured, self.reach)
+        return sensitive_note(self.hot, self.held, measured, self.reach, self.measured_reach)
 
 
 def holding(row, maxima: pd.DataFrame, probes: list[Scenario], against_probe: bool, bounds: Bounds) -> Holding:
     """The Holding of a split row whose noise probes are `probes` (floors: `against_probe` as in floors)."""
     tier = bounds.split_bound(row.optimizer, float(row.lr), int(row.steps))
     floor, reach = floors(maxima, probes, against_probe), bounds.reach(row.optimizer, float(row.lr), int(row.steps))
-    return Holding(tier, held_bounds(floor, tier, reach), sensitive(floor, tier), reach)
+    travel = measured_reach(maxima, [Scenario.of_row(row).reference(), *probes]) if user_optimizer(row.optimizer) else {}
+    return Holding(tier, held_bounds(floor, tier, reach, travel), sensitive(floor, tier), reach, bool(travel))
 
 
-def sensitive_note(hot: dict[str, float], held: dict[str, float], measured: pd.Series, reach: float) -> str:
+def sensitive_note(hot: dict[str, float], held: dict[str, float], measured: pd.Series, reach: float,
+                   measured_reach: bool = False) -> str:
     """'; 2 of 27 parameters model-sensitive, ...: name value (floor f, bound b); ...' ('' for none):
     what a split verdict says of the parameters it holds to their floor or the optimizer's reach."""
     if not hot:
         return ""
     how = (f"held to the larger of {NOISE_FLOOR_FACTOR:g} x their noise floor and AdamW's reach {reach:.3g} (the most "
            "any two runs can part by; their gradient is rounding noise, so nothing tighter holds)"
-           if reach else f"held to {NOISE_FLOOR_FACTOR:g} x their noise floor")
+           if reach else
+           f"held to the larger of {NOISE_FLOOR_FACTOR:g} x their noise floor and the optimizer's measured reach (twice "
+           "the furthest the plain model's own runs moved each, step by step; their gradient is rounding noise, so "
+           "nothing tighter holds)" if measured_reach else f"held to {NOISE_FLOOR_FACTOR:g} x their noise floor")
     return (f"; {len(hot)} of {len(held)} parameters model-sensitive (how far the plain model itself moves when the batch is cut "
             f"into the ranks' slices), {how}: " + "; ".join(
                 f"{p} {float(measured.get(p, math.nan)):.3g} (floor {f:.3g}, bound {held[p]:.3g})"

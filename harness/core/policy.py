@@ -47,7 +47,8 @@ class Bounds:
 
     def reach(self, optimizer: str, lr: float, steps: int) -> float:
         """How far the optimizer can move an element whatever the gradient (adamw_reach), 0 where no such
-        bound exists (SGD: its step is the gradient's size; a user's optimizer: its rule is not known)."""
+        bound exists (SGD: its step is the gradient's size; a user's optimizer: its rule is not known, so its
+        reach is measured per parameter instead, harness.checks.noise_floor.measured_reach)."""
         return adamw_reach(lr, steps) if optimizer == "adamw" else 0.0
 
     def replicated_bound(self, feature: str, optimizer: str, lr: float, steps: int) -> tuple[float, str]:
@@ -263,12 +264,26 @@ def not_exact(feature: str, optimizer: str = "adamw") -> str:
 #   harness.train.optim.NormalisedSGD takes), which on a sharded parameter W ranks sum from partial sums in
 #   another order than one rank: the cause of L2 clipping's (NOT_EXACT_UNDER_L2_CLIP). So it is held as L2
 #   clipping is, to the split tier's bound per parameter, and grads_match_ws1 (which reads the gradients
-#   of steps after the first, computed at parameters that part by that rounding) does not apply. No nudged
-#   probe exists for an unknown rule: no parameter is held to a floor there.
-# - Split data: the strictest tier, SGD's (1e-4 x lr x steps), and the noise floors of the probes, which
-#   run the same factory, so an optimizer that amplifies rounding (as AdamW's normalisation does) shows it
-#   in its floors, measured on this model and optimizer. Its reach is 0: no reach can be derived from an
-#   unknown rule, so a model-sensitive parameter is held to 2 x its floor (as under SGD).
+#   of steps after the first, computed at parameters that part by that rounding) does not apply. As under
+#   clip, a nudged probe per world size measures which parameters that rounding moves (Scenario.is_nudged):
+#   the plain model with every gradient the optimizer reads scaled by 1 + W fp32 ulps, which moves a
+#   whole-matrix norm (and so the update) in its last bits as W partial sums may.
+# - Split data: the strictest tier, SGD's (1e-4 x lr x steps), and the noise floors of the probes (the ranks'
+#   micro-batches, and nudged ones), which run the same factory, so an optimizer that amplifies rounding (as
+#   AdamW's normalisation does) shows it in its floors, measured on this model and optimizer.
+# - A model-sensitive parameter (a bias before a BatchNorm: its gradient is rounding noise) is held, in both data
+#   modes, to max(2 f, its measured reach). One correct run is one draw of a trajectory set by rounding
+#   residues ([Note: noise floor]), and an optimizer that scales its step to a fixed size turns any noise into a
+#   full step: normalised SGD moves every tensor by exactly lr a step, whatever the gradient, so after the first
+#   step two correct runs of such a bias part by up to 2 x lr a step (measured on bn_mlp, seed 0, W = 2: 1.05e-2
+#   after 3 steps, 2 f = 1.09e-2). No reach can be derived from an unknown rule, so it is measured: every run of
+#   the plain model (the reference and its probes) records each step's ||step||_F per parameter (params table,
+#   travel), and the reach is twice the furthest any of them travelled the parameter (the sum of its steps'
+#   norms): two runs from the same start part by at most the sum of both runs' steps, element by element,
+#   if a correct run's steps are no longer than the plain model's, as for any optimizer whose step size the
+#   gradient's noise does not set (normalised SGD: 2 x lr x steps exactly). A healthy parameter is held to
+#   the tier's bound, unchanged; a rounding-dominated one that a fault moves further than twice the plain
+#   model's travel still fails.
 # - Memory: the optimizer-state ideal is what the plain reference run of the same scenario holds, divided by
 #   the shards (harness.checks.resources), not a guessed factor; traffic: one all-reduced element per
 #   parameter tensor per step (a whole-matrix norm) is the optimizer's, not a gradient all-reduce.

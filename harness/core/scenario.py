@@ -146,7 +146,8 @@ HSDP_REPLICAS = 2  # replicas of a hybrid mesh at W >= 2 (2 x 1 at W = 2, 2 x 2 
 # fp32 (Scenario.micro_batches; harness/core/policy.py BF16_SPLIT says what bound follows)
 ROUNDED_PER_RANK = ("bf16",)
 # features whose sharded step computes a scalar of the whole gradient (the L2 clipping norm) from W partial
-# sums, so it differs from one rank's in the last bits: their noise probes include a nudged one (Scenario.nudge)
+# sums, so it differs from one rank's in the last bits: their noise probes include a nudged one (Scenario.nudge).
+# A user's optimizer may do the same (a whole-matrix norm): its runs get nudged probes too (Scenario.is_nudged)
 NUDGED = ("clip",)
 
 
@@ -255,7 +256,8 @@ class Scenario:
     micro_batches: int = 1
     reverse_micro: bool = False  # a noise probe only: its micro-batches in reverse rank order
     # a noise probe of a NUDGED feature only: its clipping coefficient moved by this many fp32 ulps
-    # (max_norm x (1 + nudge x 2^-23)), as a sharded norm summed from W partial sums may move it
+    # (max_norm x (1 + nudge x 2^-23)), as a sharded norm summed from W partial sums may move it; with a user's
+    # optimizer and no clipping, every gradient the optimizer reads is scaled by that factor instead
     nudge: int = 0
 
     def __post_init__(self) -> None:
@@ -304,14 +306,14 @@ class Scenario:
         autograd then sums the same gradients in another order, as a sharded reduction may (2 addends
         sum alike in either order). None for replicated data or a reference; for a feature whose split
         runs are compared with the rank-order micro-batch reference itself (ROUNDED_PER_RANK), only the
-        reversed one. Under a NUDGED feature (clip), at W > 1 in either data mode, one more probe per world
-        size has its clipping coefficient nudged by W ulps: what the sharded norm's other order of summation
-        changes."""
+        reversed one. Under a NUDGED feature (clip) or a user's optimizer, at W > 1 in either data mode, one
+        more probe per world size has its clipping coefficient (without clip: every gradient the optimizer
+        reads) nudged by W ulps: what the sharded norm's other order of summation changes."""
         if self.impl == REFERENCE_IMPL:
             return []
         ref, k = self.reference(), passes_per_step(self.feature)
         sizes = sorted({self.world_size, self.resume_from} - {0, 1})
-        nudged = any(has(self.feature, f) for f in NUDGED)
+        nudged = self.is_nudged()
         if self.data_mode != "split":
             return [ref.replace(nudge=w) for w in sizes] if nudged else []
         if rounded_per_rank(self.feature):  # its reference is the rank-order probe: only the order is left
@@ -319,6 +321,12 @@ class Scenario:
         return [ref.replace(micro_batches=w, reverse_micro=rev) for w in sizes
                 for rev in ((False, True) if w * k > 2 else (False,))] + \
             [ref.replace(micro_batches=w, nudge=w) for w in sizes if nudged]
+
+    def is_nudged(self) -> bool:
+        """Whether a sharded run of this scenario may compute a scalar of a whole gradient from W partial sums
+        (the L2 clipping norm, or a user's optimizer's whole-matrix norm), so that its noise probes include
+        nudged ones ([Note: user optimizer] in harness/core/policy.py)."""
+        return any(has(self.feature, f) for f in NUDGED) or user_optimizer(self.optimizer)
 
     def rank_order_probe(self, at: int | None = None) -> "Scenario | None":
         """The noise probe a run is held against directly: for a split run, the probe in rank order at its

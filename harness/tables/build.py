@@ -77,6 +77,15 @@ def _diffs(cur: dict, other: dict | None) -> dict[str, float]:
     return out
 
 
+def _travel(cur: dict, before: dict | None) -> dict[str, float]:
+    """parameter -> ||its step||_F: how far one step of a plain-model run moved it (the measured reach of a
+    user's optimizer, harness/checks/noise_floor.py); {} without the step before."""
+    if before is None:
+        return {}
+    return {name: float((t.double() - before[name].double()).norm()) for name, t in cur.items()
+            if name in before and before[name].shape == t.shape}
+
+
 def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[str, pd.DataFrame]:
     """results: scenario id -> {"ranks": [per-rank record...]} or {"error": str}."""
     by_id = {s.id: s for s in scenarios}
@@ -110,11 +119,12 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             rank_rows += _rank_diffs(sc.id, k, res["ranks"], cur, ref, ws1, d_ref, d_ws1)
             twin = sc.factor_twin()
             d_twin = _diffs(cur, snaps.get(twin.id, k)) if twin is not None and twin.id in by_id else {}
+            moved = _travel(cur, snaps.get(sc.id, k - 1)) if sc.impl == REFERENCE_IMPL else {}
             for name, t in cur.items():
                 param_rows.append({"scenario": sc.id, "step": k, "param": name, "numel": t.numel(),
                                    "diff_ref": d_ref.get(name, math.nan), "diff_ws1": d_ws1.get(name, math.nan),
                                    "diff_probe": d_probe.get(name, math.nan), "diff_factor": d_twin.get(name, math.nan),
-                                   "sum": float(t.double().sum())})
+                                   "travel": moved.get(name, math.nan), "sum": float(t.double().sum())})
             wr, mr = _worst(d_ref)
             w1, m1 = _worst(d_ws1)
             wt, mt = _worst(d_twin)

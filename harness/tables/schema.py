@@ -51,7 +51,8 @@ class Table:
 #               where
 #   params      the full, unsharded parameter under its module path; diff_probe: vs the noise probe in rank
 #               order (Scenario.rank_order_probe: a split run's at its W, a reversed probe's twin); diff_factor
-#               (split data, accum / no_sync): vs the same implementation's plain step at W x k ranks
+#               (split data, accum / no_sync): vs the same implementation's plain step at W x k ranks;
+#               travel (the plain model's runs only): ||the parameter's step||_F, what the step moved it
 #   scenarios   global_batch: samples per step over all ranks (optional when reading: a run stored
 #               before it was recorded has none); backend: gloo or nccl (optional when reading: gloo);
 #               failed_rank: the rank a failure started on;
@@ -95,7 +96,7 @@ TABLES: dict[str, Table] = {t.name: t for t in (
           required=SCENARIO_IDS + ("step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1",
                                    "worst_param_ws1")),
     Table("params", "scenario x step x parameter", (
-        "scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum", "diff_probe", "diff_factor"),
+        "scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum", "diff_probe", "diff_factor", "travel"),
           required=("scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum")),
     Table("scenarios", "scenario", SCENARIO_IDS + FEATURE + (
         "steps", "lr", "global_batch", "backend", "status", "error", "failed_rank", "final_loss", "param_sum", "max_diff_ref",

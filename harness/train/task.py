@@ -131,6 +131,8 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
                     tracer.end_backward(wrapped, divide_by=sc.micro_batches if summed else 1)
                 grad_sq = _local_grad_sq(wrapped) if first_copy else 0.0  # before clipping: measured by the harness
                 clip_norm = _clip(adapter, wrapped, sc.feature, sc.nudge)
+                if sc.nudge and clip_of(sc.feature) is None:  # a user optimizer's nudged probe
+                    _nudge_grads(optimizer, sc.nudge)
                 if traced and clip_of(sc.feature) is not None:
                     tracer.end_clip(wrapped)
                 if traced:  # the localiser's yardstick: the run's own gradients into its optimizer
@@ -222,6 +224,18 @@ def _clip(adapter, wrapped, feature: str, nudge: int = 0) -> float:
         return math.nan
     norm_type, max_norm = clip
     return float(adapter.clip_grad_norm(wrapped, max_norm * (1 + nudge * 2.0 ** -23), norm_type))
+
+
+def _nudge_grads(optimizer, nudge: int) -> None:
+    """A user's optimizer's nudged noise probe (Scenario.is_nudged): every gradient the optimizer reads scaled by
+    1 + nudge fp32 ulps, as a clipping coefficient is nudged under clip, so that an update computed from a
+    whole-matrix norm changes as a sharded norm summed from W partial sums may change it."""
+    with torch.no_grad():
+        for opt in optimizer_list(optimizer):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(1 + nudge * 2.0 ** -23)
 
 
 def _marker(timeline: UnitTimeline, mem: PeakMemory | None):

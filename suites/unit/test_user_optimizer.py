@@ -88,6 +88,45 @@ def test_a_user_optimizer_is_held_as_l2_clipping_across_world_sizes_and_to_sgds_
     assert b.split_bound("adamw", 0.01, 3) == b.split_per_lr_step_adamw * 0.01 * 3
 
 
+def test_a_user_optimizers_runs_get_nudged_probes_in_both_data_modes_and_the_built_in_ones_do_not():
+    rep = Scenario("fsdp_impl", "bn_mlp", 4, "replicated", NSGD)
+    assert [(p.micro_batches, p.nudge) for p in rep.noise_probes()] == [(1, 4)]
+    assert all(p.impl == "reference" and p.optimizer == NSGD for p in rep.noise_probes())
+    split = Scenario("fsdp_impl", "bn_mlp", 4, "split", NSGD)
+    assert [(p.micro_batches, p.reverse_micro, p.nudge) for p in split.noise_probes()] == \
+        [(4, False, 0), (4, True, 0), (4, False, 4)]
+    for name in ("adamw", "sgd"):
+        assert Scenario("fsdp_impl", "bn_mlp", 4, "replicated", name).noise_probes() == []
+        assert all(not p.nudge for p in Scenario("fsdp_impl", "bn_mlp", 4, "split", name).noise_probes())
+
+
+def test_a_nudged_probe_scales_every_gradient_the_optimizer_reads_by_w_ulps():
+    from harness.train.task import _nudge_grads
+
+    w = torch.nn.Parameter(torch.ones(3))
+    w.grad = torch.tensor([1.0, -3.0, 0.5])
+    _nudge_grads(torch.optim.SGD([w], lr=0.1), 4)
+    assert torch.equal(w.grad, torch.tensor([1.0, -3.0, 0.5]) * (1 + 4 * 2.0 ** -23))
+
+
+def test_the_measured_reach_is_twice_the_furthest_travel_of_the_plain_models_runs():
+    from harness.checks.noise_floor import held_bounds, measured_reach, probe_maxima
+
+    run = Scenario("fsdp_impl", "bn_mlp", 2, "split", NSGD)
+    ref, probes = run.reference(), run.noise_probes()
+    rows = [(ref.id, 1, "b", 0.01), (ref.id, 2, "b", 0.01), (ref.id, 1, "w", 0.001), (ref.id, 2, "w", 0.002),
+            (probes[0].id, 1, "b", 0.01), (probes[0].id, 2, "b", 0.02),  # a probe that travelled further
+            (run.id, 1, "b", 1.0)]  # an implementation's run never sets the reach
+    params = pd.DataFrame([{"scenario": s, "step": k, "param": q, "numel": 3, "diff_ref": 0.0, "diff_ws1": 0.0,
+                            "sum": 0.0, "travel": t} for s, k, q, t in rows])
+    scen = pd.DataFrame([{"scenario": s.id, "impl": s.impl, "micro_batches": s.micro_batches, "nudge": s.nudge}
+                         for s in (ref, *probes, run)])
+    reach = measured_reach(probe_maxima({"scenarios": scen, "params": params}), [ref, *probes])
+    assert reach == pytest.approx({"b": 2 * 0.03, "w": 2 * 0.003})
+    # it lifts a model-sensitive parameter only: a healthy one keeps the tier's bound
+    assert held_bounds({"b": 0.005, "w": 1e-9}, 3e-6, 0.0, reach) == pytest.approx({"b": 0.06, "w": 3e-6})
+
+
 def test_ideal_state_takes_a_measured_factor_and_refuses_to_guess():
     assert ideal_state_bytes(800, NSGD, 4, state_factor=0.0)["optimizer_state"] == 0
     assert ideal_state_bytes(800, NSGD, 4, state_factor=2.0)["optimizer_state"] == 400
