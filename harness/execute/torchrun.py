@@ -16,8 +16,8 @@ scenario never leaves the control path in a bad state:
   and report that too (the report leads with the rank whose own error started it);
 - subgroups are created with ``timeout=timeout_s``: a rank stuck in a collective that the others
   skipped raises after that time; a watchdog thread on each rank posts the rank's Python stack
-  under ``<run>/<i>/stack/<rank>`` at ``timeout_s`` if the scenario still runs, so the failure
-  says which ranks were waiting where;
+  under ``<run>/<i>/stack/<rank>`` shortly before ``timeout_s`` (``STACK_AT``) if the scenario still
+  runs, while a stuck collective still waits, so the failure says which ranks were waiting where;
 - rank 0 waits for the outcomes until ``timeout_s`` plus a grace (at most ``GRACE_S``) and
   posts a decision: go on, rebuild (a rank failed: the subgroup for w is destroyed and made
   again, as a World would be rebuilt), or abort (a rank never answered: it may be stuck for good; the remaining scenarios are
@@ -63,6 +63,10 @@ __all__ = ["run_matrix_under_torchrun", "TorchrunPool", "TorchrunError", "Torchr
 GRACE_S = 10.0  # at most, after the timeout: time for a rank whose collective timed out to report it
 HARD_EXIT_AFTER_S = 300.0  # a rank stuck past timeout + this exits even if rank 0 never finished
 _POLL_S = 0.05
+# the fraction of the timeout at which a rank's watchdog posts its stack: before the subgroup's collective timeout
+# (the same timeout) ends the wait the stack must show. Posted at the timeout itself, the two raced, and on a
+# loaded machine the stack showed the timed-out collective's error path instead of where the rank waited
+STACK_AT = 0.8
 _runs = 0  # calls in this process; every rank makes the same calls, so keys agree across ranks
 
 
@@ -263,13 +267,13 @@ class TorchrunPool:
             done.set()
 
     def _watch(self, key: str, thread_id: int, done: threading.Event) -> None:
-        """At the timeout, post where this rank is; much later, end a rank that never came back."""
-        if done.wait(self.timeout_s):
+        """Shortly before the timeout, post where this rank is; much later, end a rank that never came back."""
+        if done.wait(self.timeout_s * STACK_AT):
             return
         frame = sys._current_frames().get(thread_id)
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no Python frame)"
         self.store.set(f"{key}stack/{self.rank}", stack.encode())
-        hard_deadline = time.monotonic() + HARD_EXIT_AFTER_S
+        hard_deadline = time.monotonic() + self.timeout_s * (1 - STACK_AT) + HARD_EXIT_AFTER_S
         while not done.wait(1.0):
             if self.store.check(["finished"]) or time.monotonic() > hard_deadline:
                 sys.stderr.write(f"[fsdp-harness] rank {self.rank} is still stuck in a scenario past its "
