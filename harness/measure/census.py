@@ -47,7 +47,9 @@ __all__ = ["Census", "HELD_CATEGORIES", "HOST_CATEGORIES", "live_tensors"]
 HELD_CATEGORIES = ("params", "grads", "optimizer_state", "buffers", "other", "unattributed")
 STATE_CATEGORIES = ("params", "grads", "optimizer_state")
 HOST_CATEGORIES = tuple(f"host_{c}" for c in STATE_CATEGORIES)  # a device census's (CUDA) host share
-SETTLE_S = 0.05  # between the two looks of `Census.held`
+# the pauses before each further look of `Census.held` while anything reads as "other": the first is
+# usually enough; the rest (1.5 s in all) cover a communication thread that a loaded machine runs late
+SETTLE_S = (0.05, 0.1, 0.2, 0.4, 0.8)
 _KEPT: dict = {}  # "refs": the tensors keep_frozen censuses froze, storage id -> tensor
 
 
@@ -176,13 +178,17 @@ class Census:
         """Bytes held now, by category (HELD_CATEGORIES), each storage once.
 
         A communication thread may let go of a collective's buffers a moment after the collective
-        returned (gloo's worker thread does), and such a buffer would read as held: when the first
-        look finds anything under "other", a second look follows after `SETTLE_S` and each
-        category keeps the smaller figure. What is really held is there both times. `settle=False`
-        (no collective ran since the state was made, so no thread holds a buffer of one) skips it."""
+        returned (gloo's worker thread does; on a loaded machine it may run 50 ms late or more), and
+        such a buffer would read as held: while anything reads as "other", further looks follow after
+        the pauses of `SETTLE_S` (1.5 s in all, at most), each category keeping its smallest figure.
+        What is really held is there every time: only a scenario that holds something outside its
+        state pays the whole wait, once (one measured step). `settle=False` (no collective ran since
+        the state was made, so no thread holds a buffer of one) skips it."""
         out = self._held_once(model, optimizer, exclude)
-        if out["other"] and settle:
-            time.sleep(SETTLE_S)
+        for pause in SETTLE_S if settle else ():
+            if not out["other"]:
+                break
+            time.sleep(pause)
             again = self._held_once(model, optimizer, exclude)
             out = {cat: min(out[cat], again[cat]) for cat in out}
         return out
