@@ -72,26 +72,26 @@ def test_census_finds_a_buffer_kept_where_model_and_optimizer_do_not_show_it():
 
 def test_census_does_not_count_what_another_thread_releases_a_moment_later(monkeypatch):
     """gloo's worker thread drops a collective's buffers just after the collective returned: here
-    the buffer goes during the pause between the census's first two looks."""
+    the buffer goes during the pause between the census's two looks."""
     with Census() as census:
         model = nn.Linear(4, 4, bias=False)
         in_flight = [torch.zeros(100)]
         kept = [torch.zeros(10)]
         pauses = []
         monkeypatch.setattr(census_module.time, "sleep", lambda s: (pauses.append(s), in_flight.clear()))
-        held = _held(census, model)
-        assert pauses == list(census_module.SETTLE_S)  # the kept tensor stays: every look is made
+        held = census.held(model, None, tolerated=1024)
+        assert pauses == list(census_module.SETTLE_S[:1])  # 40 B left, 1,024 tolerated: no further look
         assert held["other"] == 40  # the kept tensor only
         del kept
 
 
-def test_census_waits_for_a_thread_that_runs_late_and_no_longer_once_nothing_is_other(monkeypatch):
+def test_census_waits_for_a_thread_that_runs_late_while_more_than_tolerated_reads_as_other(monkeypatch):
     """On a loaded machine the thread may drop its buffers only after several pauses (a torchrun job
-    beside other work held 2,152 B at the first two looks): the census looks again until "other" is
-    empty, then stops."""
+    beside other work still held 2,152 B at the second look): the census looks again while more than
+    `tolerated` bytes read as "other", and stops once they are gone."""
     with Census() as census:
         model = nn.Linear(4, 4, bias=False)
-        in_flight = [torch.zeros(100)]
+        in_flight, kept = [torch.zeros(500)], [torch.zeros(10)]
         pauses = []
 
         def sleep(s):
@@ -100,9 +100,22 @@ def test_census_waits_for_a_thread_that_runs_late_and_no_longer_once_nothing_is_
                 in_flight.clear()
 
         monkeypatch.setattr(census_module.time, "sleep", sleep)
-        held = _held(census, model)
+        held = census.held(model, None, tolerated=1024)
         assert pauses == list(census_module.SETTLE_S[:3])
-        assert held["other"] == 0
+        assert held["other"] == 40
+        del kept
+
+
+def test_what_stays_held_above_tolerated_is_looked_at_after_every_pause_and_counted(monkeypatch):
+    with Census() as census:
+        model = nn.Linear(4, 4, bias=False)
+        kept = [torch.zeros(500)]
+        pauses = []
+        monkeypatch.setattr(census_module.time, "sleep", pauses.append)
+        held = census.held(model, None, tolerated=1024)
+        assert pauses == list(census_module.SETTLE_S)
+        assert held["other"] == 2000
+        del kept
 
 
 def test_census_files_buffers_apart_and_a_freed_storage_as_zero():
