@@ -47,8 +47,8 @@ __all__ = ["Census", "HELD_CATEGORIES", "HOST_CATEGORIES", "live_tensors"]
 HELD_CATEGORIES = ("params", "grads", "optimizer_state", "buffers", "other", "unattributed")
 STATE_CATEGORIES = ("params", "grads", "optimizer_state")
 HOST_CATEGORIES = tuple(f"host_{c}" for c in STATE_CATEGORIES)  # a device census's (CUDA) host share
-# the pauses before each further look of `Census.held` while anything reads as "other": the first is
-# usually enough; the rest (1.5 s in all) cover a communication thread that a loaded machine runs late
+# the pauses before each further look of `Census.held`: the first while anything reads as "other" (usually
+# enough), the rest (1.5 s in all) only while more than it tolerates does (a thread a loaded machine runs late)
 SETTLE_S = (0.05, 0.1, 0.2, 0.4, 0.8)
 _KEPT: dict = {}  # "refs": the tensors keep_frozen censuses froze, storage id -> tensor
 
