@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from harness.adapters import load_adapter
-from harness.core.scenario import Scenario, clip_of, has, shard_size
 from harness.core.policy import Bounds
+from harness.core.scenario import Scenario, clip_of, has, shard_size
 from harness.execute.scratch import writing_into
 from harness.localize.trace import StepTracer
 from harness.measure import CommCounter, PeakMemory
