@@ -24,7 +24,8 @@ from typing import Any, Iterable
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, get_untyped_storages
+from torch._guards import active_fake_mode
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState, get_untyped_storages
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -163,10 +164,21 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
         return param_memory, buffer_memory
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        res = super().__torch_dispatch__(func, types, args, kwargs)
-        if res is NotImplemented:
-            return res
-        outputs, inputs = _written_and_read(func, args, kwargs or {}, res)
+        # MemTracker's own dispatch, without rebuilding the result's structure to visit its tensors
+        # (tree_map_only) and without a second Python frame per operation: a third of the measured step
+        if DTensor is not None and DTensor in types:
+            return NotImplemented  # DTensor lowers to local operations first; those come back here
+        kwargs = kwargs or {}
+        fake = active_fake_mode()
+        res = args[0] if func is _WAIT_TENSOR and fake is not None else func(*args, **kwargs)
+        if fake is getattr(self, "_fake_mode_on_entry", None):  # not DTensor's sharding propagation
+            backward = self._mod_tracker.is_bw
+            reftype = (_MemRefType.OPT if self._in_opt else
+                       _MemRefType.TEMP if backward and not self._in_ac else _MemRefType.ACT)
+            for t in _tensors(res):
+                self._track(reftype, t)
+            self._update_peak_stats(_ModState.PEAK_BW if backward else _ModState.PEAK_FW)
+        outputs, inputs = _written_and_read(func, args, kwargs, res)
         from_grads = func in _SCATTERS or any(self._holds_gradient_data(t) for t in inputs)
         if func in _GATHERS:  # what is gathered from gradient data is a gradient, not a parameter
             ref = _MemRefType.GRAD if from_grads else _MemRefType.PARAM
@@ -184,7 +196,7 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
     # read a gradient or gradient data; parameters, buffers and optimizer state are never re-marked (an
     # optimizer step writes parameters from gradients; they stay parameters).
     def _holds_gradient_data(self, t: torch.Tensor) -> bool:
-        for st in get_untyped_storages(t):
+        for st in _storages(t):
             winfo, _ = self._WINFO.get(st, (None, None))
             if (winfo is not None and winfo.reftype == _MemRefType.GRAD) or st in self._gradient_data:
                 return True
@@ -192,7 +204,7 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
 
     def _mark_gradient_data(self, outputs: list[torch.Tensor], from_grads: bool) -> None:
         for t in outputs:
-            for st in get_untyped_storages(t):
+            for st in _storages(t):
                 winfo, _ = self._WINFO.get(st, (None, None))
                 if winfo is not None and winfo.reftype in _STATE_REFS:
                     continue
@@ -204,10 +216,34 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
 
 _STATE_REFS = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.OPT)
 _OVERWRITTEN = {torch.ops.aten.copy_.default, torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar}
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+_PLAIN = (torch.Tensor, nn.Parameter)  # tensors whose storage is their own (no wrapper subclass to unflatten)
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
     return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def _storages(t: torch.Tensor) -> Iterable[torch.UntypedStorage]:
+    """The storages behind `t`: its own, or a wrapper subclass's inner tensors' (get_untyped_storages)."""
+    return (t.untyped_storage(),) if type(t) in _PLAIN else get_untyped_storages(t)
+
+
+# per operator: (position, name, written, read) of each argument (_written_and_read)
+_ARGUMENTS: dict[Any, list[tuple[int, str, bool, bool]]] = {}
+
+
+def _arguments(func) -> list[tuple[int, str, bool, bool]]:
+    found = _ARGUMENTS.get(func)
+    if found is None:
+        found = []
+        for i, a in enumerate(func._schema.arguments):
+            is_write = a.alias_info is not None and a.alias_info.is_write
+            found.append((i, a.name, is_write, not is_write or (not a.is_out and func not in _OVERWRITTEN)))
+        _ARGUMENTS[func] = found
+    return found
 
 
 def _written_and_read(func, args: tuple, kwargs: dict, res: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -222,16 +258,15 @@ def _written_and_read(func, args: tuple, kwargs: dict, res: Any) -> tuple[list[t
             return _tensors(args[0]), _tensors(args[1])
         return _tensors(args[0]) if args else [], _tensors(args[0]) if args else []
     written, read = _tensors(res), []
-    schema = func._schema.arguments
-    for i, a in enumerate(schema):
-        value = args[i] if i < len(args) else kwargs.get(a.name)
-        if value is None:
+    for i, name, is_write, reads in _arguments(func):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        if value is None or isinstance(value, (int, float, bool, str)):
             continue
-        is_write = a.alias_info is not None and a.alias_info.is_write
+        tensors = _tensors(value)
         if is_write:
-            written += _tensors(value)
-        if not is_write or (not a.is_out and func not in _OVERWRITTEN):
-            read += _tensors(value)
+            written += tensors
+        if reads:
+            read += tensors
     return written, read
 
 
