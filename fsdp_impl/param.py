@@ -142,14 +142,13 @@ class ShardedParam:
         self.sharded._fsdp_managed = True  # an ancestor's fully_shard must not take it again
 
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
-        """A local tensor of this rank's rows (the parameter's or its gradient's) as the DTensor. An offloaded
-        shard (host memory under a device mesh) stays where it is: ``from_local`` would copy it to the mesh's
-        device, so it is wrapped as FSDP2 wraps its offloaded shards."""
+        """A local tensor of this rank's rows (the parameter's or its gradient's) as the DTensor, made as FSDP2
+        makes its sharded parameters: wrapped where it is (``from_local`` would copy an offloaded shard, host
+        memory under a device mesh, to the mesh's device) and without ``from_local``'s autograd function, which
+        costs more than the optimizer's update of a small parameter and records nothing (no gradient flows
+        through a shard or a reduced gradient)."""
+        meta = TensorMeta(self.shape, self.stride, local.dtype)
         with torch.no_grad():
-            if local.device.type == self.mesh.device_type or local.is_meta:
-                return DTensor.from_local(local, self.mesh, (Shard(self.dim),), run_check=False, shape=self.shape,
-                                          stride=self.stride)
-            meta = TensorMeta(self.shape, self.stride, local.dtype)
             return DTensor(local, DTensorSpec(self.mesh, (Shard(self.dim),), tensor_meta=meta), requires_grad=False)
 
     def local(self) -> torch.Tensor:
