@@ -364,6 +364,8 @@ class CommCounter(TorchDispatchMode):
         # Let tensor subclasses (DTensor) lower to plain ops first; those come back here.
         if _DTensor is not None and _DTensor in types:
             return NotImplemented
+        if getattr(func, "namespace", None) not in _NAMESPACES:  # not communication: most operations
+            return func(*args, **kwargs)
         found = _classify(func, tuple(args))
         if found is not None:
             self._record(*found, _group_ranks(tuple(args)))
