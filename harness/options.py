@@ -285,12 +285,16 @@ def gate_spec(text: str) -> dict:
 
 
 def add_output_arguments(add) -> None:
-    """--report, --no-report, --per-sample, --invariant, --localize: what a session adds to the matrix and writes."""
+    """--report, --no-report, --no-plots, --per-sample, --invariant, --localize: what a session adds to the matrix and
+    writes."""
     add("--report", type=report_path, default=None,
         help="markdown report, written exactly there with <stem>_plots/ and <stem>_tables/ beside it (default: "
              f"{DEFAULT_REPORT.name} in a new folder reports/runs/<time>/, which {DEFAULT_REPORT.parent} points at; "
              f"the newest {KEEP_RUNS} runs are kept)")
     add("--no-report", action="store_true", help="write no report and no tables")
+    add("--no-plots", action="store_true",
+        help="write the report without its PNG plots (each costs about 0.1 to 0.2 CPU s to draw; the report says "
+             "where each would be)")
     add("--per-sample", action="store_true",
         help="also check per-sample gradient norms (DP-SGD) at the same world sizes (mlp; Opacus if installed)")
     add("--invariant", action="store_true",

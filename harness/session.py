@@ -56,6 +56,7 @@ class SessionOptions:
     gate_strict: bool = False  # a gate that compared nothing fails (harness.gate.compare)
     localize: int = opt.DEFAULT_LOCALIZE  # failing scenarios localised after the run (harness.localize.auto)
     invariant: bool = False  # the batch-invariant tier after the matrix (harness.invariant)
+    plots: bool = True  # the report's PNG plots drawn (--no-plots: not)
 
     @classmethod
     def from_namespace(cls, ns, *, preflight: bool = True) -> "SessionOptions":
@@ -64,7 +65,8 @@ class SessionOptions:
         report = None if getattr(ns, "no_report", False) else getattr(ns, "report", None) or opt.DEFAULT_REPORT
         return cls(opt.matrix_from(ns, preflight=preflight), report, bool(getattr(ns, "per_sample", False)),
                    getattr(ns, "baseline", None), getattr(ns, "gate", None), getattr(ns, "save_baseline", None),
-                   bool(getattr(ns, "gate_strict", False)), _localize_count(ns), bool(getattr(ns, "invariant", False)))
+                   bool(getattr(ns, "gate_strict", False)), _localize_count(ns), bool(getattr(ns, "invariant", False)),
+                   not getattr(ns, "no_plots", False))
 
 
 def _check_invariant_cells(m: opt.MatrixOptions) -> None:
@@ -250,7 +252,7 @@ class Session:
             if report is not None:
                 tmp = stage_dir(Path(report))
                 with writing(report):  # staging: a full disk here is the same one-line error
-                    moves += stage_report(res.tables, res.env, report, tmp)
+                    moves += stage_report(res.tables, res.env, report, tmp, plots=o.plots)
                     moves.append((stage_run(res.tables, res.env, tmp / "tables"), tables_dir(report)))
             if o.save_baseline:
                 dst = baseline_file(o.save_baseline, res.env)

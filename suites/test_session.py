@@ -138,13 +138,17 @@ def test_k_runs_only_the_selected_scenario_and_what_it_is_compared_with(tmp_path
     # both data modes and optimizers: 10 scenarios in the matrix; the selected one needs the plain
     # reference and the same implementation at W=1, not the split-data runs; the AdamW one that -k
     # also selects is the slow tier's (the second optimizer's), skipped without --slow: not run either
+    # and --no-plots through the plugin: the report says where each plot would be, its plots folder is empty
     proc = _pytest(tmp_path, "--data-modes", "replicated,split", "--optimizers", "sgd,adamw",
-                   "-k", "fsdp_impl-mlp-ws2-replicated")
+                   "-k", "fsdp_impl-mlp-ws2-replicated", "--no-plots")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "running 3 scenarios" in proc.stderr, proc.stderr
     assert load_tables(tmp_path / REPORT.parent / "verification_tables")[1]["command"] == "python -m pytest " + \
         shlex.join(_pytest_args("--data-modes", "replicated,split", "--optimizers", "sgd,adamw",
-                                "-k", "fsdp_impl-mlp-ws2-replicated"))  # pytest without xdist records its own
+                                "-k", "fsdp_impl-mlp-ws2-replicated", "--no-plots"))  # without xdist: its own
+    text = (tmp_path / REPORT).read_text()
+    assert ": not drawn (--no-plots)._" in text and "](verification_plots/" not in text, text
+    assert list((tmp_path / REPORT.parent / "verification_plots").iterdir()) == []
     assert {s for _, s, _ in _verdicts(tmp_path)} == {"reference-mlp-ws1-replicated-sgd",
                                                     "fsdp_impl-mlp-ws1-replicated-sgd",
                                                     "fsdp_impl-mlp-ws2-replicated-sgd"}
@@ -153,7 +157,7 @@ def test_k_runs_only_the_selected_scenario_and_what_it_is_compared_with(tmp_path
 # an adapter with the required methods only: under no_sync and clip it supports nothing requested
 BARE = "suites.unit.example_adapter:adapter"
 NOTHING_SUPPORTED = ["--impl", BARE, "--features", "no_sync,clip", "--world-sizes", "1,2", "--models", "mlp",
-                     "--optimizers", "sgd", "--data-modes", "replicated", "--steps", "2"]
+                     "--optimizers", "sgd", "--data-modes", "replicated", "--steps", "2", "--no-plots"]
 
 
 def test_a_run_whose_implementation_ran_nothing_reads_not_run_and_exits_3(tmp_path):

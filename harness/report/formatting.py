@@ -38,8 +38,12 @@ def md_table(df: pd.DataFrame) -> str:
     return cells.to_markdown(index=False, disable_numparse=True)
 
 
-def _plot(fn, path: Path, rel: str, alt: str, *args, **kwargs) -> str:
-    """Render one plot; a plotting error becomes a note instead of losing the whole report."""
+def _plot(fn, plots_dir: Path | None, name: str, rel: str, alt: str, *args, **kwargs) -> str:
+    """Render one plot into `plots_dir` as `name`; a plotting error becomes a note instead of losing the whole
+    report. `plots_dir` None: plots are not drawn (--no-plots), and the report says so where each would be."""
+    if plots_dir is None:
+        return f"_Plot {alt}: not drawn (--no-plots)._"
+    path = plots_dir / name
     try:
         fn(*args, path, **kwargs)
     except Exception as exc:  # noqa: BLE001 - a broken plot must not lose the report

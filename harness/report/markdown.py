@@ -35,8 +35,8 @@ def _env_section(env: dict) -> list[str]:
     return ["## Environment", "", md_table(pd.DataFrame({"key": keys, "value": vals})), ""]
 
 
-def render(tables: dict, env: dict, title: str, plots_dir: Path, rel: str) -> str:
-    """The markdown text; plots are written into `plots_dir` and linked as `rel/<file>`."""
+def render(tables: dict, env: dict, title: str, plots_dir: Path | None, rel: str) -> str:
+    """The markdown text; plots are written into `plots_dir` and linked as `rel/<file>` (None: none drawn)."""
     out = [f"# {title}", "", _overall(_t(tables, "verdicts"), _cells(tables)), ""]
     out += _verdict_sections(tables) + _noise_section(tables) + _group_sections(tables, plots_dir, rel)
     out += _memory_section(tables, plots_dir, rel) + _comm_section(tables) + section_lines(tables)
@@ -44,25 +44,30 @@ def render(tables: dict, env: dict, title: str, plots_dir: Path, rel: str) -> st
     return "\n".join(out).rstrip() + "\n"
 
 
-def write_report(tables: dict, env: dict, path: Path, *, title: str = "FSDP equivalence verification") -> Path:
+def write_report(tables: dict, env: dict, path: Path, *, title: str = "FSDP equivalence verification",
+                 plots: bool = True) -> Path:
     """Write `path` (markdown) and `<stem>_plots/` beside it, atomically; returns `path`. A write
-    that fails raises harness.tables.store.OutputError (one line) and leaves the earlier report in place."""
+    that fails raises harness.tables.store.OutputError (one line) and leaves the earlier report in place.
+    `plots` False: the plots folder is left empty (--no-plots)."""
     path = Path(path)
     with writing(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.stem}.tmp-"))
         try:
-            swap_into_place(stage_report(tables, env, path, tmp, title=title))
+            swap_into_place(stage_report(tables, env, path, tmp, title=title, plots=plots))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
 def stage_report(tables: dict, env: dict, path: Path, tmp: Path, *,
-                 title: str = "FSDP equivalence verification") -> list[tuple[Path, Path]]:
-    """Render the report and its plots into `tmp`; the (staged, final) pairs for `swap_into_place`."""
+                 title: str = "FSDP equivalence verification", plots: bool = True) -> list[tuple[Path, Path]]:
+    """Render the report and its plots into `tmp`; the (staged, final) pairs for `swap_into_place`. `plots`
+    False (--no-plots): none drawn, and the plots folder is staged empty, so that no earlier run's plots stay
+    beside this report."""
     path = Path(path)
     plots_name = f"{path.stem}_plots"
     (tmp / plots_name).mkdir()
-    (tmp / path.name).write_text(render(tables, env, title, tmp / plots_name, plots_name), encoding="utf-8")
+    drawn = tmp / plots_name if plots else None
+    (tmp / path.name).write_text(render(tables, env, title, drawn, plots_name), encoding="utf-8")
     return [(tmp / plots_name, path.parent / plots_name), (tmp / path.name, path)]

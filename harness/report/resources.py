@@ -19,7 +19,7 @@ MEM_ORDER = ["params", "grads", "optimizer_state", "state_params", "state_grads"
              "state_total", "activations", "other", "peak"]
 
 
-def _memory_section(tables: dict, plots_dir: Path, rel: str) -> list[str]:
+def _memory_section(tables: dict, plots_dir: Path | None, rel: str) -> list[str]:
     cells, mem = _cells(tables), _t(tables, "memory")
     out = ["## Memory", "", "Bytes per rank (max over ranks) by category and world size."
            + (" Cells read `measured (ideal)`." if "ideal_bytes" in mem else "")
@@ -54,7 +54,7 @@ def _memory_section(tables: dict, plots_dir: Path, rel: str) -> list[str]:
         out += _gathered_table(tables, rows)
         per_ws = _per_ws(rows, mem)
         if per_ws[["state_bytes", "peak_bytes"]].notna().any().any():
-            out += [_plot(plots.plot_memory, plots_dir / f"memory-{_file_stem(key)}.png", rel, f"memory {_label(key)}",
+            out += [_plot(plots.plot_memory, plots_dir, f"memory-{_file_stem(key)}.png", rel, f"memory {_label(key)}",
                           per_ws, f"memory per rank: {_label(key)}"), ""]
     return out
 

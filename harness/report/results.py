@@ -34,7 +34,7 @@ def _pick_steps(steps: list, limit: int = MAX_STEP_ROWS) -> list:
     return [steps[i] for i in idx]
 
 
-def _group_sections(tables: dict, plots_dir: Path, rel: str) -> list[str]:
+def _group_sections(tables: dict, plots_dir: Path | None, rel: str) -> list[str]:
     cells, steps, mem = _cells(tables), _t(tables, "steps"), _t(tables, "memory")
     verdicts = _t(tables, "verdicts")
     out = ["## Results per world size", ""]
@@ -81,7 +81,7 @@ def _group_sections(tables: dict, plots_dir: Path, rel: str) -> list[str]:
         show = loss.reindex(picked).map(lambda x: num(x, ".10g"))
         show.columns = [f"W={c}" if c != "reference" else c for c in show.columns]
         out += ["#### Loss per iteration", "", md_table(show.reset_index()), "",
-                _plot(plots.plot_loss, plots_dir / f"loss-{slug}.png", rel, f"loss {label}", g, ref,
+                _plot(plots.plot_loss, plots_dir, f"loss-{slug}.png", rel, f"loss {label}", g, ref,
                       f"loss: {label}"), ""]
         diff = g.pivot_table(index="step", columns="world_size", values="max_diff_ref", aggfunc="first",
                              dropna=False).reindex(index=loss.index)
@@ -94,6 +94,6 @@ def _group_sections(tables: dict, plots_dir: Path, rel: str) -> list[str]:
             vb = vb.assign(bound=pd.to_numeric(vb["bound"], errors="coerce")).dropna(subset=["bound"])
             bounds = {c: float(b) for c, b in zip(vb["check"], vb["bound"]) if b > 0}
         out += ["#### Max |param diff| vs reference per step", "", md_table(show.reset_index()), "",
-                _plot(plots.plot_diff, plots_dir / f"diff-{slug}.png", rel, f"param diff {label}", g,
+                _plot(plots.plot_diff, plots_dir, f"diff-{slug}.png", rel, f"param diff {label}", g,
                       f"max |param diff| vs reference: {label}", bounds=bounds), ""]
     return out

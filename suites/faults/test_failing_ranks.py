@@ -198,7 +198,7 @@ def test_a_nan_run_through_the_cli_fails_finite_and_still_writes_the_report(tmp_
     report = tmp_path / "r.md"
     proc = subprocess.run([sys.executable, "-m", "harness", "run", "--world-sizes", "1", "--models", "mlp",
                            "--impl", f"{FA}:nan_loss", "--data-modes", "replicated", "--optimizers", "adamw",
-                           "--steps", "3", "--report", str(report), "--quiet"],
+                           "--steps", "3", "--report", str(report), "--quiet", "--no-plots"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert "Traceback" not in output, output
@@ -207,6 +207,10 @@ def test_a_nan_run_through_the_cli_fails_finite_and_still_writes_the_report(tmp_
     # the first NaN: the parameters updated with the NaN gradient of step FAULT_STEP
     assert f"[FAIL] finite {nan_id} at step {FAULT_STEP}, layers." in proc.stderr, proc.stderr
     assert report.exists() and "finite" in report.read_text()
+    # --no-plots through the CLI: the report says where each plot would be, its plots folder is empty
+    text = report.read_text()
+    assert ": not drawn (--no-plots)._" in text and "](r_plots/" not in text, text
+    assert list((tmp_path / "r_plots").iterdir()) == []
 
 
 def test_a_failed_scenario_does_not_poison_the_next_one_in_the_same_process(tmp_path):

@@ -18,7 +18,8 @@ from suites.faults.processes import ENV, ROOT, default_signals, kill_session, st
 from suites.faults.scenarios import FA
 
 
-SMALL = ["--models", "mlp", "--data-modes", "replicated", "--optimizers", "sgd", "--steps", "2"]
+SMALL = ["--models", "mlp", "--data-modes", "replicated", "--optimizers", "sgd", "--steps", "2",
+         "--no-plots"]  # what these runs hold is no plot's business: each costs 0.1 to 0.2 CPU s
 
 
 def test_a_plain_run_goes_on_in_a_shell_with_stale_torchrun_variables_and_a_deep_temp_dir(tmp_path):

@@ -111,7 +111,7 @@ def test_torchrun_cli_smoke_writes_one_report_from_rank_0(tmp_path):
     report = tmp_path / "r.md"
     proc = start([*TORCHRUN, "-m", "harness", "run", "--world-sizes", "1,2", "--impl", "fsdp_impl",
                   "--models", "mlp", "--optimizers", "adamw", "--steps", "3", "--features", "plain,hsdp,ckpt",
-                  "--report", str(report)])
+                  "--report", str(report), "--no-plots"])
     try:
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stdout + stderr

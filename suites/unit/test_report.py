@@ -66,6 +66,23 @@ def test_plots_exist_and_are_linked_relatively(rendered):
     assert sorted(p.name for p in (path.parent / "verify_plots").iterdir()) == sorted(Path(x).name for x in expected)
 
 
+
+def test_no_plots_draws_none_says_where_each_would_be_and_leaves_no_earlier_plot(tmp_path, monkeypatch):
+    """--no-plots: the same report text, each plot's place a note; the plots folder is replaced by an empty one,
+    so an earlier run's PNGs do not stay beside a report they do not belong to."""
+    tables = syn.make_tables()
+    path = report.write_report(tables, syn.ENV, tmp_path / "verify.md")  # an earlier run, with plots
+    assert any((tmp_path / "verify_plots").iterdir())
+    drawn = []
+    for name in ("plot_loss", "plot_diff", "plot_memory"):
+        monkeypatch.setattr(plots, name, lambda *args, **_kw: drawn.append(args[-1]))
+    text = report.write_report(tables, syn.ENV, path, plots=False).read_text(encoding="utf-8")
+    assert drawn == [] and not re.findall(r"!\[[^\]]*\]\(", text)
+    notes = re.findall(r"_Plot (loss|param diff|memory) [^\n]*: not drawn \(--no-plots\)\._", text)
+    assert sorted(set(notes)) == ["loss", "memory", "param diff"] and len(notes) == 6  # 3 kinds x 2 data modes
+    assert list((tmp_path / "verify_plots").iterdir()) == []
+    assert [s for s in SECTIONS if s not in text] == []
+
 def test_failure_listed_first_with_its_location(rendered):
     _, text = rendered
     fail_id, known_id = syn.sid(4, "split"), syn.sid(4, "replicated")
