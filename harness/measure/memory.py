@@ -171,14 +171,15 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
         kwargs = kwargs or {}
         fake = active_fake_mode()
         res = args[0] if func is _WAIT_TENSOR and fake is not None else func(*args, **kwargs)
+        results = _tensors(res)
         if fake is getattr(self, "_fake_mode_on_entry", None):  # not DTensor's sharding propagation
             backward = self._mod_tracker.is_bw
             reftype = (_MemRefType.OPT if self._in_opt else
                        _MemRefType.TEMP if backward and not self._in_ac else _MemRefType.ACT)
-            for t in _tensors(res):
+            for t in results:
                 self._track(reftype, t)
             self._update_peak_stats(_ModState.PEAK_BW if backward else _ModState.PEAK_FW)
-        outputs, inputs = _written_and_read(func, args, kwargs, res)
+        outputs, inputs = _written_and_read(func, args, kwargs, results)
         from_grads = func in _SCATTERS or any(self._holds_gradient_data(t) for t in inputs)
         if func in _GATHERS:  # what is gathered from gradient data is a gradient, not a parameter
             ref = _MemRefType.GRAD if from_grads else _MemRefType.PARAM
@@ -246,18 +247,19 @@ def _arguments(func) -> list[tuple[int, str, bool, bool]]:
     return found
 
 
-def _written_and_read(func, args: tuple, kwargs: dict, res: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(the tensors an operation wrote, the tensors it read). An aten operation writes its results and
-    the arguments its schema marks as written (``out=``, in-place ``self``); it reads every other tensor
-    argument and an in-place ``self`` (except where it overwrites it whole: copy_, zero_, fill_). The c10d
-    collectives mark nothing in their schemas: those with an input argument (all-gather, reduce-scatter,
-    all-to-all) write their first argument from their second; the others (all-reduce, broadcast) work in
-    place on their first."""
+def _written_and_read(func, args: tuple, kwargs: dict, results: list[torch.Tensor]
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(the tensors an operation wrote, the tensors it read), given the tensors of its result. An aten operation
+    writes its results and the arguments its schema marks as written (``out=``, in-place ``self``); it reads
+    every other tensor argument and an in-place ``self`` (except where it overwrites it whole: copy_, zero_,
+    fill_). The c10d collectives mark nothing in their schemas: those with an input argument (all-gather,
+    reduce-scatter, all-to-all) write their first argument from their second; the others (all-reduce,
+    broadcast) work in place on their first."""
     if func.namespace == "c10d":
-        if len(args) > 1 and _tensors(args[1]):
-            return _tensors(args[0]), _tensors(args[1])
-        return _tensors(args[0]) if args else [], _tensors(args[0]) if args else []
-    written, read = _tensors(res), []
+        first = _tensors(args[0]) if args else []
+        second = _tensors(args[1]) if len(args) > 1 else []
+        return (first, second) if second else (first, list(first))
+    written, read = list(results), []
     for i, name, is_write, reads in _arguments(func):
         value = args[i] if i < len(args) else kwargs.get(name)
         if value is None or isinstance(value, (int, float, bool, str)):
