@@ -1,11 +1,15 @@
 """Count collectives and the bytes they handle, for any implementation, in one rank.
 
-`CommCounter` is a ``TorchDispatchMode``. Every ``torch.distributed`` collective in torch >= 2.1
-reaches the dispatcher as a ``torch.ops.c10d.*`` op (the Python API and the C++ ``ProcessGroup``
-wrappers, which DDP's reducer and FSDP1/FSDP2 use, all call it), and functional collectives
-(DTensor redistribution, ``torch.distributed._functional_collectives``) as
-``torch.ops._c10d_functional.*``; both are counted. DTensor ops are handed back
-(``NotImplemented``) so that the collectives they lower to are seen, as ``CommDebugMode`` does.
+Every ``torch.distributed`` collective in torch >= 2.1 reaches the dispatcher as a ``torch.ops.c10d.*``
+op (the Python API and the C++ ``ProcessGroup`` wrappers, which DDP's reducer and FSDP1/FSDP2 use, all
+call it), and functional collectives (DTensor redistribution, ``torch.distributed._functional_collectives``)
+as ``torch.ops._c10d_functional.*``. `CommCounter` counts them with a kernel of its own on each op of those
+namespaces, registered once per process at the dispatcher's ``BackendSelect`` key: a key every call passes
+(it is in every thread's included set, inference mode included, and below the Python key, so tensor
+subclasses such as DTensor have lowered to plain tensors and dispatch modes have run) before the op's own
+kernel, to which it hands the call on. No Python runs for any other operation: a dispatch mode over every
+operation of a step cost nearly half of a small model's step. A collective that calls another through the
+dispatcher (a functional collective's kernel calls the c10d op) is counted once, as the outer one.
 
 Size: the FULL (unsharded) tensor each collective handles, on this rank, in elements and in bytes,
 per element type (so a reduction in float64 reads as the same elements at twice the bytes):
@@ -22,18 +26,14 @@ shards) shows all_gather 2P (forward + backward re-gather) and reduce_scatter P
 
 Checked on gloo (torch 2.13): every public ``torch.distributed`` collective and p2p call (sync
 or async, list or tensor form, object collectives, ``_coalescing_manager``, ``batch_isend_irecv``,
-``ProcessGroup`` methods), DDP's reducer, FSDP1 and FSDP2 all reach the dispatcher. The one
-Python path that does not is calling a backend object directly
-(``pg._get_backend(device).allreduce(...)``): while a counter is active the ``Backend`` methods
-are wrapped to count those calls too (no double count: the dispatcher path calls them from C++).
-The mode is thread-local (autograd's worker threads inherit it; its CPU backward runs in the
-calling thread), so while a counter is active the ``ProcessGroup`` methods are wrapped too: a
-collective issued from Python in any other thread (an implementation's prefetch or communication
-thread) is counted there, and one issued where the mode is active is counted once, at the
-dispatcher. Still unseen: collectives issued from C++ in a thread of its own that never entered
-the mode (no c10d backend does so on gloo or NCCL), functional collectives issued from another
-thread, and kernels that move data without any c10d op (custom extensions, symmetric-memory
-one-sided ops). An unknown op in a c10d namespace is reported as ``unknown:<ns>.<op>`` with 0
+``ProcessGroup`` methods), functional collectives, DDP's reducer, FSDP1 and FSDP2 all reach the
+dispatcher, from whatever thread issues them (an implementation's prefetch or communication thread
+included): a counter counts every collective of the process while it is entered. The one Python path
+that does not reach the dispatcher is calling a backend object directly
+(``pg._get_backend(device).allreduce(...)``): while a counter is entered the ``Backend`` methods are
+wrapped to count those calls too (no double count: the dispatcher path calls them from C++). Still
+unseen: kernels that move data without any c10d op (custom extensions, symmetric-memory one-sided ops).
+An op of a c10d namespace that the tables below do not know is reported as ``unknown:<ns>.<op>`` with 0
 bytes rather than dropped silently.
 """
 
@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
@@ -199,19 +198,6 @@ _BACKEND_METHODS = {
     "alltoall": "alltoall_", "alltoall_base": "alltoall_base_", "send": "send", "recv": "recv_",
     "recv_anysource": "recv_any_source_", "barrier": "barrier", "monitored_barrier": "monitored_barrier_",
 }
-# Methods of a ``ProcessGroup``: every ``torch.distributed`` call made from Python goes through one
-# of them, in whatever thread. The dispatcher path behind them is seen by the counter only in the
-# threads it was entered in (a dispatch mode is thread-local; autograd's worker threads inherit
-# it), so these wrappers count the calls made from any OTHER thread: a prefetch or communication
-# thread of the implementation's own.
-_PG_METHODS = {
-    **_BACKEND_METHODS,
-    "all_gather_single": "_allgather_base_", "all_gather_single_coalesced": "allgather_into_tensor_coalesced_",
-    "allgather_into_tensor_coalesced": "allgather_into_tensor_coalesced_",
-    "reduce_scatter_single": "_reduce_scatter_base_",
-    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced_",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced_", "all_to_all_single": "alltoall_base_",
-}
 _SAVED: list[tuple[Any, str, Any]] = []  # (class, method, original) while patched
 _LOCK = threading.Lock()
 
@@ -238,38 +224,30 @@ class WhileEntered:
                 self.unpatch()
 
 
-def _c10d_classes() -> list[tuple[Any, dict[str, str], bool]]:
-    """(class, method -> c10d op, count only in threads where no counter is active)."""
+def _backend_class() -> Any:
     try:
-        from torch._C._distributed_c10d import Backend, ProcessGroup
+        from torch._C._distributed_c10d import Backend
     except ImportError:
-        return []
-    return [(Backend, _BACKEND_METHODS, False), (ProcessGroup, _PG_METHODS, True)]
-
-
-def _counted_here(counter: "CommCounter") -> bool:
-    """Whether the dispatcher will count an op issued now, in this thread, for `counter`."""
-    return counter in _get_current_dispatch_mode_stack()
+        return None
+    return Backend
 
 
 def _patch() -> None:
-    for cls, methods, other_threads_only in _c10d_classes():
-        for meth, op in methods.items():
-            orig = cls.__dict__.get(meth)
-            if orig is None:
-                continue
-            _SAVED.append((cls, meth, orig))
+    cls = _backend_class()
+    for meth, op in (_BACKEND_METHODS.items() if cls is not None else ()):
+        orig = cls.__dict__.get(meth)
+        if orig is None:
+            continue
+        _SAVED.append((cls, meth, orig))
 
-            def wrapper(self: Any, *args: Any, _orig: Any = orig, _op: str = op, _other: bool = other_threads_only,
-                        **kwargs: Any) -> Any:
-                collective, size = _C10D[_op]
-                padded = (tuple(args[:2]) + (None, None))[:2] + (self,)
-                for counter in list(_COUNTERS.owners):
-                    if not (_other and _counted_here(counter)):
-                        counter._record(collective, size(padded), int(self.size()))
-                return _orig(self, *args, **kwargs)
+        def wrapper(self: Any, *args: Any, _orig: Any = orig, _op: str = op, **kwargs: Any) -> Any:
+            collective, size = _C10D[_op]
+            padded = (tuple(args[:2]) + (None, None))[:2] + (self,)
+            for counter in list(_COUNTERS.owners):
+                counter._record(collective, size(padded), int(self.size()))
+            return _orig(self, *args, **kwargs)
 
-            setattr(cls, meth, wrapper)
+        setattr(cls, meth, wrapper)
 
 
 def _unpatch() -> None:
@@ -278,12 +256,12 @@ def _unpatch() -> None:
     _SAVED.clear()
 
 
-_COUNTERS = WhileEntered(_patch, _unpatch)  # the counters entered: the c10d methods are wrapped while there are
+_COUNTERS = WhileEntered(_patch, _unpatch)  # the counters entered: the Backend methods are wrapped while there are
 
 
 def plain_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A copy of `t`'s value: contiguous, on the CPU, in `dtype` (its own by default). A plain tensor is copied
-    with Python dispatch off: no mode (the localiser's tracer, this counter, the peak-memory tracker) sees
+    with Python dispatch off: no mode (the localiser's tracer, the peak-memory tracker) sees
     the harness's own copy, nor pays its Python for it."""
     if torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python):  # a subclass that dispatches in Python
         return t.detach().to("cpu", dtype or t.dtype, copy=True, memory_format=torch.contiguous_format)
@@ -321,34 +299,91 @@ def _classify(func: Any, args: tuple) -> tuple[str, Size] | None:
     return collective, size(args)
 
 
-class CommCounter(TorchDispatchMode):
+# The counting kernels: registered at the first counter's entry, once per process, and kept for its life (a
+# Library unregisters what it holds when it is collected). The c10d namespaces' ops are registered by torch's
+# own libraries when they load, so every one is known then (reading the dispatcher's op names costs about 5 ms).
+_LIBRARIES: dict[str, Any] = {}
+_AFTER_BACKEND_SELECT = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+_INSIDE = threading.local()  # .depth: > 0 while this thread runs a counted collective's kernel
+
+
+def _counting_kernel(op: Any) -> Callable[..., Any]:
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        keyset = keyset & _AFTER_BACKEND_SELECT
+        if not _COUNTERS.owners or getattr(_INSIDE, "depth", 0):  # none entered, or called by a counted one
+            return op.redispatch(keyset, *args, **kwargs)
+        found = _classify(op, args)
+        if found is not None:
+            ranks = _group_ranks(args)
+            digest = None
+            for counter in list(_COUNTERS.owners):
+                counter._record(*found, ranks)
+                if counter.fingerprint:
+                    digest = digest or _reduction_digest(found[0], op, args)
+                    if digest is not None:
+                        counter.reduction_inputs.append(digest)
+        _INSIDE.depth = getattr(_INSIDE, "depth", 0) + 1
+        try:
+            return op.redispatch(keyset, *args, **kwargs)
+        finally:
+            _INSIDE.depth -= 1
+    return kernel
+
+
+def _install() -> None:
+    """Register the counting kernel on every op of the c10d namespaces (waits and the like excepted), once."""
+    if _LIBRARIES:
+        return
+    for qualified in torch._C._dispatch_get_all_op_names():
+        ns, _, rest = qualified.partition("::")
+        if ns not in _NAMESPACES:
+            continue
+        name, _, overload = rest.partition(".")
+        if name in _IGNORED:
+            continue
+        op = getattr(getattr(getattr(torch.ops, ns), name), overload or "default")
+        if ns not in _LIBRARIES:
+            _LIBRARIES[ns] = torch.library.Library(ns, "IMPL")
+        _LIBRARIES[ns].impl(rest, _counting_kernel(op), "BackendSelect", with_keyset=True)
+
+
+def _reduction_digest(collective: str, op: Any, args: tuple) -> tuple[str, int, str] | None:
+    """(collective, elements, hash of the bytes) of what this rank puts into a reduction, before it runs (the
+    input of an in-place all-reduce is overwritten by it); None for a collective that reduces nothing."""
+    index = _REDUCTION_INPUT.get(op._overloadpacket.__name__)
+    if index is None or index >= len(args):
+        return None
+    tensors = _tensors(args[index])
+    return collective, sum(t.numel() for t in tensors), tensor_digest(*tensors)
+
+
+class CommCounter:
     """Counts calls, elements and full-tensor bytes per collective and element type issued in this
-    process while active: in this thread (and autograd's) at the dispatcher, in any other thread at
-    the ``ProcessGroup`` methods.
+    process, in any thread, while entered: at the dispatcher, and at the ``Backend`` methods called from
+    Python.
 
     Usage: ``with CommCounter() as cc: step(); cc.summary()``. Re-entering resets the counts.
     """
 
     def __init__(self, fingerprint: bool = False) -> None:
-        super().__init__()
         # (collective, element type, ranks of its group) -> calls, sizes
         self.calls: dict[tuple[str, str, int], int] = defaultdict(int)
         self.sizes: dict[tuple[str, str, int], Size] = defaultdict(Size)
         self.fingerprint = fingerprint
         # (collective, elements, hash of the bytes) of each reduction's input, in issue order (fingerprint=True;
-        # this thread's and autograd's, at the dispatcher)
+        # at the dispatcher)
         self.reduction_inputs: list[tuple[str, int, str]] = []
 
     def __enter__(self) -> "CommCounter":
         self.calls.clear()
         self.sizes.clear()
         self.reduction_inputs.clear()
+        with _LOCK:
+            _install()
         _COUNTERS.enter(self)
-        super().__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
         _COUNTERS.exit(self)
 
     def _record(self, collective: str, size: Size, ranks: int = 0) -> None:
@@ -356,31 +391,6 @@ class CommCounter(TorchDispatchMode):
         with _LOCK:
             self.calls[key] += 1
             self.sizes[key] = self.sizes[key] + size
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            return func(*args, **kwargs)
-        # Let tensor subclasses (DTensor) lower to plain ops first; those come back here.
-        if _DTensor is not None and _DTensor in types:
-            return NotImplemented
-        if getattr(func, "namespace", None) not in _NAMESPACES:  # not communication: most operations
-            return func(*args, **kwargs)
-        found = _classify(func, tuple(args))
-        if found is not None:
-            self._record(*found, _group_ranks(tuple(args)))
-            if self.fingerprint:
-                self._fingerprint(found[0], func, args)
-        return func(*args, **kwargs)
-
-    def _fingerprint(self, collective: str, func: Any, args: tuple) -> None:
-        """Hash what this rank puts into a reduction, before it runs (the input of an in-place all-reduce
-        is overwritten by it)."""
-        index = _REDUCTION_INPUT.get(func._overloadpacket.__name__)
-        if index is None or index >= len(args):
-            return
-        tensors = _tensors(args[index])
-        self.reduction_inputs.append((collective, sum(t.numel() for t in tensors), tensor_digest(*tensors)))
 
     def summary(self) -> list[dict]:
         """One dict per collective, element type and group size seen: {"collective", "dtype", "ranks", "calls",

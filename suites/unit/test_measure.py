@@ -1,6 +1,6 @@
 """harness.measure: collective counting, state bytes, peak memory, the one-process planner.
 
-One 2-rank gloo world (spawned once per module, FileStore rendezvous) runs every multi-rank
+One 2-rank gloo world (the harness's World, started once for the module) runs every multi-rank
 measurement and returns plain dicts; the assertions here compare them with values computed
 independently from tensor shapes (never with another output of the code under test).
 """
@@ -8,14 +8,10 @@ independently from tensor shapes (never with another output of the code under te
 from __future__ import annotations
 
 import math
-import os
-import tempfile
-import traceback
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from harness.measure import CommCounter, PeakMemory, ideal_comm_elements, ideal_state_bytes
@@ -112,10 +108,15 @@ def _thread_collectives() -> list[dict]:
 
     import torch.distributed as dist
 
+    import torch.distributed._functional_collectives as funcol
+
     def other_thread() -> None:
         dist.all_gather_into_tensor(torch.empty(W * AG_N, dtype=AG_DT), torch.ones(AG_N, dtype=AG_DT))
         dist.reduce(torch.ones(RS_N), dst=0)
         dist.gather(torch.ones(FAG_N), [torch.empty(FAG_N) for _ in range(W)] if dist.get_rank() == 0 else None)
+        funcol.wait_tensor(funcol.all_reduce(torch.ones(FAR_N), "sum", dist.group.WORLD))  # a functional one
+        with torch.inference_mode():  # (inference mode leaves autograd's dispatch keys out)
+            dist.broadcast(torch.ones(BK_N), src=0)
 
     with CommCounter() as cc:
         t = threading.Thread(target=other_thread)
@@ -158,53 +159,30 @@ def _gathered(what: str) -> dict[str, int]:
     return pm.result()
 
 
-def _rank_main(rank: int, store_path: str, queue) -> None:
-    try:
-        import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel as DDP
+def measured_world(ctx, payload) -> dict[str, Any]:
+    """Every multi-rank measurement, in one rank of the module's world of W (a World task)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=W)
-        solo, _ = dist.new_subgroups(group_size=1)  # this rank alone: the W=1 runs
-        out: dict[str, Any] = {"raw": _raw_collectives(), "threads": _thread_collectives(), "solo": _solo(solo)}
-        for widths, tag in ((EVEN, "even"), (ODD, "odd")):
-            out[f"fsdp2_w2_{tag}"] = _measured(lambda: _fsdp2(widths, dist.group.WORLD), widths)
-        out["fsdp2_w1"] = _measured(lambda: _fsdp2(EVEN, solo), EVEN)
-        out["ddp_w2"] = _measured(lambda: DDP(mlp(EVEN), gradient_as_bucket_view=True), EVEN)
-        out["plain"] = _measured(lambda: mlp(EVEN), EVEN)
-        out["gathered"] = {what: _gathered(what) for what in ("grads", "params")}
-        queue.put((rank, out))
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - report to the parent, which fails the test
-        queue.put((rank, traceback.format_exc()))
+    solo, _ = dist.new_subgroups(group_size=1)  # this rank alone: the W=1 runs
+    out: dict[str, Any] = {"raw": _raw_collectives(), "threads": _thread_collectives(), "solo": _solo(solo)}
+    for widths, tag in ((EVEN, "even"), (ODD, "odd")):
+        out[f"fsdp2_w2_{tag}"] = _measured(lambda: _fsdp2(widths, dist.group.WORLD), widths)
+    out["fsdp2_w1"] = _measured(lambda: _fsdp2(EVEN, solo), EVEN)
+    out["ddp_w2"] = _measured(lambda: DDP(mlp(EVEN), gradient_as_bucket_view=True), EVEN)
+    out["plain"] = _measured(lambda: mlp(EVEN), EVEN)
+    out["gathered"] = {what: _gathered(what) for what in ("grads", "params")}
+    return out
 
 
 @pytest.fixture(scope="module")
 def world() -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank_main, args=(r, os.path.join(tmp, "store"), queue))
-                 for r in range(W)]
-        for p in procs:
-            p.start()
-        try:
-            results = dict(queue.get(timeout=180) for _ in range(W))
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-            if old is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = old
-    for rank, res in results.items():
-        if isinstance(res, str):
-            pytest.fail(f"rank {rank} failed:\n{res}")
-    return results
+    """rank -> what `measured_world` measured there, in a world of W started for this module (a failing rank
+    fails the tests that need it, with its traceback)."""
+    from harness.execute.world import World
+
+    with World(W, timeout_s=240) as live:
+        return dict(enumerate(live.call(f"{__name__}:measured_world")))
 
 
 def _by_name(summary: list[dict]) -> dict[str, tuple[int, int]]:
@@ -248,11 +226,13 @@ def test_each_collective_is_recorded_with_the_size_of_its_group(world):
 
 
 def test_collectives_from_another_thread_are_counted_once(world):
+    """c10d calls, a functional collective and a call under inference mode from a thread of the rank's own."""
     for rank in range(W):
         rows = {(r["collective"], r["dtype"]): (r["calls"], r["elements"]) for r in world[rank]["threads"]}
         assert rows == {
             ("all_gather", "float64"): (1, W * AG_N), ("reduce", "float32"): (1, RS_N),
             ("gather", "float32"): (1, W * FAG_N), ("all_reduce", "int64"): (1, AR_N),
+            ("all_reduce", "float32"): (1, FAR_N), ("broadcast", "float32"): (1, BK_N),
         }, rank
 
 
