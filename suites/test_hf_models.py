@@ -51,6 +51,7 @@ def _build(name: str, seed: int = 0) -> nn.Module:
 
 # -- through the harness -----------------------------------------------------------------------------
 
+@pytest.mark.ci  # 24 scenarios of two real HF models; suites/test_standard_models.py is the default tier's
 def test_hf_models_train_like_the_plain_model_sharded(worlds, request):
     """Replicated data, where the checks are bitwise; split data too with --slow (what a model changes about
     split data, the noise floor of its parameters, the standard architectures' tier holds on hf:gpt2 with

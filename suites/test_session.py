@@ -23,6 +23,9 @@ import pytest
 
 from harness.tables.store import load_tables
 
+# the CI tier (--ci; .ci/run runs it): CLI and nested pytest runs, each a process with worlds of its own
+pytestmark = pytest.mark.ci
+
 ROOT = Path(__file__).resolve().parents[1]
 SLICE = ["--world-sizes", "2", "--impl", "fsdp_impl", "--models", "mlp", "--optimizers", "sgd", "--steps", "2",
          "--data-modes", "replicated"]

@@ -12,6 +12,9 @@ import pytest
 
 from suites.faults import bad_inputs
 
+# the CI tier (--ci; .ci/run runs it): every bad input through the CLI and pytest, each a process
+pytestmark = pytest.mark.ci
+
 
 @pytest.fixture(scope="module")
 def bad_input_outcomes():

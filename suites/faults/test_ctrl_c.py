@@ -9,9 +9,8 @@ shows that moment, and where the moment is short it freezes the process that wou
 The moments that nothing outside the process shows, or too briefly (a world worker before its
 entry point, the gate), are held by suites/faults/paused_cli.py.
 
-The default tier interrupts a world's start here and mid-step in test_launch_context.py (as a background
-job); the forkserver's start, the report and the gate are the slow tier's (`--slow`): the same handler,
-the same exit, at other moments.
+All of them are the CI tier's (`--ci`): the forkserver's start, a world's start, the report and the gate
+here, mid-step in test_launch_context.py (as a background job; run here as well with `--slow`).
 """
 
 from __future__ import annotations
@@ -30,6 +29,9 @@ from harness.execute.forked_server import is_forkserver
 from harness.session import EXIT_INTERRUPTED
 from suites.faults.processes import alive, in_session, kill_session, start, wait_session_empty
 from suites.faults.scenarios import FA
+
+# the CI tier (--ci; .ci/run runs it): each test starts and interrupts a CLI or pytest run
+pytestmark = pytest.mark.ci
 
 # two scenarios (the reference's and fsdp_impl's) in one world of 1 rank
 SMALL = ["--world-sizes", "1", "--models", "mlp", "--impl", "fsdp_impl", "--data-modes", "replicated",
@@ -72,7 +74,6 @@ def _assert_interrupted(proc: subprocess.Popen, report: Path, timeout: float = 6
     assert not report.parent.exists(), list(report.parent.iterdir())
 
 
-@pytest.mark.slow
 def test_ctrl_c_while_the_forkserver_starts(tmp_path):
     """The forkserver is still importing torch (it ignores SIGINT only once it has): frozen there,
     it gets the Ctrl-C in its imports (before the fix: a traceback ending in KeyboardInterrupt)."""
@@ -108,7 +109,7 @@ def test_ctrl_c_while_a_world_starts(tmp_path):
 def test_ctrl_c_of_the_cli_exits_non_zero_with_one_line_and_no_orphans(tmp_path):
     """Mid-step: rank 1 hangs with a timeout far away, so the world of 2 is certainly mid-run.
 
-    The default tier runs it once, from test_launch_context.py (launched as a background job with SIGINT
+    The CI tier runs it once, from test_launch_context.py (launched as a background job with SIGINT
     and SIGHUP ignored and stdin closed): run here as well, it is the same run from a friendlier parent."""
     report = tmp_path / "out" / "r.md"
     proc = start([*CLI, "--world-sizes", "1,2", "--models", "mlp", "--impl", f"{FA}:hang_rank1",
@@ -123,7 +124,6 @@ def test_ctrl_c_of_the_cli_exits_non_zero_with_one_line_and_no_orphans(tmp_path)
         kill_session(proc)
 
 
-@pytest.mark.slow
 def test_ctrl_c_while_the_report_is_written(tmp_path):
     """Frozen while its outputs are staged beside the report (.fsdp-harness-out-*) and before the
     tables, the last of them, are in place: nothing of the report may be left."""
@@ -140,7 +140,6 @@ def test_ctrl_c_while_the_report_is_written(tmp_path):
         kill_session(proc)
 
 
-@pytest.mark.slow
 def test_ctrl_c_during_the_gate(tmp_path):
     proc, report = _start_paused(tmp_path, "harness.gate.compare:compare", *SMALL, "--baseline", "default")
     try:

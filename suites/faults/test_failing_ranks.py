@@ -22,6 +22,9 @@ from suites.faults.fault_adapters import FAULT_STEP, NAN_PARAM_STEP
 from suites.faults.processes import ENV, ROOT, _stat, wait_all_dead
 from suites.faults.scenarios import FA, STEPS, scenario
 
+# the CI tier (--ci; .ci/run runs it): worlds broken, killed, timed out and rebuilt (a 10 s hang among them)
+pytestmark = pytest.mark.ci
+
 HANG_TIMEOUT_S = 10.0  # the run's --scenario-timeout; a good scenario here takes ~1 s
 # name -> (faulty rank, phase as the exception names it, harness code of the phase, raising function, step)
 RAISES = {

@@ -9,7 +9,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from suites.faults.processes import ENV, ROOT
+
+# the CI tier (--ci; .ci/run runs it): a nested pytest run of the signal tests
+pytestmark = pytest.mark.ci
 
 # what `nohup cmd <&- &` in a script leaves cmd: SIGINT and SIGHUP ignored, no stdin
 BACKGROUND_JOB = ("import os, signal, sys\n"
@@ -18,7 +23,7 @@ BACKGROUND_JOB = ("import os, signal, sys\n"
                   "os.close(0)\n"
                   "os.execvp(sys.argv[1], sys.argv[1:])\n")
 
-# the signal tests the default tier runs here only (the slow tier's when run directly; --slow in the inner
+# the signal tests the CI tier runs here only (the slow tier's when run directly; --slow in the inner
 # run): Ctrl-C of the CLI's process group, and SIGHUP of the CLI alone. Both rely on the default action
 # of a signal that a background job's parent ignores.
 SIGNAL_TESTS = ["suites/faults/test_ctrl_c.py::test_ctrl_c_of_the_cli_exits_non_zero_with_one_line_and_no_orphans",

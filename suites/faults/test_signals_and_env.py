@@ -17,6 +17,9 @@ import pytest
 from suites.faults.processes import ENV, ROOT, default_signals, kill_session, start, wait_session_empty
 from suites.faults.scenarios import FA
 
+# the CI tier (--ci; .ci/run runs it): each test starts a CLI run or a torchrun store of its own
+pytestmark = pytest.mark.ci
+
 
 SMALL = ["--models", "mlp", "--data-modes", "replicated", "--optimizers", "sgd", "--steps", "2",
          "--no-plots"]  # what these runs hold is no plot's business: each costs 0.1 to 0.2 CPU s
@@ -69,7 +72,7 @@ def first_progress_line(proc: subprocess.Popen, lines: "queue.Queue[str | None]"
                          ids=["SIGTERM", "SIGHUP"])
 def test_sigterm_or_sighup_of_the_cli_unwinds_like_ctrl_c(tmp_path, sig):
     """`kill PID` (or a closed terminal) mid-run: the run ends at once, its worlds' workers die and
-    its temp dirs (snapshots, FileStores, the forkserver's socket dir) are removed. The default tier runs
+    its temp dirs (snapshots, FileStores, the forkserver's socket dir) are removed. The CI tier runs
     the SIGHUP case once, from test_launch_context.py (a parent that ignores SIGINT and SIGHUP)."""
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()

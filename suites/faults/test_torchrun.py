@@ -15,6 +15,9 @@ from harness.execute.executor import run_matrix
 from suites.faults.processes import kill_session, start, wait_all_dead, wait_session_empty
 from suites.faults.scenarios import FA, scenario
 
+# the CI tier (--ci; .ci/run runs it): real torchrun jobs, each a CLI or matrix run of its own
+pytestmark = pytest.mark.ci
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 

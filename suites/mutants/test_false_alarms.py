@@ -1,7 +1,7 @@
 """No false alarms: correct implementations (fsdp_impl, PyTorch FSDP2, DDP) fail no check.
 
 KNOWN verdicts (documented deviations of a real implementation, harness/core/policy.py) are allowed. The
-quick matrix's mlp and AdamW cells run in every CI run, its other cells with ``--slow``; the full matrix under 5 seeds is the slow tier (``--slow``,
+quick matrix's mlp and AdamW cells run in every CI run (the CI tier, ``--ci``), its other cells with ``--slow``; the full matrix under 5 seeds is the slow tier (``--slow``,
 about 4 minutes a seed on 2 cores), on the zoo's models and on the standard architectures.
 ``python -m suites.mutants.score --false-alarm-seeds 0,1,2,3,4``
 runs the same tier and writes its table into the mutation score report.
@@ -27,6 +27,7 @@ def _everyday(s) -> bool:
     return s.model == "mlp" and s.optimizer == "adamw"
 
 
+@pytest.mark.ci  # the equivalence matrix, the compositions and the standard models hold it for the default tier
 def test_correct_implementations_pass_quick_matrix(kept_worlds):
     _assert_no_false_alarm(run_false_alarms([s for s in quick_matrix() if _everyday(s)], seed=0, pool=kept_worlds))
 

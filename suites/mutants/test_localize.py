@@ -141,9 +141,9 @@ def test_a_fault_inside_a_backward_op_is_named_at_that_op(pool):
     assert p.op.startswith("aten.mm (call 1 of that op in layers.1)"), "\n".join(found.lines())
 
 
-@pytest.mark.parametrize("impl,model,ws,mode,feature", [
-    ("fsdp_impl", "tinylm_tied", 2, "replicated", "plain"),
-    ("fsdp_impl", "mlp", 4, "split", "accum+clip"),
+@pytest.mark.parametrize("impl,model,ws,mode,feature", [  # the two costlier cells: the CI tier's (--ci)
+    pytest.param("fsdp_impl", "tinylm_tied", 2, "replicated", "plain", marks=pytest.mark.ci),
+    pytest.param("fsdp_impl", "mlp", 4, "split", "accum+clip", marks=pytest.mark.ci),
     ("torch_fsdp2", "mlp", 2, "split", "bf16"),
     ("ddp", "mlp", 2, "replicated", "ac"),
 ])
@@ -183,6 +183,7 @@ def test_ids_name_the_scenario_they_were_made_from():
         scenario_of_id("reference-mlp-ws1-replicated-adamw-micro4")
 
 
+@pytest.mark.ci  # a whole session; the mutants' localisations above are the default tier's
 def test_a_failing_run_localises_its_first_failing_scenarios_into_the_report(tmp_path):
     """The session localises the first --localize N failing scenarios: the "localised" table, the chain in
     those verdicts' messages, the report's "Where it diverged" section; N = 0 localises none."""
@@ -247,6 +248,7 @@ def test_correct_implementations_show_no_divergence_over_every_feature(pool):
     assert unmapped == {sc.id for sc in cells if has(sc.feature, "shard1") and sc.model == "tinylm_tied"}, unmapped
 
 
+@pytest.mark.ci  # three localisations at 4 ranks
 def test_an_optimizer_defect_is_named_after_the_runs_parted_by_rounding(pool):
     """Split data at 4 ranks parts from the yardstick by the reduction's rounding at step 1. The yardstick's
     optimizer then steps on the run's own gradients from the run's own parameters (StepTracer.force_grads), so a

@@ -11,6 +11,9 @@ import pytest
 
 from harness.bench import fsdp_vs_fsdp2 as bench
 
+# the CI tier (--ci; .ci/run runs it): the benchmarks' command lines end to end
+pytestmark = pytest.mark.ci
+
 MODELS = ("mlp", "tinylm")
 WORLD_SIZES = (1, 2)
 VARIANTS = tuple(label for label in bench.IMPLS if label != bench.FSDP2)

@@ -55,6 +55,7 @@ def _run_parent(mode: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.ci  # a parent process started with its own world
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the forked server is Linux's (/proc)")
 def test_a_single_threaded_parent_forks_a_server_that_holds_nothing_of_it_and_ends_with_it():
     got = _run_parent("single")
@@ -66,6 +67,7 @@ def test_a_single_threaded_parent_forks_a_server_that_holds_nothing_of_it_and_en
     assert wait_all_dead([got["server"]], 10) == []
 
 
+@pytest.mark.ci  # a parent process started with its own world
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the forked server is Linux's (/proc)")
 def test_a_parent_with_a_second_thread_gets_the_executed_server():
     got = _run_parent("thread")
@@ -74,6 +76,7 @@ def test_a_parent_with_a_second_thread_gets_the_executed_server():
     assert wait_all_dead([got["server"]], 10) == []
 
 
+@pytest.mark.ci  # two fresh interpreters
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads counted in /proc")
 def test_the_cli_process_stays_single_threaded_through_its_imports_unless_the_user_asked_for_threads():
     """numpy's OpenBLAS starts a thread pool at import where OMP_NUM_THREADS is unset (2 threads on 2

@@ -45,8 +45,9 @@ def assert_same_run(got: list, ref: list) -> None:
 
 # ------------------------------------------------------------------- the harness's FSDP2 adapter
 
-@pytest.mark.parametrize("feature, n", [("plain", 1), ("plain", 2), ("plain", 4), ("hsdp", 2), ("hsdp", 4),
-                                        ("bf16", 2), ("reshard2", 4), ("shard1", 2), ("offload", 2)])
+@pytest.mark.parametrize("feature, n", [  # 4 ranks: the CI tier's (--ci), but reshard2, which needs them
+    ("plain", 1), ("plain", 2), pytest.param("plain", 4, marks=pytest.mark.ci), ("hsdp", 2),
+    pytest.param("hsdp", 4, marks=pytest.mark.ci), ("bf16", 2), ("reshard2", 4), ("shard1", 2), ("offload", 2)])
 def test_the_fsdp2_adapter_on_fsdp_impl_is_bitwise_the_fsdp_impl_adapter(world, feature, n):
     """harness/adapters/torch_fsdp2.py, code written for FSDP2 (a mesh made from the group, a 2-D
     (replicate, shard) mesh under hsdp, FSDP2's MixedPrecisionPolicy and OffloadPolicy objects, an int
@@ -64,7 +65,9 @@ def test_the_fsdp2_adapter_on_fsdp_impl_is_bitwise_the_fsdp_impl_adapter(world, 
 
 # --------------------------------------------------------------- a loop written for FSDP2
 
-@pytest.mark.parametrize("mesh", [[1], [2], [4], [2, 1], [2, 2]], ids=["1", "2", "4", "2x1", "2x2"])
+@pytest.mark.parametrize("mesh", [  # 4 ranks: the CI tier's (--ci)
+    [1], [2], pytest.param([4], marks=pytest.mark.ci), [2, 1], pytest.param([2, 2], marks=pytest.mark.ci)],
+    ids=["1", "2", "4", "2x1", "2x2"])
 def test_a_loop_written_for_fsdp2_is_bitwise_fsdp_impl_called_its_own_way(world, mesh):
     """fully_shard(block, mesh=init_device_mesh(...)) (2-D: ("replicate", "shard"), FSDP2's HSDP), the
     root at FSDP2's default reshard_after_forward, ``model.set_requires_gradient_sync`` for accumulation,

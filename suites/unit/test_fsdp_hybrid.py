@@ -69,10 +69,11 @@ def payload(model: str, **kw) -> dict:
 
 # ----------------------------------------------------------------------------- training
 
-# the mlp on every mesh; the tied model (its tie in the root unit) on the 2x2 mesh, its other meshes
-# repeating the mlp's with --slow
+# the mlp on every mesh (2x4, 8 ranks, with --ci); the tied model (its tie in the root unit) on the 2x2 mesh, its
+# other meshes repeating the mlp's with --slow
 @pytest.mark.parametrize("model, replicas, shards", [
-    pytest.param(model, r, s, id=f"{i}-{model}", marks=pytest.mark.slow if model != "mlp" and i != "2x2" else ())
+    pytest.param(model, r, s, id=f"{i}-{model}", marks=pytest.mark.slow if model != "mlp" and i != "2x2" else
+                 pytest.mark.ci if i == "2x4" else ())
     for (r, s), i in zip(MESHES, MESH_IDS) for model in ("mlp", "tinylm_tied")])
 def test_replicated_data_is_bitwise_world_size_one(world, plain, model, replicas, shards):
     ref = plain(payload(model))
@@ -95,7 +96,8 @@ def test_replicated_data_is_bitwise_world_size_one(world, plain, model, replicas
     assert max_diff(ref["params"][-1], ref["params"][0]) > 1e-4  # training moved the weights
 
 
-@pytest.mark.parametrize("replicas, shards", [(2, 2), (2, 4), (4, 2)], ids=["2x2", "2x4", "4x2"])
+@pytest.mark.parametrize("replicas, shards", [  # 2x4 repeats 2x2 and 4x2 at 8 ranks: the CI tier's (--ci)
+    (2, 2), pytest.param(2, 4, marks=pytest.mark.ci), (4, 2)], ids=["2x2", "2x4", "4x2"])
 def test_split_data_is_the_full_batch_mean(world, plain, replicas, shards):
     """SGD (the update is linear in the gradient, so a wrong scale shows): within SPLIT_BOUND of the
     full batch at W = 1 at every step, and bitwise the flat fsdp_impl at the same world size."""

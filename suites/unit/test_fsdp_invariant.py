@@ -33,8 +33,10 @@ def reference(world):
     return get
 
 
-@pytest.mark.parametrize("model", ["mlp", "tinylm_tied"])
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("optimizer, model", [  # the other two pairs: the CI tier's (--ci)
+    ("sgd", "mlp"), pytest.param("sgd", "tinylm_tied", marks=pytest.mark.ci),
+    pytest.param("adamw", "mlp", marks=pytest.mark.ci), ("adamw", "tinylm_tied")],
+    ids=["sgd-mlp", "sgd-tinylm_tied", "adamw-mlp", "adamw-tinylm_tied"])
 def test_every_world_size_is_bitwise_the_tree_reference(world, reference, model, optimizer):
     p = {"model": model, "optimizer": optimizer, "micro": 8}
     want = reference(**p)
@@ -71,7 +73,8 @@ def test_the_invariant_l2_clip_keeps_every_world_size_bitwise(world, reference):
             _same(r, want, f"W={w} rank {rank}")
 
 
-@pytest.mark.parametrize("saved,resumed", [(2, 8), (8, 1), (4, 2)])
+@pytest.mark.parametrize("saved,resumed", [  # the two with 8 ranks: the CI tier's (--ci)
+    pytest.param(2, 8, marks=pytest.mark.ci), pytest.param(8, 1, marks=pytest.mark.ci), (4, 2)])
 def test_a_run_resumed_at_another_world_size_is_bitwise_the_uninterrupted_run(world, tmp_path, saved, resumed):
     """Parameters and optimizer state are element-wise, and a checkpoint moves them whole: 2 steps at one world
     size, saved, 2 more at another, is every step's loss and the final parameters of 4 uninterrupted steps."""

@@ -334,6 +334,7 @@ def test_a_pytest_usage_error_imports_neither_torch_nor_pandas():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+@pytest.mark.ci  # a fresh interpreter
 def test_the_process_that_judges_a_run_imports_no_rank_side_measurement():
     """The parent (CLI, pytest controller) builds tables and judges them: it needs the ZeRO-3 ideals,
     not DTensor or torch's memory tracker (1.3 s of every CLI and pytest start), which only ranks use."""

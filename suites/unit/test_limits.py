@@ -172,6 +172,7 @@ def test_model_sizes_on_meta_without_fills_are_those_of_the_model_built_for_real
         [(n, p.shape, p.dtype, p.requires_grad) for n, p in params]
 
 
+@pytest.mark.ci  # a fresh interpreter
 def test_model_sizes_need_no_torch_dynamo_import():
     """In a fresh interpreter (this one has imported torch._dynamo long ago), sizing every model above
     imports no torch._dynamo: one process for them all."""

@@ -42,6 +42,7 @@ def _imported_modules(path: Path) -> set[str]:
                             for a in n.names}
 
 
+@pytest.mark.ci  # a fresh interpreter
 def test_the_report_package_does_not_import_the_per_sample_package():
     for path in sorted(REPORT_PACKAGE.glob("*.py")):  # module-level and lazy imports alike
         found = {m for m in _imported_modules(path) if m.startswith("harness.per_sample")}
@@ -83,6 +84,7 @@ def test_registered_sections_render_in_order_and_an_empty_one_adds_nothing(tmp_p
         sections.register_section("not a function", ["## lines"])
 
 
+@pytest.mark.ci  # two fresh interpreters
 def test_every_entry_point_renders_the_per_sample_section(tmp_path):
     """`python -m harness report` and a Session's outputs, each in a new interpreter: whoever renders
     imports the per-sample package, so the section is there whenever the tables hold it."""

@@ -204,6 +204,7 @@ class LoadsNothing:
         return adapter
 
 
+@pytest.mark.ci  # 18 scenarios; the mutant catalogue's ckpt faults and the bf16 compositions hold it quicker
 def test_split_bf16_and_resumed_runs_hold_and_a_checkpoint_never_loaded_fails_where_it_was_loaded(kept_worlds):
     from harness.execute.executor import run_matrix
 

@@ -209,6 +209,7 @@ ORPHAN_SCRIPT = textwrap.dedent(f"""
 """)
 
 
+@pytest.mark.ci  # a parent process started and killed
 def test_no_worker_outlives_a_killed_parent(tmp_path):
     script = tmp_path / "orphan.py"
     script.write_text(ORPHAN_SCRIPT)
