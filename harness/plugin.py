@@ -4,9 +4,8 @@ Registered by the `pytest11` entry point and by the root conftest.py. Tests reac
 the `harness_run` fixture; `matrix_options(config)` gives the matrix tests parametrize on. The
 matrix runs lazily, once, on the first test that needs it, and only the part the selected tests
 need: `-k fsdp_impl-mlp-ws2` runs that scenario and the runs it is compared with, and tests of the
-slow tier skipped without `--slow` need nothing (suites/test_equivalence.py). Tiers: tests marked
-`ci` run with `--ci` (`.ci/run` runs them after the README's test command), those marked `slow` with
-`--slow`, which runs every tier. At the end the
+skipped tests (the suites' slow and CI tiers, suites/tiers.py) need nothing (suites/test_equivalence.py).
+At the end the
 session writes the same report, tables and baseline as `python -m harness run` with the same
 options, and a failed verdict fails the pytest run even where no test asserted on it; so does a run
 that reads NOT RUN (an implementation under test ran no scenario to its end: its tests are all
@@ -55,9 +54,6 @@ def pytest_addoption(parser):
     opt.add_matrix_arguments(add)
     opt.add_output_arguments(add)
     opt.add_gate_arguments(add)
-    group.addoption("--ci", action="store_true",
-                    help="also run tests marked ci (the CI tier: processes the tests start, repeated cells)")
-    group.addoption("--slow", action="store_true", help="also run tests marked slow or ci (every tier)")
 
 
 def pytest_configure(config):
@@ -72,22 +68,9 @@ def pytest_configure(config):
         raise pytest.UsageError(str(e)) from None
 
 
-def pytest_collection_modifyitems(config, items):
-    if config.getoption("--slow"):
-        return
-    ci = config.getoption("--ci")
-    skip_slow = pytest.mark.skip(reason="slow tier: run with --slow")
-    skip_ci = pytest.mark.skip(reason="CI tier: run with --ci (.ci/run does)")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip_slow)
-        elif "ci" in item.keywords and not ci:
-            item.add_marker(skip_ci)
-
-
 def pytest_collection_finish(session):
     """Which scenarios the selected tests need: those they are parametrized on, or every one. A test
-    that will be skipped (the slow or CI tier's without --slow or --ci) needs none."""
+    that will be skipped (the suites' slow or CI tier's without --slow or --ci) needs none."""
     needing = [i for i in session.items
                if MATRIX_FIXTURE in getattr(i, "fixturenames", ()) and i.get_closest_marker("skip") is None]
     ids = [getattr(i, "callspec", None) and i.callspec.params.get("scenario_id") for i in needing]

@@ -1,10 +1,12 @@
-"""What the suite's files share within one pytest process (one xdist worker): `kept_worlds`, and one
-intra-op thread."""
+"""What the suite's files share within one pytest process (one xdist worker): `kept_worlds`, one intra-op
+thread, and the tiers (`--ci`, `--slow`: suites/tiers.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from suites.tiers import add_options, skip_by_tier
 
 # The tests that compute in the pytest process itself (models trained in-process, the unit tests of the
 # checks and tables) share the machine with the other xdist worker and with the ranks of the worlds the
@@ -12,6 +14,14 @@ import torch
 # cores. One thread: test_models.py took 6.4 CPU seconds instead of 27.8 on 2 busy cores. Only this
 # process: the processes the tests start keep their own settings (the harness's ranks and CLI set theirs).
 torch.set_num_threads(1)
+
+
+def pytest_addoption(parser):
+    add_options(parser)
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_by_tier(config, items)
 
 
 @pytest.fixture(scope="session")
