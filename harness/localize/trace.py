@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.measure.comm import _DTensor, _NAMESPACES, _classify, _REDUCTION_INPUT, _tensors, plain_copy, tensor_digest
+from harness.measure.comm import _DTensor, _NAMESPACES, _classify, plain_copy, reduction_input, tensor_digest
 from harness.measure.memory import local_tensor
 from harness.train.params_file import load_params
 
@@ -342,8 +342,7 @@ class StepTracer(TorchDispatchMode):
         return copy
 
     def _collective(self, func, kind: str, args) -> None:
-        index = _REDUCTION_INPUT.get(func._overloadpacket.__name__)
-        sent = _tensors(args[index]) if index is not None and index < len(args) else []
+        sent = reduction_input(func, args) or []
         phase, module = self._where() if self.phase is not None else ("after backward", "(outside modules)")
         i = self._seen
         self._seen += 1

@@ -203,8 +203,8 @@ _LOCK = threading.Lock()
 
 
 class WhileEntered:
-    """A process-wide patch installed while at least one owner (a dispatch mode of this process) is entered:
-    `owners` are those entered and not yet exited, outermost first."""
+    """A process-wide patch installed while at least one owner (a counter or a dispatch mode of this process) is
+    entered: `owners` are those entered and not yet exited, outermost first."""
 
     def __init__(self, patch: Callable[[], None], unpatch: Callable[[], None]) -> None:
         self.patch, self.unpatch = patch, unpatch
@@ -347,13 +347,19 @@ def _install() -> None:
         _LIBRARIES[ns].impl(rest, _counting_kernel(op), "BackendSelect", with_keyset=True)
 
 
+def reduction_input(func: Any, args: tuple) -> list[torch.Tensor] | None:
+    """The tensors a collective puts into a sum across ranks (this rank's contribution), None for one that
+    reduces nothing."""
+    index = _REDUCTION_INPUT.get(func._overloadpacket.__name__)
+    return _tensors(args[index]) if index is not None and index < len(args) else None
+
+
 def _reduction_digest(collective: str, op: Any, args: tuple) -> tuple[str, int, str] | None:
     """(collective, elements, hash of the bytes) of what this rank puts into a reduction, before it runs (the
     input of an in-place all-reduce is overwritten by it); None for a collective that reduces nothing."""
-    index = _REDUCTION_INPUT.get(op._overloadpacket.__name__)
-    if index is None or index >= len(args):
+    tensors = reduction_input(op, args)
+    if tensors is None:
         return None
-    tensors = _tensors(args[index])
     return collective, sum(t.numel() for t in tensors), tensor_digest(*tensors)
 
 
