@@ -18,7 +18,7 @@ from .mixed_precision import MixedPrecisionPolicy
 from .module import make_fsdp_module
 from .offload import CPUOffloadPolicy
 from .param import Owner, ShardedParam
-from .state import UnitState
+from .state import UnitState, sharded_params, units
 
 
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, process_group=None, replicate_group=None,
@@ -161,21 +161,6 @@ def _broadcast_buffers(module: nn.Module, group) -> None:
             dist.broadcast(b.data, src=src, group=group)
 
 
-def units(module: nn.Module):
-    """(prefix, UnitState) for every sharded unit under `module`, in module order."""
-    for prefix, sub in module.named_modules():
-        state = getattr(sub, "_fsdp_state", None)
-        if state is not None:
-            yield prefix, state
-
-
-def sharded_params(module: nn.Module):
-    """(full name under `module`, ShardedParam) for every sharded parameter, unit by unit."""
-    for prefix, state in units(module):
-        for p in state.params.params:
-            yield _join(prefix, p.fqn), p
-
-
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
     """Switch the gradient reduction of every unit under `module` off (False) or back on (True), as
     FSDP2's method of the same name does (``module.set_requires_gradient_sync(flag)`` too). While it is
@@ -237,6 +222,3 @@ def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor])
             if k in state_dict:
                 q.copy_(state_dict[k])
 
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
-from .api import units
+from .state import units
 
 FORMAT = "fsdp_impl-dcp-1"
 INFO = "fsdp_impl.json"

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .api import units
+from .state import sharded_params, units
 from .mesh import device_for
 
 
@@ -81,8 +81,6 @@ def _row_sums(g: torch.Tensor, rows: int | None = None) -> torch.Tensor:
 def _invariant_sq(module: nn.Module, group) -> torch.Tensor:
     """``row_norm_sq`` of every gradient of `module` in ``module.parameters()`` order, from this rank's rows: each
     sharded gradient's row sums, padded to its chunk, one all-gather of all of them, the full vectors cut out."""
-    from .api import sharded_params
-
     by_id = {id(p.sharded): p for _, p in sharded_params(module)}
     world, device = dist.get_world_size(group), device_for(group)
     pieces, layout = [], []  # layout: ("sharded", ShardedParam, offset) or ("whole", row sums)

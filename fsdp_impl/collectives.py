@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .tree import tree_sum_rows
+
 
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """``dist.all_gather_single`` (torch >= 2.13), or its older name ``all_gather_into_tensor``, which torch 2.13
@@ -61,9 +63,7 @@ def _exchanged_sum(full_grad: torch.Tensor, group, dtype: torch.dtype, out_dtype
 def reduce_scatter_tree(full_grad: torch.Tensor, group, dtype: torch.dtype) -> torch.Tensor:
     """This rank's chunk of the SUM over ranks of `full_grad` (1D, W equal chunks; W a power of two), the ranks'
     copies added in the fixed binary tree over the rank index ((0 + 1) + (2 + 3), ...) in `dtype`, with no
-    division: the upper levels of batch-invariant training's tree (invariant.py). A new tensor."""
-    from .invariant import tree_sum_rows
-
+    division: the upper levels of batch-invariant training's tree (invariant.py, tree.py). A new tensor."""
     world = dist.get_world_size(group)
     if world == 1:
         return full_grad.to(dtype, copy=True)

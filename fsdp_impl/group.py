@@ -40,6 +40,7 @@ import torch.distributed as dist
 from .collectives import all_gather_flat, holds_exactly, hybrid_reduce_mean, reduce_scatter_mean, reduce_scatter_tree
 from .mixed_precision import MixedPrecisionPolicy
 from .param import ShardedParam, ShardState
+from .tree import TreeSum
 
 
 class ParamGroup:
@@ -206,8 +207,6 @@ class ParamGroup:
         if any(p.unsharded_grad() is not None or p.held_grad is not None for p in self.params):
             raise RuntimeError("batch-invariant step: gradients from an earlier backward are still held; reduce "
                                "them first (a backward with gradient sync on)")
-        from .invariant import TreeSum
-
         self._trees = {p: TreeSum() for p in self.params if p.requires_grad}
         self._tree_across = across_ranks
 

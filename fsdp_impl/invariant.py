@@ -50,43 +50,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
-class TreeSum:
-    """Tensors pushed in index order, added in the fixed binary tree over that index: each new tensor is a leaf,
-    and two adjacent subtrees of the same size merge (left + right) as soon as both are complete. A None is a
-    zero (a parameter that got no gradient in a micro-batch). After 2^k pushes one sum is left."""
-
-    def __init__(self) -> None:
-        self.stack: list[tuple[int, torch.Tensor | None]] = []  # (leaves under it, its sum)
-
-    def push(self, t: torch.Tensor | None) -> None:
-        size, node = 1, t
-        while self.stack and self.stack[-1][0] == size:
-            _, left = self.stack.pop()
-            node = left if node is None else node if left is None else left.add_(node)
-            size *= 2
-        self.stack.append((size, node))
-
-    def __len__(self) -> int:
-        return sum(n for n, _ in self.stack)
-
-    def result(self) -> torch.Tensor | None:
-        """The sum; ValueError unless the pushes made one complete tree (a power of two of them)."""
-        if len(self.stack) != 1:
-            raise ValueError(f"batch-invariant sum: {len(self)} micro-batches do not make one binary tree "
-                             f"(their number per rank must be a power of two)")
-        (_, total), = self.stack
-        self.stack = []
-        return total
-
-
-def tree_sum_rows(rows: torch.Tensor) -> torch.Tensor:
-    """The sum of `rows` (R x ..., R a power of two) in the fixed binary tree over the row index."""
-    if rows.shape[0] & (rows.shape[0] - 1):
-        raise ValueError(f"tree_sum_rows: {rows.shape[0]} rows are not a power of two")
-    while rows.shape[0] > 1:
-        rows = rows[0::2] + rows[1::2]
-    return rows[0]
+from .collectives import all_gather_single
+from .mesh import device_for
+from .state import units
+from .tree import TreeSum, tree_sum_rows
 
 
 def invariant_forward_backward(module: nn.Module, loss_fn: Callable, inputs: torch.Tensor, targets: torch.Tensor,
@@ -106,8 +73,6 @@ def invariant_forward_backward(module: nn.Module, loss_fn: Callable, inputs: tor
     backward, so each is all-gathered once a step, not twice per micro-batch; the price is the whole model's
     parameters held unsharded through the step (False: each micro-batch gathers and reshards as a plain step
     does). Either way the numbers are the same."""
-    from .api import units
-
     states = [state for _, state in units(module)]
     if not states:
         raise ValueError("invariant_forward_backward: no fully_shard unit under this module")
@@ -147,18 +112,7 @@ def invariant_forward_backward(module: nn.Module, loss_fn: Callable, inputs: tor
     mine = losses.result().reshape(1)
     if replicated or world == 1:
         return mine[0]
-    every = torch.empty(world, dtype=mine.dtype, device=mine.device)
-    if world == 1:
-        every.copy_(mine)
-    else:
-        from .collectives import all_gather_single
-
-        every = every.to(_device(group))
-        all_gather_single(every, mine.to(every.device), group=group)
+    every = torch.empty(world, dtype=mine.dtype, device=device_for(group))
+    all_gather_single(every, mine.to(every.device), group=group)
     return tree_sum_rows(every).to(mine.device)
 
-
-def _device(group) -> torch.device:
-    from .mesh import device_for
-
-    return device_for(group)

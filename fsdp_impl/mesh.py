@@ -20,6 +20,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from .collectives import all_gather_single
+
 
 def hybrid_groups(replicas: int, group=None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(this rank's shard group, this rank's replicate group) for `replicas` x S over `group`
@@ -87,8 +89,6 @@ def check_hybrid_layout(shard_group, replicate_group) -> None:
     device = device_for(replicate_group)
     mine = torch.tensor([dist.get_world_size(shard_group), dist.get_rank(shard_group)], device=device)
     every = torch.empty(2 * dist.get_world_size(replicate_group), dtype=mine.dtype, device=device)
-    from .collectives import all_gather_single
-
     all_gather_single(every, mine, group=replicate_group)
     every = every.view(-1, 2).cpu()
     fault = ""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .api import units
+from .state import units
 
 
 def materialize_meta(module: nn.Module, device: torch.device | str = "cpu") -> nn.Module:

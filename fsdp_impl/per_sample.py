@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import vjp, vmap
 
-from .api import units
+from .state import units
 from .module import original_class
 
 __all__ = ["per_sample_grad_norms", "local_per_sample_grad_norms", "clipped_mean_grads", "gather_by_index"]

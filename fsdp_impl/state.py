@@ -242,3 +242,26 @@ class PostBackward(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         ctx.state._post_backward()
         return (None, *grads)
+
+
+# Traversal #
+
+
+def units(module: nn.Module):
+    """(prefix, UnitState) for every sharded unit under `module`, in module order."""
+    for prefix, sub in module.named_modules():
+        state = getattr(sub, "_fsdp_state", None)
+        if state is not None:
+            yield prefix, state
+
+
+def sharded_params(module: nn.Module):
+    """(full name under `module`, ShardedParam) for every sharded parameter, unit by unit."""
+    for prefix, state in units(module):
+        for p in state.params.params:
+            yield join_name(prefix, p.fqn), p
+
+
+def join_name(prefix: str, name: str) -> str:
+    """`name` under the module at `prefix` ('' for the root)."""
+    return f"{prefix}.{name}" if prefix else name

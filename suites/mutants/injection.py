@@ -32,7 +32,7 @@ from harness.adapters.fsdp_impl import FsdpImplAdapter
 
 def _units(wrapped: nn.Module):
     """(prefix, UnitState) of every fully_shard unit under `wrapped`."""
-    from fsdp_impl.api import units
+    from fsdp_impl.state import units
 
     return list(units(wrapped))
 
@@ -44,7 +44,7 @@ def _groups(wrapped: nn.Module):
 
 def _params(wrapped: nn.Module):
     """(full name under `wrapped`, ShardedParam) of every sharded parameter, unit by unit."""
-    from fsdp_impl.api import sharded_params
+    from fsdp_impl.state import sharded_params
 
     return list(sharded_params(wrapped))
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_impl import MixedPrecisionPolicy, full_state_dict, fully_shard
-from fsdp_impl.api import units
+from fsdp_impl.state import units
 from harness.train.models import get_model_spec
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, None: None}

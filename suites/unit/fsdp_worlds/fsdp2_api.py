@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_impl
 import fsdp_impl.group as fsdp_group
-from fsdp_impl.api import units
+from fsdp_impl.state import units
 from fsdp_impl.param import ShardState
 from harness.adapters.fsdp_impl import FsdpImplAdapter
 from harness.adapters.torch_fsdp2 import TorchFSDP2Adapter

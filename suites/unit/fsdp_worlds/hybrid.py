@@ -17,7 +17,7 @@ from torch import nn
 
 import fsdp_impl.group as fsdp_group
 from fsdp_impl import clip_grad_norm_, fully_shard, hybrid_groups, materialize_meta, set_requires_gradient_sync
-from fsdp_impl.api import units
+from fsdp_impl.state import units
 from fsdp_impl.collectives import hybrid_reduce_mean
 from harness.train.models import get_model_spec
 from harness.train.optim import make_optimizer

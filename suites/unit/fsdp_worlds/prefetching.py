@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fsdp_impl.group as fsdp_group
-from fsdp_impl.api import units
+from fsdp_impl.state import units
 from fsdp_impl.param import ShardState
 from harness.train.optim import make_optimizer
 from suites.unit.fsdp_worlds.common import build, local_batch, patched, shard_model

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_impl.group as fsdp_group
 from fsdp_impl import clip_grad_norm_, fully_shard, set_requires_gradient_sync
-from fsdp_impl.api import units
+from fsdp_impl.state import units
 from harness.train.models import get_model_spec
 from harness.train.optim import make_optimizer
 from suites.unit.fsdp_worlds.common import (

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fsdp_impl import fully_shard
-from fsdp_impl.api import units
+from fsdp_impl.state import units
 from harness.train.models import get_model_spec
 from suites.unit.fsdp_worlds.common import build, to_numpy
 
