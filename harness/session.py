@@ -165,7 +165,7 @@ class Session:
         if self.command is not None:
             res.env["command"] = self.command
         if self.options.localize and not self.under_torchrun:
-            from harness.checks.numeric import verdict_table
+            from harness.checks.registry import verdict_table
             from harness.localize.auto import localise_failures
             localise_failures(res, self.options.localize, timeout_s=m.timeout_s, say=self.say)
             res.tables["verdicts"] = verdict_table(res.verdicts)
@@ -181,7 +181,7 @@ class Session:
         return res
 
     def _add_per_sample(self, res: RunResult) -> None:
-        from harness.checks.numeric import verdict_table
+        from harness.checks.registry import verdict_table
         from harness.per_sample.run import run_per_sample
         tables, verdicts = run_per_sample(models=("mlp",), world_sizes=tuple(self.options.matrix.world_sizes),
                                           localise=0 if self.under_torchrun else self.options.localize)
@@ -190,7 +190,7 @@ class Session:
         res.tables["verdicts"] = verdict_table(res.verdicts)
 
     def _add_invariant(self, res: RunResult) -> None:
-        from harness.checks.numeric import verdict_table
+        from harness.checks.registry import verdict_table
         from harness.core.scenario import DATA_MODES
         from harness.invariant.run import run_invariant
         from harness.invariant.task import FEATURES
@@ -208,7 +208,7 @@ class Session:
         res.tables["verdicts"] = verdict_table(res.verdicts)
 
     def _gate(self, res: RunResult) -> None:
-        from harness.checks.numeric import verdict_table
+        from harness.checks.registry import verdict_table
         from harness.gate.compare import compare
         res.verdicts.extend(compare(res.tables, self.baseline, self.options.gate, env=res.env,
                                     strict=self.options.gate_strict))
@@ -278,7 +278,7 @@ class Session:
         """The run's outcome (harness.core.outcome), from its tables and verdicts."""
         import pandas as pd
 
-        from harness.checks.numeric import verdict_table
+        from harness.checks.registry import verdict_table
         from harness.core.outcome import outcome
         res = self.result
         cells = res.tables.get("scenarios") if res is not None else None

@@ -67,7 +67,7 @@ def test_every_feature_of_the_mode_at_every_world_size_on_the_zoo_under_five_see
 
 
 def test_the_report_shows_the_tier_with_its_zeros(tier):
-    from harness.checks.numeric import verdict_table
+    from harness.checks.registry import verdict_table
     from harness.invariant.section import invariant_section
 
     tables, verdicts = tier

@@ -9,8 +9,8 @@ import struct
 
 import pandas as pd
 
+from harness.checks.common import Check, ROW, by_scenario, first_param_crossing, fmt, judge, not_measured, ok_rows
 from harness.checks.noise_floor import batch_stats_of, holding, probe_maxima
-from harness.checks.numeric import _ROW, Check, _fmt, _ok, by_scenario, first_param_crossing, judge, not_measured
 from harness.core.policy import BF16_SPLIT, Bounds, not_exact
 from harness.core.scenario import (
     REFERENCE_IMPL,
@@ -35,7 +35,7 @@ def ckpt_restored(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     Misplaced rows (padding, shard offsets) and misplaced or lost optimizer state show here, at the
     checkpoint's step, not only in whatever the steps after make of them."""
     out = []
-    for row in _ok(tables["scenarios"]).itertuples():
+    for row in ok_rows(tables["scenarios"]).itertuples():
         if resume_of(row) == 0:
             continue
         step, saver = ckpt_step(int(row.steps)), Scenario.of_row(row).saver().id
@@ -51,7 +51,7 @@ def ckpt_restored(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             continue
         failed = []
         if params != 0:
-            failed.append(f"parameters after loading differ from those saved by {saver}: max |diff| {_fmt(params)} "
+            failed.append(f"parameters after loading differ from those saved by {saver}: max |diff| {fmt(params)} "
                           f"({_text(row, 'restore_param')})")
         if state != 0:
             failed.append(f"optimizer state after loading differs from what {saver}'s ranks held when saving: {where}")
@@ -79,7 +79,7 @@ def bf16_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     step: otherwise the policy did nothing and every bf16 comparison would be one of fp32 runs."""
     out = []
     sc, steps = tables["scenarios"], tables["steps"]
-    for row in _ok(sc).itertuples():
+    for row in ok_rows(sc).itertuples():
         if row.impl != REFERENCE_IMPL or not has(feature_of(row), "bf16"):
             continue
         drift = steps[steps.scenario == row.scenario].max_diff_ref
@@ -87,7 +87,7 @@ def bf16_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             out.append(not_measured("bf16_acts", row, "no parameter difference to the plain fp32 model recorded"))
             continue
         worst = float(drift.max())
-        msg = (f"bf16 moves the plain model by up to {_fmt(worst)} from its fp32 run (the drift)" if worst > 0 else
+        msg = (f"bf16 moves the plain model by up to {fmt(worst)} from its fp32 run (the drift)" if worst > 0 else
                "the plain model under the bf16 policy trains bitwise like in fp32: the policy did nothing")
         out.append(judge("bf16_acts", row, worst > 0, worst, 0.0, msg))
     return out
@@ -103,10 +103,10 @@ def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     or reach. Both are also held to the full batch; this holds the implementation to itself."""
     out = []
     sc, params = tables["scenarios"], tables["params"]
-    done, known = set(_ok(sc).scenario), set(sc.scenario)
+    done, known = set(ok_rows(sc).scenario), set(sc.scenario)
     params_of = by_scenario(params)
     maxima = probe_maxima(tables)
-    for row in _ok(sc).itertuples():
+    for row in ok_rows(sc).itertuples():
         scen = Scenario.of_row(row)
         twin = scen.factor_twin()
         if twin is None:
@@ -140,7 +140,7 @@ def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         rows = params_of.get(row.scenario)
         at, worst = first_param_crossing(rows, "diff_factor", hold.held, bound, set(hold.hot))
         msg = (f"{int(row.world_size)} ranks x {k} micro-batches vs {int(row.world_size) * k} ranks x 1: max |param "
-               f"diff| {_fmt(worst)} (bound {bound:.3g}, the split tier's)")
+               f"diff| {fmt(worst)} (bound {bound:.3g}, the split tier's)")
         if hold.hot and rows is not None:
             msg += hold.note(rows.groupby("param").diff_factor.max())
         out.append(judge("factorisations_agree", row, at is None and not math.isnan(worst), worst, bound, msg, at=at))
@@ -153,7 +153,7 @@ def replicas_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     Read on every rank: the parameters the adapter reports may come from the first replica alone."""
     out = []
     sc, steps_of = tables["scenarios"], by_scenario(tables["steps"])
-    for row in _ok(sc).itertuples():
+    for row in ok_rows(sc).itertuples():
         if not _hybrid(row):
             continue
         mine = _own_steps(steps_of, row)
@@ -180,7 +180,7 @@ def ranks_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     norm of their own shard, or compute another loss, fails here, naming the rank and the figure."""
     out = []
     sc, steps_of = tables["scenarios"], by_scenario(tables["steps"])
-    for row in _ok(sc).itertuples():
+    for row in ok_rows(sc).itertuples():
         if int(row.world_size) < 2:
             continue
         mine = _own_steps(steps_of, row)
@@ -215,8 +215,8 @@ def jitter_invariant(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     there prove nothing: any two computations that overflow alike look the same)."""
     out = []
     sc, steps_of = tables["scenarios"], by_scenario(tables["steps"])
-    done, known = set(_ok(sc).scenario), set(sc.scenario)
-    for row in _ok(sc).itertuples():
+    done, known = set(ok_rows(sc).scenario), set(sc.scenario)
+    for row in ok_rows(sc).itertuples():
         calm = Scenario.of_row(row).calm()
         if calm is None:
             continue
@@ -289,10 +289,10 @@ def eval_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     loss at the run's own parameters (eval_loss_plain), within the relative tier, at every step it trained."""
     out = []
     sc = tables["scenarios"]
-    done = set(_ok(sc).scenario)
+    done = set(ok_rows(sc).scenario)
     steps = {s: g.sort_values("step").set_index("step") for s, g in by_scenario(tables["steps"]).items()}
     evals = {s: g.eval_loss for s, g in steps.items()}
-    for row in _ok(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
+    for row in ok_rows(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
         if not has(feature_of(row), "eval"):
             continue
         scen = Scenario.of_row(row)
@@ -324,14 +324,14 @@ def eval_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         diff = (mine - theirs.reindex(mine.index)).abs()
         over = diff[diff.isna() | (diff > bound.reindex(mine.index))]  # bitwise tiers: a bound of 0
         worst = float(diff.max())
-        msg = f"max |eval loss diff| vs {against} = {_fmt(worst)} over {len(mine)} steps (bound: {why})"
+        msg = f"max |eval loss diff| vs {against} = {fmt(worst)} over {len(mine)} steps (bound: {why})"
         if not len(over):
             out.append(judge("eval_matches", row, True, worst, float(bound.max()), msg))
             continue
         k = int(over.index[0])
         out.append(judge("eval_matches", row, False, worst, float(bound.max()),
                          f"{msg}; first at step {k}: {float(mine[k])!r} vs {float(theirs.get(k, math.nan))!r}", step=k,
-                         param="eval loss", where=_fmt(float(diff[k]))))
+                         param="eval loss", where=fmt(float(diff[k]))))
     return out
 
 
@@ -357,13 +357,13 @@ def _bf16_reference(row) -> bool:
 
 
 FEATURE_CHECKS = (
-    Check(ckpt_restored, _resumed, {"scenarios": _ROW + ("steps", "restore_diff", "state_restore_diff")}),
-    Check(bf16_acts, _bf16_reference, {"scenarios": _ROW, "steps": ("scenario", "step", "max_diff_ref")}),
-    Check(ranks_agree, _multi_rank_ok, {"scenarios": _ROW + ("steps",), "steps": ("scenario", "step", "loss")}),
-    Check(replicas_agree, _hybrid, {"scenarios": _ROW, "steps": ("scenario", "step", "replicas_differ")}),
-    Check(eval_matches, _evaluated, {"scenarios": _ROW + ("steps",), "steps": ("scenario", "step", "eval_loss")}),
-    Check(jitter_invariant, _jittered, {"scenarios": _ROW + ("calm_step", "calm_param", "calm_element", "calm_compared"),
+    Check(ckpt_restored, _resumed, {"scenarios": ROW + ("steps", "restore_diff", "state_restore_diff")}),
+    Check(bf16_acts, _bf16_reference, {"scenarios": ROW, "steps": ("scenario", "step", "max_diff_ref")}),
+    Check(ranks_agree, _multi_rank_ok, {"scenarios": ROW + ("steps",), "steps": ("scenario", "step", "loss")}),
+    Check(replicas_agree, _hybrid, {"scenarios": ROW, "steps": ("scenario", "step", "replicas_differ")}),
+    Check(eval_matches, _evaluated, {"scenarios": ROW + ("steps",), "steps": ("scenario", "step", "eval_loss")}),
+    Check(jitter_invariant, _jittered, {"scenarios": ROW + ("calm_step", "calm_param", "calm_element", "calm_compared"),
                                         "steps": ("scenario", "step", "loss", "jitter_delays", "jitter_s")}),
-    Check(factorisations_agree, _factorised, {"scenarios": _ROW + ("steps", "lr"),
+    Check(factorisations_agree, _factorised, {"scenarios": ROW + ("steps", "lr"),
                                               "params": ("scenario", "step", "param", "diff_factor")}),
 )

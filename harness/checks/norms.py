@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from harness.checks.numeric import _ROW, Check, _fmt, _not_reference, _ok, _reference_id, judge, not_measured
+from harness.checks.common import Check, ROW, fmt, judge, not_measured, not_reference, ok_rows, reference_id
 from harness.checks.noise_floor import batch_stats_of, split_yardstick
 from harness.core.policy import BATCH_STATS_SPLIT, Bounds
 from harness.core.scenario import REFERENCE_IMPL, Scenario, clip_of, widest
@@ -31,7 +31,7 @@ def grad_norm_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     sc, steps = tables["scenarios"], tables["steps"]
     first = {r.scenario: (int(r.step), r.grad_norm) for r in steps[steps.step == steps.step.min()].itertuples()} \
         if len(steps) else {}
-    for row in _ok(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
+    for row in ok_rows(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
         ref_id = split_yardstick(row)
         if ref_id not in first or row.scenario not in first:
             missing = ref_id if ref_id not in first else row.scenario
@@ -44,9 +44,9 @@ def grad_norm_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             continue
         rel = abs(got - ref) / abs(ref) if math.isfinite(got) else math.inf
         passed = rel <= bound
-        msg = (f"step-1 gradient norm {got:.9g} vs non-sharded {ref:.9g}: relative difference {_fmt(rel)} "
+        msg = (f"step-1 gradient norm {got:.9g} vs non-sharded {ref:.9g}: relative difference {fmt(rel)} "
                f"(bound {bound:g}){ratio_hint(got, ref, widest(row), passed)}")
-        if ref_id != _reference_id(row):
+        if ref_id != reference_id(row):
             msg += f"; against {ref_id}: {BATCH_STATS_SPLIT.format(layers=batch_stats_of(row))}"
         out.append(judge("grad_norm_matches", row, passed, rel, bound, msg, step=step, param="gradient norm"))
     return out
@@ -109,9 +109,9 @@ def clip_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         rel = abs(got - want) / abs(want)
         step = int(mine.step.iloc[0])
         msg = (f"clipping acted at every step; the {kind} norm before clipping at step {step} is {got:.9g} vs "
-               f"the plain model's {want:.9g}: relative difference {_fmt(rel)} "
+               f"the plain model's {want:.9g}: relative difference {fmt(rel)} "
                f"(bound {bounds.grad_norm_rel:g}){ratio_hint(got, want, widest(row), rel <= bounds.grad_norm_rel)}")
-        if ref_id != _reference_id(row):
+        if ref_id != reference_id(row):
             msg += f"; against {ref_id}: {BATCH_STATS_SPLIT.format(layers=batch_stats_of(row))}"
         out.append(judge("clip_acts", row, rel <= bounds.grad_norm_rel, rel, bounds.grad_norm_rel, msg,
                          step=step, param="gradient norm"))
@@ -123,6 +123,6 @@ def _clip_row(row) -> bool:
 
 
 NORM_CHECKS = (
-    Check(grad_norm_matches, _not_reference, {"scenarios": _ROW, "steps": ("scenario", "step", "loss", "grad_norm")}),
-    Check(clip_acts, _clip_row, {"scenarios": _ROW, "steps": ("scenario", "step", "clip_norm")}),
+    Check(grad_norm_matches, not_reference, {"scenarios": ROW, "steps": ("scenario", "step", "loss", "grad_norm")}),
+    Check(clip_acts, _clip_row, {"scenarios": ROW, "steps": ("scenario", "step", "clip_norm")}),
 )

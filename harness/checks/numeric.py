@@ -3,65 +3,15 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable
 
 import pandas as pd
 
+from harness.checks.common import Check, Crossing, EMPTY, ROW, all_rows, by_scenario, first_crossing, first_param_crossing, fmt, judge, multi_rank, not_measured, not_reference, ok_row, ok_rows, rank_or_none, reference_id, sharded_ws1
 from harness.checks.noise_floor import (batch_stats_of, holding, probe_maxima, resumed_across_sizes,
                                         split_yardstick)
-from harness.core.policy import BATCH_STATS_SPLIT, BF16_SPLIT, Bounds, known_deviation, not_exact
-from harness.core.scenario import REFERENCE_IMPL, Scenario, backend_of, feature_of, resume_of, rounded_per_rank, widest
-from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, UNSUPPORTED, VERDICT_COLUMNS, Verdict
-
-
-def _fmt(x: float) -> str:
-    return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3g}"
-
-
-@dataclass(frozen=True)
-class Crossing:
-    """The first step and parameter where a per-step |param diff| crossed its bound (or went NaN)."""
-
-    step: int
-    param: str
-    value: float
-
-
-def _first_crossing(steps: pd.DataFrame, sid: str, col: str, bound: float,
-                    strict_zero: bool = False) -> tuple[Crossing | None, float]:
-    """(first crossing or None, worst value) for one scenario's `col` of the steps table."""
-    rows = steps[steps.scenario == sid].sort_values("step")
-    worst = float(rows[col].max()) if len(rows) else math.nan
-    if rows[col].isna().any():
-        worst = math.nan
-    param_col = col.replace("max_diff", "worst_param")
-    for _, r in rows.iterrows():
-        v = r[col]
-        crossed = (v != 0) if strict_zero else (v >= bound)
-        if math.isnan(v) or crossed:
-            return Crossing(int(r.step), str(r[param_col]), float(v)), worst
-    return None, worst
-
-
-def _reference_id(row) -> str:
-    """The id of the non-sharded run a scenarios-table row is compared with."""
-    return Scenario.of_row(row).reference().id
-
-
-def judge(check, row, passed, measured, bound, message, *, at: Crossing | None = None,
-          step: int | None = None, param: str = "", where: str = "", rank: int | None = None) -> Verdict:
-    """PASS, else KNOWN for a documented deviation (harness/core/policy.py), else FAIL; `at` locates it."""
-    if at is not None:
-        step, param, where = at.step, at.param, where or _fmt(at.value)
-    if passed:
-        return Verdict(check, row.scenario, PASS, measured, bound, message=message, rank=rank)
-    loc = dict(where=where, step=step, param=param, rank=rank)
-    dev = known_deviation(row.impl, check, widest(row), feature_of(row), message, backend_of(row))
-    if dev is not None:
-        return Verdict(check, row.scenario, KNOWN, measured, bound, message=f"{message} Known deviation: {dev.cause}.",
-                       **loc)
-    return Verdict(check, row.scenario, FAIL, measured, bound, message=message, **loc)
+from harness.core.policy import BATCH_STATS_SPLIT, BF16_SPLIT, Bounds, not_exact
+from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of, resume_of, rounded_per_rank, widest
+from harness.core.verdict import PASS, SKIP, UNSUPPORTED, Verdict
 
 
 def ranks_off(tables, sid: str, at: Crossing | None, col: str, bound: float) -> tuple[int | None, str]:
@@ -103,24 +53,6 @@ def reduction_hint(steps: pd.DataFrame, sid: str, upto: int | None) -> tuple[int
         f"({who}; with replicated data every rank computes the same one: the fault is before the reduction)")
 
 
-_EMPTY = pd.DataFrame(columns=["step", "param", "loss", "sum"])
-
-
-def by_scenario(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """A table's rows per scenario, split once (a check that filtered the whole table for each scenario was
-    quadratic in the run: minutes on a sweep of thousands of scenarios)."""
-    return dict(tuple(table.groupby("scenario", sort=False))) if len(table) else {}
-
-
-def not_measured(check: str, row, what: str, bound: float | None = None) -> Verdict:
-    """A check that applies but could not run: a FAIL that says what was missing."""
-    return Verdict(check, row.scenario, FAIL, None, bound, message=f"could not be checked: {what}")
-
-
-def _ok(sc: pd.DataFrame) -> pd.DataFrame:
-    return sc[sc.status == "ok"]
-
-
 def _trajectories(steps: pd.DataFrame) -> dict[str, list[float]]:
     return {s: g.sort_values("step").loss.tolist() for s, g in steps.groupby("scenario")}
 
@@ -130,20 +62,20 @@ def ws1_exact(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     out = []
     sc, steps = tables["scenarios"], tables["steps"]
     losses_of = _trajectories(steps)
-    for row in _ok(sc)[lambda d: (_widest(d) == 1) & (d.impl != REFERENCE_IMPL)].itertuples():
-        ref_id = _reference_id(row)
+    for row in ok_rows(sc)[lambda d: (_widest(d) == 1) & (d.impl != REFERENCE_IMPL)].itertuples():
+        ref_id = reference_id(row)
         losses, ref = losses_of.get(row.scenario, []), losses_of.get(ref_id)
         if ref is None:
             out.append(not_measured("ws1_exact", row, f"the reference run {ref_id} did not complete", 0.0))
             continue
-        at, worst = _first_crossing(steps, row.scenario, "max_diff_ref", 0.0, strict_zero=True)
+        at, worst = first_crossing(steps, row.scenario, "max_diff_ref", 0.0, strict_zero=True)
         bad_loss = next((i + 1 for i, (a, b) in enumerate(zip(losses, ref)) if a != b), None)
         loss_step = None
         if bad_loss is not None and (at is None or bad_loss < at.step):
             at, loss_step = None, bad_loss
         passed = at is None and loss_step is None and len(losses) == len(ref)
         msg = ("losses and parameters bitwise equal to the non-sharded model at every step" if passed else
-               f"world size 1 differs from the non-sharded model: max |param diff| {_fmt(worst)}")
+               f"world size 1 differs from the non-sharded model: max |param diff| {fmt(worst)}")
         if loss_step is not None:
             msg += f"; loss {losses[loss_step - 1]!r} vs {ref[loss_step - 1]!r} at step {loss_step}"
         out.append(judge("ws1_exact", row, passed, worst, 0.0, msg, at=at, step=loss_step,
@@ -158,10 +90,10 @@ def cross_ws_replicated(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     held to its floor or AdamW's reach (harness/core/policy.py [Note: noise floor])."""
     out = []
     sc, steps, params = tables["scenarios"], tables["steps"], tables["params"]
-    done = set(_ok(sc).scenario)
+    done = set(ok_rows(sc).scenario)
     maxima = probe_maxima(tables)
     params_of = by_scenario(params)
-    for row in _ok(sc)[lambda d: (_widest(d) > 1) & (d.data_mode == "replicated")].itertuples():
+    for row in ok_rows(sc)[lambda d: (_widest(d) > 1) & (d.data_mode == "replicated")].itertuples():
         ws1 = _ws1_id(row)
         bound, why = bounds.replicated_bound(feature_of(row), row.optimizer, row.lr, int(row.steps))
         probes = Scenario.of_row(row).noise_probes()
@@ -178,13 +110,13 @@ def cross_ws_replicated(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             bound_at = hold.held.get(at.param, bound) if at else bound
             note = hold.note(mine.groupby("param").diff_ws1.max()) if hold.hot else ""
         else:
-            at, worst = _first_crossing(steps, row.scenario, "max_diff_ws1", bound)
+            at, worst = first_crossing(steps, row.scenario, "max_diff_ws1", bound)
             bound_at = bound
         rank, whose = ranks_off(tables, row.scenario, at, "diff_ws1", bound_at)
         if at is not None:
             sender, sent = reduction_hint(steps, row.scenario, at.step)
             rank, whose = (rank if rank is not None else sender), whose + sent
-        msg = (f"max |param diff| vs world size 1 = {_fmt(worst)} (bound < {bound:g}{'; ' + why if why else ''})"
+        msg = (f"max |param diff| vs world size 1 = {fmt(worst)} (bound < {bound:g}{'; ' + why if why else ''})"
                f"{note}{whose}")
         passed = at is None and not (probes and math.isnan(worst))
         out.append(judge("cross_ws_replicated", row, passed, worst, bound, msg, at=at, rank=rank))
@@ -198,8 +130,8 @@ def grads_match_ws1(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     error shows here at step 1, before an optimizer amplifies it or rounds it away."""
     out = []
     sc, steps = tables["scenarios"], tables["steps"]
-    done = set(_ok(sc).scenario)
-    for row in _ok(sc)[lambda d: (_widest(d) > 1) & (d.data_mode == "replicated")].itertuples():
+    done = set(ok_rows(sc).scenario)
+    for row in ok_rows(sc)[lambda d: (_widest(d) > 1) & (d.data_mode == "replicated")].itertuples():
         if not_exact(feature_of(row), row.optimizer):
             out.append(Verdict("grads_match_ws1", row.scenario, SKIP, None, None,
                                message=f"does not apply: {not_exact(feature_of(row), row.optimizer)}"))
@@ -218,7 +150,7 @@ def grads_match_ws1(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             continue
         first = bad.iloc[0]
         what = ("missing" if math.isnan(first.grad_diff_ws1) else "a different number of non-zero values"
-                if math.isinf(first.grad_diff_ws1) else f"max |sorted diff| {_fmt(first.grad_diff_ws1)}")
+                if math.isinf(first.grad_diff_ws1) else f"max |sorted diff| {fmt(first.grad_diff_ws1)}")
         sender, sent = reduction_hint(steps, row.scenario, int(first.step))
         out.append(judge("grads_match_ws1", row, False, worst, 0.0,
                             f"the gradient the optimizers applied differs from world size 1 from step "
@@ -234,10 +166,10 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
     probe in rank order, the equivalent computation (BATCH_STATS_SPLIT)."""
     out = []
     sc, params = tables["scenarios"], tables["params"]
-    done = set(_ok(sc).scenario)
+    done = set(ok_rows(sc).scenario)
     params_of = by_scenario(params)
     maxima = probe_maxima(tables)
-    for row in _ok(sc)[lambda d: (_widest(d) > 1) & (d.data_mode == "split")].itertuples():
+    for row in ok_rows(sc)[lambda d: (_widest(d) > 1) & (d.data_mode == "split")].itertuples():
         bound = bounds.split_bound(row.optimizer, row.lr, int(row.steps))
         why = f"{bound / (row.lr * row.steps):g} x lr x steps"
         scen = Scenario.of_row(row)
@@ -273,7 +205,7 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
         if layers and not rounded and int(row.world_size) > 2 and rows is not None and len(rows):
             rows, why = _first_step_only(rows, params_of, probes, why)
         at, worst = first_param_crossing(rows, col, hold.held, bound, set(hold.hot))
-        msg = f"max |param diff| vs {against} = {_fmt(worst)} (bound {bound:.3g} = {why})"
+        msg = f"max |param diff| vs {against} = {fmt(worst)} (bound {bound:.3g} = {why})"
         if hold.hot:
             msg += hold.note(rows.groupby("param")[col].max())
         rank, whose = ranks_off(tables, row.scenario, at, col, hold.held.get(at.param, bound) if at else bound)
@@ -291,29 +223,10 @@ def _first_step_only(rows: pd.DataFrame, params_of: dict, probes, why: str) -> t
     rev = pd.concat([params_of[p.id] for p in probes if p.reverse_micro and p.id in params_of] or
                     [pd.DataFrame(columns=["step", "diff_probe"])])
     spread = rev.groupby("step").diff_probe.max() if len(rev) else pd.Series(dtype=float)
-    parted = (f": the plain model's two orders of summation part by {_fmt(float(spread.get(first, math.nan)))} at "
-              f"step {first} and {_fmt(float(spread.max()))} by step {int(spread.index.max())}") if len(spread) else ""
+    parted = (f": the plain model's two orders of summation part by {fmt(float(spread.get(first, math.nan)))} at "
+              f"step {first} and {fmt(float(spread.max()))} by step {int(spread.index.max())}") if len(spread) else ""
     return rows[rows.step == first], (f"{why}; held at step {first} only, where both start from the same parameters "
                                       f"and only the order of summation differs; later steps are not held{parted}")
-
-
-def first_param_crossing(rows: pd.DataFrame | None, col: str, held: dict[str, float], bound: float,
-                          sensitive_params: set[str]) -> tuple[Crossing | None, float]:
-    """(first crossing or None, worst `col` of the parameters held to the tier's bound) for one scenario's
-    params-table rows: the first step where a parameter's `col` reaches the bound it is held to (or is NaN),
-    naming the parameter furthest over at that step."""
-    if rows is None or not len(rows) or col not in rows:
-        return None, math.nan
-    diff = rows[col]
-    limit = rows.param.map(lambda p: held.get(p, bound))
-    healthy = diff[~rows.param.isin(sensitive_params)]
-    worst = math.nan if diff.isna().any() else float(healthy.max()) if len(healthy) else 0.0
-    over = rows[diff.isna() | (diff >= limit)]
-    if not len(over):
-        return None, worst
-    first = over[over.step == over.step.min()]
-    hit = first.loc[(first[col] / limit[first.index]).fillna(math.inf).idxmax()]
-    return Crossing(int(hit.step), str(hit.param), float(hit[col])), worst
 
 
 def converges(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
@@ -326,7 +239,7 @@ def converges(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     out = []
     sc, steps = tables["scenarios"], tables["steps"]
     losses_of = _trajectories(steps)
-    for row in _ok(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
+    for row in ok_rows(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
         if row.data_mode == "split" and batch_stats_of(row) and resumed_across_sizes(row):
             out.append(Verdict("converges", row.scenario, SKIP, None, 0.0, message=(
                 f"does not apply: {BATCH_STATS_SPLIT.format(layers=batch_stats_of(row))}; a run resumed at another "
@@ -352,9 +265,9 @@ def finite(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """No NaN or Inf in any loss or parameter: a NaN must never pass a diff comparison."""
     out = []
     steps, params = by_scenario(tables["steps"]), by_scenario(tables["params"])
-    for row in _ok(tables["scenarios"]).itertuples():
-        s = steps[row.scenario].sort_values("step") if row.scenario in steps else _EMPTY
-        p = params[row.scenario].sort_values(["step", "param"]) if row.scenario in params else _EMPTY
+    for row in ok_rows(tables["scenarios"]).itertuples():
+        s = steps[row.scenario].sort_values("step") if row.scenario in steps else EMPTY
+        p = params[row.scenario].sort_values(["step", "param"]) if row.scenario in params else EMPTY
         if not len(s) or not len(p):
             out.append(not_measured("finite", row, "no losses or no parameters were recorded"))
             continue
@@ -376,10 +289,10 @@ def params_cover_model(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     every step: a parameter left out would never be compared, so a bug confined to it would pass."""
     out = []
     sc, cover = tables["scenarios"], tables["coverage"]
-    for row in _ok(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
+    for row in ok_rows(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
         n = row.params_compared
         if pd.isna(n):
-            out.append(not_measured("params_cover_model", row, f"no parameters of {_reference_id(row)} "
+            out.append(not_measured("params_cover_model", row, f"no parameters of {reference_id(row)} "
                                      "to hold full_params against"))
             continue
         bad = cover[cover.scenario == row.scenario].sort_values("step", kind="stable")  # missing first
@@ -404,17 +317,13 @@ def completed(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     `unsupported` (not run, not passed)."""
     out = []
     for row in tables["scenarios"].itertuples():
-        rank = _rank_or_none(getattr(row, "failed_rank", None))
+        rank = rank_or_none(getattr(row, "failed_rank", None))
         if row.status in ("ok", "unsupported"):
             out.append(Verdict("completed", row.scenario, PASS if row.status == "ok" else UNSUPPORTED, None, None,
                                message="every rank finished" if row.status == "ok" else str(row.error), rank=rank))
         else:
             out.append(judge("completed", row, False, None, None, str(row.error), rank=rank))
     return out
-
-
-def _rank_or_none(x) -> int | None:
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) or x == "" else int(x)
 
 
 def _widest(d: pd.DataFrame) -> pd.Series:
@@ -426,116 +335,21 @@ def _ws1_id(row) -> str:
     return Scenario.of_row(row).ws1().id
 
 
-# ------------------------------------------------------------------------------- registry
-
-def _all(row) -> bool:
-    return True
-
-
-def _ok_row(row) -> bool:
-    return row.status == "ok"
-
-
-def _sharded_ws1(row) -> bool:
-    return _ok_row(row) and widest(row) == 1 and row.impl != REFERENCE_IMPL
-
-
-def _multi_rank(mode: str):
-    return lambda r: _ok_row(r) and widest(r) > 1 and r.data_mode == mode
-
-
-def _not_reference(row) -> bool:
-    return _ok_row(row) and row.impl != REFERENCE_IMPL
-
-
-@dataclass(frozen=True)
-class Check:
-    """A named check, the scenarios it applies to, and the tables and columns it reads.
-
-    `run_checks` holds every check to its `applies`: each applicable scenario gets at least one
-    verdict (a missing one is a FAIL), and a missing table or column is a FAIL per scenario that
-    names it, never a silent pass."""
-
-    fn: Callable[[dict, Bounds], list[Verdict]]
-    applies: Callable[[object], bool]
-    needs: dict[str, tuple[str, ...]]
-    kind: str = "correctness"  # "correctness" (the training is the same) or "efficiency" (memory, traffic)
-
-    @property
-    def name(self) -> str:
-        return "completed" if self.fn is completed else self.fn.__name__
-
-
 _STEPS = ("scenario", "step", "loss")
 _DIFFS = _STEPS + ("max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1")
-_ROW = ("scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed", "status")  # feature: optional
 
 NUMERIC_CHECKS = (
-    Check(completed, _all, {"scenarios": _ROW + ("error",)}),
-    Check(finite, _ok_row, {"scenarios": _ROW, "steps": _STEPS, "params": ("scenario", "step", "param", "sum")}),
-    Check(ws1_exact, _sharded_ws1, {"scenarios": _ROW, "steps": _DIFFS}),
-    Check(cross_ws_replicated, _multi_rank("replicated"), {"scenarios": _ROW + ("steps", "lr"), "steps": _DIFFS,
+    Check(completed, all_rows, {"scenarios": ROW + ("error",)}),
+    Check(finite, ok_row, {"scenarios": ROW, "steps": _STEPS, "params": ("scenario", "step", "param", "sum")}),
+    Check(ws1_exact, sharded_ws1, {"scenarios": ROW, "steps": _DIFFS}),
+    Check(cross_ws_replicated, multi_rank("replicated"), {"scenarios": ROW + ("steps", "lr"), "steps": _DIFFS,
                                                            "params": ("scenario", "step", "param", "diff_ws1")}),
-    Check(grads_match_ws1, _multi_rank("replicated"), {"scenarios": _ROW, "steps": _STEPS + ("grad_diff_ws1",)}),
-    Check(split_matches_full_batch, _multi_rank("split"), {"scenarios": _ROW + ("steps", "lr"),
+    Check(grads_match_ws1, multi_rank("replicated"), {"scenarios": ROW, "steps": _STEPS + ("grad_diff_ws1",)}),
+    Check(split_matches_full_batch, multi_rank("split"), {"scenarios": ROW + ("steps", "lr"),
                                                            "params": ("scenario", "step", "param", "diff_ref")}),
-    Check(converges, _not_reference, {"scenarios": _ROW, "steps": _STEPS}),
-    Check(params_cover_model, _not_reference, {"scenarios": _ROW + ("params_compared",),
+    Check(converges, not_reference, {"scenarios": ROW, "steps": _STEPS}),
+    Check(params_cover_model, not_reference, {"scenarios": ROW + ("params_compared",),
                                                "coverage": ("scenario", "step", "param", "problem")}),
 )
 
 
-def all_checks() -> tuple[Check, ...]:
-    from harness.checks.features import FEATURE_CHECKS
-    from harness.checks.norms import NORM_CHECKS
-    from harness.checks.resources import RESOURCE_CHECKS
-    from harness.checks.rows import ROW_CHECKS
-    return NUMERIC_CHECKS + ROW_CHECKS + NORM_CHECKS + FEATURE_CHECKS + RESOURCE_CHECKS
-
-
-def _missing_columns(tables, check: Check) -> list[str]:
-    out = []
-    for name, cols in check.needs.items():
-        df = tables.get(name)
-        if not isinstance(df, pd.DataFrame):
-            out.append(f"table '{name}'")
-        else:
-            out += [f"column '{name}.{c}'" for c in cols if c not in df.columns]
-    return out
-
-
-def run_checks(tables, bounds: Bounds = Bounds(), extra: tuple[Check, ...] = ()) -> list[Verdict]:
-    """Every check over the tables. A check that cannot run, or that stays silent about a scenario
-    it applies to, gives FAIL verdicts that say so: a PASS always means a property was measured."""
-    sc = tables.get("scenarios")
-    if not isinstance(sc, pd.DataFrame) or any(c not in sc.columns for c in _ROW):
-        return [Verdict("run", "", FAIL, None, None, message="could not check anything: the scenarios table "
-                        "or its id columns are missing")]
-    verdicts = []
-    for check in all_checks() + tuple(extra):
-        applicable = [r for r in sc.itertuples() if check.applies(r)]
-        missing = _missing_columns(tables, check)
-        if missing:
-            verdicts += [Verdict(check.name, r.scenario, FAIL, None, None, message=(
-                f"could not be checked: {', '.join(missing)} missing from the run's tables")) for r in applicable]
-            continue
-        try:
-            got = check.fn(tables, bounds)
-        except Exception as e:  # a check that breaks fails what it applies to; the other checks still run
-            got = [Verdict(check.name, r.scenario, FAIL, None, None,
-                           message=f"could not be checked: the check raised {type(e).__name__}: {e}")
-                   for r in applicable]
-        verdicts += got
-        spoken = {v.scenario for v in got}
-        verdicts += [Verdict(check.name, r.scenario, FAIL, None, None, message=(
-            "could not be checked: the check gave no verdict for a scenario it applies to"))
-            for r in applicable if r.scenario not in spoken]
-    return verdicts
-
-
-def verdict_table(verdicts: list[Verdict]) -> pd.DataFrame:
-    """One row per verdict; step, rank and sample as floats (NaN where not given) for a stable CSV."""
-    df = pd.DataFrame([v.as_dict() for v in verdicts], columns=VERDICT_COLUMNS)
-    for c in ("step", "rank", "sample"):
-        df[c] = pd.to_numeric(df[c], errors="coerce").astype(float)
-    return df

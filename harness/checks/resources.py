@@ -14,7 +14,7 @@ import math
 
 import pandas as pd
 
-from harness.checks.numeric import Check, judge, not_measured
+from harness.checks.common import Check, judge, not_measured, ok_row
 from harness.core.policy import POST_FORWARD_AFTER_EVAL, ROOT_AFTER_EVAL, Bounds
 from harness.core.scenario import (
     clip_of,
@@ -443,10 +443,6 @@ def _gathered_over(c, ranks: int) -> float:
     return float(c[(c.collective == "all_gather") & (c["ranks"] == ranks)].elements.sum())
 
 
-def _ok_row(row) -> bool:
-    return row.status == "ok"
-
-
 def _ok_multi_rank(row) -> bool:
     """Completed, sharded, and each parameter really split: over more than one rank."""
     return row.status == "ok" and bool(row.sharded) and shards(row) > 1
@@ -455,8 +451,8 @@ def _ok_multi_rank(row) -> bool:
 _SIZES = ("scenario", "status", "world_size", "sharded", "optimizer", "param_bytes", "row_bytes", "param_tensors")
 _MEM = {"memory": ("scenario", "category", "bytes")}
 RESOURCE_CHECKS = (
-    Check(memory_sharding, _ok_row, {"scenarios": _SIZES, **_MEM}, kind="efficiency"),
-    Check(peak_memory_bound, _ok_row, {"scenarios": _SIZES + ("largest_unit_bytes", "trainable_bytes"), **_MEM},
+    Check(memory_sharding, ok_row, {"scenarios": _SIZES, **_MEM}, kind="efficiency"),
+    Check(peak_memory_bound, ok_row, {"scenarios": _SIZES + ("largest_unit_bytes", "trainable_bytes"), **_MEM},
           kind="efficiency"),
     Check(peak_params_bound, _ok_multi_rank, {"scenarios": _SIZES + ("largest_child_bytes", "root_bytes"), **_MEM},
           kind="efficiency"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from harness.checks.numeric import _ROW, Check, _not_reference, _ok, by_scenario, judge, not_measured
+from harness.checks.common import Check, ROW, by_scenario, judge, not_measured, not_reference, ok_rows
 from harness.core.policy import NOISE_FLOOR_FACTOR, Bounds
 from harness.core.scenario import REFERENCE_IMPL, Scenario
 from harness.core.verdict import Verdict
@@ -20,7 +20,7 @@ def rows_trained(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     ranks that hold them and the first step one of them moved."""
     out = []
     apart_of = by_scenario(tables["rows_trained"])
-    for row in _ok(tables["scenarios"])[lambda d: d.impl != REFERENCE_IMPL].itertuples():
+    for row in ok_rows(tables["scenarios"])[lambda d: d.impl != REFERENCE_IMPL].itertuples():
         n, ref = row.rows_compared, Scenario.of_row(row).reference().id
         if n is None or (isinstance(n, float) and math.isnan(n)):
             out.append(not_measured("rows_trained", row, f"no starting and last snapshots of it and of {ref}"))
@@ -78,6 +78,6 @@ def _one_rank(ranks) -> int | None:
 
 
 ROW_CHECKS = (
-    Check(rows_trained, _not_reference, {"scenarios": _ROW + ("rows_compared",),
+    Check(rows_trained, not_reference, {"scenarios": ROW + ("rows_compared",),
                                          "rows_trained": ("scenario", "param", "step", "still", "extra", "ranks")}),
 )

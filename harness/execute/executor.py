@@ -28,7 +28,7 @@ import pandas as pd
 
 from harness.adapters import load_adapter
 from harness.adapters.base import AdapterError, missing_capability
-from harness.checks.numeric import run_checks, verdict_table
+from harness.checks.registry import run_checks, verdict_table
 from harness.core.environment import environment
 from harness.core.policy import Bounds
 from harness.core.scenario import FEATURE_NEEDS, Scenario, ckpt_step, parts

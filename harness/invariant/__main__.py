@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     bad = [f for f in ns.features if f not in FEATURES]
     if bad:
         p.error(f"the tier runs {', '.join(FEATURES)}, not {', '.join(bad)}")
-    from harness.checks.numeric import verdict_table
+    from harness.checks.registry import verdict_table
     from harness.core.scenario import DATA_MODES
     from harness.invariant.run import run_invariant
     from harness.invariant.section import invariant_section

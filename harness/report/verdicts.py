@@ -136,7 +136,7 @@ def check_kind(check: str) -> str:
     """'correctness', 'efficiency' (memory, traffic) or 'regression gate', for a check name."""
     if str(check).startswith("gate:"):
         return "regression gate"
-    from harness.checks.numeric import all_checks
+    from harness.checks.registry import all_checks
     return {c.name: c.kind for c in all_checks()}.get(check, "correctness")
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from harness.adapters import load_adapter
-from harness.checks.numeric import all_checks
+from harness.checks.registry import all_checks
 from harness.core.verdict import FAIL
 from harness.train.models import MODELS, get_model_spec
 from suites.mutants.catalog import CATALOGUE, Mutant

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.checks.numeric import verdict_table
+from harness.checks.registry import verdict_table
 from harness.core.scenario import Scenario
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
 from harness.tables.schema import columns

@@ -10,6 +10,8 @@ import pytest
 from harness import options
 from harness.checks import norms
 from harness.checks import numeric as checks
+from harness.checks import registry
+from harness.checks.common import Check
 from harness.checks import resources as resource_checks
 from harness.core.policy import Bounds
 from harness.core.scenario import Scenario
@@ -356,7 +358,7 @@ def _with_grad_diffs(diffs):
     sc = _sc("fsdp_impl", 4)
     t = make([(sc, LOSSES, ZERO, ZERO), (sc.at_world_size(1), LOSSES, ZERO, ZERO)])
     t["steps"].loc[t["steps"].scenario == sc.id, "grad_diff_ws1"] = diffs
-    return [v for v in checks.run_checks(t) if v.check == "grads_match_ws1"]
+    return [v for v in registry.run_checks(t) if v.check == "grads_match_ws1"]
 
 
 def test_grads_match_ws1_is_bitwise_and_names_the_first_step():
@@ -432,7 +434,7 @@ def _expected_applicable(sc_row) -> set[str]:
 
 def test_every_check_gives_a_verdict_for_every_scenario_it_applies_to():
     t = _full_tables()
-    verdicts = checks.run_checks(t)
+    verdicts = registry.run_checks(t)
     for _, row in t["scenarios"].iterrows():
         got = {v.check for v in verdicts if v.scenario == row["scenario"]}
         assert got == _expected_applicable(row), row["scenario"]
@@ -448,7 +450,7 @@ def test_a_removed_table_or_column_fails_the_run_naming_it(table, column, check)
         del t[table]
     else:
         t[table] = t[table].rename(columns={column: f"{column}_renamed"})
-    verdicts = checks.run_checks(t)
+    verdicts = registry.run_checks(t)
     named = [v for v in verdicts if v.check == check]
     assert named and all(v.status == "fail" for v in named)
     assert all((column or table) in v.message for v in named), named[0].message
@@ -458,8 +460,8 @@ def test_a_removed_table_or_column_fails_the_run_naming_it(table, column, check)
 
 def test_a_check_that_stays_silent_about_a_scenario_fails_it():
     t = _full_tables()
-    silent = checks.Check(lambda tables, bounds: [], lambda r: r.status == "ok", {"scenarios": ("scenario",)})
-    verdicts = checks.run_checks(t, extra=(silent,))
+    silent = Check(lambda tables, bounds: [], lambda r: r.status == "ok", {"scenarios": ("scenario",)})
+    verdicts = registry.run_checks(t, extra=(silent,))
     ok = t["scenarios"][t["scenarios"].status == "ok"]
     mine = [v for v in verdicts if v.check == "<lambda>"]
     assert len(mine) == len(ok) and all(v.status == "fail" and "no verdict" in v.message for v in mine)
@@ -469,7 +471,7 @@ def test_a_skip_is_never_a_check_that_could_not_run():
     """SKIP means 'does not apply'; every 'could not be checked' verdict is a FAIL."""
     t = _full_tables()
     t["memory"] = t["memory"].iloc[0:0]
-    verdicts = checks.run_checks(t)
+    verdicts = registry.run_checks(t)
     assert not [v for v in verdicts if v.status == "skip" and "could not" in v.message]
     assert [v for v in verdicts if v.status == "fail" and "could not be checked" in v.message]
 
@@ -481,7 +483,7 @@ def test_a_check_that_raises_fails_the_scenarios_it_applies_to_and_the_run_goes_
         raise ValueError("cannot convert float NaN to integer")
 
     t = _full_tables()
-    verdicts = checks.run_checks(t, extra=(checks.Check(broken, lambda r: r.status == "ok", {}),))
+    verdicts = registry.run_checks(t, extra=(Check(broken, lambda r: r.status == "ok", {}),))
     ok = t["scenarios"][t["scenarios"].status == "ok"]
     mine = [v for v in verdicts if v.check == "broken"]
     assert {v.scenario for v in mine} == set(ok.scenario)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from harness.checks.numeric import verdict_table
+from harness.checks.registry import verdict_table
 from harness.core.outcome import FAILED, NOT_RUN, PASSED, outcome
 from harness.core.verdict import FAIL, PASS, SKIP, UNSUPPORTED, Verdict
 from harness.session import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NOT_RUN, EXIT_OK, EXIT_USAGE, Session

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from harness.checks.numeric import run_checks
+from harness.checks.registry import run_checks
 from harness.core.scenario import Scenario
 from harness.core.verdict import FAIL, PASS
 from harness.tables.rows import moved, rows_apart, spans
