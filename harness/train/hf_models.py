@@ -34,8 +34,8 @@ from typing import Callable
 from torch import Tensor, nn
 
 from harness.core.names import unknown_hf_model
-from harness.train.models import ModelSpec, lm_batch, lm_loss
-from harness.train.user_models import ModelError, _one_line
+from harness.train.model_spec import ModelSpec, lm_batch, lm_loss
+from harness.train.user_models import ModelError, one_line
 
 SEQ_LEN = 16  # tokens per sample make_batch returns (within both models' context)
 INSTALL = "pip install -e .[hf]"
@@ -98,5 +98,5 @@ def hf_model_spec(name: str) -> ModelSpec:
         import transformers  # noqa: F401
     except ImportError as exc:
         raise ModelError(f"model {name!r} needs Hugging Face transformers, which is not importable "
-                         f"({_one_line(exc)}): {INSTALL}") from None
+                         f"({one_line(exc)}): {INSTALL}") from None
     return HF_SPECS[name]

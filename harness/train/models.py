@@ -17,31 +17,18 @@ that ``reset_parameters`` does not restore.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from harness.core.names import HF_MODELS, HF_PREFIX, STANDARD_MODELS
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    build: Callable[[], nn.Module]  # uses the global torch RNG; caller seeds first
-    make_batch: Callable[[int, int, int], tuple[Tensor, Tensor]]  # (global_batch, step, seed), CPU
-    loss: Callable[[Tensor, Tensor], Tensor]  # mean over the (local) batch
-    units: Callable[[nn.Module], list[nn.Module]]  # shard units, bottom-up; the root comes last
-
-
-def data_generator(tag: str, seed: int, step: int) -> torch.Generator:
-    """A CPU generator keyed by (tag, seed, step), independent of the global RNG and of hash()."""
-    digest = hashlib.blake2b(f"{tag}:{seed}:{step}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+from harness.train.hf_models import hf_model_spec
+from harness.train.model_spec import ModelSpec, data_generator, lm_batch, lm_loss
+from harness.train.standard_models import STANDARD_MODELS as standard
+from harness.train.user_models import load_user_model
 
 
 def materialize_meta(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
@@ -243,21 +230,6 @@ class TransformerLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def lm_batch(vocab: int, seq_len: int, global_batch: int, step: int, seed: int) -> tuple[Tensor, Tensor]:
-    """Token ids [global_batch, seq_len] and their next tokens: arithmetic progressions mod vocab
-    (random start and stride), learnable in context. Any language model of the zoo or beside it."""
-    g = data_generator("lm", seed, step)
-    start = torch.randint(0, vocab, (global_batch, 1), generator=g)
-    stride = torch.randint(1, 5, (global_batch, 1), generator=g)
-    seq = (start + stride * torch.arange(seq_len + 1)) % vocab
-    return seq[:, :-1], seq[:, 1:]
-
-
-def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean cross-entropy over every token of the batch (logits [B, T, V], targets [B, T])."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-
-
 def _lm_units(model: nn.Module) -> list[nn.Module]:
     """Each block, plus the embedding when untied. Tied: the embedding stays with the head in
     the root unit (a tied parameter must live in one unit)."""
@@ -337,13 +309,10 @@ def get_model_spec(name: str) -> ModelSpec:
     if name in MODELS:
         return MODELS[name]
     if name in STANDARD_MODELS:
-        from harness.train.standard_models import STANDARD_MODELS as standard
         return standard[name]
     if name.startswith(HF_PREFIX):  # before the user's form: 'hf:gpt2' has a ':' too
-        from harness.train.hf_models import hf_model_spec
         return hf_model_spec(name)
     if ":" in name:
-        from harness.train.user_models import load_user_model
         return load_user_model(name)
     raise ValueError(f"unknown model {name!r}; valid: {', '.join((*MODELS, *STANDARD_MODELS, *HF_MODELS))}, "
                      f"or 'package.module:factory'")

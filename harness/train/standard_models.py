@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from harness.train.models import ModelSpec, data_generator, lm_batch, lm_loss
+from harness.train.model_spec import ModelSpec, data_generator, lm_batch, lm_loss
 
 VOCAB, D_MODEL, HEADS, SEQ_LEN = 37, 24, 4, 12
 

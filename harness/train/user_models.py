@@ -29,7 +29,7 @@ class ModelError(ValueError):
     """A user model cannot be found, imported or used; the message is one line."""
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
@@ -42,7 +42,7 @@ def resolve(name: str, what: str, error: type[ValueError]) -> tuple[object, str]
     try:
         obj: object = importlib.import_module(module)
     except Exception as exc:  # ImportError, SyntaxError, anything its top level raises
-        raise error(f"{what} {name!r}: module {module!r} could not be imported: {_one_line(exc)}") from exc
+        raise error(f"{what} {name!r}: module {module!r} could not be imported: {one_line(exc)}") from exc
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise error(f"{what} {name!r}: module {module!r} has no attribute {attr!r}")
@@ -52,14 +52,14 @@ def resolve(name: str, what: str, error: type[ValueError]) -> tuple[object, str]
 
 def load_user_model(name: str):
     """The `ModelSpec` for ``"package.module:factory"``; ModelError (one line) on any problem."""
-    from harness.train.models import ModelSpec
+    from harness.train.model_spec import ModelSpec  # torch: only once a model is loaded
 
     obj, attr = resolve(name, "model", ModelError)
     if not _complete(obj) and callable(obj) and (inspect.isfunction(obj) or inspect.isclass(obj)):
         try:
             obj = obj()
         except Exception as exc:  # a user factory may raise anything
-            raise ModelError(f"model {name!r}: calling {attr}() failed: {_one_line(exc)}") from exc
+            raise ModelError(f"model {name!r}: calling {attr}() failed: {one_line(exc)}") from exc
     missing = [m for m in MEMBERS if not callable(getattr(obj, m, None))]
     if missing:
         raise ModelError(f"model {name!r}: {type(obj).__name__} has no {', '.join(m + '()' for m in missing)} "
@@ -181,4 +181,4 @@ def _calling(name: str, what: str, fn, *args):
     except ModelError:
         raise
     except Exception as exc:  # the user's code may raise anything
-        raise ModelError(f"model {name!r}: {what} raised {_one_line(exc)}") from exc
+        raise ModelError(f"model {name!r}: {what} raised {one_line(exc)}") from exc

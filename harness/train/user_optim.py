@@ -13,7 +13,7 @@ every problem into one `OptimizerError` line: a usage error, never a failure per
 
 from __future__ import annotations
 
-from harness.train.user_models import _one_line, resolve
+from harness.train.user_models import one_line, resolve
 
 
 class OptimizerError(ValueError):
@@ -37,7 +37,7 @@ def build_user_optimizer(name: str, params: list, lr: float):
     try:
         opt = factory(params, lr=lr)
     except Exception as exc:  # the user's code may raise anything
-        raise OptimizerError(f"optimizer {name!r}: factory(params, lr={lr:g}) raised {_one_line(exc)}") from exc
+        raise OptimizerError(f"optimizer {name!r}: factory(params, lr={lr:g}) raised {one_line(exc)}") from exc
     if not isinstance(opt, torch.optim.Optimizer):
         raise OptimizerError(f"optimizer {name!r}: factory(params, lr={lr:g}) returned {type(opt).__name__}, "
                              f"not a torch.optim.Optimizer")
@@ -56,4 +56,4 @@ def check_optimizer(name: str, lr: float) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
     except Exception as exc:  # the user's code may raise anything
-        raise OptimizerError(f"optimizer {name!r}: step() raised {_one_line(exc)}") from exc
+        raise OptimizerError(f"optimizer {name!r}: step() raised {one_line(exc)}") from exc
