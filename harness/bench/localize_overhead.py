@@ -4,7 +4,7 @@
 
 Runs the scenario untraced, then traced (every op seen by the tracer on every rank, the compared ones hashed,
 values kept up to 32 MiB per rank, the rank's parameters and gradients copied at each phase boundary;
-harness.localize.trace), alternating `--repeats` times, and prints the mean step time of each (the steps after
+harness.train.trace), alternating `--repeats` times, and prints the mean step time of each (the steps after
 the measured one: the task's own step_time_s, the slowest rank) and their ratio. A run that is not localised
 is never traced. Measured on 2 shared CPU cores (2026-11-26, three invocations of the command above): 1.48x,
 1.77x, 1.74x; the tracer before its per-op work was cut: 2.09x to 3.54x in the same minutes. With the backward

@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.core.policy import PER_SAMPLE_RTOL
-from harness.measure.comm import _classify, _tensors
+from harness.measure.comm import classify, tensors_of
 
 MAX_RECORDED = 1 << 14  # elements of one argument kept: per-sample norms are one per sample
 TRACED_TASK = "harness.localize.per_sample:traced_task"
@@ -38,10 +38,10 @@ class SentRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        found = _classify(func, tuple(args))
+        found = classify(func, tuple(args))
         if found is not None:
             values = [t.detach().reshape(-1).to("cpu", torch.float64).tolist()
-                      for a in args for t in _tensors(a)
+                      for a in args for t in tensors_of(a)
                       if t.is_floating_point() and 0 < t.numel() <= MAX_RECORDED]
             self.sent.append((f"{found[0]} ({func._overloadpacket.__name__})", values))
         return func(*args, **kwargs)

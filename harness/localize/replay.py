@@ -130,7 +130,7 @@ def replay(sc: Scenario, *, pool, workdir: Path, steps: int | None = None,
 
 def assemble(traces: list[dict], step: int, what: str = "params_after") -> dict[str, torch.Tensor]:
     """The full parameters after `step` (or what else the tracer kept: "grads_reduced", "grads_clipped"), put
-    together from the rows every rank held (its own word is not asked: harness.localize.trace keeps what the
+    together from the rows every rank held (its own word is not asked: harness.train.trace keeps what the
     rank holds). A parameter no rank holds whole or as dim-0 rows covering it is left out (the yardstick keeps
     its own)."""
     pieces: dict[str, dict[int, torch.Tensor]] = {}

@@ -49,9 +49,9 @@ from typing import Any, Callable
 import torch
 
 try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # torch built without distributed
-    _DTensor = None
+    from torch.distributed.tensor import DTensor as DTENSOR  # None: torch built without distributed
+except ImportError:
+    DTENSOR = None
 
 __all__ = ["CommCounter"]
 
@@ -82,12 +82,12 @@ def _size(x: Any) -> Size:
     return Size()
 
 
-def _tensors(x: Any) -> list[torch.Tensor]:
+def tensors_of(x: Any) -> list[torch.Tensor]:
     """The tensors of an argument: a tensor, or a (nested) list of them."""
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, (list, tuple)):
-        return [t for y in x for t in _tensors(y)]
+        return [t for y in x for t in tensors_of(y)]
     return []
 
 
@@ -170,7 +170,7 @@ _REDUCTION_INPUT = {
     "all_reduce": 0, "all_reduce_": 0, "all_reduce_coalesced": 0, "all_reduce_coalesced_": 0,
     "all_to_all_single": 0,
 }
-_NAMESPACES = {"c10d": _C10D, "_c10d_functional": _FUNCTIONAL,
+COLLECTIVE_NAMESPACES = {"c10d": _C10D, "_c10d_functional": _FUNCTIONAL,
                "_c10d_functional_autograd": _FUNCTIONAL, "c10d_functional": _FUNCTIONAL}
 # Not communication: waits and the like.
 _WAITS = {"wait_tensor", "wait"}
@@ -181,7 +181,7 @@ def op_kind(func: Any) -> str | None:
     """'wait' for an op that waits on a collective (``wait_tensor``), 'collective' for an op of a c10d
     namespace that communicates (an unknown one included), None for any other op."""
     ns, packet = getattr(func, "namespace", None), getattr(func, "_overloadpacket", None)
-    if ns not in _NAMESPACES or packet is None:
+    if ns not in COLLECTIVE_NAMESPACES or packet is None:
         return None
     name = packet.__name__
     return "wait" if name in _WAITS else None if name in _IGNORED else "collective"
@@ -283,11 +283,11 @@ def tensor_digest(*tensors: torch.Tensor) -> str:
     return f"{crc:08x}"
 
 
-def _classify(func: Any, args: tuple) -> tuple[str, Size] | None:
+def classify(func: Any, args: tuple) -> tuple[str, Size] | None:
     """(collective, size) for a collective op, None for any other op."""
     packet = getattr(func, "_overloadpacket", None)
     ns = getattr(func, "namespace", None)
-    table = _NAMESPACES.get(ns or "")
+    table = COLLECTIVE_NAMESPACES.get(ns or "")
     if table is None or packet is None:
         return None
     name = packet.__name__
@@ -312,7 +312,7 @@ def _counting_kernel(op: Any) -> Callable[..., Any]:
         keyset = keyset & _AFTER_BACKEND_SELECT
         if not _COUNTERS.owners or getattr(_INSIDE, "depth", 0):  # none entered, or called by a counted one
             return op.redispatch(keyset, *args, **kwargs)
-        found = _classify(op, args)
+        found = classify(op, args)
         if found is not None:
             ranks = _group_ranks(args)
             digest = None
@@ -336,7 +336,7 @@ def _install() -> None:
         return
     for qualified in torch._C._dispatch_get_all_op_names():
         ns, _, rest = qualified.partition("::")
-        if ns not in _NAMESPACES:
+        if ns not in COLLECTIVE_NAMESPACES:
             continue
         name, _, overload = rest.partition(".")
         if name in _IGNORED:
@@ -351,7 +351,7 @@ def reduction_input(func: Any, args: tuple) -> list[torch.Tensor] | None:
     """The tensors a collective puts into a sum across ranks (this rank's contribution), None for one that
     reduces nothing."""
     index = _REDUCTION_INPUT.get(func._overloadpacket.__name__)
-    return _tensors(args[index]) if index is not None and index < len(args) else None
+    return tensors_of(args[index]) if index is not None and index < len(args) else None
 
 
 def _reduction_digest(collective: str, op: Any, args: tuple) -> tuple[str, int, str] | None:

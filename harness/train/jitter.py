@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.measure.comm import WhileEntered, _DTensor, op_kind
+from harness.measure.comm import WhileEntered, DTENSOR, op_kind
 
 MAX_DELAY_S = 0.02  # the longest one delay: long beside a collective of the zoo's models (tens of microseconds)
 POINTS = ("collective", "wait", "forward", "optimizer")
@@ -122,7 +122,7 @@ class Jitter(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **kwargs)
-        if _DTensor is not None and _DTensor in types:  # lowered to plain ops first; those come back here
+        if DTENSOR is not None and DTENSOR in types:  # lowered to plain ops first; those come back here
             return NotImplemented
         kind = op_kind(func)
         if kind is not None:

@@ -21,9 +21,9 @@ from harness.adapters import load_adapter
 from harness.core.policy import Bounds
 from harness.core.scenario import Scenario, clip_of, has, shard_size
 from harness.execute.scratch import writing_into
-from harness.localize.trace import StepTracer
 from harness.measure import CommCounter, PeakMemory
 from harness.measure.census import Census
+from harness.measure.layout import rows_held
 from harness.measure.memory import local_tensor, optimizer_list
 from harness.measure.optim_state import param_names, save_held_state
 from harness.measure.timeline import UnitTimeline
@@ -34,6 +34,7 @@ from harness.train.jitter import Jitter
 from harness.train.models import get_model_spec
 from harness.train.params_file import save_params
 from harness.train.plain_eval import add_plain_eval_losses, held_out_cut
+from harness.train.trace import StepTracer
 from harness.train.user_models import check_batch, check_built
 
 MEASURED_STEP = 1  # memory is measured on the second step: optimizer state exists by then
@@ -308,25 +309,6 @@ def _save_grads(local: torch.Tensor, grad_sq: float, adds_up: bool, ctx, path: P
     values = torch.cat([grads for grads, _ in parts])
     torch.save(torch.sort(values[values != 0]).values, path)
     return sum(sq for _, sq in parts) if adds_up else grad_sq
-
-
-def rows_held(wrapped) -> dict[str, list[int]]:
-    """parameter name -> [first, stop) of the dim-0 rows this rank holds of it, for every DTensor parameter
-    laid out by rows (Shard(0) or Replicate on each mesh dimension), read from the DTensor's own spec; none
-    for plain tensors (a whole copy on every rank) or other placements. Lets the parent tell which ranks
-    hold the rows where a run parted from its yardstick (harness.tables.build, rank_diffs)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    out = {}
-    for name, p in wrapped.named_parameters():
-        if not isinstance(p, DTensor) or p.dim() == 0:
-            continue
-        if not all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in p.placements):
-            continue
-        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-        out[name] = [int(offset[0]), int(offset[0]) + int(shape[0])]
-    return out
 
 
 def _replicas_differ(wrapped, sc: Scenario, ctx) -> float:

@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.measure.comm import _DTensor, _NAMESPACES, _classify, plain_copy, reduction_input, tensor_digest
+from harness.measure.comm import DTENSOR, COLLECTIVE_NAMESPACES, classify, plain_copy, reduction_input, tensor_digest
+from harness.measure.layout import rows_held
 from harness.measure.memory import local_tensor
 from harness.train.params_file import load_params
 
@@ -67,13 +68,13 @@ def _outputs(x) -> list[torch.Tensor]:
 
 def _kind(func) -> tuple[str, str]:
     """What the tracer does with an op, worked out once per op: ("hop", ""): a higher-order operator, run as
-    it is; ("c10d", name): of a namespace with collectives (_classify says which are); ("unwritten", name):
+    it is; ("c10d", name): of a namespace with collectives (classify says which are); ("unwritten", name):
     its output is never compared; ("op", name): any other. name: the record's (``aten.mm``, the overload
     when it is not the default)."""
     if isinstance(func, torch._ops.HigherOrderOperator):
         return "hop", ""
     name = str(func).removesuffix(".default")
-    if getattr(func, "namespace", None) in _NAMESPACES:
+    if getattr(func, "namespace", None) in COLLECTIVE_NAMESPACES:
         return "c10d", name
     return ("unwritten" if func._overloadpacket.__name__ in UNWRITTEN else "op"), name
 
@@ -235,10 +236,10 @@ class StepTracer(TorchDispatchMode):
             kind = self._kinds[func] = _kind(func)
         if kind[0] == "hop":
             return func(*args, **kwargs)
-        if _DTensor is not None and _DTensor in types:
+        if DTENSOR is not None and DTENSOR in types:
             return NotImplemented  # its local ops come back here
         if kind[0] == "c10d":
-            collective = _classify(func, tuple(args))
+            collective = classify(func, tuple(args))
             if collective is not None:
                 if self.step:
                     self._collective(func, collective[0], args)
@@ -352,8 +353,6 @@ class StepTracer(TorchDispatchMode):
                          "digest": None, "sent": "|".join(tensor_digest(t) for t in sent) if sent else None})
 
     def _keep_state(self, what: str, wrapped, grads: bool) -> None:
-        from harness.train.task import rows_held  # the DTensor rows, as the tables read them
-
         params = list(wrapped.named_parameters())
         # the rows follow from each DTensor's shape, mesh and placements: worked out again only when they change
         key = [(name, getattr(p, "placements", None), getattr(p, "device_mesh", None), p.shape) for name, p in params]

@@ -100,7 +100,7 @@ def test_a_correct_step_compares_its_backward_op_by_op_and_leaves_out_the_parame
     from torch import nn
 
     from harness.adapters.reference import MixedPrecision
-    from harness.localize.trace import StepTracer
+    from harness.train.trace import StepTracer
 
     class Tiny(nn.Module):
         def __init__(self):
