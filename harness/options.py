@@ -76,7 +76,7 @@ data_modes = choices(DATA_MODES)
 
 def optimizers(text: str) -> tuple[str, ...]:
     """Built-in names are checked by name; a user's 'package.module:factory' is imported and must be callable
-    (harness/train/user_optim.py; preflight then builds and steps it once)."""
+    (harness/train/user_optim.py; harness.preflight then builds and steps it once)."""
     items = _items(text)
     for name in items:
         if name in OPTIMIZERS:
@@ -442,10 +442,9 @@ def add_allow_large(add) -> None:
              "space, planner world size by the model's rows; harness/limits.py)")
 
 
-def matrix_from(ns, *, preflight: bool = True) -> MatrixOptions:
-    """Build MatrixOptions from parsed values (None = default). `preflight=False`: the checks that build the
-    models and user objects are skipped, for a process whose parent ran them on the same options (an
-    xdist worker: its controller did)."""
+def matrix_from(ns) -> MatrixOptions:
+    """Build MatrixOptions from parsed values (None = default), each value checked on its own and against the
+    others; what needs the models built or the machine looked at is harness.preflight's (`checked_matrix`)."""
     d = MatrixOptions()
     pick = lambda name, default: default if getattr(ns, name, None) is None else getattr(ns, name)  # noqa: E731
     bound = getattr(ns, "cross_ws_bound", None)
@@ -458,7 +457,4 @@ def matrix_from(ns, *, preflight: bool = True) -> MatrixOptions:
         bounds=Bounds(cross_ws_replicated=bound) if bound else Bounds(),
         allow_large=bool(getattr(ns, "allow_large", False)))
     opts.validate()
-    if preflight:
-        from harness import preflight as checks
-        checks.check(opts)
     return opts

@@ -1,6 +1,6 @@
 """What is checked once, before any world starts, on options that each parsed well on their own.
 
-`check(matrix)` (called by `harness.options.matrix_from`, so by the CLI and the pytest plugin alike):
+`check(matrix)` (through `checked_matrix(ns)`, as the CLI and the pytest plugin build their matrix):
 
 - the user's models, held to the model protocol on the CPU of this process
   (harness/train/user_models.py check_model: build, units, a batch of the run's size, a loss that is
@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING
 
 from harness.core import names
-
-if TYPE_CHECKING:
-    from harness.options import MatrixOptions
+from harness.options import MatrixOptions, matrix_from
 
 
 def user_models(models) -> list[str]:
@@ -33,7 +30,14 @@ def user_models(models) -> list[str]:
             if m not in names.MODELS and m not in names.STANDARD_MODELS and not m.startswith(names.HF_PREFIX)]
 
 
-def check(matrix: "MatrixOptions") -> None:
+def checked_matrix(ns) -> MatrixOptions:
+    """The matrix of parsed options (harness.options.matrix_from), checked here before any world starts."""
+    matrix = matrix_from(ns)
+    check(matrix)
+    return matrix
+
+
+def check(matrix: MatrixOptions) -> None:
     _check_user_models(matrix)
     _check_user_optimizers(matrix)
     from harness.execute.scratch import ScratchError, temp_dir
@@ -50,7 +54,7 @@ def check(matrix: "MatrixOptions") -> None:
     limits.check_steps(matrix.scenarios(), sizes, matrix.steps, temp)
 
 
-def _check_user_models(matrix: "MatrixOptions") -> None:
+def _check_user_models(matrix: MatrixOptions) -> None:
     mine = user_models(matrix.models)
     if not mine:
         return
@@ -63,7 +67,7 @@ def _check_user_models(matrix: "MatrixOptions") -> None:
         raise argparse.ArgumentTypeError(f"--models: {e}") from None
 
 
-def _check_user_optimizers(matrix: "MatrixOptions") -> None:
+def _check_user_optimizers(matrix: MatrixOptions) -> None:
     from harness.core.scenario import user_optimizer
     mine = [o for o in matrix.optimizers if user_optimizer(o)]
     if not mine:

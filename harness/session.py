@@ -60,10 +60,14 @@ class SessionOptions:
 
     @classmethod
     def from_namespace(cls, ns, *, preflight: bool = True) -> "SessionOptions":
-        """From parsed CLI or pytest options (the names `add_*_arguments` register); `preflight`: as
-        harness.options.matrix_from."""
+        """From parsed CLI or pytest options (the names `add_*_arguments` register). `preflight=False`: the checks
+        that build the models and user objects (harness.preflight) are skipped, for a process whose parent ran them
+        on the same options (an xdist worker: its controller did)."""
+        from harness import preflight as checks
+
         report = None if getattr(ns, "no_report", False) else getattr(ns, "report", None) or opt.DEFAULT_REPORT
-        return cls(opt.matrix_from(ns, preflight=preflight), report, bool(getattr(ns, "per_sample", False)),
+        matrix = checks.checked_matrix(ns) if preflight else opt.matrix_from(ns)
+        return cls(matrix, report, bool(getattr(ns, "per_sample", False)),
                    getattr(ns, "baseline", None), getattr(ns, "gate", None), getattr(ns, "save_baseline", None),
                    bool(getattr(ns, "gate_strict", False)), _localize_count(ns), bool(getattr(ns, "invariant", False)),
                    not getattr(ns, "no_plots", False))

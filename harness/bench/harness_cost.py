@@ -20,6 +20,7 @@ import time
 from collections import defaultdict
 
 from harness import options as opt
+from harness.preflight import checked_matrix
 from harness.core.scenario import REFERENCE_IMPL, Scenario
 from harness.execute.executor import run_matrix
 from harness.execute.world import WorldPool
@@ -67,7 +68,7 @@ def main(argv=None) -> None:
     p.add_argument("--optimizers", type=opt.optimizers, default=("adamw", "sgd"))
     p.add_argument("--steps", type=opt.steps, default=10)
     ns = p.parse_args(argv)
-    scenarios = opt.matrix_from(ns).scenarios()
+    scenarios = checked_matrix(ns).scenarios()
     cells = [s for s in scenarios if s.impl != REFERENCE_IMPL and s.world_size in ns.world_sizes]
     print(f"{len(cells)} cells (and the {len(scenarios) - len(cells)} runs they are compared with), "
           f"world sizes {','.join(map(str, ns.world_sizes))}, {ns.steps} steps")

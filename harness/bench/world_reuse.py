@@ -14,6 +14,7 @@ import argparse
 import time
 
 from harness import options as opt
+from harness.preflight import checked_matrix
 from harness.execute.executor import run_matrix
 from harness.execute.world import WorldPool
 
@@ -26,7 +27,7 @@ def main(argv=None) -> None:
     p.add_argument("--optimizers", type=opt.optimizers, default=("adamw",))
     p.add_argument("--steps", type=opt.positive_int, default=3)
     ns = p.parse_args(argv)
-    scenarios = opt.matrix_from(ns).scenarios()
+    scenarios = checked_matrix(ns).scenarios()
     print(f"matrix: {len(scenarios)} scenarios, world sizes {ns.world_sizes}")
 
     t0 = time.perf_counter()

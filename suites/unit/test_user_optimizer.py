@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
+from harness.preflight import checked_matrix
 from harness import options as opt
 from harness.checks import resources as resource_checks
 from harness.core.policy import Bounds, not_exact
@@ -58,7 +59,7 @@ def test_a_factory_that_breaks_the_protocol_is_refused_before_any_world_starts(f
     assert says in str(err.value) and "\n" not in str(err.value)
     ns = argparse.Namespace(optimizers=(name,), impls=("fsdp_impl",), models=("mlp",), world_sizes=(1,))
     with pytest.raises(argparse.ArgumentTypeError, match="^--optimizers: "):
-        opt.matrix_from(ns)  # preflight, as the CLI and the plugin call it
+        checked_matrix(ns)  # as the CLI and the plugin build their matrix
 
 
 def test_ids_spell_a_user_optimizer_path_and_shell_safe_and_read_back():
