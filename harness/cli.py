@@ -16,7 +16,7 @@ from pathlib import Path
 from harness import options as opt
 from harness.execute.launch import NotLaunchedHere, a_torchrun_rank_but_0, launched_by_torchrun, let_rank_0_say
 from harness.session import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NOT_RUN, EXIT_OK, EXIT_USAGE, Session,
-                             SessionOptions, load_report_sections)
+                             load_report_sections, session_options)
 
 EXIT_STATUSES = (f"exit status: {EXIT_OK} PASS (every implementation under test ran, no verdict failed); "
                  f"{EXIT_FAILED} FAIL (a verdict failed or a scenario errored); {EXIT_USAGE} bad input; "
@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_run(ns) -> int:
-    options = SessionOptions.from_namespace(ns)  # cross-option errors first: torch is not loaded yet
+    options = session_options(ns)  # cross-option errors first: torch is not loaded yet
     under_torchrun = launched_by_torchrun()
     quiet = ns.quiet or (under_torchrun and int(os.environ.get("RANK", "0")) != 0)
     session = Session(options, say=(lambda line: None) if quiet else None, under_torchrun=under_torchrun)

@@ -458,3 +458,33 @@ def matrix_from(ns) -> MatrixOptions:
         allow_large=bool(getattr(ns, "allow_large", False)))
     opts.validate()
     return opts
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    matrix: MatrixOptions
+    # None: write no outputs (report, tables) at all; DEFAULT_REPORT: in a new folder under
+    # reports/runs/, which reports/latest then points at (harness.report.runs)
+    report: Path | None = DEFAULT_REPORT
+    per_sample: bool = False
+    baseline: str | None = None  # a name under reports/baselines/ or a path
+    gate: dict | None = None  # per-field tolerances (harness.gate.tolerance.parse_gate)
+    save_baseline: str | None = None
+    gate_strict: bool = False  # a gate that compared nothing fails (harness.gate.compare)
+    localize: int = DEFAULT_LOCALIZE  # failing scenarios localised after the run (harness.localize.auto)
+    invariant: bool = False  # the batch-invariant tier after the matrix (harness.invariant)
+    plots: bool = True  # the report's PNG plots drawn (--no-plots: not)
+
+    @classmethod
+    def from_namespace(cls, ns, matrix: MatrixOptions) -> "SessionOptions":
+        """From parsed CLI or pytest options (the names `add_*_arguments` register) and the matrix made of them."""
+        report = None if getattr(ns, "no_report", False) else getattr(ns, "report", None) or DEFAULT_REPORT
+        return cls(matrix, report, bool(getattr(ns, "per_sample", False)),
+                   getattr(ns, "baseline", None), getattr(ns, "gate", None), getattr(ns, "save_baseline", None),
+                   bool(getattr(ns, "gate_strict", False)), _localize_count(ns), bool(getattr(ns, "invariant", False)),
+                   not getattr(ns, "no_plots", False))
+
+
+def _localize_count(ns) -> int:
+    value = getattr(ns, "localize", None)
+    return DEFAULT_LOCALIZE if value is None else int(value)

@@ -32,7 +32,7 @@ import pytest
 
 from harness import options as opt
 from harness.core.environment import command_line
-from harness.session import EXIT_FAILED, Session, SessionOptions
+from harness.session import EXIT_FAILED, Session, session_options
 
 _SESSION = pytest.StashKey[Session]()
 _SELECTED = pytest.StashKey[object]()  # set of scenario ids, or None for the whole matrix
@@ -61,7 +61,7 @@ def pytest_configure(config):
     try:
         # an xdist worker's options are its controller's, which ran preflight on them (building the models
         # imports torch: seconds per worker, for nothing)
-        options = SessionOptions.from_namespace(config.option, preflight=not hasattr(config, "workerinput"))
+        options = session_options(config.option, preflight=not hasattr(config, "workerinput"))
         config.stash[_SESSION] = Session(options, say=lambda line: _say(config, line), command=invocation(config))
     except argparse.ArgumentTypeError as e:
         raise pytest.UsageError(str(e)) from None
@@ -137,7 +137,7 @@ def _say(config, line: str) -> None:
 
 @pytest.fixture(scope="session")
 def harness_run(request):
-    """The session's RunResult (harness.execute.executor.RunResult): tables, verdicts, environment.
+    """The session's RunResult (harness.phases.RunResult): tables, verdicts, environment.
     A temp dir that fills up during the run ends the pytest run with its one line."""
     from harness.execute.scratch import ScratchError
     try:

@@ -1,6 +1,7 @@
 """One verification session: the flow that `python -m harness run` and the pytest plugin both drive.
 
-    options -> matrix (reused worlds, or torchrun) -> per-sample norms -> gate -> outputs -> exit status
+    options -> the phases (harness.phases: matrix, replay, localise, per-sample, invariant, gate), on one pool of
+    worlds or in a torchrun job -> outputs (report, tables, baseline) -> exit status
 
 The exit status follows the run's outcome (harness.core.outcome): EXIT_OK when every implementation
 under test ran and no verdict failed; EXIT_FAILED when a verdict failed or a scenario errored;
@@ -25,52 +26,22 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from harness import options as opt
+from harness.options import SessionOptions
 from harness.core.scenario import REFERENCE_IMPL, Scenario, with_dependencies
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, UNSUPPORTED, Verdict
 
 if TYPE_CHECKING:  # torch and pandas load only once a run starts: a usage error stays instant
     from harness.core.outcome import Outcome
-    from harness.execute.executor import RunResult
+    from harness.phases import RunResult
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUN = 0, 1, 2, 3
 EXIT_INTERRUPTED = 130
 # Packages that add a section to the report: each registers it when imported (harness.report.sections).
 REPORT_SECTION_PACKAGES = ("harness.per_sample", "harness.localize", "harness.invariant")
-
-
-@dataclass(frozen=True)
-class SessionOptions:
-    matrix: opt.MatrixOptions
-    # None: write no outputs (report, tables) at all; DEFAULT_REPORT: in a new folder under
-    # reports/runs/, which reports/latest then points at (harness.report.runs)
-    report: Path | None = opt.DEFAULT_REPORT
-    per_sample: bool = False
-    baseline: str | None = None  # a name under reports/baselines/ or a path
-    gate: dict | None = None  # per-field tolerances (harness.gate.tolerance.parse_gate)
-    save_baseline: str | None = None
-    gate_strict: bool = False  # a gate that compared nothing fails (harness.gate.compare)
-    localize: int = opt.DEFAULT_LOCALIZE  # failing scenarios localised after the run (harness.localize.auto)
-    invariant: bool = False  # the batch-invariant tier after the matrix (harness.invariant)
-    plots: bool = True  # the report's PNG plots drawn (--no-plots: not)
-
-    @classmethod
-    def from_namespace(cls, ns, *, preflight: bool = True) -> "SessionOptions":
-        """From parsed CLI or pytest options (the names `add_*_arguments` register). `preflight=False`: the checks
-        that build the models and user objects (harness.preflight) are skipped, for a process whose parent ran them
-        on the same options (an xdist worker: its controller did)."""
-        from harness import preflight as checks
-
-        report = None if getattr(ns, "no_report", False) else getattr(ns, "report", None) or opt.DEFAULT_REPORT
-        matrix = checks.checked_matrix(ns) if preflight else opt.matrix_from(ns)
-        return cls(matrix, report, bool(getattr(ns, "per_sample", False)),
-                   getattr(ns, "baseline", None), getattr(ns, "gate", None), getattr(ns, "save_baseline", None),
-                   bool(getattr(ns, "gate_strict", False)), _localize_count(ns), bool(getattr(ns, "invariant", False)),
-                   not getattr(ns, "no_plots", False))
 
 
 def _check_invariant_cells(m: opt.MatrixOptions) -> None:
@@ -86,11 +57,6 @@ def _check_invariant_cells(m: opt.MatrixOptions) -> None:
             f"multiple of {L}")
 
 
-def _localize_count(ns) -> int:
-    value = getattr(ns, "localize", None)
-    return opt.DEFAULT_LOCALIZE if value is None else int(value)
-
-
 def load_report_sections() -> None:
     """Import the packages that add report sections, so a report rendered here, from a run or from
     stored tables, shows their data whenever the tables hold it."""
@@ -101,6 +67,15 @@ def load_report_sections() -> None:
 def tables_dir(report: Path) -> Path:
     """Where a report's tables go: `<report stem>_tables/` beside it."""
     return Path(report).with_name(f"{Path(report).stem}_tables")
+
+
+def session_options(ns, *, preflight: bool = True) -> SessionOptions:
+    """The session's options from parsed CLI or pytest options. `preflight=False`: the checks that build the models
+    and user objects (harness.preflight) are skipped, for a process whose parent ran them on the same options (an
+    xdist worker: its controller did)."""
+    from harness import preflight as checks
+
+    return SessionOptions.from_namespace(ns, checks.checked_matrix(ns) if preflight else opt.matrix_from(ns))
 
 
 class Session:
@@ -145,10 +120,13 @@ class Session:
         return with_dependencies([s for s in every if s.id in selected])
 
     def run(self, selected: set[str] | None = None) -> RunResult | None:
-        """Run the (selected) matrix once; later calls return the same result. None on torchrun
-        ranks other than 0."""
+        """Run the (selected) matrix and the phases after it (harness.phases) once, on one pool of worlds; later
+        calls return the same result. None on torchrun ranks other than 0."""
         if self.result is not None or not self.is_writer:
             return self.result
+        from harness.execute.world import WorldPool
+        from harness.phases import Run, run_phases
+
         m, scenarios = self.options.matrix, self.scenarios(selected)
         where = "this torchrun job" if self.under_torchrun else "worlds"
         self.say(f"running {len(scenarios)} scenarios in {where} of {','.join(map(str, m.world_sizes))} ranks "
@@ -157,66 +135,17 @@ class Session:
         def progress(i, n, sc, secs):
             self.say(f"[{i:>3}/{n}] {sc.id:<48} {secs:6.1f}s")
 
-        if self.under_torchrun:
-            from harness.execute.torchrun import run_matrix_under_torchrun
-            res = run_matrix_under_torchrun(scenarios, timeout_s=m.timeout_s, bounds=m.bounds, progress=progress)
-            if res is None:
-                self.is_writer = False
-                return None
-        else:
-            from harness.execute.executor import run_matrix
-            res = run_matrix(scenarios, timeout_s=m.timeout_s, bounds=m.bounds, progress=progress, say=self.say)
+        with contextlib.ExitStack() as stack:
+            pool = None if self.under_torchrun else stack.enter_context(WorldPool(timeout_s=m.timeout_s))
+            res = run_phases(Run(self.options, scenarios, pool, say=self.say, progress=progress,
+                                 baseline=self.baseline))
+        if res is None:
+            self.is_writer = False
+            return None
         if self.command is not None:
             res.env["command"] = self.command
-        if self.options.localize and not self.under_torchrun:
-            from harness.checks.registry import verdict_table
-            from harness.localize.auto import localise_failures
-            localise_failures(res, self.options.localize, timeout_s=m.timeout_s, say=self.say)
-            res.tables["verdicts"] = verdict_table(res.verdicts)
-        if self.options.per_sample:
-            self.say("per-sample gradient norms ...")
-            self._add_per_sample(res)
-        if self.options.invariant:
-            self.say("batch-invariant tier ...")
-            self._add_invariant(res)
-        if self.baseline is not None:
-            self._gate(res)
         self.result = res
         return res
-
-    def _add_per_sample(self, res: RunResult) -> None:
-        from harness.checks.registry import verdict_table
-        from harness.per_sample.run import run_per_sample
-        tables, verdicts = run_per_sample(models=("mlp",), world_sizes=tuple(self.options.matrix.world_sizes),
-                                          localise=0 if self.under_torchrun else self.options.localize)
-        res.tables.update(tables)
-        res.verdicts.extend(verdicts)
-        res.tables["verdicts"] = verdict_table(res.verdicts)
-
-    def _add_invariant(self, res: RunResult) -> None:
-        from harness.checks.registry import verdict_table
-        from harness.core.scenario import DATA_MODES
-        from harness.invariant.run import run_invariant
-        from harness.invariant.task import FEATURES
-        m = self.options.matrix
-        features = [f for f in m.features if f in FEATURES]
-        left = [f for f in m.features if f not in FEATURES]
-        if left:
-            self.say(f"the batch-invariant tier runs {', '.join(FEATURES)}; not {', '.join(left)} "
-                     f"(harness/invariant/task.py)")
-        tables, verdicts = run_invariant(m.impls, m.models, m.world_sizes, DATA_MODES, m.optimizers, steps=m.steps,
-                                         seed=m.seeds[0], lr=m.lr, global_batch=m.global_batch,
-                                         features=features or ("plain",))
-        res.tables.update(tables)
-        res.verdicts.extend(verdicts)
-        res.tables["verdicts"] = verdict_table(res.verdicts)
-
-    def _gate(self, res: RunResult) -> None:
-        from harness.checks.registry import verdict_table
-        from harness.gate.compare import compare
-        res.verdicts.extend(compare(res.tables, self.baseline, self.options.gate, env=res.env,
-                                    strict=self.options.gate_strict))
-        res.tables["verdicts"] = verdict_table(res.verdicts)
 
     # Outputs #
 
@@ -279,14 +208,17 @@ class Session:
         return [dst for _, dst in moves]
 
     def outcome(self) -> Outcome:
-        """The run's outcome (harness.core.outcome), from its tables and verdicts."""
+        """The run's outcome (harness.core.outcome), from its scenarios and verdict tables."""
         import pandas as pd
 
         from harness.checks.registry import verdict_table
         from harness.core.outcome import outcome
         res = self.result
-        cells = res.tables.get("scenarios") if res is not None else None
-        return outcome(cells if cells is not None else pd.DataFrame(), verdict_table(res.verdicts if res else []))
+        tables = res.tables if res is not None else {}
+        cells, verdicts = tables.get("scenarios"), tables.get("verdicts")
+        if verdicts is None:  # a result made by hand, not by the phases (which make the table once)
+            verdicts = verdict_table(res.verdicts if res is not None else [])
+        return outcome(cells if cells is not None else pd.DataFrame(), verdicts)
 
     def failures(self) -> list[Verdict]:
         return [v for v in (self.result.verdicts if self.result else []) if v.status == FAIL]

@@ -16,7 +16,7 @@ import pytest
 
 from harness.core.scenario import EXCLUSIVE, FEATURES, Scenario, build_matrix, check_feature, has, parts
 from harness.core.verdict import FAIL, PASS
-from harness.execute.executor import run_matrix
+from harness.phases import run_matrix
 from suites.mutants.false_alarms import CI_COMPOSITIONS, SEEDS, composition_matrix, run_false_alarms
 
 IMPLS = ("fsdp_impl", "torch_fsdp2")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from harness.core.scenario import build_matrix
-from harness.execute.executor import run_matrix
+from harness.phases import run_matrix
 from harness.execute.world import World
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

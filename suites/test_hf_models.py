@@ -18,7 +18,7 @@ from harness import options
 from harness.core import names
 from harness.core.scenario import build_matrix
 from harness.core.verdict import FAIL, PASS
-from harness.execute.executor import run_matrix
+from harness.phases import run_matrix
 from harness.train.hf_models import HF_SPECS, INSTALL
 from harness.train.models import get_model_spec
 from harness.train.user_models import ModelError, check_batch, check_built

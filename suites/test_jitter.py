@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from harness.core.scenario import build_matrix
 from harness.core.verdict import FAIL, PASS
-from harness.execute.executor import run_matrix
+from harness.phases import run_matrix
 
 IMPLS = ("fsdp_impl", "torch_fsdp2", "ddp")
 

@@ -17,7 +17,7 @@ import torch
 from harness.checks.noise_floor import sensitivity_table
 from harness.core.scenario import build_matrix
 from harness.core.verdict import FAIL, PASS
-from harness.execute.executor import run_matrix
+from harness.phases import run_matrix
 from harness.train.models import get_model_spec
 from harness.train.standard_models import STANDARD_MODELS
 from harness.train.task import batch_stat_layers

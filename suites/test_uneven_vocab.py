@@ -11,7 +11,7 @@ import pytest
 
 from harness.core.scenario import REFERENCE_IMPL, build_matrix
 from harness.core.verdict import FAIL, PASS
-from harness.execute.executor import run_matrix
+from harness.phases import run_matrix
 
 IMPLS = ("fsdp_impl", "torch_fsdp2", "ddp")
 

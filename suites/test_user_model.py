@@ -11,7 +11,7 @@ import torch
 
 from harness.core.scenario import build_matrix
 from harness.core.verdict import FAIL
-from harness.execute.executor import run_matrix
+from harness.phases import run_matrix
 from harness.train.models import get_model_spec
 from harness.train.user_models import (
     LOSS_MEAN_RTOL,

@@ -10,7 +10,7 @@ import pytest
 from harness.core.policy import Bounds
 from harness.core.scenario import REFERENCE_IMPL, build_matrix
 from harness.core.verdict import FAIL, PASS
-from harness.execute.executor import run_matrix
+from harness.phases import run_matrix
 
 NSGD = "harness.train.optim:normalised_sgd"
 

@@ -22,7 +22,7 @@ from collections import defaultdict
 from harness import options as opt
 from harness.preflight import checked_matrix
 from harness.core.scenario import REFERENCE_IMPL, Scenario
-from harness.execute.executor import run_matrix
+from harness.phases import run_matrix
 from harness.execute.world import WorldPool
 
 BARE_TASK = "harness.bench.harness_cost:train_bare"

@@ -15,7 +15,7 @@ import time
 
 from harness import options as opt
 from harness.preflight import checked_matrix
-from harness.execute.executor import run_matrix
+from harness.phases import run_matrix
 from harness.execute.world import WorldPool
 
 

@@ -1,4 +1,5 @@
-"""Runs a scenario matrix: one loop over the scenarios, one place where tables and verdicts are made.
+"""Runs a scenario matrix's rank work: one loop over the scenarios, each scenario's outcome a record (the tables
+and verdicts are made from the records by harness.phases).
 
 Where the ranks live is the pool's business. Two pools keep one contract (`ScenarioPool`):
 
@@ -15,49 +16,25 @@ method the adapter lacks is not run: ``{"unsupported": reason}``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
-import pandas as pd
 
 from harness.adapters import load_adapter
 from harness.adapters.base import AdapterError, missing_capability
-from harness.checks.registry import run_checks, verdict_table
-from harness.core.environment import environment
-from harness.core.policy import Bounds
 from harness.core.scenario import FEATURE_NEEDS, Scenario, ckpt_step, parts
-from harness.core.verdict import Verdict
 from harness.execute.worker import root_cause
 from harness.execute.world import RankFailed, WorldError, WorldHung, WorldPool, preload
 
 # what every scenario's workers import: the training task, the built-in adapters and fsdp_impl (a quarter
 # of an 8-rank tinylm scenario's time on 2 cores went to importing them in each new world's workers)
 preload("harness.train.task", "harness.adapters", "fsdp_impl")
-from harness.tables.build import build_tables
 
 TASK = "harness.train.task:train_scenario"
 Progress = Callable[[int, int, Scenario, float], None]
-
-
-@dataclass
-class RunResult:
-    scenarios: list[Scenario]
-    tables: dict[str, pd.DataFrame]
-    verdicts: list[Verdict]
-    env: dict
-    wall_s: float
-    worlds_started: int = 0
-    records: dict = field(default_factory=dict)
-
-    @property
-    def failed(self) -> list[Verdict]:
-        return [v for v in self.verdicts if not v.passed]
 
 
 class ScenarioPool(Protocol):
@@ -143,40 +120,3 @@ def execute(scenarios: list[Scenario], *, snapshot_dir: str | Path, pool: Scenar
         if progress is not None:
             progress(i + 1, len(order), sc, time.perf_counter() - t0)
     return results
-
-
-def run_matrix(scenarios: list[Scenario], *, pool: WorldPool | ScenarioPool | None = None, timeout_s: float = 300.0,
-               bounds: Bounds = Bounds(), progress: Progress | None = None,
-               snapshot_dir: str | Path | None = None, say=lambda line: None, journal=None) -> RunResult:
-    """Run every scenario, build the tables, run the checks; in worlds (a WorldPool), a split run whose
-    trajectory alone left the full batch's is replayed step by step before it is blamed
-    (harness.localize.replayed). `pool`: a WorldPool to reuse (it stays open), any other ScenarioPool, or
-    None for a WorldPool of this call's own. `snapshot_dir`: where the ranks write full-parameter snapshots
-    (a temp dir of this call's own when None). `say`: a line of progress (the replays). `journal`: a
-    harness.execute.journal.Journal that keeps the snapshots and every scenario's record as it is made, and
-    gives back those of a run that stopped (snapshot_dir is then the journal's)."""
-    t0 = time.perf_counter()
-    own_pool = pool is None
-    world_pool = WorldPool(timeout_s=timeout_s) if own_pool else pool
-    scenario_pool = ReusedWorlds(world_pool, timeout_s) if isinstance(world_pool, WorldPool) else world_pool
-    if journal is not None:
-        from harness.execute.journal import Journaled
-
-        scenario_pool, snapshot_dir = Journaled(scenario_pool, journal), journal.snapshots
-    own_dir = tempfile.TemporaryDirectory(prefix="fsdp-harness-") if snapshot_dir is None else None
-    with own_dir or contextlib.nullcontext(snapshot_dir) as snapshots:
-        try:
-            records = execute(scenarios, snapshot_dir=snapshots, pool=scenario_pool, progress=progress)
-            tables = build_tables(scenarios, records)
-            verdicts = run_checks(tables, bounds)
-            if isinstance(world_pool, WorldPool):
-                from harness.localize.replayed import replay_crossings
-                verdicts = replay_crossings(scenarios, verdicts, world_pool, bounds, say=say)
-        finally:
-            if own_pool:
-                world_pool.close()
-    tables["verdicts"] = verdict_table(verdicts)
-    backend = scenarios[0].backend if scenarios else "gloo"
-    earlier_s = scenario_pool.read_back_s if journal is not None else 0.0  # what the records read back took
-    return RunResult(scenarios, tables, verdicts, environment(backend), time.perf_counter() - t0 + earlier_s,
-                     scenario_pool.worlds_started, records)

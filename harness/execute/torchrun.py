@@ -1,11 +1,10 @@
 """The scenario matrix inside a job that torchrun already launched (``torchrun ... -m harness run``).
 
-``run_matrix_under_torchrun`` runs ``harness.execute.executor.run_matrix`` with a ``TorchrunPool``:
-the pool that puts a scenario on processes torchrun (or SLURM through torchrun) started, where
-``ReusedWorlds`` puts it on worlds the harness starts. Every process of the job calls it with the
-same scenarios. The default group joins through env://; a scenario of world size w runs
-``harness.train.task:train_scenario`` on ranks 0..w-1 in a subgroup made for w (ranks w.. wait), and
-rank 0 collects the records and builds the tables, verdicts and RunResult in ``run_matrix``.
+``torchrun_job`` sets up a ``TorchrunPool``: the pool that puts a scenario on processes torchrun (or SLURM
+through torchrun) started, where ``ReusedWorlds`` puts it on worlds the harness starts. Every process of the
+job enters it with the same scenarios. The default group joins through env://; a scenario of world size w runs
+``harness.train.task:train_scenario`` on ranks 0..w-1 in a subgroup made for w (ranks w.. wait), and rank 0
+collects the records and builds the tables and verdicts (``harness.phases.run_matrix_under_torchrun``).
 
 Control goes through the job's key-value store, not through collectives, so a broken or hung
 scenario never leaves the control path in a bad state:
@@ -37,6 +36,7 @@ rendezvous endpoint of your choice) so that no fixed port is used.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import pickle
@@ -46,19 +46,19 @@ import tempfile
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Iterator
 
 import torch.distributed as dist
 
-from harness.core.policy import Bounds
 from harness.core.scenario import Scenario, has
-from harness.execute.executor import RunResult, execute, run_matrix
+from harness.execute.executor import execute
 from harness.execute.launch import (TORCHRUN_VARIABLES, NotLaunchedHere, TorchrunUsageError, check_job_fits,
                                    launched_by_torchrun, peer_wait_s)
 from harness.execute.worker import RankContext, device_for, root_cause, setup_process
 
-__all__ = ["run_matrix_under_torchrun", "TorchrunPool", "TorchrunError", "TorchrunUsageError"]
+__all__ = ["torchrun_job", "Job", "TorchrunPool", "TorchrunError", "TorchrunUsageError"]
 
 GRACE_S = 10.0  # at most, after the timeout: time for a rank whose collective timed out to report it
 HARD_EXIT_AFTER_S = 300.0  # a rank stuck past timeout + this exits even if rank 0 never finished
@@ -74,13 +74,21 @@ class TorchrunError(RuntimeError):
     """The torchrun job cannot run the matrix (not launched by torchrun, rank 0 went silent)."""
 
 
-def run_matrix_under_torchrun(scenarios: list[Scenario], *, timeout_s: float = 300.0,
-                              bounds: Bounds = Bounds(),
-                              progress: Callable[[int, int, Scenario, float], None] | None = None,
-                              ) -> RunResult | None:
-    """Run ``scenarios`` in this torchrun job; the RunResult on rank 0, None on the other ranks."""
+@dataclass
+class Job:
+    """Rank 0's view of the torchrun job a matrix runs in: the pool that puts scenarios on the job's ranks, and
+    the temp dir on rank 0's node where the snapshots go."""
+
+    pool: "TorchrunPool"
+    snapshot_dir: str
+
+
+@contextlib.contextmanager
+def torchrun_job(scenarios: list[Scenario], *, timeout_s: float = 300.0) -> Iterator[Job | None]:
+    """The job torchrun launched, set up to run `scenarios`: every process of the job enters it with the same
+    scenarios. Rank 0 gets a `Job` and runs the matrix on its pool (harness.phases.run_matrix); every other
+    rank runs its part of each scenario inside this call and gets None."""
     global _runs
-    t0 = time.perf_counter()
     if not launched_by_torchrun():
         raise TorchrunError(f"not launched by torchrun: {' / '.join(TORCHRUN_VARIABLES)} are not all set")
     rank, job_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -104,13 +112,11 @@ def run_matrix_under_torchrun(scenarios: list[Scenario], *, timeout_s: float = 3
         if rank == 0:
             with tempfile.TemporaryDirectory(prefix="fsdp-harness-") as tmp:
                 store.set("snapshot_dir", tmp.encode())
-                result = run_matrix(scenarios, pool=pool, timeout_s=timeout_s, bounds=bounds, progress=progress,
-                                    snapshot_dir=tmp)
-            result.wall_s = time.perf_counter() - t0
-            return result
+                yield Job(pool, tmp)
+            return
         store.wait(["snapshot_dir"], timedelta(seconds=timeout_s + GRACE_S + 60))
         execute(scenarios, snapshot_dir=store.get("snapshot_dir").decode(), pool=pool)
-        return None
+        yield None
     finally:
         pool.destroy_groups()
         if owns_group:

@@ -514,5 +514,7 @@ def call_or_error(pool: "WorldPool", world_size: int, task: str, payload) -> tup
         text = tracebacks[min(tracebacks)] if tracebacks else str(exc)
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
         errors = [ln for ln in lines if re.match(r"[\w.]+(Error|Exception):", ln)]
+        if not tracebacks:  # the world's own word (hung, broken): its first line says what happened
+            errors = lines[:1]
         picked = list(dict.fromkeys(errors[-1:] + lines[-1:]))  # the exception, then the last line
         return None, f"{type(exc).__name__}: {' | '.join(picked) or exc}"[:500]

@@ -8,9 +8,11 @@ import dataclasses
 import pandas as pd
 
 from harness.core.scenario import REFERENCE_IMPL
+from harness.core.verdict import FAIL
+from harness.execute.world import WorldPool
+from harness.localize.replay import replay_or_why
 from harness.localize.replayed import REPLAYED
 from harness.options import DEFAULT_LOCALIZE
-from harness.core.verdict import FAIL
 from harness.tables.schema import columns
 
 # the verdicts that compare numbers with a yardstick: a failure of any of them is localised
@@ -34,27 +36,23 @@ def to_localise(result, n: int) -> list:
     return chosen[:n]
 
 
-def localise_failures(result, n: int = DEFAULT_LOCALIZE, *, timeout_s: float = 300.0, say=lambda line: None) -> None:
-    """Localise up to `n` failing scenarios of `result` (a RunResult) in place: the "localised" table, and the
-    chain's one-line form appended to each failing verdict of those scenarios."""
-    from harness.execute.world import WorldPool
-    from harness.localize.replay import replay_or_why
-
+def localise_failures(result, n: int = DEFAULT_LOCALIZE, *, pool: WorldPool, say=lambda line: None) -> None:
+    """Localise up to `n` failing scenarios of `result` (a harness.phases.RunResult) in place, in `pool`'s worlds:
+    the "localised" table, and the chain's one-line form appended to each failing verdict of those scenarios."""
     chosen = to_localise(result, n)
     if not chosen:
         return
     say(f"localising {len(chosen)} failing scenario(s): each replayed with its yardstick, every op traced")
     rows, lines = [], {}
-    with WorldPool(timeout_s=timeout_s) as pool:
-        for sc in chosen:
-            found, why = replay_or_why(sc, pool=pool)
-            if found is None:  # the run itself stays judged: the localisation says why it could not
-                rows.append({"scenario": sc.id, "element": f"could not be localised: {why}"})
-                lines[sc.id] = f"could not be localised ({why})"
-                continue
-            rows.append(row_of(found))
-            lines[sc.id] = found.short()
-            say(f"  {sc.id}: {found.short()}")
+    for sc in chosen:
+        found, why = replay_or_why(sc, pool=pool)
+        if found is None:  # the run itself stays judged: the localisation says why it could not
+            rows.append({"scenario": sc.id, "element": f"could not be localised: {why}"})
+            lines[sc.id] = f"could not be localised ({why})"
+            continue
+        rows.append(row_of(found))
+        lines[sc.id] = found.short()
+        say(f"  {sc.id}: {found.short()}")
     result.tables["localised"] = pd.DataFrame(rows, columns=columns("localised"))
     failing = {v.scenario for v in result.verdicts if v.status == FAIL and v.check in LOCALISED_CHECKS}
     result.verdicts[:] = [dataclasses.replace(v, message=f"{v.message.rstrip('. ')}. Where it diverged: {lines[v.scenario]}")

@@ -20,6 +20,7 @@ import dataclasses
 from harness.core.policy import Bounds
 from harness.core.scenario import OPTIMIZERS, REFERENCE_IMPL, Scenario
 from harness.core.verdict import FAIL, PASS, Verdict
+from harness.localize.replay import replay_or_why
 
 CHECK = "split_matches_full_batch"
 REPLAYED = "replayed step by step"  # in every verdict a replay judged (harness.localize.auto does not redo it)
@@ -52,8 +53,6 @@ def replay_crossings(scenarios: list[Scenario], verdicts: list[Verdict], pool, b
                      say=lambda line: None) -> list[Verdict]:
     """`verdicts` with each candidate crossing replayed (`pool`: a WorldPool): PASS held to the reach where
     every step matched its yardstick beyond rounding, else FAIL naming where the run parted."""
-    from harness.localize.replay import replay_or_why
-
     chosen = candidates(scenarios, verdicts, bounds)
     if not chosen:
         return verdicts

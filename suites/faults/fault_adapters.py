@@ -20,7 +20,7 @@ fault at step 2 means: step 1 trained normally on every rank. Names:
 The raising functions are named after their phase (``raise_in_forward`` ...) and the exception
 text says phase, rank and step, so a test can check that the report points at the right place.
 ``torchrun_main`` (``python -m suites.faults.fault_adapters`` under torchrun) runs a small matrix
-through ``harness.execute.torchrun.run_matrix_under_torchrun``.
+through ``harness.phases.run_matrix_under_torchrun``.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def torchrun_main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from harness.core.scenario import Scenario
-    from harness.execute.torchrun import run_matrix_under_torchrun
+    from harness.phases import run_matrix_under_torchrun
 
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)

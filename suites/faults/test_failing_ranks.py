@@ -1,7 +1,7 @@
 """Faults: a rank that raises, dies, hangs or produces NaN, and what the run says about it.
 
 One small matrix (mlp, 3 steps, world size 2, replicated data) runs every fault adapter of
-``fault_adapters`` once through ``harness.execute.executor.run_matrix``, between good scenarios, with a short
+``fault_adapters`` once through ``harness.phases.run_matrix``, between good scenarios, with a short
 scenario timeout; the tests below read that one run (the module-scoped ``fault_run``: its worlds
 start once for all of them).
 """
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness.execute.executor import run_matrix
+from harness.phases import run_matrix
 from harness.execute.world import World, WorldPool
 from suites.faults.fault_adapters import FAULT_STEP, NAN_PARAM_STEP
 from suites.faults.processes import ENV, ROOT, _stat, wait_all_dead

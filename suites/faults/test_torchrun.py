@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from harness.execute.executor import run_matrix
+from harness.phases import run_matrix
 from suites.faults.processes import kill_session, start, wait_all_dead, wait_session_empty
 from suites.faults.scenarios import FA, scenario
 
@@ -68,7 +68,8 @@ def _no_nan(rows: list[dict]) -> list[dict]:
 
 
 def test_under_torchrun_a_scenario_larger_than_the_job_is_one_clear_error(monkeypatch):
-    from harness.execute.torchrun import TorchrunUsageError, run_matrix_under_torchrun
+    from harness.execute.torchrun import TorchrunUsageError
+    from harness.phases import run_matrix_under_torchrun
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     monkeypatch.setenv("RANK", "0")

@@ -58,7 +58,7 @@ def counterparts(m: Mutant) -> list[Mutant]:
 
 def run_exposure(names: set[str], pool, seed: int = 0, progress=None) -> list[Exposure]:
     """The counterparts of every mutant of `names` that ONLY_THERE lists, in one matrix on `pool`."""
-    from harness.execute.executor import run_matrix
+    from harness.phases import run_matrix
     from suites.mutants.score import scenarios_of
 
     chosen = [m for m in CATALOGUE if m.name in names and m.name in ONLY_THERE]

@@ -132,7 +132,7 @@ def model_limit_ids(verdicts: list[Verdict], impl_of: dict[str, str]) -> set[int
 
 
 def run_false_alarms(scenarios: list[Scenario], *, seed: int, pool=None, progress=None, journal=None) -> FalseAlarmRun:
-    from harness.execute.executor import run_matrix
+    from harness.phases import run_matrix
 
     t0 = time.perf_counter()
     res = run_matrix(scenarios, pool=pool, progress=progress, journal=journal)

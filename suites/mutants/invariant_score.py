@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from harness.core.scenario import DATA_MODES, REFERENCE_IMPL, build_matrix
+from harness.core.scenario import DATA_MODES, build_matrix
 from harness.core.verdict import FAIL, Verdict
 
 MODULE = "suites.mutants.invariant_mutants"
@@ -46,7 +46,7 @@ class InvariantMutant:
 
 
 def run_invariant_mutants(pool, world_sizes=(1, 2, 4, 8), steps: int = 3) -> list[InvariantMutant]:
-    from harness.execute.executor import run_matrix
+    from harness.phases import run_matrix
     from harness.invariant.run import run_invariant
 
     specs = {name: f"{MODULE}:{name}" for name in MUTANTS}

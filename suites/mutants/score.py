@@ -149,7 +149,7 @@ def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), poo
     `composition_seeds`: the CI compositions on the correct implementations under each seed; `sweep_dir`: the
     false-alarm sweep saves each (seed, model) there as it finishes and reads back those already there; `sweep_jobs`:
     that many parts at a time, each in a process of its own (false_alarms.run_parts)."""
-    from harness.execute.executor import run_matrix
+    from harness.phases import run_matrix
     from harness.execute.world import WorldPool
 
     t0 = time.perf_counter()

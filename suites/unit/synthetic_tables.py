@@ -253,7 +253,7 @@ def session_with_result(report, save_baseline: str | None = None):
     """A Session (harness.session) whose matrix has run: these tables at world size 1, ready to write
     its outputs to `report` (a path, DEFAULT_REPORT or None) and a baseline named `save_baseline`."""
     from harness import options as opt
-    from harness.execute.executor import RunResult
+    from harness.phases import RunResult
     from harness.session import Session, SessionOptions
     session = Session(SessionOptions(opt.MatrixOptions(), report=report, save_baseline=save_baseline))
     tables = make_tables(world_sizes=(1,), modes=("replicated",))

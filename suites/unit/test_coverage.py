@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness.core.scenario import build_matrix
-from harness.execute.executor import run_matrix
+from harness.phases import run_matrix
 from harness.train.models import get_model_spec
 
 from .partial_adapters import DROPPED

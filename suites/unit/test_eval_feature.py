@@ -134,7 +134,7 @@ def test_the_plain_eval_at_a_reference_runs_snapshots_is_its_own_eval_loss_bit_f
     """The plain model evaluated at a reference run's snapshots, on the held-out batch cut as the run cut it
     (micro-batch slices that BatchNorm normalises apart; bf16 as the reference computes it), is the eval loss the
     run recorded: the two evaluate the same function of the same parameters on the same samples."""
-    from harness.execute.executor import run_matrix
+    from harness.phases import run_matrix
 
     runs = [Scenario("reference", "bn_mlp", 1, "replicated", "sgd", steps=3, feature="eval", micro_batches=4),
             Scenario("reference", "mlp", 1, "replicated", "adamw", steps=3, feature="bf16+eval", micro_batches=2)]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from harness.core.scenario import Scenario, build_matrix
-from harness.execute.executor import execute, run_matrix
+from harness.execute.executor import execute
+from harness.phases import run_matrix
 from harness.execute.journal import Journal, JournalMismatch
 
 

@@ -95,7 +95,7 @@ def test_every_entry_point_renders_the_per_sample_section(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     session = _fresh(
         "from pathlib import Path\nfrom harness.options import MatrixOptions\n"
-        "from harness.execute.executor import RunResult\nfrom harness.session import Session, SessionOptions\n"
+        "from harness.phases import RunResult\nfrom harness.session import Session, SessionOptions\n"
         f"from harness.tables.store import load_tables\ntables, env = load_tables(Path({str(stored)!r}))\n"
         f"s = Session(SessionOptions(MatrixOptions(), report=Path({str(tmp_path / 'session.md')!r})))\n"
         "s.result = RunResult([], tables, [], env, 0.0)\ns.write_outputs()")

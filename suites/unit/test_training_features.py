@@ -206,7 +206,7 @@ class LoadsNothing:
 
 @pytest.mark.ci  # 18 scenarios; the mutant catalogue's ckpt faults and the bf16 compositions hold it quicker
 def test_split_bf16_and_resumed_runs_hold_and_a_checkpoint_never_loaded_fails_where_it_was_loaded(kept_worlds):
-    from harness.execute.executor import run_matrix
+    from harness.phases import run_matrix
 
     impls = ["fsdp_impl", "torch_fsdp2", f"{__name__}:LoadsNothing"]
     cells = build_matrix(impls, ["mlp"], [1, 2], ["split"], ["sgd"], steps=3, features=("bf16", "ckpt", "no_sync"))
@@ -247,7 +247,7 @@ def test_fsdp2_reducing_in_bf16_is_caught_by_split_data_against_the_micro_batch_
     """With replicated data the bf16 sum of equal bf16 addends is exact, so only split data shows it: against
     the plain bf16 model summing the two ranks' micro-batches (a full-batch yardstick, 2^-8 apart by
     itself, let it pass)."""
-    from harness.execute.executor import run_matrix
+    from harness.phases import run_matrix
 
     cells = build_matrix([f"{__name__}:ReduceDtypeNone"], ["tinylm"], [1, 2], ["replicated", "split"], ["adamw"],
                          steps=3, features=("bf16",))
