@@ -118,7 +118,7 @@ def cmd_report(ns) -> int:
 
 
 def cmd_plan(ns) -> int:
-    from harness.measure.planning import format_plan, plan_table
+    from harness.plan.table import format_plan, plan_table
     if not ns.allow_large:
         from harness.limits import check_plan_world_sizes, model_size
         for model in ns.model:
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
 
 def _output_errors() -> tuple[type[BaseException], ...]:
     """Writes that fail (a report, or the run's temp dir filling up during the run): one line, exit 1."""
-    from harness.execute.scratch import ScratchError
+    from harness.core.scratch import ScratchError
     from harness.tables.store import OutputError
     return (OutputError, ScratchError)
 

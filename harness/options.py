@@ -76,7 +76,7 @@ data_modes = choices(DATA_MODES)
 
 def optimizers(text: str) -> tuple[str, ...]:
     """Built-in names are checked by name; a user's 'package.module:factory' is imported and must be callable
-    (harness/train/user_optim.py; harness.preflight then builds and steps it once)."""
+    (harness/optimizers.py; harness.preflight then builds and steps it once)."""
     items = _items(text)
     for name in items:
         if name in OPTIMIZERS:
@@ -85,7 +85,7 @@ def optimizers(text: str) -> tuple[str, ...]:
             raise argparse.ArgumentTypeError(f"unknown {name!r}; choose from {', '.join(OPTIMIZERS)}, or name your "
                                              f"own optimizer 'package.module:factory' (e.g. "
                                              f"harness.train.optim:normalised_sgd)")
-        from harness.train.user_optim import OptimizerError, load_user_optimizer
+        from harness.optimizers import OptimizerError, load_user_optimizer
         try:
             load_user_optimizer(name)
         except OptimizerError as e:

@@ -139,7 +139,7 @@ def _say(config, line: str) -> None:
 def harness_run(request):
     """The session's RunResult (harness.phases.RunResult): tables, verdicts, environment.
     A temp dir that fills up during the run ends the pytest run with its one line."""
-    from harness.execute.scratch import ScratchError
+    from harness.core.scratch import ScratchError
     try:
         return get_run(request.config)
     except ScratchError as e:

@@ -6,8 +6,8 @@
   (harness/train/user_models.py check_model: build, units, a batch of the run's size, a loss that is
   the mean over the batch);
 - the user's optimizers, each built by its factory over a probe parameter and stepped once
-  (harness/train/user_optim.py check_optimizer: importable, callable, returns a torch.optim.Optimizer);
-- the temp dir the run writes into (harness/execute/scratch.py): a TMPDIR that cannot take a file;
+  (harness/optimizers.py check_optimizer: importable, callable, returns a torch.optim.Optimizer);
+- the temp dir the run writes into (harness/core/scratch.py): a TMPDIR that cannot take a file;
 - the upper limits of harness/limits.py (world size by memory, steps by the temp dir's free space),
   unless `--allow-large`.
 
@@ -40,7 +40,7 @@ def checked_matrix(ns) -> MatrixOptions:
 def check(matrix: MatrixOptions) -> None:
     _check_user_models(matrix)
     _check_user_optimizers(matrix)
-    from harness.execute.scratch import ScratchError, temp_dir
+    from harness.core.scratch import ScratchError, temp_dir
     try:
         temp = temp_dir()
     except ScratchError as e:
@@ -72,7 +72,7 @@ def _check_user_optimizers(matrix: MatrixOptions) -> None:
     mine = [o for o in matrix.optimizers if user_optimizer(o)]
     if not mine:
         return
-    from harness.train.user_optim import OptimizerError, check_optimizer
+    from harness.optimizers import OptimizerError, check_optimizer
     try:
         for name in mine:
             check_optimizer(name, matrix.lr)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from harness.train.models import get_model_spec
-from harness.train.optim import make_optimizer
+from harness.optimizers import make_optimizer
 
 BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
 

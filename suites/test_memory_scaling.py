@@ -11,7 +11,7 @@ GPT-2-medium-size tier is marked slow (--slow).
 import pytest
 import torch
 
-from harness.measure.planning import plan_table
+from harness.plan.table import plan_table
 from harness.train.models import get_model_spec
 
 

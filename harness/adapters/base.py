@@ -19,7 +19,7 @@ Methods:
   submodules to shard as separate units, bottom-up; the root is expected to be wrapped last.
   Move the model to ``device`` (``cpu`` for gloo, ``cuda:i`` for nccl). The gradient the
   optimizer sees must be the MEAN over ranks (each rank's loss is its local-batch mean).
-- ``make_optimizer``: default ``harness.train.optim.make_optimizer(wrapped.parameters(), name, lr)``.
+- ``make_optimizer``: default ``harness.optimizers.make_optimizer(wrapped.parameters(), name, lr)``.
   ``name`` is ``"adamw"``, ``"sgd"`` or a user's ``"package.module:factory"`` (``--optimizers``), which
   that function builds as ``factory(params, lr=lr)``; an override should build every name through it,
   so that the reference and the implementation step the same optimizer. A per-matrix optimizer (its
@@ -82,7 +82,7 @@ import inspect
 import torch
 from torch import Tensor, nn
 
-from harness.train.optim import make_optimizer as _make_optimizer
+from harness.optimizers import make_optimizer as _make_optimizer
 
 REQUIRED = ("wrap", "full_params")
 OPTIONAL = ("make_optimizer", "after_backward")

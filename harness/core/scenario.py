@@ -410,7 +410,7 @@ def scenario_id(impl: str, model: str, world_size: int, data_mode: str, optimize
 
 
 def user_optimizer(name: str) -> bool:
-    """A user's optimizer factory ``"package.module:factory"`` (harness/train/user_optim.py), not a built-in."""
+    """A user's optimizer factory ``"package.module:factory"`` (harness/optimizers.py), not a built-in."""
     return name not in OPTIMIZERS and ":" in name
 
 

@@ -104,7 +104,7 @@ def _serve(ctx: RankContext, conn: Connection) -> None:
             reply = ("ok", resolve(fn)(ctx, payload))
             conn.send(reply)  # pickles first: an unpicklable value raises before anything is written
         except BaseException as exc:
-            # an error that is no scenario's (harness.execute.scratch.ScratchError) goes back as itself
+            # an error that is no scenario's (harness.core.scratch.ScratchError) goes back as itself
             ends_run = getattr(exc, "ends_the_run", False)
             conn.send(("fatal", exc) if ends_run else ("error", traceback.format_exc()))
 

@@ -1,7 +1,7 @@
 """Per-rank measurement for any data-parallel implementation: collectives and their bytes
 (`CommCounter`), training state held (`state_bytes`), peak memory by category over a step
-(`PeakMemory`), the ZeRO-3 ideals they are compared with (`harness.measure.ideals`, torch-free), and a
-one-process memory planner for large world sizes (`harness.measure.plan.plan_memory`, imported on demand).
+(`PeakMemory`) and the ZeRO-3 ideals they are compared with (`harness.measure.ideals`, torch-free). The memory
+planner for large world sizes, which builds models and wraps them, is harness.plan's.
 
 The names are loaded on first use: the process that only judges a run needs the ideals, not the rank
 side's torch.distributed imports (over a second of every CLI and pytest start)."""

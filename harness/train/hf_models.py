@@ -35,7 +35,8 @@ from torch import Tensor, nn
 
 from harness.core.names import unknown_hf_model
 from harness.train.model_spec import ModelSpec, lm_batch, lm_loss
-from harness.train.user_models import ModelError, one_line
+from harness.core.loading import one_line
+from harness.train.user_models import ModelError
 
 SEQ_LEN = 16  # tokens per sample make_batch returns (within both models' context)
 INSTALL = "pip install -e .[hf]"

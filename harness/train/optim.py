@@ -1,35 +1,9 @@
-"""Optimizers by name: the built-in ``adamw`` and ``sgd``, a user's factory ``package.module:factory``
-(harness/train/user_optim.py), and the zoo's per-matrix optimizer `normalised_sgd`.
-
-``foreach=False`` everywhere: the per-parameter loop is the same code path on plain tensors and
-DTensors, on CPU and CUDA, so optimizer math never differs between runs."""
+"""The zoo's per-matrix optimizer, `normalised_sgd`, named on the command line as a user's optimizer is
+(``--optimizers harness.train.optim:normalised_sgd``; harness.optimizers builds it by that name)."""
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
-
-from harness.core.policy import ADAMW_BETAS
-from harness.core.scenario import OPTIMIZERS, user_optimizer
-
-ADAMW_WEIGHT_DECAY = 0.01
-SGD_MOMENTUM = 0.9
-
-
-def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float) -> torch.optim.Optimizer:
-    """``"adamw"``: AdamW(weight_decay=0.01); ``"sgd"``: SGD(momentum=0.9); ``"package.module:factory"``:
-    ``factory(params, lr=lr)``, held to return a ``torch.optim.Optimizer`` (OptimizerError, one line)."""
-    params = list(params)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=ADAMW_BETAS, weight_decay=ADAMW_WEIGHT_DECAY, foreach=False)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM, foreach=False)
-    if user_optimizer(name):
-        from harness.train.user_optim import build_user_optimizer
-
-        return build_user_optimizer(name, params, lr)
-    raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}, or 'package.module:factory'")
 
 
 class NormalisedSGD(torch.optim.Optimizer):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from harness.adapters import load_adapter
 from harness.core.policy import Bounds
 from harness.core.scenario import Scenario, clip_of, has, shard_size
-from harness.execute.scratch import writing_into
+from harness.core.scratch import writing_into
 from harness.measure import CommCounter, PeakMemory
 from harness.measure.census import Census
 from harness.measure.layout import rows_held

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from harness.train.optim import make_optimizer
+from harness.optimizers import make_optimizer
 from suites.mutants.injection import MutantAdapter
 
 

@@ -1,5 +1,5 @@
 """Upper limits derived from the machine and the models (harness/limits.py), the temp dir a run writes
-into (harness/execute/scratch.py), and their place before anything runs (harness/preflight.py)."""
+into (harness/core/scratch.py), and their place before anything runs (harness/preflight.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from harness import limits, preflight
-from harness.execute import scratch
+from harness.core import scratch
 from harness.options import MatrixOptions
 from harness.train.models import get_model_spec
 
@@ -86,7 +86,7 @@ def test_the_run_files_grow_by_one_snapshot_per_step_and_scenario():
 # -- planner ---------------------------------------------------------------------------------------
 
 def test_the_planner_stops_at_the_models_largest_dim_0_where_the_state_stops_falling():
-    from harness.measure.planning import plan_table
+    from harness.plan.table import plan_table
 
     size = limits.model_size("tinylm")
     limits.check_plan_world_sizes("tinylm", (1, size.largest_rows), size)

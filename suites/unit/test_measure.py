@@ -341,7 +341,7 @@ def test_peak_sees_a_known_temporary():
 
 
 def test_plan_memory_scales_by_world_size():
-    from harness.measure.plan import fsdp2_wrap, plan_memory
+    from harness.plan.memory import fsdp2_wrap, plan_memory
 
     widths = (64, 64, 64, 64)
     sizes = [1, 2, 4, 8]
@@ -355,7 +355,7 @@ def test_plan_memory_scales_by_world_size():
 
 
 def test_plan_memory_fake_step_gives_peak_that_falls():
-    from harness.measure.plan import fsdp2_wrap, plan_memory
+    from harness.plan.memory import fsdp2_wrap, plan_memory
 
     widths = (32, 64, 64, 32)
     rows = plan_memory(lambda: mlp(widths), fsdp2_wrap, [1, 4], "adamw",

@@ -8,7 +8,7 @@ from torch import nn
 
 from harness.train.data import global_batch, local_slice
 from harness.train.models import MODELS, LMConfig, TransformerLM, get_model_spec, materialize_meta
-from harness.train.optim import make_optimizer
+from harness.optimizers import make_optimizer
 
 SMALL = ["mlp", "mlp_frozen", "tinylm", "tinylm_tied", "tied_vocab33"]  # gpt2_medium and lm_50m are only ever built on meta here
 

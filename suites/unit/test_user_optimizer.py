@@ -19,8 +19,8 @@ from harness.core.policy import Bounds, not_exact
 from harness.core.scenario import Scenario, user_optimizer
 from harness.localize.replay import scenario_of_id
 from harness.measure import ideal_state_bytes
-from harness.train.optim import NormalisedSGD, make_optimizer
-from harness.train.user_optim import OptimizerError, check_optimizer
+from harness.optimizers import OptimizerError, check_optimizer, make_optimizer
+from harness.train.optim import NormalisedSGD
 from suites.unit.synthetic_tables import LOSSES, P_BYTES, ZERO
 from suites.unit.synthetic_tables import cell as _sc
 from suites.unit.synthetic_tables import check_tables as make
@@ -39,7 +39,7 @@ def test_a_user_factory_is_an_optimizer_name_beside_the_built_in_ones():
     ("lamb", "unknown 'lamb'; choose from adamw, sgd, or name your own optimizer 'package.module:factory'"),
     ("no_such_pkg.optim:lion", "module 'no_such_pkg.optim' could not be imported"),
     ("harness.train.optim:lion", "module 'harness.train.optim' has no attribute 'lion'"),
-    ("harness.train.optim:SGD_MOMENTUM", "SGD_MOMENTUM is a float, not a callable factory(params, lr=lr)"),
+    ("harness.optimizers:SGD_MOMENTUM", "SGD_MOMENTUM is a float, not a callable factory(params, lr=lr)"),
 ])
 def test_a_bad_name_is_one_usage_error_line_at_parse_time(name, says):
     with pytest.raises(argparse.ArgumentTypeError) as err:

@@ -57,12 +57,12 @@ def unpicklable(ctx: RankContext, payload: object) -> object:
 
 
 def temp_dir_full(ctx: RankContext, payload: object) -> None:
-    """A write into the run's temp dir that finds the disk full (harness.execute.scratch)."""
+    """A write into the run's temp dir that finds the disk full (harness.core.scratch)."""
     import errno
     import os
     import tempfile
 
-    from harness.execute.scratch import writing_into
+    from harness.core.scratch import writing_into
 
     with writing_into(tempfile.gettempdir()):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_impl import fully_shard, load_sharded, save_sharded
 from harness.train.models import MLP, get_model_spec
-from harness.train.optim import make_optimizer
+from harness.optimizers import make_optimizer
 from suites.unit.fsdp_worlds.common import build as build_sharded
 from suites.unit.fsdp_worlds.common import local_batch, named_full, padding_max, patched
 from suites.unit.fsdp_worlds.hybrid import shard_hybrid

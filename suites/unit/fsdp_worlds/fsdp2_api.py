@@ -28,7 +28,7 @@ from harness.adapters.fsdp_impl import FsdpImplAdapter
 from harness.adapters.torch_fsdp2 import TorchFSDP2Adapter
 from harness.train.features import wrap_for
 from harness.train.models import get_model_spec
-from harness.train.optim import make_optimizer
+from harness.optimizers import make_optimizer
 from suites.unit.fsdp_worlds.common import local_batch, named_full, patched
 from suites.unit.fsdp_worlds.hybrid import groups as hybrid_groups
 

@@ -20,7 +20,7 @@ from fsdp_impl import clip_grad_norm_, fully_shard, hybrid_groups, materialize_m
 from fsdp_impl.state import units
 from fsdp_impl.collectives import hybrid_reduce_mean
 from harness.train.models import get_model_spec
-from harness.train.optim import make_optimizer
+from harness.optimizers import make_optimizer
 from suites.unit.fsdp_worlds.common import full_grads, local_batch, named_full, patched, to_numpy
 from suites.unit.fsdp_worlds.wrapping import WithBuffer
 

@@ -12,7 +12,7 @@ from fsdp_impl import clip_grad_norm_
 from fsdp_impl.invariant import invariant_forward_backward
 from harness.adapters.reference import tree_sum as tree
 from harness.train.models import get_model_spec
-from harness.train.optim import make_optimizer
+from harness.optimizers import make_optimizer
 from suites.unit.fsdp_worlds.common import named_full, shard_model
 
 

@@ -15,7 +15,7 @@ from torch import nn
 import fsdp_impl.group as fsdp_group
 from fsdp_impl.state import units
 from fsdp_impl.param import ShardState
-from harness.train.optim import make_optimizer
+from harness.optimizers import make_optimizer
 from suites.unit.fsdp_worlds.common import build, local_batch, patched, shard_model
 
 

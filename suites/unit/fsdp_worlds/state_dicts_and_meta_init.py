@@ -8,7 +8,7 @@ import torch
 
 from fsdp_impl import full_state_dict, load_full_state_dict, materialize_meta
 from harness.train.models import get_model_spec
-from harness.train.optim import make_optimizer
+from harness.optimizers import make_optimizer
 from suites.unit.fsdp_worlds.common import build, local_batch, padding_max, shard_model, to_numpy
 
 

@@ -16,7 +16,7 @@ import fsdp_impl.group as fsdp_group
 from fsdp_impl import clip_grad_norm_, fully_shard, set_requires_gradient_sync
 from fsdp_impl.state import units
 from harness.train.models import get_model_spec
-from harness.train.optim import make_optimizer
+from harness.optimizers import make_optimizer
 from suites.unit.fsdp_worlds.common import (
     build,
     full_grads,

@@ -2,7 +2,7 @@
 
 One process, PyTorch's fake process group, the model built on the meta device: per-rank state
 (params, grads, optimizer state) at world sizes far beyond this machine, against the ZeRO-3
-ideal. See harness/measure/plan.py for what is and is not measured.
+ideal. See harness/plan/memory.py for what is and is not measured.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 
 from harness.adapters import load_adapter
-from harness.measure.plan import fsdp2_wrap, plan_memory
+from harness.plan.memory import fsdp2_wrap, plan_memory
 from harness.train.models import get_model_spec
 
 

@@ -41,7 +41,7 @@ STATE = ("params", "grads", "optimizer_state")
 
 def make_optimizer(name: str, params: Any, lr: float = 1e-3) -> torch.optim.Optimizer:
     """The harness's own optimizers (``harness.train.optim``), so plans match what training runs."""
-    from harness.train.optim import make_optimizer as harness_optimizer
+    from harness.optimizers import make_optimizer as harness_optimizer
 
     return harness_optimizer(params, name, lr)
 
