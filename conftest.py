@@ -1,8 +1,8 @@
 # The harness's pytest plugin (options, session run, report) lives in harness/plugin.py and is also
 # registered through the `pytest11` entry point when the package is installed.
-pytest_plugins = ["harness.plugin"]
-
 import os
+
+pytest_plugins = ["harness.plugin"]
 
 # Where PYTHONDONTWRITEBYTECODE is set, every process the suites start (the xdist workers, the CLI and pytest
 # runs the tests make, each one's forkserver: about two hundred) compiled the project's modules from source

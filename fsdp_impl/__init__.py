@@ -43,13 +43,26 @@ Knows nothing of the harness; any training loop can use it.
 from .api import full_state_dict, fully_shard, load_full_state_dict, set_requires_gradient_sync
 from .checkpoint import load_sharded, save_sharded
 from .clip import clip_grad_norm_
+from .invariant import invariant_forward_backward
 from .mesh import hybrid_groups
 from .meta_init import materialize_meta
 from .mixed_precision import MixedPrecisionPolicy
-from .invariant import invariant_forward_backward
 from .module import FSDPModule, UnshardHandle
 from .offload import CPUOffloadPolicy
 
-__all__ = ["fully_shard", "hybrid_groups", "set_requires_gradient_sync", "clip_grad_norm_", "full_state_dict",
-           "load_full_state_dict", "save_sharded", "load_sharded", "materialize_meta", "MixedPrecisionPolicy",
-           "CPUOffloadPolicy", "invariant_forward_backward", "FSDPModule", "UnshardHandle"]
+__all__ = [
+    "fully_shard",
+    "hybrid_groups",
+    "set_requires_gradient_sync",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "load_full_state_dict",
+    "save_sharded",
+    "load_sharded",
+    "materialize_meta",
+    "MixedPrecisionPolicy",
+    "CPUOffloadPolicy",
+    "invariant_forward_backward",
+    "FSDPModule",
+    "UnshardHandle",
+]

@@ -21,10 +21,19 @@ from .param import Owner, ShardedParam
 from .state import UnitState, sharded_params, units
 
 
-def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, process_group=None, replicate_group=None,
-                reshard_after_forward: bool | int | None = True, mp_policy: MixedPrecisionPolicy | None = None,
-                shard_placement_fn=None, offload_policy: CPUOffloadPolicy | None = None, ignored_params=None,
-                dp_mesh_dims=None) -> nn.Module:
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    process_group=None,
+    replicate_group=None,
+    reshard_after_forward: bool | int | None = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    shard_placement_fn=None,
+    offload_policy: CPUOffloadPolicy | None = None,
+    ignored_params=None,
+    dp_mesh_dims=None,
+) -> nn.Module:
     """Shard `module`'s parameters (those not already in a sharded submodule) across `process_group`.
 
     Apply bottom-up: each block first, then the root. Afterwards every parameter is, under its
@@ -72,13 +81,15 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, process_gr
     if getattr(module, "_fsdp_state", None) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
     if not dist.is_initialized():
-        raise RuntimeError("fully_shard needs torch.distributed: call init_process_group first "
-                           "(a world of size 1 is fine)")
+        raise RuntimeError(
+            "fully_shard needs torch.distributed: call init_process_group first (a world of size 1 is fine)"
+        )
     dtensor_mesh = None  # made from the shard group unless a 1-D mesh was given
     if mesh is not None:
         if process_group is not None or replicate_group is not None:
-            raise ValueError("fully_shard: give either mesh= (FSDP2's form) or process_group= / replicate_group=, "
-                             "not both")
+            raise ValueError(
+                "fully_shard: give either mesh= (FSDP2's form) or process_group= / replicate_group=, not both"
+            )
         process_group, replicate_group, dtensor_mesh = groups_from_mesh(mesh)
     group = process_group if process_group is not None else dist.group.WORLD
     if replicate_group is not None and dist.get_world_size(replicate_group) == 1:
@@ -95,21 +106,28 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, process_gr
                 continue  # a sharded child's parameter
             fqn = f"{prefix}.{name}" if prefix else name
             if getattr(p, "_fsdp_claimed", False):
-                raise ValueError(f"parameter '{fqn}' is shared with a module already passed to fully_shard; "
-                                 f"tied parameters must live in one unit: shard their common ancestor instead")
+                raise ValueError(
+                    f"parameter '{fqn}' is shared with a module already passed to fully_shard; "
+                    f"tied parameters must live in one unit: shard their common ancestor instead"
+                )
             entries.setdefault(id(p), (p, []))[1].append(Owner(sub, name, fqn))
 
     dtensor_mesh = dtensor_mesh or _mesh(group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    params = [ShardedParam(p, owners, dtensor_mesh, rank, world, mp.param_dtype, _shard_dim(shard_placement_fn, p),
-                           offload_policy) for p, owners in entries.values()]
+    params = [
+        ShardedParam(
+            p, owners, dtensor_mesh, rank, world, mp.param_dtype, _shard_dim(shard_placement_fn, p), offload_policy
+        )
+        for p, owners in entries.values()
+    ]
     for p, _ in entries.values():
         p._fsdp_claimed = True  # the original, still held by any module outside this unit
     _broadcast_buffers(module, group)
     if replicate_group is not None:  # then every replica takes its rank 0's, which now holds rank 0's
         _broadcast_buffers(module, replicate_group)
-    state = UnitState(module, ParamGroup(params, group, replicate_group, mp, post_forward),
-                      reshard_after_forward, mp.param_dtype)
+    state = UnitState(
+        module, ParamGroup(params, group, replicate_group, mp, post_forward), reshard_after_forward, mp.param_dtype
+    )
     for _, unit in units(module):  # the units already under `module` prefetch in its forward order
         unit.schedule = state.schedule
     module._fsdp_state = state
@@ -134,8 +152,10 @@ def _post_forward(reshard_after_forward: bool | int | None, group) -> tuple[bool
         return reshard_after_forward, None
     world = dist.get_world_size(group)
     if not isinstance(reshard_after_forward, int) or reshard_after_forward < 1 or world % reshard_after_forward:
-        raise ValueError(f"fully_shard: reshard_after_forward must be a bool or a divisor of the shard group's "
-                         f"{world} ranks, not {reshard_after_forward!r}")
+        raise ValueError(
+            f"fully_shard: reshard_after_forward must be a bool or a divisor of the shard group's "
+            f"{world} ranks, not {reshard_after_forward!r}"
+        )
     if reshard_after_forward in (1, world):
         return reshard_after_forward == world, None
     return True, post_forward_group(group, reshard_after_forward)
@@ -221,4 +241,3 @@ def load_full_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor])
         for k, q in plain.items():
             if k in state_dict:
                 q.copy_(state_dict[k])
-

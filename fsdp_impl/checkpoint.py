@@ -45,6 +45,7 @@ INFO = "fsdp_impl.json"
 
 # ------------------------------------------------------------------------------------- save
 
+
 def save_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> None:
     """Write this rank's rows of `module`'s parameters and buffers (and of `optimizer`'s state, if
     given) under directory `path`. Collective over the module's process group; returns once every
@@ -92,8 +93,10 @@ def _optimizer_state(optimizer, names: dict[int, str]) -> dict:
     """The optimizer's state by parameter name, its groups' hyper-parameters as one bytes leaf (DCP
     keeps it whole: one value, whatever types the hyper-parameters have)."""
     state = {names[id(p)]: dict(s) for p, s in optimizer.state.items() if s}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-              for g in optimizer.param_groups]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
     buffer = io.BytesIO()
     torch.save(groups, buffer)
     return {"state": state, "param_groups": buffer.getvalue()}
@@ -103,9 +106,11 @@ def _info(module, optimizer, names: dict[int, str], group) -> dict:
     params = {n: [list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in module.named_parameters()}
     opt = None
     if optimizer is not None:
-        opt = {"type": type(optimizer).__name__,
-               "param_groups": [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups],
-               "state": {names[id(p)]: sorted(s) for p, s in optimizer.state.items() if s}}
+        opt = {
+            "type": type(optimizer).__name__,
+            "param_groups": [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups],
+            "state": {names[id(p)]: sorted(s) for p, s in optimizer.state.items() if s},
+        }
     return {"format": FORMAT, "world_size": dist.get_world_size(group), "params": params, "optimizer": opt}
 
 
@@ -121,6 +126,7 @@ def _atomic_write(path: str, text: str) -> None:
 
 
 # ------------------------------------------------------------------------------------- load
+
 
 def load_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> None:
     """Fill `module`'s parameters and buffers (and `optimizer`'s state and hyper-parameters, if given)
@@ -198,6 +204,7 @@ def _load_optimizer(optimizer, loaded: dict, names: dict[int, str]) -> None:
 
 # ----------------------------------------------------------------------------------- checks
 
+
 def _read_info(path: str) -> dict:
     f = os.path.join(path, INFO)
     if not os.path.exists(f):
@@ -223,14 +230,19 @@ def _check_model(info: dict, module, path: str) -> None:
     only_saved, only_here = set(saved) - set(here), set(here) - set(saved)
     parts = []
     if only_saved or only_here:
-        parts.append(f"only in the checkpoint: {_short(only_saved) or 'none'}; only here: {_short(only_here) or 'none'}")
+        parts.append(
+            f"only in the checkpoint: {_short(only_saved) or 'none'}; only here: {_short(only_here) or 'none'}"
+        )
     for n in here:  # the first in the model's order
         if n in saved and saved[n] != here[n]:
-            parts.append(f"'{n}' is {tuple(here[n][0])} {here[n][1]} here but {tuple(saved[n][0])} {saved[n][1]} "
-                         f"in the checkpoint")
+            parts.append(
+                f"'{n}' is {tuple(here[n][0])} {here[n][1]} here but {tuple(saved[n][0])} {saved[n][1]} "
+                f"in the checkpoint"
+            )
             break
-    raise ValueError(f"load_sharded: a different model: parameters differ from the checkpoint at {path} "
-                     f"({'; '.join(parts)})")
+    raise ValueError(
+        f"load_sharded: a different model: parameters differ from the checkpoint at {path} ({'; '.join(parts)})"
+    )
 
 
 def _check_files(info: dict, path: str) -> None:
@@ -241,32 +253,41 @@ def _check_files(info: dict, path: str) -> None:
     files = {getattr(s, "relative_path", None) for s in (meta.storage_data or {}).values()}
     missing = [f for f in files if f and not os.path.exists(os.path.join(path, f))]
     if missing:
-        raise ValueError(f"load_sharded: the checkpoint at {path} (saved by {info['world_size']} ranks) is "
-                         f"missing {_short(missing)}")
+        raise ValueError(
+            f"load_sharded: the checkpoint at {path} (saved by {info['world_size']} ranks) is missing {_short(missing)}"
+        )
 
 
 def _check_optimizer(info: dict, optimizer, names: dict[int, str], path: str) -> None:
     """The checkpoint holds optimizer state of the same type, in as many groups, over the same parameters."""
     saved = info["optimizer"]
     if saved is None:
-        raise ValueError(f"load_sharded: the checkpoint at {path} holds no optimizer state "
-                         f"(saved with optimizer=None); pass optimizer=None to load the parameters only")
+        raise ValueError(
+            f"load_sharded: the checkpoint at {path} holds no optimizer state "
+            f"(saved with optimizer=None); pass optimizer=None to load the parameters only"
+        )
     kind = type(optimizer).__name__
     if saved["type"] != kind:
-        raise ValueError(f"load_sharded: the checkpoint at {path} holds the state of a {saved['type']} "
-                         f"optimizer, not of a {kind}")
+        raise ValueError(
+            f"load_sharded: the checkpoint at {path} holds the state of a {saved['type']} optimizer, not of a {kind}"
+        )
     if len(saved["param_groups"]) != len(optimizer.param_groups):
-        raise ValueError(f"load_sharded: the optimizer has {len(optimizer.param_groups)} param group(s), "
-                         f"the checkpoint at {path} {len(saved['param_groups'])}")
+        raise ValueError(
+            f"load_sharded: the optimizer has {len(optimizer.param_groups)} param group(s), "
+            f"the checkpoint at {path} {len(saved['param_groups'])}"
+        )
     for g, (group, theirs) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
         mine = [names[id(p)] for p in group["params"]]
         if sorted(mine) != sorted(theirs):
             diff = set(mine) ^ set(theirs)
-            raise ValueError(f"load_sharded: optimizer param group {g} holds other parameters than in the "
-                             f"checkpoint at {path}: {_short(diff) or 'a parameter listed twice'}")
+            raise ValueError(
+                f"load_sharded: optimizer param group {g} holds other parameters than in the "
+                f"checkpoint at {path}: {_short(diff) or 'a parameter listed twice'}"
+            )
 
 
 # ------------------------------------------------------------------------------ agreement
+
 
 def _together(group, context: str, fn):
     """fn() on this rank, then _agree on the outcome: fn's result, or every rank raises."""
@@ -304,6 +325,7 @@ def _agree(error: BaseException | None, group, context: str) -> None:
 
 # -------------------------------------------------------------------------------- helpers
 
+
 def _checkpoint_group(module: nn.Module, who: str):
     """The group every rank holding a part of `module` is in: the units' shard group, or under HSDP
     the whole job (the replicas write the same rows; DCP keeps one copy)."""
@@ -315,16 +337,20 @@ def _checkpoint_group(module: nn.Module, who: str):
         if group is None:
             group = state.params.group
         elif state.params.group is not group:
-            raise ValueError(f"{who}: unit '{prefix}' uses another process group than the first unit; "
-                             f"one group per model is supported")
+            raise ValueError(
+                f"{who}: unit '{prefix}' uses another process group than the first unit; "
+                f"one group per model is supported"
+            )
     if group is None:
         raise ValueError(f"{who}: no fully_shard unit with parameters under this {type(module).__name__}")
     if hybrid:
         replicas = next(s.params.replicate_group for _, s in units(module) if s.params.replicate_group is not None)
         if dist.get_world_size(group) * dist.get_world_size(replicate_group := replicas) != dist.get_world_size():
-            raise ValueError(f"{who}: a hybrid-sharded model over part of the job is not supported "
-                             f"(its {dist.get_world_size(group)} x {dist.get_world_size(replicate_group)} ranks "
-                             f"are not the whole job)")
+            raise ValueError(
+                f"{who}: a hybrid-sharded model over part of the job is not supported "
+                f"(its {dist.get_world_size(group)} x {dist.get_world_size(replicate_group)} ranks "
+                f"are not the whole job)"
+            )
         return dist.group.WORLD
     return group
 
@@ -350,7 +376,9 @@ def _optimizer_index(module, optimizer, names: dict[int, str], who: str) -> set:
     for g, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) not in names:
-                raise ValueError(f"{who}: optimizer param group {g} holds a parameter of shape "
-                                 f"{tuple(p.shape)} that is not a parameter of this {type(module).__name__}")
+                raise ValueError(
+                    f"{who}: optimizer param group {g} holds a parameter of shape "
+                    f"{tuple(p.shape)} that is not a parameter of this {type(module).__name__}"
+                )
             held.add(p)
     return held

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .state import sharded_params, units
 from .mesh import device_for
+from .state import sharded_params, units
 
 
 def all_reduce_norm(value: torch.Tensor, op, group) -> None:
@@ -93,12 +93,14 @@ def _invariant_sq(module: nn.Module, group) -> torch.Tensor:
             layout.append(("whole", _row_sums(q.grad)))
             continue
         if p.dim != 0:
-            raise ValueError(f"clip_grad_norm_(batch_invariant=True): '{p.fqn}' is sharded on dim {p.dim}; the "
-                             f"invariant norm reads dim-0 rows")
+            raise ValueError(
+                f"clip_grad_norm_(batch_invariant=True): '{p.fqn}' is sharded on dim {p.dim}; the "
+                f"invariant norm reads dim-0 rows"
+            )
         local = q.grad._local_tensor if isinstance(q.grad, DTensor) else q.grad
         sums = _row_sums(local, p.end - p.start)
         padded = torch.zeros(p.chunk, dtype=torch.float64, device=device)
-        padded[:sums.numel()] = sums.to(device)
+        padded[: sums.numel()] = sums.to(device)
         pieces.append(padded)
         layout.append(("sharded", p, offset))
         offset += p.chunk
@@ -110,6 +112,7 @@ def _invariant_sq(module: nn.Module, group) -> torch.Tensor:
             gathered.copy_(send)
         else:
             from .collectives import all_gather_single
+
             all_gather_single(gathered, send, group=group)
         gathered = gathered.view(world, -1)
     rows = []
@@ -117,12 +120,13 @@ def _invariant_sq(module: nn.Module, group) -> torch.Tensor:
         if kind == "whole":
             rows.append(a.to(device))
         else:
-            rows.append(gathered[:, rest[0]:rest[0] + a.chunk].reshape(-1)[:a.rows])
+            rows.append(gathered[:, rest[0] : rest[0] + a.chunk].reshape(-1)[: a.rows])
     return torch.cat(rows).sum() if rows else torch.zeros((), dtype=torch.float64, device=device)
 
 
-def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, *,
-                    batch_invariant: bool = False) -> torch.Tensor:
+def clip_grad_norm_(
+    module: nn.Module, max_norm: float, norm_type: float = 2.0, *, batch_invariant: bool = False
+) -> torch.Tensor:
     """Scale every gradient of `module` (sharded by fully_shard) so that the global norm is at most
     `max_norm`, as ``torch.nn.utils.clip_grad_norm_`` does for an unsharded model (same coefficient
     ``max_norm / (norm + 1e-6)``, clamped at 1). Returns the global norm before clipping (float32,
@@ -144,16 +148,21 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0, 
         total = _invariant_sq(module, group).sqrt().to(dtype).to(device)
     elif world == 1:  # torch's computation on the whole parameters: per-parameter norms, then their norm
         norms = torch._foreach_norm(own, norm_type) if own else []
-        total = (torch.linalg.vector_norm(torch.stack(list(norms)), norm_type) if norms
-                 else torch.zeros((), dtype=dtype, device=device))
+        total = (
+            torch.linalg.vector_norm(torch.stack(list(norms)), norm_type)
+            if norms
+            else torch.zeros((), dtype=dtype, device=device)
+        )
     elif norm_type == math.inf:  # the collective runs where the group's backend takes tensors (offloaded
         local = max((float(t.abs().max()) for t in own if t.numel()), default=0.0)  # gradients: on the host)
         total = torch.tensor(local, dtype=dtype, device=device_for(group))
         all_reduce_norm(total, dist.ReduceOp.MAX, group)
         total = total.to(device)
     else:
-        sq = sum((t.double().pow(2).sum().to(device_for(group)) for t in own),
-                 torch.zeros((), dtype=torch.float64, device=device_for(group)))
+        sq = sum(
+            (t.double().pow(2).sum().to(device_for(group)) for t in own),
+            torch.zeros((), dtype=torch.float64, device=device_for(group)),
+        )
         all_reduce_norm(sq, dist.ReduceOp.SUM, group)
         total = sq.sqrt().to(dtype).to(device)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

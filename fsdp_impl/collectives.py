@@ -30,8 +30,9 @@ def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group, async_op: boo
     return all_gather_single(out, shard.contiguous(), group=group, async_op=async_op)
 
 
-def reduce_scatter_mean(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype,
-                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def reduce_scatter_mean(
+    full_grad: torch.Tensor, group, reduce_dtype: torch.dtype, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """This rank's chunk of the mean over ranks of `full_grad` (1D, W equal chunks), accumulated in
     `reduce_dtype` and returned in `out_dtype` (default `reduce_dtype`).
 
@@ -50,8 +51,9 @@ def reduce_scatter_mean(full_grad: torch.Tensor, group, reduce_dtype: torch.dtyp
     return _exchanged_sum(full_grad, group, reduce_dtype, out_dtype or reduce_dtype, divisor=world)
 
 
-def _exchanged_sum(full_grad: torch.Tensor, group, dtype: torch.dtype, out_dtype: torch.dtype,
-                   divisor: int | None = None) -> torch.Tensor:
+def _exchanged_sum(
+    full_grad: torch.Tensor, group, dtype: torch.dtype, out_dtype: torch.dtype, divisor: int | None = None
+) -> torch.Tensor:
     """The all-to-all (chunk j received: rank j's copy of this rank's chunk), then ``in_rank_order``."""
     recv = torch.empty_like(full_grad, memory_format=torch.contiguous_format)
     dist.all_to_all_single(recv, full_grad.contiguous(), group=group)
@@ -93,8 +95,13 @@ def reduce_scatter_sum(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype
     return _exchanged_sum(full_grad, group, reduce_dtype, reduce_dtype)
 
 
-def hybrid_reduce_mean(full_grad: torch.Tensor, shard_group, replicate_group,
-                       reduce_dtype: torch.dtype, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def hybrid_reduce_mean(
+    full_grad: torch.Tensor,
+    shard_group,
+    replicate_group,
+    reduce_dtype: torch.dtype,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """HSDP: this rank's shard of the mean of `full_grad` over all R x S ranks (S in `shard_group`,
     R in `replicate_group`), in `reduce_dtype`.
 
@@ -144,8 +151,9 @@ def sum_in_rank_order(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 BLOCK = 1 << 15  # elements summed at a time on the CPU: a 256 KiB float64 accumulator stays in cache
 
 
-def in_rank_order(parts: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype,
-                  divisor: int | None = None) -> torch.Tensor:
+def in_rank_order(
+    parts: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype, divisor: int | None = None
+) -> torch.Tensor:
     """parts: (W, n). Per element: row 0 + row 1 + ... + row W-1 summed in `dtype` in that order,
     divided by `divisor` in `dtype` (if given), rounded once to `out_dtype`. A new tensor.
 
@@ -159,7 +167,7 @@ def in_rank_order(parts: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtyp
     acc = None if out_dtype == dtype else torch.empty(min(block, n), dtype=dtype, device=parts.device)
     for start in range(0, n, block):
         end = min(start + block, n)
-        a = out[start:end] if acc is None else acc[:end - start]
+        a = out[start:end] if acc is None else acc[: end - start]
         a.copy_(parts[0, start:end])
         for j in range(1, parts.shape[0]):
             a.add_(parts[j, start:end])

@@ -44,8 +44,9 @@ from .tree import TreeSum
 
 
 class ParamGroup:
-    def __init__(self, params: list[ShardedParam], group, replicate_group, mp: MixedPrecisionPolicy,
-                 post_forward_group=None):
+    def __init__(
+        self, params: list[ShardedParam], group, replicate_group, mp: MixedPrecisionPolicy, post_forward_group=None
+    ):
         self.params = params
         self.group = group  # the shard group: gathers and the first gradient reduction
         self.replicate_group = replicate_group  # HSDP: ranks holding the same shards; None if no replicas
@@ -156,7 +157,7 @@ class ParamGroup:
                 sizes = [p.shard_numel for p in params]
                 block = torch.empty(per, sum(sizes), dtype=dtype, device=params[0].device)
                 for part, p in zip(block.split(sizes, dim=1), params):
-                    part.copy_(p.alloc_unsharded()[lo:lo + per].reshape(per, -1))
+                    part.copy_(p.alloc_unsharded()[lo : lo + per].reshape(per, -1))
                 kept[dtype] = block.view(-1)
         return kept
 
@@ -173,8 +174,9 @@ class ParamGroup:
             # to) the sharded gradient without the flat reduce buffer, a copy of the whole unit's gradients
             for p in todo:
                 grad = taken.pop(p)
-                mean = reduce_scatter_mean(grad.reshape(-1), self.group, self.mp.reduce_dtype or wider(grad.dtype),
-                                           p.dtype)
+                mean = reduce_scatter_mean(
+                    grad.reshape(-1), self.group, self.mp.reduce_dtype or wider(grad.dtype), p.dtype
+                )
                 p.add_reduced_grad(mean.to(p.dtype))
             return
         for dtype, params in buckets(todo, lambda p: taken[p].dtype):
@@ -194,10 +196,9 @@ class ParamGroup:
             else:
                 reduced = hybrid_reduce_mean(send.view(-1), self.group, self.replicate_group, reduce_dtype, out_dtype)
             del send
-            for (target, part), ps in _cast_by_target(reduced, params):
+            for (_target, part), ps in _cast_by_target(reduced, params):
                 for p, seg in zip(ps, part):
                     p.add_reduced_grad(seg)
-
 
     # -- batch-invariant training (invariant.py) -------------------------------------------------
     def begin_tree(self, across_ranks: bool = True) -> None:
@@ -205,8 +206,10 @@ class ParamGroup:
         `across_ranks`: the reduction sums the ranks' trees in the tree's upper levels (split data), else it
         averages them as usual (replicated data: W identical sums)."""
         if any(p.unsharded_grad() is not None or p.held_grad is not None for p in self.params):
-            raise RuntimeError("batch-invariant step: gradients from an earlier backward are still held; reduce "
-                               "them first (a backward with gradient sync on)")
+            raise RuntimeError(
+                "batch-invariant step: gradients from an earlier backward are still held; reduce "
+                "them first (a backward with gradient sync on)"
+            )
         self._trees = {p: TreeSum() for p in self.params if p.requires_grad}
         self._tree_across = across_ranks
 
@@ -240,8 +243,12 @@ class ParamGroup:
         reduce_dtype = self.mp.reduce_dtype
         for p in self.params:
             grad = p.unsharded_grad()
-            if grad is None or reduce_dtype is None or not holds_exactly(reduce_dtype, grad.dtype) \
-                    or reduce_dtype == grad.dtype:
+            if (
+                grad is None
+                or reduce_dtype is None
+                or not holds_exactly(reduce_dtype, grad.dtype)
+                or reduce_dtype == grad.dtype
+            ):
                 continue
             p.unsharded.grad = None
             p.held_grad = grad.to(reduce_dtype) if p.held_grad is None else p.held_grad.add_(grad)

@@ -44,7 +44,7 @@ the same):
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -56,9 +56,16 @@ from .state import units
 from .tree import TreeSum, tree_sum_rows
 
 
-def invariant_forward_backward(module: nn.Module, loss_fn: Callable, inputs: torch.Tensor, targets: torch.Tensor,
-                               *, micro_batches: int, replicated: bool = False,
-                               keep_gathered: bool = True) -> torch.Tensor:
+def invariant_forward_backward(
+    module: nn.Module,
+    loss_fn: Callable,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    micro_batches: int,
+    replicated: bool = False,
+    keep_gathered: bool = True,
+) -> torch.Tensor:
     """Forward and backward of one step on this rank's slice (`inputs`, `targets`: the rank's contiguous
     1 / W of the global batch) as `micro_batches` = L global micro-batches, gradients summed in the fixed tree
     (see the module docstring); returns the global batch's mean loss (detached, the same bits on every rank and
@@ -79,14 +86,18 @@ def invariant_forward_backward(module: nn.Module, loss_fn: Callable, inputs: tor
     group = states[0].params.group
     world = dist.get_world_size(group)
     if micro_batches < 1 or micro_batches & (micro_batches - 1) or micro_batches % world:
-        raise ValueError(f"invariant_forward_backward: micro_batches must be a power of two that the {world} "
-                         f"ranks divide, not {micro_batches}")
+        raise ValueError(
+            f"invariant_forward_backward: micro_batches must be a power of two that the {world} "
+            f"ranks divide, not {micro_batches}"
+        )
     if any(s.params.replicate_group is not None for s in states):
         raise ValueError("invariant_forward_backward: hybrid sharding is not supported (see fsdp_impl.invariant)")
     per_rank = micro_batches if replicated else micro_batches // world
     if inputs.shape[0] % per_rank:
-        raise ValueError(f"invariant_forward_backward: a rank's {inputs.shape[0]} samples do not split into its "
-                         f"{per_rank} micro-batches")
+        raise ValueError(
+            f"invariant_forward_backward: a rank's {inputs.shape[0]} samples do not split into its "
+            f"{per_rank} micro-batches"
+        )
     size = inputs.shape[0] // per_rank
     losses = TreeSum()
     resharded = {s: s.reshard_after_forward for s in states}
@@ -115,4 +126,3 @@ def invariant_forward_backward(module: nn.Module, loss_fn: Callable, inputs: tor
     every = torch.empty(world, dtype=mine.dtype, device=device_for(group))
     all_gather_single(every, mine.to(every.device), group=group)
     return tree_sum_rows(every).to(mine.device)
-

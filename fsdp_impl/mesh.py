@@ -39,8 +39,10 @@ def hybrid_groups(replicas: int, group=None) -> tuple[dist.ProcessGroup, dist.Pr
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     if not isinstance(replicas, int) or replicas < 1 or world % replicas:
-        raise ValueError(f"hybrid_groups: the group's {world} ranks cannot be split into replicas={replicas!r} "
-                         f"equal shard groups (replicas must be a positive divisor of {world})")
+        raise ValueError(
+            f"hybrid_groups: the group's {world} ranks cannot be split into replicas={replicas!r} "
+            f"equal shard groups (replicas must be a positive divisor of {world})"
+        )
     shards = world // replicas
     ranks = [dist.get_global_rank(group, i) for i in range(world)]  # dist.new_group takes global ranks
     whole_job = world == dist.get_world_size()
@@ -58,7 +60,7 @@ def hybrid_groups(replicas: int, group=None) -> tuple[dist.ProcessGroup, dist.Pr
 
 
 # shard group -> {g: this rank's group of g consecutive ranks in it}, made once per (group, g)
-_POST_FORWARD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_POST_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def post_forward_group(group, size: int):
@@ -93,17 +95,20 @@ def check_hybrid_layout(shard_group, replicate_group) -> None:
     every = every.view(-1, 2).cpu()
     fault = ""
     if shared != {me}:
-        fault = (f"the shard group and the replicate group must share only this rank ({me}), "
-                 f"they share {sorted(shared)}")
+        fault = f"the shard group and the replicate group must share only this rank ({me}), they share {sorted(shared)}"
     elif not bool((every == every[0]).all()):
-        fault = (f"the replicate group's ranks must hold the same shard: their (shard group size, position) "
-                 f"are {[tuple(row) for row in every.tolist()]}")
+        fault = (
+            f"the replicate group's ranks must hold the same shard: their (shard group size, position) "
+            f"are {[tuple(row) for row in every.tolist()]}"
+        )
     flag = torch.tensor([1 if fault else 0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard_group)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=replicate_group)
     if fault or int(flag.item()):
-        raise ValueError(f"fully_shard: process_group / replicate_group do not form the hybrid layout: "
-                         f"{fault or 'another rank found a fault'} (hybrid_groups builds them)")
+        raise ValueError(
+            f"fully_shard: process_group / replicate_group do not form the hybrid layout: "
+            f"{fault or 'another rank found a fault'} (hybrid_groups builds them)"
+        )
 
 
 def device_for(group) -> torch.device:

@@ -41,8 +41,10 @@ def _replay(prefix: str, sub: nn.Module, entries, device) -> None:
     """Run `sub`'s reset_parameters() on full-size stand-ins, keep this rank's rows of each."""
     reset = getattr(sub, "reset_parameters", None)
     if reset is None:
-        raise TypeError(f"module '{prefix or type(sub).__name__}' holds parameters but has no "
-                        f"reset_parameters(); it cannot be initialized from the meta device")
+        raise TypeError(
+            f"module '{prefix or type(sub).__name__}' holds parameters but has no "
+            f"reset_parameters(); it cannot be initialized from the meta device"
+        )
     sharded = {name: sub._parameters[name] for name, *_ in entries}
     for name, p, _ in entries:
         sub._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device))

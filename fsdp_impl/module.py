@@ -52,8 +52,10 @@ class FSDPModule:
         return self
 
     def __deepcopy__(self, memo):
-        raise TypeError("a module sharded by fsdp_impl cannot be deep-copied (it holds process groups); build "
-                        "a new model and load full_state_dict(model) into it")
+        raise TypeError(
+            "a module sharded by fsdp_impl cannot be deep-copied (it holds process groups); build "
+            "a new model and load full_state_dict(model) into it"
+        )
 
     # -- this unit ------------------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
@@ -100,8 +102,9 @@ class FSDPModule:
             raise ValueError(f"set_reshard_after_forward: a bool, not {reshard_after_forward!r}")
         states = self._states(recurse)
         if any(state.params._kept is not None for state in states):
-            raise ValueError("set_reshard_after_forward: a unit is between its forward and its backward; "
-                             "change it between steps")
+            raise ValueError(
+                "set_reshard_after_forward: a unit is between its forward and its backward; change it between steps"
+            )
         for state in states:
             state.reshard_after_forward = reshard_after_forward
             state.params.post_forward_group = None  # True reshards fully, to the shard group

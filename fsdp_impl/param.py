@@ -58,15 +58,28 @@ class Owner:
 
 
 class ShardedParam:
-    def __init__(self, param: nn.Parameter, owners: list[Owner], mesh, rank: int, world_size: int,
-                 param_dtype: torch.dtype | None, shard_dim: int = 0, offload=None):
+    def __init__(
+        self,
+        param: nn.Parameter,
+        owners: list[Owner],
+        mesh,
+        rank: int,
+        world_size: int,
+        param_dtype: torch.dtype | None,
+        shard_dim: int = 0,
+        offload=None,
+    ):
         if param.dim() == 0:
-            raise ValueError(f"fully_shard: parameter '{owners[0].fqn}' is 0-dimensional; fsdp_impl shards "
-                             f"every parameter on dim 0 (view it as shape (1,) in the model)")
+            raise ValueError(
+                f"fully_shard: parameter '{owners[0].fqn}' is 0-dimensional; fsdp_impl shards "
+                f"every parameter on dim 0 (view it as shape (1,) in the model)"
+            )
         if not 0 <= shard_dim < param.dim() or (shard_dim and param.shape[shard_dim] % world_size):
-            raise ValueError(f"fully_shard: parameter '{owners[0].fqn}' of shape {tuple(param.shape)} cannot be "
-                             f"sharded on dim {shard_dim} over {world_size} ranks (a dim other than 0 must exist "
-                             f"and divide evenly)")
+            raise ValueError(
+                f"fully_shard: parameter '{owners[0].fqn}' of shape {tuple(param.shape)} cannot be "
+                f"sharded on dim {shard_dim} over {world_size} ranks (a dim other than 0 must exist "
+                f"and divide evenly)"
+            )
         self.dim = shard_dim  # the dimension sharded (see [Note: another shard dimension])
         self.owners = owners  # the first owner's name is the parameter's name (as named_parameters gives it)
         self.fqn = owners[0].fqn  # relative to the unit's module
@@ -89,8 +102,9 @@ class ShardedParam:
         padded = torch.zeros(self.shard_numel, dtype=self.dtype, device=param.device)
         if not param.is_meta:
             with torch.no_grad():
-                padded[:self.local_numel].copy_(param.detach().narrow(shard_dim, self.start, self.end - self.start)
-                                                .reshape(-1))
+                padded[: self.local_numel].copy_(
+                    param.detach().narrow(shard_dim, self.start, self.end - self.start).reshape(-1)
+                )
         self._set_sharded(self._stored(padded))
         self._unsharded_data: torch.Tensor | None = None  # 1D, W x c rows, param_dtype
         self.unsharded: nn.Parameter | None = None
@@ -114,7 +128,7 @@ class ShardedParam:
         if self.dim == 0:
             return full.view(self.world_size, self.shard_numel)
         shape = list(self.shape)
-        shape[self.dim:self.dim + 1] = [self.world_size, self.chunk]
+        shape[self.dim : self.dim + 1] = [self.world_size, self.chunk]
         return full.view(shape).movedim(self.dim, 0)
 
     def chunks(self, grad: torch.Tensor) -> torch.Tensor:
@@ -127,7 +141,7 @@ class ShardedParam:
     def assemble(self, ranks: torch.Tensor) -> torch.Tensor:
         """The full parameter (a new tensor) from its W padded shards, `ranks` (W, padded shard)."""
         if self.dim == 0:
-            return ranks.reshape(-1)[:self.shape.numel()].view(self.shape).clone()
+            return ranks.reshape(-1)[: self.shape.numel()].view(self.shape).clone()
         full = torch.empty(self.shape, dtype=ranks.dtype, device=ranks.device)
         self.by_rank(full).copy_(ranks.view(self.world_size, *self.local_shape))
         return full
@@ -137,8 +151,9 @@ class ShardedParam:
         """Make the sharded nn.Parameter over `padded` (1D, shard_numel): its local tensor is a view
         of the first rows, so whatever the optimizer writes into it is what the next gather sends."""
         self.padded = padded
-        self.sharded = nn.Parameter(self.to_dtensor(padded[:self.local_numel].view(self.local_shape)),
-                                    requires_grad=self.requires_grad)
+        self.sharded = nn.Parameter(
+            self.to_dtensor(padded[: self.local_numel].view(self.local_shape)), requires_grad=self.requires_grad
+        )
         self.sharded._fsdp_managed = True  # an ancestor's fully_shard must not take it again
 
     def to_dtensor(self, local: torch.Tensor) -> DTensor:
@@ -176,8 +191,9 @@ class ShardedParam:
         if self._unsharded_data is None:
             data = torch.empty(self.world_size * self.shard_numel, dtype=self.param_dtype, device=self.device)
             self._unsharded_data = data
-            self.unsharded = nn.Parameter(torch.as_strided(data, self.shape, self.stride, 0),
-                                          requires_grad=self.requires_grad)
+            self.unsharded = nn.Parameter(
+                torch.as_strided(data, self.shape, self.stride, 0), requires_grad=self.requires_grad
+            )
             self.unsharded._fsdp_managed = True
         else:
             storage = self._unsharded_data.untyped_storage()
@@ -219,7 +235,7 @@ class ShardedParam:
     def add_reduced_grad(self, padded_grad: torch.Tensor) -> None:
         """`padded_grad`: this rank's reduced chunk (1D, shard_numel, the sharded dtype). Its first
         rows become (or are added to) the sharded gradient; the padding rows are dropped."""
-        local = padded_grad[:self.local_numel].view(self.local_shape)
+        local = padded_grad[: self.local_numel].view(self.local_shape)
         if local.device != self.padded.device:  # offloaded: the gradient lives beside its shard
             local = self.offload.host(local)
         grad = self.sharded.grad

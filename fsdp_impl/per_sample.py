@@ -55,16 +55,18 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import vjp, vmap
 
-from .state import units
 from .module import original_class
+from .state import units
 
 __all__ = ["per_sample_grad_norms", "local_per_sample_grad_norms", "clipped_mean_grads", "gather_by_index"]
 
 
 # ---------------------------------------------------------------------------- public entry points
 
-def per_sample_grad_norms(model: nn.Module, loss_fn, inputs: Tensor, targets: Tensor, global_indices: Tensor,
-                          *, group=None) -> Tensor:
+
+def per_sample_grad_norms(
+    model: nn.Module, loss_fn, inputs: Tensor, targets: Tensor, global_indices: Tensor, *, group=None
+) -> Tensor:
     """1D float64 tensor of length B (the global batch): entry k is |grad l_k| for global sample k.
 
     Collective over `group` (all ranks call it). ``.grad`` of the parameters is left as it was.
@@ -73,8 +75,17 @@ def per_sample_grad_norms(model: nn.Module, loss_fn, inputs: Tensor, targets: Te
     return layout.place(local_per_sample_grad_norms(model, loss_fn, inputs, targets))
 
 
-def clipped_mean_grads(model: nn.Module, loss_fn, inputs: Tensor, targets: Tensor, global_indices: Tensor,
-                       max_norm: float, *, group=None, eps: float = 1e-6) -> Tensor:
+def clipped_mean_grads(
+    model: nn.Module,
+    loss_fn,
+    inputs: Tensor,
+    targets: Tensor,
+    global_indices: Tensor,
+    max_norm: float,
+    *,
+    group=None,
+    eps: float = 1e-6,
+) -> Tensor:
     """Set each trainable parameter's ``.grad`` to its part of (1/B) sum_k c_k grad l_k, where
     c_k = min(1, max_norm / (|grad l_k| + eps)) (Opacus' clip factor). Returns the norms (global order).
 
@@ -125,6 +136,7 @@ def gather_by_index(local: Tensor, global_indices: Tensor, *, group=None) -> Ten
 
 # --------------------------------------------------------------------------------- data layout
 
+
 class _Layout:
     """Who holds which global sample: read from every rank's index list (one small all-gather)."""
 
@@ -172,10 +184,10 @@ class _Layout:
         dist.all_gather(sizes, n, group=self.group)
         longest = max(int(s) for s in sizes)
         send = torch.zeros(longest, dtype=t.dtype, device=self.device)
-        send[:t.numel()] = t.to(self.device)
+        send[: t.numel()] = t.to(self.device)
         recv = [torch.empty_like(send) for _ in range(self.world_size)]
         dist.all_gather(recv, send, group=self.group)
-        return [r[:int(s)].cpu() for r, s in zip(recv, sizes)]
+        return [r[: int(s)].cpu() for r, s in zip(recv, sizes)]
 
 
 def _device_of(model: nn.Module, inputs: Tensor) -> torch.device:
@@ -192,6 +204,7 @@ def _scale_output_grad(out: Tensor, per_sample: Tensor) -> None:
 
 
 # ------------------------------------------------------------------------------ ghost norms
+
 
 def _trainable_owners(model: nn.Module) -> dict[nn.Module, list[tuple[str, object]]]:
     """module -> [(attribute name, key identifying the parameter)] for every trainable parameter.

@@ -105,8 +105,9 @@ class Schedule:
 class UnitState:
     """Attached to each module passed to fully_shard as ``module._fsdp_state``."""
 
-    def __init__(self, module: nn.Module, params: ParamGroup, reshard_after_forward: bool | None,
-                 param_dtype: torch.dtype | None):
+    def __init__(
+        self, module: nn.Module, params: ParamGroup, reshard_after_forward: bool | None, param_dtype: torch.dtype | None
+    ):
         self.module = module
         self.params = params
         self.reshard_after_forward = reshard_after_forward  # None: at every unit but the schedule's root

@@ -30,9 +30,11 @@ class TreeSum:
     def result(self) -> torch.Tensor | None:
         """The sum; ValueError unless the pushes made one complete tree (a power of two of them)."""
         if len(self.stack) != 1:
-            raise ValueError(f"batch-invariant sum: {len(self)} micro-batches do not make one binary tree "
-                             f"(their number per rank must be a power of two)")
-        (_, total), = self.stack
+            raise ValueError(
+                f"batch-invariant sum: {len(self)} micro-batches do not make one binary tree "
+                f"(their number per rank must be a power of two)"
+            )
+        ((_, total),) = self.stack
         self.stack = []
         return total
 

@@ -15,6 +15,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 def main() -> int:
     from harness.cli import main as cli
+
     return cli()
 
 

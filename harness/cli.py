@@ -15,13 +15,23 @@ from pathlib import Path
 
 from harness import options as opt
 from harness.execute.launch import NotLaunchedHere, a_torchrun_rank_but_0, launched_by_torchrun, let_rank_0_say
-from harness.session import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NOT_RUN, EXIT_OK, EXIT_USAGE, Session,
-                             load_report_sections, session_options)
+from harness.session import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_RUN,
+    EXIT_OK,
+    EXIT_USAGE,
+    Session,
+    load_report_sections,
+    session_options,
+)
 
-EXIT_STATUSES = (f"exit status: {EXIT_OK} PASS (every implementation under test ran, no verdict failed); "
-                 f"{EXIT_FAILED} FAIL (a verdict failed or a scenario errored); {EXIT_USAGE} bad input; "
-                 f"{EXIT_NOT_RUN} NOT RUN (an implementation under test ran no scenario to its end: every one "
-                 f"unsupported or errored); {EXIT_INTERRUPTED} interrupted (Ctrl-C, SIGTERM, SIGHUP)")
+EXIT_STATUSES = (
+    f"exit status: {EXIT_OK} PASS (every implementation under test ran, no verdict failed); "
+    f"{EXIT_FAILED} FAIL (a verdict failed or a scenario errored); {EXIT_USAGE} bad input; "
+    f"{EXIT_NOT_RUN} NOT RUN (an implementation under test ran no scenario to its end: every one "
+    f"unsupported or errored); {EXIT_INTERRUPTED} interrupted (Ctrl-C, SIGTERM, SIGHUP)"
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,8 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m harness", description="FSDP equivalence harness")
     sub = p.add_subparsers(dest="verb", required=True)
 
-    run = sub.add_parser("run", help=f"run the matrix, write the report; exit {EXIT_OK} PASS, {EXIT_FAILED} FAIL, "
-                                     f"{EXIT_USAGE} bad input, {EXIT_NOT_RUN} NOT RUN", epilog=EXIT_STATUSES)
+    run = sub.add_parser(
+        "run",
+        help=f"run the matrix, write the report; exit {EXIT_OK} PASS, {EXIT_FAILED} FAIL, "
+        f"{EXIT_USAGE} bad input, {EXIT_NOT_RUN} NOT RUN",
+        epilog=EXIT_STATUSES,
+    )
     opt.add_matrix_arguments(run.add_argument)
     opt.add_output_arguments(run.add_argument)
     run.add_argument("--json", action="store_true", help="print verdicts as JSON on stdout")
@@ -69,20 +83,32 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     opt.add_allow_large(plan.add_argument)
 
-    loc = sub.add_parser("localize", help="replay one scenario and its yardstick with every op traced on every "
-                                          "rank and name where they first parted; exit 0 none beyond rounding, "
-                                          "1 a divergence, 2 bad input")
-    loc.add_argument("scenario", help="a scenario id, as the report and the console name it "
-                                      "(e.g. fsdp_impl-mlp-ws4-split-adamw-clip)")
+    loc = sub.add_parser(
+        "localize",
+        help="replay one scenario and its yardstick with every op traced on every "
+        "rank and name where they first parted; exit 0 none beyond rounding, "
+        "1 a divergence, 2 bad input",
+    )
+    loc.add_argument(
+        "scenario",
+        help="a scenario id, as the report and the console name it (e.g. fsdp_impl-mlp-ws4-split-adamw-clip)",
+    )
     loc.add_argument("--steps", type=opt.steps, default=10, help="the run's training steps (default 10)")
     loc.add_argument("--lr", type=opt.positive_float, default=1e-2, help="the run's learning rate (default 1e-2)")
     loc.add_argument("--global-batch", type=opt.positive_int, default=16, help="the run's global batch (default 16)")
-    loc.add_argument("--up-to", type=opt.positive_int, default=None, metavar="STEP",
-                     help="trace the steps up to this one only (default: every step)")
+    loc.add_argument(
+        "--up-to",
+        type=opt.positive_int,
+        default=None,
+        metavar="STEP",
+        help="trace the steps up to this one only (default: every step)",
+    )
     loc.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
 
-    cmp_ = sub.add_parser("compare", help="compare a stored run with a baseline or with another stored run "
-                                          "(the same comparison as --baseline)")
+    cmp_ = sub.add_parser(
+        "compare",
+        help="compare a stored run with a baseline or with another stored run (the same comparison as --baseline)",
+    )
     cmp_.add_argument("tables_dir", type=Path, help="the <report>_tables directory of a run")
     cmp_.add_argument("other", help="a baseline name/path, or another run's _tables directory")
     cmp_.add_argument("--gate", type=opt.gate_spec, default=None, help="per-field tolerances")
@@ -110,6 +136,7 @@ def cmd_run(ns) -> int:
 def cmd_report(ns) -> int:
     from harness.report.markdown import write_report
     from harness.tables.store import load_tables
+
     tables, env = load_tables(ns.tables_dir)
     load_report_sections()
     out = ns.report or ns.tables_dir.with_name(ns.tables_dir.name.removesuffix("_tables") + ".md")
@@ -119,8 +146,10 @@ def cmd_report(ns) -> int:
 
 def cmd_plan(ns) -> int:
     from harness.plan.table import format_plan, plan_table
+
     if not ns.allow_large:
         from harness.limits import check_plan_world_sizes, model_size
+
         for model in ns.model:
             check_plan_world_sizes(model, ns.world_sizes, model_size(model))
     for model in ns.model:
@@ -132,6 +161,7 @@ def cmd_plan(ns) -> int:
 def cmd_localize(ns) -> int:
     """The localiser on one scenario (harness.localize)."""
     from harness.localize.replay import localize, scenario_of_id
+
     try:
         sc = scenario_of_id(ns.scenario, steps=ns.steps, lr=ns.lr, global_batch=ns.global_batch, backend=ns.backend)
     except ValueError as e:
@@ -147,6 +177,7 @@ def cmd_compare(ns) -> int:
     from harness.gate.baseline import baseline_of_run, load_baseline
     from harness.gate.compare import compare_table
     from harness.tables.store import load_tables
+
     tables, env = load_tables(ns.tables_dir)
     other = Path(ns.other)
     if other.is_dir():
@@ -168,8 +199,13 @@ def main(argv=None) -> int:
     parser = _parser()
     try:
         ns = parser.parse_args(argv)
-        return {"run": cmd_run, "report": cmd_report, "compare": cmd_compare, "plan": cmd_plan,
-                "localize": cmd_localize}[ns.verb](ns)
+        return {
+            "run": cmd_run,
+            "report": cmd_report,
+            "compare": cmd_compare,
+            "plan": cmd_plan,
+            "localize": cmd_localize,
+        }[ns.verb](ns)
     except SystemExit:
         raise  # argparse's own exits (--help, usage errors), before the clauses below import anything
     except KeyboardInterrupt:
@@ -189,6 +225,7 @@ def _output_errors() -> tuple[type[BaseException], ...]:
     """Writes that fail (a report, or the run's temp dir filling up during the run): one line, exit 1."""
     from harness.core.scratch import ScratchError
     from harness.tables.store import OutputError
+
     return (OutputError, ScratchError)
 
 
@@ -196,6 +233,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean bad input files (a corrupt baseline or stored run): one line, exit 2."""
     from harness.gate.baseline import BaselineError
     from harness.tables.store import StoreError
+
     return (BaselineError, StoreError)
 
 

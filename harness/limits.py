@@ -62,15 +62,37 @@ def model_size(name: str) -> ModelSize:
     buf = io.BytesIO()  # what the snapshot's format adds: the names, shapes and records, one element each
     save_params({k: torch.zeros(1) for k in params}, buf)
     snapshot = len(buf.getvalue()) + 4 * sum(p.numel() - 1 for p in params.values())
-    return ModelSize(nbytes(params.values()), nbytes(p for p in params.values() if p.requires_grad), snapshot,
-                     max((p.shape[0] if p.dim() else 1) for p in params.values()))
+    return ModelSize(
+        nbytes(params.values()),
+        nbytes(p for p in params.values() if p.requires_grad),
+        snapshot,
+        max((p.shape[0] if p.dim() else 1) for p in params.values()),
+    )
 
 
 # in-place ops that only write values (nn.init's fills, and the arithmetic of trunc_normal_): on a meta
 # tensor they have nothing to write and leave its shape as it was
-_VALUE_FILLS = frozenset({"normal_", "uniform_", "fill_", "zero_", "random_", "exponential_", "bernoulli_",
-                          "geometric_", "log_normal_", "cauchy_", "erfinv_", "mul_", "add_", "sub_", "div_",
-                          "clamp_", "copy_"})
+_VALUE_FILLS = frozenset(
+    {
+        "normal_",
+        "uniform_",
+        "fill_",
+        "zero_",
+        "random_",
+        "exponential_",
+        "bernoulli_",
+        "geometric_",
+        "log_normal_",
+        "cauchy_",
+        "erfinv_",
+        "mul_",
+        "add_",
+        "sub_",
+        "div_",
+        "clamp_",
+        "copy_",
+    }
+)
 
 
 def _no_fills_on_meta():
@@ -123,7 +145,8 @@ def check_world_sizes(world_sizes, sizes: dict[str, ModelSize]) -> None:
         raise argparse.ArgumentTypeError(
             f"--world-sizes {max(world_sizes)}: at most {most} ranks fit this machine's memory ({_gib(memory)} / "
             f"{_gib(per_rank)} per rank: a worker with torch loaded, {_gib(RANK_OVERHEAD_BYTES)}, + "
-            f"{RANK_MODEL_COPIES} x the largest model's {_gib(largest.param_bytes)} of parameters); {ALLOW}")
+            f"{RANK_MODEL_COPIES} x the largest model's {_gib(largest.param_bytes)} of parameters); {ALLOW}"
+        )
 
 
 def run_files_bytes(scenarios, sizes: dict[str, ModelSize], steps: int) -> int:
@@ -150,7 +173,8 @@ def check_steps(scenarios, sizes: dict[str, ModelSize], steps: int, temp_dir: st
     raise argparse.ArgumentTypeError(
         f"--steps {steps}: the run keeps every step's parameter snapshot of its {len(scenarios)} scenarios in the temp "
         f"dir until it ends, {_gib(per_step)} per step, {_gib(need)} in all; {temp_dir} has {_gib(free)} free, so at "
-        f"most {most} steps fit (free space there, set TMPDIR elsewhere, or {ALLOW})")
+        f"most {most} steps fit (free space there, set TMPDIR elsewhere, or {ALLOW})"
+    )
 
 
 def check_plan_world_sizes(model: str, world_sizes, size: ModelSize) -> None:
@@ -159,4 +183,5 @@ def check_plan_world_sizes(model: str, world_sizes, size: ModelSize) -> None:
         raise argparse.ArgumentTypeError(
             f"--world-sizes {max(world_sizes)}: above {size.largest_rows} ranks ({model}'s largest dim 0) every rank "
             f"holds at most one row of each parameter, so the per-rank state stops falling and the plan is that of "
-            f"{size.largest_rows}, while planning time and memory grow with the world size; {ALLOW.replace('run', 'plan')}")
+            f"{size.largest_rows}, while planning time and memory grow with the world size; {ALLOW.replace('run', 'plan')}"
+        )

@@ -16,7 +16,8 @@ every problem into one `OptimizerError` line: a usage error, never a failure per
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from harness.core.loading import one_line, resolve
 from harness.core.policy import ADAMW_BETAS
@@ -52,8 +53,9 @@ def load_user_optimizer(name: str):
     """The factory ``"package.module:factory"`` names; OptimizerError (one line) on any problem."""
     obj, attr = resolve(name, "optimizer", OptimizerError)
     if not callable(obj):
-        raise OptimizerError(f"optimizer {name!r}: {attr} is a {type(obj).__name__}, not a callable "
-                             f"factory(params, lr=lr)")
+        raise OptimizerError(
+            f"optimizer {name!r}: {attr} is a {type(obj).__name__}, not a callable factory(params, lr=lr)"
+        )
     return obj
 
 
@@ -67,8 +69,9 @@ def build_user_optimizer(name: str, params: list, lr: float):
     except Exception as exc:  # the user's code may raise anything
         raise OptimizerError(f"optimizer {name!r}: factory(params, lr={lr:g}) raised {one_line(exc)}") from exc
     if not isinstance(opt, torch.optim.Optimizer):
-        raise OptimizerError(f"optimizer {name!r}: factory(params, lr={lr:g}) returned {type(opt).__name__}, "
-                             f"not a torch.optim.Optimizer")
+        raise OptimizerError(
+            f"optimizer {name!r}: factory(params, lr={lr:g}) returned {type(opt).__name__}, not a torch.optim.Optimizer"
+        )
     return opt
 
 

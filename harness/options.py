@@ -13,7 +13,6 @@ from pathlib import Path
 
 from harness.core import names
 from harness.core.policy import Bounds
-from harness.report.runs import KEEP_RUNS
 from harness.core.scenario import (
     ACCUM_MICRO_BATCHES,
     DATA_MODES,
@@ -26,6 +25,7 @@ from harness.core.scenario import (
     has,
     passes_per_step,
 )
+from harness.report.runs import KEEP_RUNS
 
 DEFAULT_IMPLS = ("fsdp_impl", "torch_fsdp2")
 DEFAULT_MODELS = ("mlp", "tinylm", "tinylm_tied")
@@ -68,6 +68,7 @@ def choices(valid: tuple[str, ...]):
         if bad:
             raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, bad))}; choose from {', '.join(valid)}")
         return tuple(items)
+
     return parse
 
 
@@ -82,10 +83,13 @@ def optimizers(text: str) -> tuple[str, ...]:
         if name in OPTIMIZERS:
             continue
         if ":" not in name:
-            raise argparse.ArgumentTypeError(f"unknown {name!r}; choose from {', '.join(OPTIMIZERS)}, or name your "
-                                             f"own optimizer 'package.module:factory' (e.g. "
-                                             f"harness.train.optim:normalised_sgd)")
+            raise argparse.ArgumentTypeError(
+                f"unknown {name!r}; choose from {', '.join(OPTIMIZERS)}, or name your "
+                f"own optimizer 'package.module:factory' (e.g. "
+                f"harness.train.optim:normalised_sgd)"
+            )
         from harness.optimizers import OptimizerError, load_user_optimizer
+
         try:
             load_user_optimizer(name)
         except OptimizerError as e:
@@ -111,18 +115,23 @@ def models(text: str) -> tuple[str, ...]:
             continue
         if ":" not in name:
             zoo = names.MODELS + names.STANDARD_MODELS
-            raise argparse.ArgumentTypeError(f"unknown {name!r}; choose from {', '.join(zoo)}, "
-                                             f"{', '.join(names.HF_MODELS)}, or name your own model "
-                                             f"'package.module:factory'")
+            raise argparse.ArgumentTypeError(
+                f"unknown {name!r}; choose from {', '.join(zoo)}, "
+                f"{', '.join(names.HF_MODELS)}, or name your own model "
+                f"'package.module:factory'"
+            )
         if name.startswith(names.HF_PREFIX) and name not in names.HF_MODELS:
             raise argparse.ArgumentTypeError(names.unknown_hf_model(name))  # before any torch import
         from harness.train.user_models import ModelError
+
         try:
             if name.startswith(names.HF_PREFIX):  # 'hf:gpt2': transformers must be importable
                 from harness.train.hf_models import hf_model_spec
+
                 hf_model_spec(name)
             else:
                 from harness.train.user_models import load_user_model
+
                 load_user_model(name)
         except ModelError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
@@ -139,6 +148,7 @@ def impls(text: str) -> tuple[str, ...]:
         if ":" not in name:
             raise argparse.ArgumentTypeError(names.unknown_adapter(name))
         from harness.adapters import AdapterError, load_adapter
+
         try:
             load_adapter(name)
         except AdapterError as e:
@@ -172,13 +182,15 @@ def steps(text: str) -> int:
     exists) and `converges` compares the last step's loss with the first's."""
     n = _integer(text)
     if n < 2:
-        raise argparse.ArgumentTypeError(f"must be >= 2 (got {n}): memory is measured on step 2 and the "
-                                         "convergence check compares the last step's loss with the first's")
+        raise argparse.ArgumentTypeError(
+            f"must be >= 2 (got {n}): memory is measured on step 2 and the "
+            "convergence check compares the last step's loss with the first's"
+        )
     return n
 
 
 # torch.manual_seed takes -2**63 .. 2**64 - 1, but the stored tables hold seeds as int64.
-SEED_RANGE = (-2**63, 2**63 - 1)
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 def seeds(text: str) -> tuple[int, ...]:
@@ -220,11 +232,13 @@ def timeout_seconds(text: str) -> float:
     x = _number(text)
     if not 0 < x <= MAX_TIMEOUT_S:  # NaN fails too
         raise argparse.ArgumentTypeError(
-            f"must be a finite number of seconds > 0 and at most {MAX_TIMEOUT_S} (24 days), got {text}")
+            f"must be a finite number of seconds > 0 and at most {MAX_TIMEOUT_S} (24 days), got {text}"
+        )
     if x < MIN_TIMEOUT_S:
         raise argparse.ArgumentTypeError(
             f"must be at least {MIN_TIMEOUT_S:g} s, got {text}: it also bounds a world's start (forking the ranks "
-            f"and joining their process group), so a shorter one reports every scenario as hung")
+            f"and joining their process group), so a shorter one reports every scenario as hung"
+        )
     return x
 
 
@@ -232,6 +246,7 @@ def report_path(text: str) -> Path:
     """A writable markdown path: probed by creating (and removing) a file where it will go."""
     import os
     import tempfile
+
     p = Path(text)
     if p.suffix != ".md":
         raise argparse.ArgumentTypeError(f"{text!r} must be a markdown file path ending in .md")
@@ -256,7 +271,9 @@ def report_path(text: str) -> Path:
 
 def _shortened(text: str, keep: int = 60) -> str:
     """A path for an error line: a long one shows its start and end around its length."""
-    return repr(text) if len(text) <= keep else f"{text[:keep // 2]!r}...{text[-keep // 2:]!r} ({len(text)} characters)"
+    return (
+        repr(text) if len(text) <= keep else f"{text[: keep // 2]!r}...{text[-keep // 2 :]!r} ({len(text)} characters)"
+    )
 
 
 def baseline_name(text: str) -> str:
@@ -272,66 +289,104 @@ def new_baseline_name(text: str) -> str:
     """A name to store a baseline under (reports/baselines/NAME/<machine kind>.json), never a path:
     the rule harness.gate.baseline.baseline_file enforces, checked here before the run."""
     from harness.gate.baseline import NAME_RULE
+
     if not re.fullmatch(NAME_RULE, text or "") or text in (".", ".."):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a baseline name: use letters, digits, '-', '_' and '.', starting with a letter or "
-            "digit, no path (it is stored as reports/baselines/NAME/<machine kind>.json)")
+            "digit, no path (it is stored as reports/baselines/NAME/<machine kind>.json)"
+        )
     return text
 
 
 def gate_spec(text: str) -> dict:
     from harness.gate.tolerance import parse_gate
+
     return parse_gate(text)
 
 
 def add_output_arguments(add) -> None:
     """--report, --no-report, --no-plots, --per-sample, --invariant, --localize: what a session adds to the matrix and
     writes."""
-    add("--report", type=report_path, default=None,
+    add(
+        "--report",
+        type=report_path,
+        default=None,
         help="markdown report, written exactly there with <stem>_plots/ and <stem>_tables/ beside it (default: "
-             f"{DEFAULT_REPORT.name} in a new folder reports/runs/<time>/, which {DEFAULT_REPORT.parent} points at; "
-             f"the newest {KEEP_RUNS} runs are kept)")
+        f"{DEFAULT_REPORT.name} in a new folder reports/runs/<time>/, which {DEFAULT_REPORT.parent} points at; "
+        f"the newest {KEEP_RUNS} runs are kept)",
+    )
     add("--no-report", action="store_true", help="write no report and no tables")
-    add("--no-plots", action="store_true",
+    add(
+        "--no-plots",
+        action="store_true",
         help="write the report without its PNG plots (each costs about 0.1 to 0.2 CPU s to draw; the report says "
-             "where each would be)")
-    add("--per-sample", action="store_true",
-        help="also check per-sample gradient norms (DP-SGD) at the same world sizes (mlp; Opacus if installed)")
-    add("--invariant", action="store_true",
+        "where each would be)",
+    )
+    add(
+        "--per-sample",
+        action="store_true",
+        help="also check per-sample gradient norms (DP-SGD) at the same world sizes (mlp; Opacus if installed)",
+    )
+    add(
+        "--invariant",
+        action="store_true",
         help="also run the batch-invariant tier: every --impl that declares batch_invariant trained through its own "
-             "invariant step at every --world-sizes, split and replicated data, held bitwise to itself and to the "
-             "plain model summing the same micro-batches in the same tree (harness/invariant)")
-    add("--localize", type=non_negative_int, default=None, metavar="N",
+        "invariant step at every --world-sizes, split and replicated data, held bitwise to itself and to the "
+        "plain model summing the same micro-batches in the same tree (harness/invariant)",
+    )
+    add(
+        "--localize",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
         help=f"after the run, localise the first N scenarios with a failing numeric check (default {DEFAULT_LOCALIZE}; "
-             "0: none): "
-             "each is replayed with its yardstick, every op traced, and the report's 'Where it diverged' names "
-             "the step, phase, module, op, rank and element where they first parted")
+        "0: none): "
+        "each is replayed with its yardstick, every op traced, and the report's 'Where it diverged' names "
+        "the step, phase, module, op, rank and element where they first parted",
+    )
 
 
 def add_gate_arguments(add) -> None:
-    add("--baseline", type=baseline_name, default=None,
-        help="compare the run with this baseline (name under reports/baselines/ or a path); regressions fail")
-    add("--save-baseline", type=new_baseline_name, default=None,
-        help="store this run's summary as reports/baselines/NAME/<machine kind>.json (a name, not a path)")
-    add("--gate", type=gate_spec, default=None,
-        help="per-field tolerances, e.g. loss:1e-7,peak_mem:5%%,comm_bytes:0 (defaults in harness/gate/tolerance.py)")
-    add("--gate-strict", action="store_true",
+    add(
+        "--baseline",
+        type=baseline_name,
+        default=None,
+        help="compare the run with this baseline (name under reports/baselines/ or a path); regressions fail",
+    )
+    add(
+        "--save-baseline",
+        type=new_baseline_name,
+        default=None,
+        help="store this run's summary as reports/baselines/NAME/<machine kind>.json (a name, not a path)",
+    )
+    add(
+        "--gate",
+        type=gate_spec,
+        default=None,
+        help="per-field tolerances, e.g. loss:1e-7,peak_mem:5%%,comm_bytes:0 (defaults in harness/gate/tolerance.py)",
+    )
+    add(
+        "--gate-strict",
+        action="store_true",
         help="fail the run when the gate compared nothing (no baseline file for this machine kind, no scenario in "
-             "common, every field skipped); without it such a gate is reported, not failed")
+        "common, every field skipped); without it such a gate is reported, not failed",
+    )
 
 
 def load_baseline_option(name, gate=None, backend: str = "gloo", strict: bool = False):
     """Load a --baseline value early (the file of this machine kind, harness.gate.baseline) so a missing
     or corrupt file is one usage-error line."""
     if gate is not None and name is None:
-        raise argparse.ArgumentTypeError("--gate needs --baseline NAME (its tolerances apply to a comparison "
-                                          "with a baseline)")
+        raise argparse.ArgumentTypeError(
+            "--gate needs --baseline NAME (its tolerances apply to a comparison with a baseline)"
+        )
     if strict and name is None:
         raise argparse.ArgumentTypeError("--gate-strict needs --baseline NAME (it fails a gate that compared nothing)")
     if name is None:
         return None
     from harness.core.environment import kernel_env, machine_kind
     from harness.gate.baseline import BaselineError, load_baseline
+
     try:
         return load_baseline(name, kind=machine_kind(kernel_env(backend)))
     except BaselineError as e:
@@ -362,84 +417,132 @@ class MatrixOptions:
             if bad:
                 raise argparse.ArgumentTypeError(
                     f"--data-modes split needs the global batch ({self.global_batch}) divisible by every world size; "
-                    f"{bad} do not divide it (set --global-batch)")
+                    f"{bad} do not divide it (set --global-batch)"
+                )
         if any(has(f, "hsdp") for f in self.features):
             odd = [w for w in self.world_sizes if w > 1 and w % HSDP_REPLICAS]
             if odd:
                 raise argparse.ArgumentTypeError(
                     f"--features hsdp runs {HSDP_REPLICAS} replicas of W/{HSDP_REPLICAS} ranks each, so a world size "
                     f"above 1 must divide by {HSDP_REPLICAS}; {odd} do not (1 is one replica of one rank, the "
-                    f"comparison run)")
+                    f"comparison run)"
+                )
         if any(has(f, "reshard2") for f in self.features):
             odd = [w for w in self.world_sizes if w > RESHARD_RANKS and w % RESHARD_RANKS]
             if odd:
                 raise argparse.ArgumentTypeError(
                     f"--features reshard2 reshards each unit to groups of {RESHARD_RANKS} ranks after forward, so a "
-                    f"world size above {RESHARD_RANKS} must divide by {RESHARD_RANKS}; {odd} do not")
+                    f"world size above {RESHARD_RANKS} must divide by {RESHARD_RANKS}; {odd} do not"
+                )
         if any(passes_per_step(f) > 1 for f in self.features):
             k = ACCUM_MICRO_BATCHES
-            per = [(w, self.global_batch // w if "split" in self.data_modes else self.global_batch) for w in self.world_sizes]
+            per = [
+                (w, self.global_batch // w if "split" in self.data_modes else self.global_batch)
+                for w in self.world_sizes
+            ]
             bad = [w for w, n in per if n % k]
             if bad:
                 raise argparse.ArgumentTypeError(
                     f"--features {'/'.join(f for f in self.features if passes_per_step(f) > 1)} splits each rank's batch into "
                     f"{k} micro-batches; at world size(s) {bad} the "
-                    f"local batch of global batch {self.global_batch} does not divide by {k} (set --global-batch)")
+                    f"local batch of global batch {self.global_batch} does not divide by {k} (set --global-batch)"
+                )
         if self.backend == "nccl":
             import torch
+
             n = torch.cuda.device_count() if torch.cuda.is_available() else 0
             too_big = [w for w in self.world_sizes if w > n]
             if too_big:
                 raise argparse.ArgumentTypeError(
-                    f"--world-sizes: {max(too_big)} ranks need {max(too_big)} GPUs with --backend nccl; this machine has {n}")
+                    f"--world-sizes: {max(too_big)} ranks need {max(too_big)} GPUs with --backend nccl; this machine has {n}"
+                )
 
     def scenarios(self) -> list[Scenario]:
-        return build_matrix(self.impls, self.models, self.world_sizes, self.data_modes, self.optimizers,
-                            steps=self.steps, seeds=self.seeds, lr=self.lr, global_batch=self.global_batch,
-                            backend=self.backend, features=self.features)
+        return build_matrix(
+            self.impls,
+            self.models,
+            self.world_sizes,
+            self.data_modes,
+            self.optimizers,
+            steps=self.steps,
+            seeds=self.seeds,
+            lr=self.lr,
+            global_batch=self.global_batch,
+            backend=self.backend,
+            features=self.features,
+        )
 
 
 def add_matrix_arguments(add) -> None:
     """Register the matrix options with an argparse-like `add(name, **kw)` (argparse or pytest)."""
     add("--world-sizes", type=world_sizes, default=None, help="comma list of world sizes (default 1,2,4,8)")
-    add("--impl", dest="impls", type=impls, default=None,
+    add(
+        "--impl",
+        dest="impls",
+        type=impls,
+        default=None,
         help="implementations under test: fsdp_impl, torch_fsdp2, torch_fsdp2_fp64reduce, torch_fsdp1, ddp, "
-             "package.module:object, cs336:module (default fsdp_impl,torch_fsdp2)")
-    add("--models", type=models, default=None,
+        "package.module:object, cs336:module (default fsdp_impl,torch_fsdp2)",
+    )
+    add(
+        "--models",
+        type=models,
+        default=None,
         help="model zoo names, Hugging Face hf:gpt2,hf:llama (pip install -e .[hf]), or package.module:factory "
-             "(default mlp,tinylm,tinylm_tied)")
+        "(default mlp,tinylm,tinylm_tied)",
+    )
     add("--data-modes", type=data_modes, default=None, help="replicated,split (default both)")
-    add("--optimizers", type=optimizers, default=None,
+    add(
+        "--optimizers",
+        type=optimizers,
+        default=None,
         help="adamw, sgd, or package.module:factory, called as factory(params, lr=lr) and returning a "
-             "torch.optim.Optimizer (the zoo's per-matrix harness.train.optim:normalised_sgd) (default adamw,sgd)")
-    add("--features", type=features, default=None,
+        "torch.optim.Optimizer (the zoo's per-matrix harness.train.optim:normalised_sgd) (default adamw,sgd)",
+    )
+    add(
+        "--features",
+        type=features,
+        default=None,
         help="what a step does: plain (one forward and backward), accum (2 micro-batches, a backward each, "
-             "one optimizer step), no_sync (the same with the reduction switched off on all but the last), "
-             "clip / clip_inf (global gradient-norm clipping, L2 / infinity), ac (activation checkpointing on "
-             "every unit), ckpt (resumed at each world size from a sharded checkpoint saved at every other one), "
-             "bf16 (bf16 compute, fp32 master weights and reduction), hsdp (2 replicas x W/2 shards), eval (a no_grad "
-             "forward on a held-out batch after each step), jitter (seeded delays where asynchronous work races; the "
-             "numbers must not change), reshard2 (after forward each unit resharded to groups of 2 ranks: an integer "
-             "reshard_after_forward; the numbers must not change), shard1 (parameters sharded on dim 1 where it divides "
-             "evenly: a custom shard placement; the numbers must not change). A comma list "
-             "runs each as its own cells; '+' composes features in one run (hsdp+clip, accum+clip+bf16), "
-             "compared with the plain model doing the same composition (default plain)")
+        "one optimizer step), no_sync (the same with the reduction switched off on all but the last), "
+        "clip / clip_inf (global gradient-norm clipping, L2 / infinity), ac (activation checkpointing on "
+        "every unit), ckpt (resumed at each world size from a sharded checkpoint saved at every other one), "
+        "bf16 (bf16 compute, fp32 master weights and reduction), hsdp (2 replicas x W/2 shards), eval (a no_grad "
+        "forward on a held-out batch after each step), jitter (seeded delays where asynchronous work races; the "
+        "numbers must not change), reshard2 (after forward each unit resharded to groups of 2 ranks: an integer "
+        "reshard_after_forward; the numbers must not change), shard1 (parameters sharded on dim 1 where it divides "
+        "evenly: a custom shard placement; the numbers must not change). A comma list "
+        "runs each as its own cells; '+' composes features in one run (hsdp+clip, accum+clip+bf16), "
+        "compared with the plain model doing the same composition (default plain)",
+    )
     add("--steps", type=steps, default=None, help="training steps per scenario, at least 2 (default 10)")
     add("--seeds", type=seeds, default=None, help="comma list of seeds (default 0)")
     add("--lr", type=positive_float, default=None, help="learning rate (default 1e-2)")
     add("--global-batch", type=positive_int, default=None, help="global batch size (default 16)")
     add("--backend", choices=("gloo", "nccl"), default=None, help="gloo (CPU, default) or nccl (CUDA)")
-    add("--scenario-timeout", type=timeout_seconds, default=None,
-        help="seconds before a scenario counts as hung (default 300)")
-    add("--cross-ws-bound", type=positive_float, default=None,
-        help="max |param diff| vs world size 1 with replicated data (default 3e-8)")
+    add(
+        "--scenario-timeout",
+        type=timeout_seconds,
+        default=None,
+        help="seconds before a scenario counts as hung (default 300)",
+    )
+    add(
+        "--cross-ws-bound",
+        type=positive_float,
+        default=None,
+        help="max |param diff| vs world size 1 with replicated data (default 3e-8)",
+    )
     add_allow_large(add)
 
 
 def add_allow_large(add) -> None:
-    add("--allow-large", action="store_true", default=None,
+    add(
+        "--allow-large",
+        action="store_true",
+        default=None,
         help="lift the upper limits derived from this machine (world size by memory, steps by the temp dir's free "
-             "space, planner world size by the model's rows; harness/limits.py)")
+        "space, planner world size by the model's rows; harness/limits.py)",
+    )
 
 
 def matrix_from(ns) -> MatrixOptions:
@@ -449,13 +552,21 @@ def matrix_from(ns) -> MatrixOptions:
     pick = lambda name, default: default if getattr(ns, name, None) is None else getattr(ns, name)  # noqa: E731
     bound = getattr(ns, "cross_ws_bound", None)
     opts = MatrixOptions(
-        impls=pick("impls", d.impls), models=pick("models", d.models), world_sizes=pick("world_sizes", d.world_sizes),
-        data_modes=pick("data_modes", d.data_modes), optimizers=pick("optimizers", d.optimizers),
-        steps=pick("steps", d.steps), seeds=pick("seeds", d.seeds), lr=pick("lr", d.lr),
-        global_batch=pick("global_batch", d.global_batch), backend=pick("backend", d.backend),
-        timeout_s=pick("scenario_timeout", d.timeout_s), features=pick("features", d.features),
+        impls=pick("impls", d.impls),
+        models=pick("models", d.models),
+        world_sizes=pick("world_sizes", d.world_sizes),
+        data_modes=pick("data_modes", d.data_modes),
+        optimizers=pick("optimizers", d.optimizers),
+        steps=pick("steps", d.steps),
+        seeds=pick("seeds", d.seeds),
+        lr=pick("lr", d.lr),
+        global_batch=pick("global_batch", d.global_batch),
+        backend=pick("backend", d.backend),
+        timeout_s=pick("scenario_timeout", d.timeout_s),
+        features=pick("features", d.features),
         bounds=Bounds(cross_ws_replicated=bound) if bound else Bounds(),
-        allow_large=bool(getattr(ns, "allow_large", False)))
+        allow_large=bool(getattr(ns, "allow_large", False)),
+    )
     opts.validate()
     return opts
 
@@ -476,13 +587,21 @@ class SessionOptions:
     plots: bool = True  # the report's PNG plots drawn (--no-plots: not)
 
     @classmethod
-    def from_namespace(cls, ns, matrix: MatrixOptions) -> "SessionOptions":
+    def from_namespace(cls, ns, matrix: MatrixOptions) -> SessionOptions:
         """From parsed CLI or pytest options (the names `add_*_arguments` register) and the matrix made of them."""
         report = None if getattr(ns, "no_report", False) else getattr(ns, "report", None) or DEFAULT_REPORT
-        return cls(matrix, report, bool(getattr(ns, "per_sample", False)),
-                   getattr(ns, "baseline", None), getattr(ns, "gate", None), getattr(ns, "save_baseline", None),
-                   bool(getattr(ns, "gate_strict", False)), _localize_count(ns), bool(getattr(ns, "invariant", False)),
-                   not getattr(ns, "no_plots", False))
+        return cls(
+            matrix,
+            report,
+            bool(getattr(ns, "per_sample", False)),
+            getattr(ns, "baseline", None),
+            getattr(ns, "gate", None),
+            getattr(ns, "save_baseline", None),
+            bool(getattr(ns, "gate_strict", False)),
+            _localize_count(ns),
+            bool(getattr(ns, "invariant", False)),
+            not getattr(ns, "no_plots", False),
+        )
 
 
 def _localize_count(ns) -> int:

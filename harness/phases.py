@@ -26,9 +26,9 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pandas as pd
 
@@ -95,8 +95,9 @@ def _matrix(run: Run) -> None:
     if run.in_worlds:
         run.result = _records_judged(run.scenarios, ReusedWorlds(run.pool, m.timeout_s), m.bounds, run.progress)
     else:
-        run.result = run_matrix_under_torchrun(run.scenarios, timeout_s=m.timeout_s, bounds=m.bounds,
-                                               progress=run.progress, verdict_table_too=False)
+        run.result = run_matrix_under_torchrun(
+            run.scenarios, timeout_s=m.timeout_s, bounds=m.bounds, progress=run.progress, verdict_table_too=False
+        )
 
 
 def _replay(run: Run) -> None:
@@ -112,8 +113,12 @@ def _per_sample(run: Run) -> None:
     from harness.per_sample.run import run_per_sample
 
     run.say("per-sample gradient norms ...")
-    tables, verdicts = run_per_sample(models=PER_SAMPLE_MODELS, world_sizes=tuple(run.options.matrix.world_sizes),
-                                      localise=run.options.localize, pool=run.pool)
+    tables, verdicts = run_per_sample(
+        models=PER_SAMPLE_MODELS,
+        world_sizes=tuple(run.options.matrix.world_sizes),
+        localise=run.options.localize,
+        pool=run.pool,
+    )
     run.result.tables.update(tables)
     run.result.verdicts.extend(verdicts)
 
@@ -127,11 +132,22 @@ def _invariant(run: Run) -> None:
     features = [f for f in m.features if f in FEATURES]
     left = [f for f in m.features if f not in FEATURES]
     if left:
-        run.say(f"the batch-invariant tier runs {', '.join(FEATURES)}; not {', '.join(left)} "
-                f"(harness/invariant/task.py)")
-    tables, verdicts = run_invariant(m.impls, m.models, m.world_sizes, DATA_MODES, m.optimizers, steps=m.steps,
-                                     seed=m.seeds[0], lr=m.lr, global_batch=m.global_batch,
-                                     features=features or ("plain",), pool=run.pool)
+        run.say(
+            f"the batch-invariant tier runs {', '.join(FEATURES)}; not {', '.join(left)} (harness/invariant/task.py)"
+        )
+    tables, verdicts = run_invariant(
+        m.impls,
+        m.models,
+        m.world_sizes,
+        DATA_MODES,
+        m.optimizers,
+        steps=m.steps,
+        seed=m.seeds[0],
+        lr=m.lr,
+        global_batch=m.global_batch,
+        features=features or ("plain",),
+        pool=run.pool,
+    )
     run.result.tables.update(tables)
     run.result.verdicts.extend(verdicts)
 
@@ -175,8 +191,14 @@ def finish_tables(result: RunResult) -> None:
 # The matrix on its own #
 
 
-def _records_judged(scenarios: list[Scenario], pool: ScenarioPool, bounds: Bounds, progress: Progress | None,
-                    snapshot_dir: str | Path | None = None, read_back_s: float = 0.0) -> RunResult:
+def _records_judged(
+    scenarios: list[Scenario],
+    pool: ScenarioPool,
+    bounds: Bounds,
+    progress: Progress | None,
+    snapshot_dir: str | Path | None = None,
+    read_back_s: float = 0.0,
+) -> RunResult:
     """Every scenario on `pool`, the tables built and the checks run (no verdict table yet)."""
     t0 = time.perf_counter()
     own_dir = tempfile.TemporaryDirectory(prefix="fsdp-harness-") if snapshot_dir is None else None
@@ -185,13 +207,28 @@ def _records_judged(scenarios: list[Scenario], pool: ScenarioPool, bounds: Bound
         tables = build_tables(scenarios, records)
     verdicts = run_checks(tables, bounds)
     backend = scenarios[0].backend if scenarios else "gloo"
-    return RunResult(scenarios, tables, verdicts, environment(backend), time.perf_counter() - t0 + read_back_s,
-                     pool.worlds_started, records)
+    return RunResult(
+        scenarios,
+        tables,
+        verdicts,
+        environment(backend),
+        time.perf_counter() - t0 + read_back_s,
+        pool.worlds_started,
+        records,
+    )
 
 
-def run_matrix(scenarios: list[Scenario], *, pool: WorldPool | ScenarioPool | None = None, timeout_s: float = 300.0,
-               bounds: Bounds = Bounds(), progress: Progress | None = None,
-               snapshot_dir: str | Path | None = None, say=lambda line: None, journal=None) -> RunResult:
+def run_matrix(
+    scenarios: list[Scenario],
+    *,
+    pool: WorldPool | ScenarioPool | None = None,
+    timeout_s: float = 300.0,
+    bounds: Bounds = Bounds(),
+    progress: Progress | None = None,
+    snapshot_dir: str | Path | None = None,
+    say=lambda line: None,
+    journal=None,
+) -> RunResult:
     """The matrix and replay phases, for a caller that wants the judged matrix alone (tests, benches, the
     mutation sweep): every scenario run, the tables built, the checks run, and in worlds (a WorldPool) a split
     run whose trajectory alone left the full batch's replayed step by step before it is blamed. `pool`: a
@@ -221,8 +258,14 @@ def run_matrix(scenarios: list[Scenario], *, pool: WorldPool | ScenarioPool | No
     return res
 
 
-def run_matrix_under_torchrun(scenarios: list[Scenario], *, timeout_s: float = 300.0, bounds: Bounds = Bounds(),
-                              progress: Progress | None = None, verdict_table_too: bool = True) -> RunResult | None:
+def run_matrix_under_torchrun(
+    scenarios: list[Scenario],
+    *,
+    timeout_s: float = 300.0,
+    bounds: Bounds = Bounds(),
+    progress: Progress | None = None,
+    verdict_table_too: bool = True,
+) -> RunResult | None:
     """Run `scenarios` in the torchrun job this process belongs to (every process of the job calls it with the
     same scenarios): the judged RunResult on rank 0, None on the other ranks."""
     from harness.execute.torchrun import torchrun_job

@@ -70,8 +70,11 @@ def pytest_configure(config):
 def pytest_collection_finish(session):
     """Which scenarios the selected tests need: those they are parametrized on, or every one. A test
     that will be skipped (the suites' slow or CI tier's without --slow or --ci) needs none."""
-    needing = [i for i in session.items
-               if MATRIX_FIXTURE in getattr(i, "fixturenames", ()) and i.get_closest_marker("skip") is None]
+    needing = [
+        i
+        for i in session.items
+        if MATRIX_FIXTURE in getattr(i, "fixturenames", ()) and i.get_closest_marker("skip") is None
+    ]
     ids = [getattr(i, "callspec", None) and i.callspec.params.get("scenario_id") for i in needing]
     session.config.stash[_SELECTED] = None if any(x is None for x in ids) else set(ids)
 
@@ -140,6 +143,7 @@ def harness_run(request):
     """The session's RunResult (harness.phases.RunResult): tables, verdicts, environment.
     A temp dir that fills up during the run ends the pytest run with its one line."""
     from harness.core.scratch import ScratchError
+
     try:
         return get_run(request.config)
     except ScratchError as e:
@@ -174,7 +178,11 @@ def pytest_sessionfinish(session, exitstatus):
     if status and session.exitstatus == 0:
         for v in harness.failures():
             _say(session.config, f"{v}")
-        _say(session.config, "a failed verdict that no test asserted on fails the run" if status == EXIT_FAILED else
-             f"NOT RUN: {', '.join(harness.outcome().not_run)} ran no scenario to its end; a run that verified "
-             "nothing fails")
+        _say(
+            session.config,
+            "a failed verdict that no test asserted on fails the run"
+            if status == EXIT_FAILED
+            else f"NOT RUN: {', '.join(harness.outcome().not_run)} ran no scenario to its end; a run that verified "
+            "nothing fails",
+        )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -26,8 +26,11 @@ from harness.options import MatrixOptions, matrix_from
 def user_models(models) -> list[str]:
     """The user's own models among `models` (the zoo's and the Hugging Face ones are the harness's,
     held to the same protocol by its unit tests)."""
-    return [m for m in models
-            if m not in names.MODELS and m not in names.STANDARD_MODELS and not m.startswith(names.HF_PREFIX)]
+    return [
+        m
+        for m in models
+        if m not in names.MODELS and m not in names.STANDARD_MODELS and not m.startswith(names.HF_PREFIX)
+    ]
 
 
 def checked_matrix(ns) -> MatrixOptions:
@@ -41,6 +44,7 @@ def check(matrix: MatrixOptions) -> None:
     _check_user_models(matrix)
     _check_user_optimizers(matrix)
     from harness.core.scratch import ScratchError, temp_dir
+
     try:
         temp = temp_dir()
     except ScratchError as e:
@@ -48,6 +52,7 @@ def check(matrix: MatrixOptions) -> None:
     if matrix.allow_large:
         return
     from harness import limits
+
     sizes = {m: limits.model_size(m) for m in matrix.models}
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # under torchrun the job's size bounds the ranks
         limits.check_world_sizes(matrix.world_sizes, sizes)
@@ -60,6 +65,7 @@ def _check_user_models(matrix: MatrixOptions) -> None:
         return
     from harness.train.models import get_model_spec
     from harness.train.user_models import ModelError, check_model
+
     try:
         for name in mine:
             check_model(get_model_spec(name), matrix.global_batch, matrix.seeds[0])
@@ -69,10 +75,12 @@ def _check_user_models(matrix: MatrixOptions) -> None:
 
 def _check_user_optimizers(matrix: MatrixOptions) -> None:
     from harness.core.scenario import user_optimizer
+
     mine = [o for o in matrix.optimizers if user_optimizer(o)]
     if not mine:
         return
     from harness.optimizers import OptimizerError, check_optimizer
+
     try:
         for name in mine:
             check_optimizer(name, matrix.lr)

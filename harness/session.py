@@ -26,13 +26,14 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from harness import options as opt
-from harness.options import SessionOptions
 from harness.core.scenario import REFERENCE_IMPL, Scenario, with_dependencies
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, UNSUPPORTED, Verdict
+from harness.options import SessionOptions
 
 if TYPE_CHECKING:  # torch and pandas load only once a run starts: a usage error stays instant
     from harness.core.outcome import Outcome
@@ -48,13 +49,16 @@ def _check_invariant_cells(m: opt.MatrixOptions) -> None:
     """--invariant's cells: L micro-batches (harness.core.policy.INVARIANT_MICRO_BATCHES) that every world size
     divides and that divide the global batch; a usage error naming the cause otherwise."""
     from harness.core.policy import INVARIANT_MICRO_BATCHES as L
+
     bad = [w for w in m.world_sizes if L % w]
     if bad or m.global_batch % L:
         raise opt.argparse.ArgumentTypeError(
             f"--invariant cuts the global batch into {L} micro-batches, summed in one binary tree: every world size "
-            f"must divide {L} (not {', '.join(map(str, bad))})" if bad else
-            f"--invariant cuts the global batch into {L} micro-batches: --global-batch {m.global_batch} is not a "
-            f"multiple of {L}")
+            f"must divide {L} (not {', '.join(map(str, bad))})"
+            if bad
+            else f"--invariant cuts the global batch into {L} micro-batches: --global-batch {m.global_batch} is not a "
+            f"multiple of {L}"
+        )
 
 
 def load_report_sections() -> None:
@@ -86,22 +90,33 @@ class Session:
     command line that made the run, recorded in its environment so that its report says how to
     reproduce it (None: this process's own, harness.core.environment)."""
 
-    def __init__(self, options: SessionOptions, *, say: Callable[[str], None] | None = None,
-                 under_torchrun: bool = False, command: str | None = None):
+    def __init__(
+        self,
+        options: SessionOptions,
+        *,
+        say: Callable[[str], None] | None = None,
+        under_torchrun: bool = False,
+        command: str | None = None,
+    ):
         self.options = options
         self.say = say or _stderr
         self.under_torchrun = under_torchrun
         self.command = command
         if under_torchrun and options.per_sample:
-            raise opt.argparse.ArgumentTypeError("--per-sample is not available under torchrun yet; run it "
-                                                 "without torchrun (python -m harness run --per-sample ...)")
+            raise opt.argparse.ArgumentTypeError(
+                "--per-sample is not available under torchrun yet; run it "
+                "without torchrun (python -m harness run --per-sample ...)"
+            )
         if under_torchrun and options.invariant:
-            raise opt.argparse.ArgumentTypeError("--invariant is not available under torchrun yet; run it without "
-                                                 "torchrun (python -m harness run --invariant ...)")
+            raise opt.argparse.ArgumentTypeError(
+                "--invariant is not available under torchrun yet; run it without "
+                "torchrun (python -m harness run --invariant ...)"
+            )
         if options.invariant:
             _check_invariant_cells(options.matrix)
         if under_torchrun:  # before anything runs: one usage line, not a progress line first
             from harness.execute.launch import check_job_fits
+
             check_job_fits(options.matrix.world_sizes, int(os.environ["WORLD_SIZE"]))
         backend = options.matrix.backend
         self.baseline = opt.load_baseline_option(options.baseline, options.gate, backend, options.gate_strict)
@@ -129,16 +144,19 @@ class Session:
 
         m, scenarios = self.options.matrix, self.scenarios(selected)
         where = "this torchrun job" if self.under_torchrun else "worlds"
-        self.say(f"running {len(scenarios)} scenarios in {where} of {','.join(map(str, m.world_sizes))} ranks "
-                 f"({_planned(scenarios)})")
+        self.say(
+            f"running {len(scenarios)} scenarios in {where} of {','.join(map(str, m.world_sizes))} ranks "
+            f"({_planned(scenarios)})"
+        )
 
         def progress(i, n, sc, secs):
             self.say(f"[{i:>3}/{n}] {sc.id:<48} {secs:6.1f}s")
 
         with contextlib.ExitStack() as stack:
             pool = None if self.under_torchrun else stack.enter_context(WorldPool(timeout_s=m.timeout_s))
-            res = run_phases(Run(self.options, scenarios, pool, say=self.say, progress=progress,
-                                 baseline=self.baseline))
+            res = run_phases(
+                Run(self.options, scenarios, pool, say=self.say, progress=progress, baseline=self.baseline)
+            )
         if res is None:
             self.is_writer = False
             return None
@@ -156,6 +174,7 @@ class Session:
         from harness.report import runs
         from harness.report.markdown import stage_report
         from harness.tables.store import stage_run, swap_into_place, writing
+
         res, o = self.result, self.options
         if res is None or (o.report is None and not o.save_baseline):
             return []
@@ -213,6 +232,7 @@ class Session:
 
         from harness.checks.registry import verdict_table
         from harness.core.outcome import outcome
+
         res = self.result
         tables = res.tables if res is not None else {}
         cells, verdicts = tables.get("scenarios"), tables.get("verdicts")
@@ -225,6 +245,7 @@ class Session:
 
     def exit_status(self) -> int:
         from harness.core.outcome import FAILED, PASSED
+
         word = self.outcome().word
         return EXIT_OK if word == PASSED else EXIT_FAILED if word == FAILED else EXIT_NOT_RUN
 
@@ -234,12 +255,17 @@ class Session:
         o = self.outcome()
         n, ref = o.counts, o.reference
         unsupported = f", {n[UNSUPPORTED]} unsupported" if n[UNSUPPORTED] else ""
-        reference = (f" (the reference's runs apart: {ref[PASS]} passed, {ref[FAIL]} failed)"
-                     if sum(ref.values()) else "")
-        parts = [f"{o.word}: {n[PASS]} passed, {n[FAIL]} failed, {n[KNOWN]} known deviations, {n[SKIP]} skipped"
-                 f"{unsupported}{reference}", o.runs, o.gate,
-                 f"in {self.result.wall_s:.1f}s" if self.result else "",
-                 f"report: {self.report}" if self.report is not None else ""]
+        reference = (
+            f" (the reference's runs apart: {ref[PASS]} passed, {ref[FAIL]} failed)" if sum(ref.values()) else ""
+        )
+        parts = [
+            f"{o.word}: {n[PASS]} passed, {n[FAIL]} failed, {n[KNOWN]} known deviations, {n[SKIP]} skipped"
+            f"{unsupported}{reference}",
+            o.runs,
+            o.gate,
+            f"in {self.result.wall_s:.1f}s" if self.result else "",
+            f"report: {self.report}" if self.report is not None else "",
+        ]
         return "; ".join(p for p in parts if p)
 
     def finish(self) -> int:
@@ -258,6 +284,7 @@ def _planned(scenarios: list[Scenario]) -> str:
     """'fsdp_impl: 12 to run, 0 unsupported; reference: 6 to run, 0 unsupported': per implementation, the
     reference last; a scenario whose adapter lacks what its feature needs will not run (unsupported)."""
     from harness.execute.executor import unsupported
+
     impls = list(dict.fromkeys(sc.impl for sc in scenarios))
     parts = []
     for impl in sorted(impls, key=lambda i: i == REFERENCE_IMPL):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from harness.train.models import get_model_spec
 from harness.optimizers import make_optimizer
+from harness.train.models import get_model_spec
 
 BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
 
@@ -26,6 +26,7 @@ def _shard(impl: str, model, units, group):
         kwargs["process_group"] = group
     else:
         from torch.distributed.device_mesh import init_device_mesh
+
         kwargs["mesh"] = init_device_mesh("cuda", (group.size(),))
     for unit in units:
         fully_shard(unit, **kwargs)
@@ -56,10 +57,13 @@ def bf16_training(ctx, p: dict) -> dict:
         losses.append(float(loss.detach()))
     torch.cuda.synchronize(ctx.device)
     shards = [q.to_local() if hasattr(q, "to_local") else q for q in model.parameters()]
-    return {"losses": losses, "out_dtypes": sorted(out_dtypes),
-            "shard_dtypes": sorted({str(q.dtype) for q in shards}),
-            "devices": sorted({q.device.type for q in shards}),
-            "peak_bytes": int(torch.cuda.max_memory_allocated(ctx.device))}
+    return {
+        "losses": losses,
+        "out_dtypes": sorted(out_dtypes),
+        "shard_dtypes": sorted({str(q.dtype) for q in shards}),
+        "devices": sorted({q.device.type for q in shards}),
+        "peak_bytes": int(torch.cuda.max_memory_allocated(ctx.device)),
+    }
 
 
 class OffloadIgnored:

@@ -66,4 +66,3 @@ def opacus_tp_task(ctx, p: dict) -> dict:
         for j, k in enumerate(indices):
             out[k] = float(norms[j])
     return {"rank": ctx.rank, "norms": out, "reduce_group_sizes": sizes, "tp_size": mesh["tp"].size()}
-

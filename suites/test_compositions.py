@@ -25,13 +25,21 @@ IMPLS = ("fsdp_impl", "torch_fsdp2")
 def every_pair() -> list[str]:
     """Every pair of features that composes (EXCLUSIVE pairs left out)."""
     names = [f for f in FEATURES if f != "plain"]
-    return [f"{a}+{b}" for a, b in itertools.combinations(names, 2)
-            if (a, b) not in EXCLUSIVE and (b, a) not in EXCLUSIVE]
+    return [
+        f"{a}+{b}" for a, b in itertools.combinations(names, 2) if (a, b) not in EXCLUSIVE and (b, a) not in EXCLUSIVE
+    ]
 
 
 def _matrix(compositions, world_sizes, steps, modes=("replicated", "split")):
-    return build_matrix(IMPLS, ["mlp"], list(world_sizes), modes, ("adamw",), steps=steps,
-                        features=tuple(check_feature(c) for c in compositions))
+    return build_matrix(
+        IMPLS,
+        ["mlp"],
+        list(world_sizes),
+        modes,
+        ("adamw",),
+        steps=steps,
+        features=tuple(check_feature(c) for c in compositions),
+    )
 
 
 # The default tier runs each CI composition in the data mode where its bug class shows (both with --slow):
@@ -83,14 +91,22 @@ def test_each_composition_is_compared_with_the_plain_model_doing_the_same(ci_run
     # the checks see each part: clipping acted, the replicas agree, the checkpoint restored
     _, res = ci_run
     seen = {(v.check, s) for v in res.verdicts for s in [v.scenario] if v.status == PASS}
-    for check, comp in (("clip_acts", "hsdp+clip"), ("replicas_agree", "hsdp+no_sync"),
-                        ("ckpt_restored", "ckpt+no_sync"), ("ckpt_restored", "hsdp+ckpt")):
+    for check, comp in (
+        ("clip_acts", "hsdp+clip"),
+        ("replicas_agree", "hsdp+no_sync"),
+        ("ckpt_restored", "ckpt+no_sync"),
+        ("ckpt_restored", "hsdp+ckpt"),
+    ):
         assert any(c == check and f"-{check_feature(comp)}" in s for c, s in seen), (check, comp)
 
 
 def test_a_composition_that_cannot_be_composed_is_refused_in_one_line():
-    for bad, why in (("accum+no_sync", "two micro-batch schemes"), ("clip+clip_inf", "two clipping norms"),
-                     ("hsdp+bogus", "unknown feature 'bogus' in 'hsdp+bogus'"), ("clip+clip", "names a feature twice")):
+    for bad, why in (
+        ("accum+no_sync", "two micro-batch schemes"),
+        ("clip+clip_inf", "two clipping norms"),
+        ("hsdp+bogus", "unknown feature 'bogus' in 'hsdp+bogus'"),
+        ("clip+clip", "names a feature twice"),
+    ):
         with pytest.raises(ValueError, match=re.escape(why)):
             check_feature(bad)
     assert check_feature("clip+hsdp") == check_feature("hsdp+clip") and parts("hsdp+clip") == ("clip", "hsdp")

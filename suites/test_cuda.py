@@ -18,18 +18,19 @@ import pytest
 import torch
 
 from harness.core.scenario import build_matrix
-from harness.phases import run_matrix
 from harness.execute.world import World
+from harness.phases import run_matrix
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
-BF16_EPS = 2.0 ** -8  # bf16 keeps 8 significant bits
+BF16_EPS = 2.0**-8  # bf16 keeps 8 significant bits
 
 
 @pytest.fixture(scope="module")
 def cuda_run():
-    scenarios = build_matrix(["fsdp_impl", "torch_fsdp2"], ["mlp", "tinylm"], [1], ["replicated"],
-                             ["adamw", "sgd"], backend="nccl")
+    scenarios = build_matrix(
+        ["fsdp_impl", "torch_fsdp2"], ["mlp", "tinylm"], [1], ["replicated"], ["adamw", "sgd"], backend="nccl"
+    )
     return run_matrix(scenarios, timeout_s=600)
 
 
@@ -47,8 +48,10 @@ def test_fsdp_impl_at_one_rank_is_bitwise_the_plain_model_on_cuda(cuda_run):
 @pytest.fixture(scope="module")
 def bf16():
     with World(1, "nccl", timeout_s=600) as world:
-        return {impl: world.call("suites.cuda_tasks:bf16_training", {"impl": impl, "model": "tinylm", "steps": 5})[0]
-                for impl in ("fsdp_impl", "torch_fsdp2")}
+        return {
+            impl: world.call("suites.cuda_tasks:bf16_training", {"impl": impl, "model": "tinylm", "steps": 5})[0]
+            for impl in ("fsdp_impl", "torch_fsdp2")
+        }
 
 
 @pytest.mark.parametrize("impl", ["fsdp_impl", "torch_fsdp2"])
@@ -71,9 +74,16 @@ IGNORED = "suites.cuda_tasks:OffloadIgnored"
 
 @pytest.fixture(scope="module")
 def offload_run():
-    scenarios = build_matrix(["fsdp_impl", "torch_fsdp2", IGNORED], ["mlp", "tinylm_tied"],
-                             [1], ["replicated"], ["adamw", "sgd"], backend="nccl", steps=3,
-                             features=OFFLOAD_FEATURES)
+    scenarios = build_matrix(
+        ["fsdp_impl", "torch_fsdp2", IGNORED],
+        ["mlp", "tinylm_tied"],
+        [1],
+        ["replicated"],
+        ["adamw", "sgd"],
+        backend="nccl",
+        steps=3,
+        features=OFFLOAD_FEATURES,
+    )
     return run_matrix(scenarios, timeout_s=600)
 
 

@@ -36,8 +36,15 @@ from pathlib import Path
 import pytest
 
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())  # wherever this file moves
-PAGES = sorted({ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md"),
-                ROOT / "reports" / "performance.md", ROOT / "reports" / "false_alarm_findings.md"})
+PAGES = sorted(
+    {
+        ROOT / "README.md",
+        ROOT / "CHANGELOG.md",
+        *(ROOT / "docs").glob("*.md"),
+        ROOT / "reports" / "performance.md",
+        ROOT / "reports" / "false_alarm_findings.md",
+    }
+)
 CODE_DIRS = ("harness", "fsdp_impl", "suites")
 COMMAND_BLOCKS = ("bash", "sh", "shell", "console")
 # Programs a command block may run that these tests do not dry-run: the shell's own, git, and pip, whose
@@ -56,6 +63,7 @@ CODE_REFERENCE = re.compile(r"(?<![\w/.-])((?:docs|reports)/[\w./-]+\.md)(#[\w-]
 
 
 # ------------------------------------------------------------------------------------------------ reading pages
+
 
 @dataclass(frozen=True)
 class Block:
@@ -125,6 +133,7 @@ def anchors(page: Path) -> set[str]:
 
 # ------------------------------------------------------------------------------------------------ links
 
+
 def links():
     for page in PAGES:
         prose, _ = read(page)
@@ -133,8 +142,12 @@ def links():
             target = m.group(1)
             if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
                 continue
-            yield pytest.param(page, text.count("\n", 0, m.start()) + 1, target,
-                               id=f"{_rel(page)}:{text.count(chr(10), 0, m.start()) + 1}:{target}")
+            yield pytest.param(
+                page,
+                text.count("\n", 0, m.start()) + 1,
+                target,
+                id=f"{_rel(page)}:{text.count(chr(10), 0, m.start()) + 1}:{target}",
+            )
 
 
 def check_target(base: Path, target: str, where: str) -> None:
@@ -143,8 +156,10 @@ def check_target(base: Path, target: str, where: str) -> None:
     assert dest.exists(), f"{where}: {target!r}: no such file or folder {dest}"
     if anchor:
         assert dest.suffix == ".md", f"{where}: {target!r}: an anchor into a file that is not markdown"
-        assert anchor in anchors(dest), (f"{where}: {target!r}: {_rel(dest)} has no heading with anchor "
-                                         f"#{anchor} (it has: {', '.join(sorted(anchors(dest)))})")
+        assert anchor in anchors(dest), (
+            f"{where}: {target!r}: {_rel(dest)} has no heading with anchor "
+            f"#{anchor} (it has: {', '.join(sorted(anchors(dest)))})"
+        )
 
 
 @pytest.mark.parametrize("page,line,target", list(links()))
@@ -169,6 +184,7 @@ def test_code_cites_a_section_that_exists(src, line, target):
 
 
 # ------------------------------------------------------------------------------------------------ commands
+
 
 def block_commands(block: Block) -> list[str]:
     """The command lines of a block: a console block's `$ ` lines; a shell block's lines, continuations joined."""
@@ -255,6 +271,7 @@ def _without_imports(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             if builtin:
                 parse(",".join(builtin))
             return tuple(items)
+
         return check
 
     def md_path(text):
@@ -262,8 +279,12 @@ def _without_imports(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             raise argparse.ArgumentTypeError(f"{text!r} must be a markdown file path ending in .md")
         return Path(text)
 
-    swap = {opt.impls: names_only(opt.impls), opt.models: names_only(opt.models),
-            opt.optimizers: names_only(opt.optimizers), opt.report_path: md_path}
+    swap = {
+        opt.impls: names_only(opt.impls),
+        opt.models: names_only(opt.models),
+        opt.optimizers: names_only(opt.optimizers),
+        opt.report_path: md_path,
+    }
     for p in _walk(parser):
         for action in p._actions:
             if action.type in swap:
@@ -273,6 +294,7 @@ def _without_imports(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 def harness_parser() -> argparse.ArgumentParser:
     from harness.cli import _parser
+
     return _without_imports(_parser())
 
 
@@ -302,6 +324,7 @@ def module_parser(module: str) -> argparse.ArgumentParser | None:
 
 def torchrun_parser() -> argparse.ArgumentParser:
     from torch.distributed.run import get_args_parser
+
     return get_args_parser()
 
 
@@ -375,6 +398,7 @@ def test_command_dry_runs(cmd, in_block, pytestconfig):
 
 
 # ------------------------------------------------------------------------------------------------ options named
+
 
 def known_options() -> set[str]:
     """The long options of the CLI, torchrun and every module the docs' commands run."""

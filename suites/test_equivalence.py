@@ -23,8 +23,10 @@ def pytest_generate_tests(metafunc):
     if "scenario_id" in metafunc.fixturenames:
         m = matrix_options(metafunc.config)
         first = (m.models[0], m.optimizers[0], m.seeds[0])
-        params = [pytest.param(s.id, id=s.id, marks=() if (s.model, s.optimizer, s.seed) == first else pytest.mark.slow)
-                  for s in m.scenarios()]
+        params = [
+            pytest.param(s.id, id=s.id, marks=() if (s.model, s.optimizer, s.seed) == first else pytest.mark.slow)
+            for s in m.scenarios()
+        ]
         metafunc.parametrize("scenario_id", params)
 
 

@@ -61,8 +61,9 @@ def test_an_adapter_without_the_wrap_is_unsupported_by_name(ci_run):
 
 @pytest.fixture(scope="module")
 def placed_run():
-    scenarios = build_matrix(("fsdp_impl", "torch_fsdp2"), ["tinylm"], [1, 2], ("replicated",), ("adamw",),
-                             steps=3, features=("shard1",))
+    scenarios = build_matrix(
+        ("fsdp_impl", "torch_fsdp2"), ["tinylm"], [1, 2], ("replicated",), ("adamw",), steps=3, features=("shard1",)
+    )
     return scenarios, run_matrix(scenarios)
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from harness.core.scenario import build_matrix
-from harness.phases import run_matrix
 from harness.gate.baseline import load_baseline, save_baseline
 from harness.gate.compare import compare, compare_table
+from harness.phases import run_matrix
 
 
 def _slice(lr):

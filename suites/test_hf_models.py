@@ -35,8 +35,11 @@ def need_transformers() -> None:
         missing = f"{type(exc).__name__}: {exc}"
     else:
         return
-    pytest.fail(f"Hugging Face transformers is not importable ({missing}); install the extra: {INSTALL} "
-                f"(these tests fail rather than skip, so that CI cannot silently miss them)", pytrace=False)
+    pytest.fail(
+        f"Hugging Face transformers is not importable ({missing}); install the extra: {INSTALL} "
+        f"(these tests fail rather than skip, so that CI cannot silently miss them)",
+        pytrace=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +54,7 @@ def _build(name: str, seed: int = 0) -> nn.Module:
 
 # -- through the harness -----------------------------------------------------------------------------
 
+
 @pytest.mark.ci  # 24 scenarios of two real HF models; suites/test_standard_models.py is the default tier's
 def test_hf_models_train_like_the_plain_model_sharded(worlds, request):
     """Replicated data, where the checks are bitwise; split data too with --slow (what a model changes about
@@ -64,15 +68,20 @@ def test_hf_models_train_like_the_plain_model_sharded(worlds, request):
     assert not failed, "\n".join(failed)
     assert {v.scenario for v in res.verdicts} >= {s.id for s in scenarios}
     # the bitwise checks ran and held: one rank equals the reference, two replicated ranks equal one
-    for check, ids in (("ws1_exact", [s.id for s in scenarios if s.impl != "reference" and s.world_size == 1]),
-                       ("grads_match_ws1", [s.id for s in scenarios if s.impl != "reference" and s.world_size == 2
-                                            and s.data_mode == "replicated"])):
+    for check, ids in (
+        ("ws1_exact", [s.id for s in scenarios if s.impl != "reference" and s.world_size == 1]),
+        (
+            "grads_match_ws1",
+            [s.id for s in scenarios if s.impl != "reference" and s.world_size == 2 and s.data_mode == "replicated"],
+        ),
+    ):
         got = {v.scenario: v for v in res.verdicts if v.check == check}
         assert ids and set(ids) <= set(got), f"{check} missing for {sorted(set(ids) - set(got))}"
         assert all(got[i].status == PASS and got[i].measured == 0 for i in ids), [str(got[i]) for i in ids]
 
 
 # -- the models ----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", HF)
 def test_the_tied_embedding_and_head_stay_in_the_root_and_the_units_are_the_blocks(name):
@@ -131,6 +140,7 @@ def test_the_loss_is_the_mean_next_token_cross_entropy(name):
 
 
 # -- names and errors ----------------------------------------------------------------------------------
+
 
 def test_the_hf_names_are_the_registry():
     assert tuple(HF_SPECS) == names.HF_MODELS

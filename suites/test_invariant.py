@@ -27,8 +27,15 @@ def world_sizes(request):
 
 @pytest.fixture(scope="module")
 def tier(kept_worlds, world_sizes):
-    return run_invariant(["fsdp_impl"], ["mlp", "tinylm_tied"], world_sizes, ["split", "replicated"], ["adamw"],
-                         steps=2, pool=kept_worlds)
+    return run_invariant(
+        ["fsdp_impl"],
+        ["mlp", "tinylm_tied"],
+        world_sizes,
+        ["split", "replicated"],
+        ["adamw"],
+        steps=2,
+        pool=kept_worlds,
+    )
 
 
 def test_fsdp_impl_is_bitwise_itself_and_the_tree_at_every_world_size(tier, world_sizes):
@@ -38,7 +45,9 @@ def test_fsdp_impl_is_bitwise_itself_and_the_tree_at_every_world_size(tier, worl
     bad = [str(v) for v in verdicts if v.status != PASS or v.measured != 0]
     assert not bad, "\n".join(bad)
     table = tables["invariant"]
-    assert len(table) == 2 * len(world_sizes) * 2 * 2 and (table.diff_tree == 0).all() and (table.diff_ws_min == 0).all()
+    assert (
+        len(table) == 2 * len(world_sizes) * 2 * 2 and (table.diff_tree == 0).all() and (table.diff_ws_min == 0).all()
+    )
 
 
 @pytest.mark.parametrize("feature", ["bf16", "ac", "clip_inf", "ckpt"])
@@ -46,8 +55,16 @@ def test_the_features_that_keep_the_mode_keep_every_world_size_bitwise(kept_worl
     """bf16 (fp32 trees), ac, the inf-norm clip, and a run resumed at another world size (ckpt: W = 1 resumes what
     4 ranks saved, 4 what 1 saved), each against the plain model doing the same uninterrupted; both data modes;
     the slow tier runs them at every world size on both zoo models."""
-    _, verdicts = run_invariant(["fsdp_impl"], ["tinylm_tied"], (1, 4), ["split", "replicated"], ["adamw"], steps=4,
-                                features=(feature,), pool=kept_worlds)
+    _, verdicts = run_invariant(
+        ["fsdp_impl"],
+        ["tinylm_tied"],
+        (1, 4),
+        ["split", "replicated"],
+        ["adamw"],
+        steps=4,
+        features=(feature,),
+        pool=kept_worlds,
+    )
     assert len(verdicts) == len(CHECKS) * 2 * 2
     bad = [str(v) for v in verdicts if v.status != PASS or v.measured != 0]
     assert not bad, "\n".join(bad)
@@ -60,8 +77,17 @@ def test_every_feature_of_the_mode_at_every_world_size_on_the_zoo_under_five_see
     from harness.invariant.task import FEATURES
     from harness.options import DEFAULT_MODELS
 
-    _, verdicts = run_invariant(["fsdp_impl"], DEFAULT_MODELS, world_sizes, ["split", "replicated"],
-                                ["adamw", "sgd"], steps=4, features=FEATURES, seed=seed, pool=kept_worlds)
+    _, verdicts = run_invariant(
+        ["fsdp_impl"],
+        DEFAULT_MODELS,
+        world_sizes,
+        ["split", "replicated"],
+        ["adamw", "sgd"],
+        steps=4,
+        features=FEATURES,
+        seed=seed,
+        pool=kept_worlds,
+    )
     bad = [str(v) for v in verdicts if v.status != PASS or v.measured != 0]
     assert verdicts and not bad, "\n".join(bad)
 
@@ -76,20 +102,26 @@ def test_the_report_shows_the_tier_with_its_zeros(tier):
     assert "invariant_matches_tree PASS" in "\n".join(lines)
 
 
-@pytest.mark.parametrize("mutant,sizes,check", [
-    ("tree_sequential", (1, 2), "invariant_matches_tree"),  # 8 and 4 micro-batches a rank: not the tree
-    ("ranks_in_rank_order", (1, 4), "invariant_across_ws"),  # 4 ranks' partial sums in rank order
-    ("loss_per_rank", (1, 2), "invariant_across_ws"),  # the gradient twice too large at W = 2
-])
+@pytest.mark.parametrize(
+    "mutant,sizes,check",
+    [
+        ("tree_sequential", (1, 2), "invariant_matches_tree"),  # 8 and 4 micro-batches a rank: not the tree
+        ("ranks_in_rank_order", (1, 4), "invariant_across_ws"),  # 4 ranks' partial sums in rank order
+        ("loss_per_rank", (1, 2), "invariant_across_ws"),  # the gradient twice too large at W = 2
+    ],
+)
 def test_each_fault_of_the_invariant_step_is_caught_by_the_tier(kept_worlds, mutant, sizes, check):
-    _, verdicts = run_invariant([f"{MUTANTS}:{mutant}"], ["mlp"], sizes, ["split"], ["adamw"], steps=2,
-                                pool=kept_worlds)
+    _, verdicts = run_invariant(
+        [f"{MUTANTS}:{mutant}"], ["mlp"], sizes, ["split"], ["adamw"], steps=2, pool=kept_worlds
+    )
     failed = [v for v in verdicts if v.status == FAIL]
     assert any(v.check == check for v in failed), [str(v) for v in verdicts]
 
 
 def test_a_claim_without_a_step_fails_and_no_claim_is_unsupported(kept_worlds):
-    _, claimed = run_invariant([f"{MUTANTS}:ClaimsWithoutStep"], ["mlp"], (1,), ["split"], ["adamw"], steps=1, pool=kept_worlds)
+    _, claimed = run_invariant(
+        [f"{MUTANTS}:ClaimsWithoutStep"], ["mlp"], (1,), ["split"], ["adamw"], steps=1, pool=kept_worlds
+    )
     assert claimed and all(v.status == FAIL and "not measured" in v.message for v in claimed)
     _, fsdp2 = run_invariant(["torch_fsdp2"], ["mlp"], (1,), ["split"], ["adamw"], steps=1, pool=kept_worlds)
     assert fsdp2 and all(v.status == UNSUPPORTED and "batch_invariant" in v.message for v in fsdp2)

@@ -37,7 +37,8 @@ def _check(model, impls, world_sizes, tolerance):
         ideal = ideal_w1 / row.world_size
         assert row.state_total <= ideal * (1 + tolerance) + rows, (
             f"{row.impl} W={row.world_size}: {row.state_total} B per rank > ideal {ideal:.0f} B (+{tolerance:.0%} "
-            f"+ one row per parameter and category, {rows} B)")
+            f"+ one row per parameter and category, {rows} B)"
+        )
         assert row.state_total >= ideal * (1 - 1e-9), f"{row.impl} W={row.world_size}: less state than the ideal?"
     return table
 

@@ -58,26 +58,34 @@ def run_world(world_size: int) -> dict:
                 base = {"model": model, "seed": SEED, "batch": BATCH, "mode": mode}
                 records["norms", model, mode] = world.call("harness.per_sample.tasks:norms_task", base)
                 records["update", model, mode] = world.call(
-                    "harness.per_sample.tasks:clipped_update_task", {**base, "max_norm": max_norm(model), "lr": LR})
+                    "harness.per_sample.tasks:clipped_update_task", {**base, "max_norm": max_norm(model), "lr": LR}
+                )
                 if world_size == TIED_WORLD_SIZE and model == "tinylm":
                     tied = {**base, "model": "tinylm_tied"}
                     records["norms", "tinylm_tied", mode] = world.call(
-                        "harness.per_sample.tasks:norms_task", {**tied, "variants": ["fsdp_impl"]})
+                        "harness.per_sample.tasks:norms_task", {**tied, "variants": ["fsdp_impl"]}
+                    )
                     records["update", "tinylm_tied", mode] = world.call(
                         "harness.per_sample.tasks:clipped_update_task",
-                        {**tied, "max_norm": max_norm("tinylm_tied"), "lr": LR})
+                        {**tied, "max_norm": max_norm("tinylm_tied"), "lr": LR},
+                    )
                 if OPACUS_MISSING is None and world_size in OPACUS_WORLD_SIZES and model == "mlp":
                     records["opacus", model, mode] = world.call(
-                        "harness.per_sample.tasks:opacus_fsdp_task", {**base, "max_norm": max_norm(model), "lr": LR})
+                        "harness.per_sample.tasks:opacus_fsdp_task", {**base, "max_norm": max_norm(model), "lr": LR}
+                    )
                     records["opacus_tp", model, mode] = world.call("suites.per_sample_tasks:opacus_tp_task", base)
         if world_size == 2:
             for name, indices in ODD_LAYOUTS.items():
                 odd = {"model": "mlp", "seed": SEED, "batch": BATCH, "mode": name, "indices": indices}
-                records["norms", "mlp", name] = world.call("harness.per_sample.tasks:norms_task",
-                                                          {**odd, "variants": ["fsdp_impl"]})
-                records["update", "mlp", name] = world.call("harness.per_sample.tasks:clipped_update_task",
-                                                           {**odd, "max_norm": max_norm("mlp"), "lr": LR})
-            records["repeated"] = world.call("suites.per_sample_tasks:refused_indices_task", [[0, 1, 2, 3], [4, 5, 5, 6]])
+                records["norms", "mlp", name] = world.call(
+                    "harness.per_sample.tasks:norms_task", {**odd, "variants": ["fsdp_impl"]}
+                )
+                records["update", "mlp", name] = world.call(
+                    "harness.per_sample.tasks:clipped_update_task", {**odd, "max_norm": max_norm("mlp"), "lr": LR}
+                )
+            records["repeated"] = world.call(
+                "suites.per_sample_tasks:refused_indices_task", [[0, 1, 2, 3], [4, 5, 5, 6]]
+            )
     return records
 
 
@@ -111,6 +119,7 @@ def power_mean_bounds(model: str, world_size: int) -> tuple[float, float]:
 
 # ------------------------------------------------------------------------------ ground truth
 
+
 @pytest.mark.parametrize("model", MODELS)
 def test_truth_matches_a_loop_of_single_sample_backwards(model):
     t = ps.truth(model, SEED, BATCH)
@@ -129,6 +138,7 @@ def test_truth_norms_differ_and_the_clip_bites_half_the_batch(model):
 
 # ------------------------------------------------------------------------------- fsdp_impl
 
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("world_size", WS)
@@ -144,8 +154,11 @@ def test_fsdp_impl_norms_match_truth_on_every_rank(records, world_size, model, m
 @pytest.mark.parametrize("world_size", WS)
 def test_fsdp_impl_clipped_update_is_the_exact_dp_sgd_step(records, world_size, model, mode):
     recs = records(world_size)["update", model, mode]
-    verdict = ps.check_clipped_update(scenario_id("fsdp_impl", model, world_size, mode), recs[0]["update"],
-                                      ps.truth(model, SEED, BATCH).update(max_norm(model), LR))
+    verdict = ps.check_clipped_update(
+        scenario_id("fsdp_impl", model, world_size, mode),
+        recs[0]["update"],
+        ps.truth(model, SEED, BATCH).update(max_norm(model), LR),
+    )
     assert verdict.status == PASS, str(verdict)
     assert all(r["norms"] == recs[0]["norms"] for r in recs)  # the clip factors agree across ranks
 
@@ -154,11 +167,12 @@ def test_fsdp_impl_clipped_update_is_the_exact_dp_sgd_step(records, world_size, 
 def test_fsdp_impl_tied_weights_sum_both_uses_per_sample(records, mode):
     norms, _ = norm_verdict(records, "fsdp_impl", "tinylm_tied", TIED_WORLD_SIZE, mode)
     assert norms.status == PASS, str(norms)
-    update = ps.check_clipped_update(scenario_id("fsdp_impl", "tinylm_tied", TIED_WORLD_SIZE, mode),
-                                     records(TIED_WORLD_SIZE)["update", "tinylm_tied", mode][0]["update"],
-                                     ps.truth("tinylm_tied", SEED, BATCH).update(max_norm("tinylm_tied"), LR))
+    update = ps.check_clipped_update(
+        scenario_id("fsdp_impl", "tinylm_tied", TIED_WORLD_SIZE, mode),
+        records(TIED_WORLD_SIZE)["update", "tinylm_tied", mode][0]["update"],
+        ps.truth("tinylm_tied", SEED, BATCH).update(max_norm("tinylm_tied"), LR),
+    )
     assert update.status == PASS, str(update)
-
 
 
 @pytest.mark.parametrize("layout", ODD_LAYOUTS)
@@ -166,8 +180,11 @@ def test_fsdp_impl_reads_any_layout_from_the_indices(records, layout):
     recs = records(2)
     norms, _ = norm_verdict(records, "fsdp_impl", "mlp", 2, layout)
     assert norms.status == PASS, str(norms)
-    update = ps.check_clipped_update(scenario_id("fsdp_impl", "mlp", 2, layout), recs["update", "mlp", layout][0]["update"],
-                                     ps.truth("mlp", SEED, BATCH).update(max_norm("mlp"), LR))
+    update = ps.check_clipped_update(
+        scenario_id("fsdp_impl", "mlp", 2, layout),
+        recs["update", "mlp", layout][0]["update"],
+        ps.truth("mlp", SEED, BATCH).update(max_norm("mlp"), LR),
+    )
     assert update.status == PASS, str(update)
 
 
@@ -177,6 +194,7 @@ def test_repeated_indices_are_refused_on_every_rank(records):
 
 
 # ------------------------------------------------------------------------- known-bad variants
+
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("world_size", WS[1:])
@@ -207,6 +225,7 @@ def test_allreduce_of_shard_partial_norms_is_right_only_for_replicated_data(reco
 
 
 # ------------------------------------------------------------------ checks and local behaviour
+
 
 def test_the_checks_fail_on_wrong_inputs():
     t = ps.truth("mlp", SEED, BATCH)
@@ -303,8 +322,10 @@ def test_every_rule_matches_torch_func_in_one_process(rule):
     # the largest entry on plain layers, but to ~3e-5 on the tied-and-reused model on an AVX2 host.
     plain = copy.deepcopy(reference).float()
     spec.loss(plain(x), y).backward()
+
     def err(got, want):
         return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
     fp32_err = max(err(p.grad, truth_grads[k].mean(0)) for k, p in plain.named_parameters())
     bound = 4 * max(fp32_err, torch.finfo(torch.float32).eps)
     for k, v in exact.items():
@@ -322,6 +343,7 @@ def test_indices_that_do_not_cover_the_batch_are_refused():
 
 # ------------------------------------------------------------------------------------ Opacus
 
+
 @needs_opacus
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("world_size", OPACUS_WORLD_SIZES)
@@ -333,8 +355,9 @@ def test_opacus_ghost_fsdp_norms_are_local_and_right_once_placed_by_index(record
         assert len(r["local_norms"]) == len(r["indices"]) == n_local
         local_truth = [truth[k] for k in r["indices"]]
         assert ps.check_per_sample_norms("opacus-local", [r["local_norms"]], local_truth).status == PASS
-    verdict = ps.check_per_sample_norms(scenario_id("opacus_ghost_fsdp", "mlp", world_size, mode),
-                                        [r["gathered"] for r in recs], truth)
+    verdict = ps.check_per_sample_norms(
+        scenario_id("opacus_ghost_fsdp", "mlp", world_size, mode), [r["gathered"] for r in recs], truth
+    )
     assert verdict.status == PASS, str(verdict)
 
 
@@ -342,8 +365,11 @@ def test_opacus_ghost_fsdp_norms_are_local_and_right_once_placed_by_index(record
 @pytest.mark.parametrize("world_size", OPACUS_WORLD_SIZES)
 def test_opacus_norms_all_reduced_position_wise_fail_with_split_data(records, world_size):
     recs = records(world_size)["opacus", "mlp", "split"]
-    verdict = ps.check_per_sample_norms(scenario_id("opacus_allreduce", "mlp", world_size, "split"),
-                                        [r["allreduce"] for r in recs], ps.truth("mlp", SEED, BATCH).norms)
+    verdict = ps.check_per_sample_norms(
+        scenario_id("opacus_allreduce", "mlp", world_size, "split"),
+        [r["allreduce"] for r in recs],
+        ps.truth("mlp", SEED, BATCH).norms,
+    )
     low, high = power_mean_bounds("mlp", world_size)
     assert verdict.status == FAIL, str(verdict)
     assert low - 1e-3 <= ratio_of_means(recs[0]["allreduce"], "mlp") <= high + 1e-3
@@ -355,12 +381,17 @@ def test_opacus_make_private_update_is_exact_for_split_and_w_times_too_large_for
     exact = ps.truth("mlp", SEED, BATCH).update(max_norm("mlp"), LR)
     split = records(world_size)["opacus", "mlp", "split"]
     replicated = records(world_size)["opacus", "mlp", "replicated"]
-    ok = ps.check_clipped_update(scenario_id("opacus_ghost_fsdp", "mlp", world_size, "split"), split[0]["update"], exact)
+    ok = ps.check_clipped_update(
+        scenario_id("opacus_ghost_fsdp", "mlp", world_size, "split"), split[0]["update"], exact
+    )
     assert ok.status == PASS, str(ok)
-    bad = ps.check_clipped_update(scenario_id("opacus_ghost_fsdp", "mlp", world_size, "replicated"),
-                                  replicated[0]["update"], exact)
-    size = lambda upd: math.sqrt(sum(float(torch.as_tensor(t, dtype=torch.float64).pow(2).sum())  # noqa: E731
-                                     for t in upd.values()))
+    bad = ps.check_clipped_update(
+        scenario_id("opacus_ghost_fsdp", "mlp", world_size, "replicated"), replicated[0]["update"], exact
+    )
+
+    def size(upd):
+        return math.sqrt(sum(float(torch.as_tensor(t, dtype=torch.float64).pow(2).sum()) for t in upd.values()))
+
     assert bad.status == FAIL, str(bad)
     assert abs(size(replicated[0]["update"]) / size(exact) - world_size) < 1e-3
     # the cause: make_private divides by the per-worker batch B/W, right only when ranks split the batch
@@ -374,8 +405,9 @@ def test_opacus_ghost_tp_all_reduces_norms_over_the_whole_world(records, world_s
     for mode in MODES:
         recs = records(world_size)["opacus_tp", "mlp", mode]
         assert all(r["tp_size"] == 1 and r["reduce_group_sizes"] == [world_size] for r in recs)
-        verdict = ps.check_per_sample_norms(scenario_id("opacus_ghost_tp", "mlp", world_size, mode),
-                                            [r["norms"] for r in recs], truth)
+        verdict = ps.check_per_sample_norms(
+            scenario_id("opacus_ghost_tp", "mlp", world_size, mode), [r["norms"] for r in recs], truth
+        )
         assert verdict.status == FAIL, str(verdict)
         if mode == "replicated":  # W complete copies summed
             assert abs(ratio_of_means(recs[0]["norms"], "mlp") - math.sqrt(world_size)) < 1e-3, str(verdict)

@@ -30,8 +30,18 @@ def test_tables_have_one_row_per_input_combination(result):
     tables, _ = result
     rows, summary = tables["per_sample"], tables["per_sample_summary"]
     assert list(rows.columns) == ["model", "impl", "data_mode", "world_size", "sample", "norm", "truth"]
-    assert list(summary.columns) == ["model", "impl", "data_mode", "world_size", "mean_norm", "truth_mean",
-                                     "ratio_of_means", "max_rel_err", "clipped_update_rel_err", "update_ratio"]
+    assert list(summary.columns) == [
+        "model",
+        "impl",
+        "data_mode",
+        "world_size",
+        "mean_norm",
+        "truth_mean",
+        "ratio_of_means",
+        "max_rel_err",
+        "clipped_update_rel_err",
+        "update_ratio",
+    ]
     combos = len(IMPLS) * len(MODES) * len(WORLD_SIZES)
     assert rows.shape == (combos * BATCH, 7) and summary.shape == (combos, 10)
     assert set(summary["impl"]) == set(IMPLS) and set(summary["world_size"]) == set(WORLD_SIZES)
@@ -58,8 +68,9 @@ def test_negative_control_passes_because_the_bug_is_detected(result):
     summary = tables["per_sample_summary"]
     for mode in MODES:
         v = verdicts["per_sample_norms_negative_control", scenario_id("allreduce", MODEL, 2, mode)]
-        ratio = summary[(summary["impl"] == "allreduce") & (summary["data_mode"] == mode)
-                        & (summary["world_size"] == 2)]["ratio_of_means"].iloc[0]
+        ratio = summary[
+            (summary["impl"] == "allreduce") & (summary["data_mode"] == mode) & (summary["world_size"] == 2)
+        ]["ratio_of_means"].iloc[0]
         assert v.status == PASS and "DETECTED" in v.message and f"ratio {ratio:.3f}" in v.message, str(v)
         assert ratio > math.sqrt(2) - 1e-6
         assert verdicts["per_sample_norms_negative_control", scenario_id("allreduce", MODEL, 1, mode)].status == SKIP
@@ -84,7 +95,7 @@ def test_rendered_report_has_the_section_after_communication(result, tmp_path):
     text = report.write_report(all_tables, {"torch": "x"}, tmp_path / "r.md").read_text()
     start = text.index("## Per-sample gradient norms")
     assert text.index("## Communication") < start < text.index("## Environment")
-    section = text[start:text.index("## Environment")]
+    section = text[start : text.index("## Environment")]
     assert "negative control" in section and "per_sample_norms_negative_control PASS" in section
     header = next(ln for ln in section.splitlines() if ln.startswith("| sample "))
     cells = [c.strip() for c in header.strip("|").split("|")]
@@ -92,8 +103,12 @@ def test_rendered_report_has_the_section_after_communication(result, tmp_path):
     assert "fsdp_impl/split/W=2" in cells
     row0 = next(ln for ln in section.splitlines() if ln.startswith("| 0 "))
     assert [c.strip() for c in row0.strip("|").split("|")][1] == format(ps.truth(MODEL, SEED, BATCH).norms[0], ".7g")
-    assert report.write_report({k: v for k, v in all_tables.items() if k != "per_sample_summary"}, {},
-                               tmp_path / "s.md").read_text().count("Per-sample gradient norms") == 0
+    assert (
+        report.write_report({k: v for k, v in all_tables.items() if k != "per_sample_summary"}, {}, tmp_path / "s.md")
+        .read_text()
+        .count("Per-sample gradient norms")
+        == 0
+    )
     for k, df in before.items():  # rendering does not mutate the tables
         pd.testing.assert_frame_equal(tables[k], df)
 

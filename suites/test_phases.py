@@ -15,15 +15,25 @@ TIMEOUT_S = 1e-9
 
 
 def test_every_phase_waits_for_its_ranks_by_the_runs_scenario_timeout():
-    matrix = MatrixOptions(impls=("fsdp_impl",), models=("mlp",), world_sizes=(1,), data_modes=("replicated",),
-                           optimizers=("sgd",), steps=2, timeout_s=TIMEOUT_S)
+    matrix = MatrixOptions(
+        impls=("fsdp_impl",),
+        models=("mlp",),
+        world_sizes=(1,),
+        data_modes=("replicated",),
+        optimizers=("sgd",),
+        steps=2,
+        timeout_s=TIMEOUT_S,
+    )
     options = SessionOptions(matrix, report=None, per_sample=True, invariant=True, localize=0)
     res = Session(options, say=lambda line: None).run()
     reference = [v for v in res.verdicts if v.check == "completed" and v.scenario.startswith("reference")]
     by_phase = {
         "matrix": reference,
-        "per-sample": [v for v in res.verdicts if v.check in ("per_sample_norms", "clipped_update")
-                       and v.scenario.startswith("fsdp_impl")],
+        "per-sample": [
+            v
+            for v in res.verdicts
+            if v.check in ("per_sample_norms", "clipped_update") and v.scenario.startswith("fsdp_impl")
+        ],
         "invariant": [v for v in res.verdicts if v.check.startswith("invariant")],
     }
     for phase, verdicts in by_phase.items():

@@ -27,8 +27,20 @@ from harness.tables.store import load_tables
 pytestmark = pytest.mark.ci
 
 ROOT = Path(__file__).resolve().parents[1]
-SLICE = ["--world-sizes", "2", "--impl", "fsdp_impl", "--models", "mlp", "--optimizers", "sgd", "--steps", "2",
-         "--data-modes", "replicated"]
+SLICE = [
+    "--world-sizes",
+    "2",
+    "--impl",
+    "fsdp_impl",
+    "--models",
+    "mlp",
+    "--optimizers",
+    "sgd",
+    "--steps",
+    "2",
+    "--data-modes",
+    "replicated",
+]
 REPORT = Path("reports/latest/verification.md")
 
 
@@ -39,8 +51,16 @@ def _run(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complet
 
 
 def _pytest_args(*extra: str) -> list[str]:
-    return [str(ROOT / "suites" / "test_equivalence.py"), "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
-            *SLICE, *extra]
+    return [
+        str(ROOT / "suites" / "test_equivalence.py"),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--rootdir",
+        str(ROOT),
+        *SLICE,
+        *extra,
+    ]
 
 
 def _pytest(cwd: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -109,10 +129,12 @@ def test_pytest_and_the_cli_write_the_same_tables_and_verdicts(cli_dir, xdist_ru
     cols = ["scenario", "step", "loss", "max_diff_ref", "max_diff_ws1"]
     pd.testing.assert_frame_equal(mine["steps"][cols], theirs["steps"][cols])
     # each records the command that made it
-    assert load_tables(tmp_path / REPORT.parent / "verification_tables")[1]["command"] == \
-        "python -m pytest " + shlex.join(_pytest_args(*GATED, *XDIST))
-    assert load_tables(cli_dir / REPORT.parent / "verification_tables")[1]["command"] == \
-        "python -m harness " + shlex.join(["run", *SLICE, *GATED])
+    assert load_tables(tmp_path / REPORT.parent / "verification_tables")[1][
+        "command"
+    ] == "python -m pytest " + shlex.join(_pytest_args(*GATED, *XDIST))
+    assert load_tables(cli_dir / REPORT.parent / "verification_tables")[1][
+        "command"
+    ] == "python -m harness " + shlex.join(["run", *SLICE, *GATED])
 
 
 def test_under_xdist_the_matrix_runs_once_and_one_report_is_written(xdist_run):
@@ -142,25 +164,60 @@ def test_k_runs_only_the_selected_scenario_and_what_it_is_compared_with(tmp_path
     # reference and the same implementation at W=1, not the split-data runs; the AdamW one that -k
     # also selects is the slow tier's (the second optimizer's), skipped without --slow: not run either
     # and --no-plots through the plugin: the report says where each plot would be, its plots folder is empty
-    proc = _pytest(tmp_path, "--data-modes", "replicated,split", "--optimizers", "sgd,adamw",
-                   "-k", "fsdp_impl-mlp-ws2-replicated", "--no-plots")
+    proc = _pytest(
+        tmp_path,
+        "--data-modes",
+        "replicated,split",
+        "--optimizers",
+        "sgd,adamw",
+        "-k",
+        "fsdp_impl-mlp-ws2-replicated",
+        "--no-plots",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "running 3 scenarios" in proc.stderr, proc.stderr
-    assert load_tables(tmp_path / REPORT.parent / "verification_tables")[1]["command"] == "python -m pytest " + \
-        shlex.join(_pytest_args("--data-modes", "replicated,split", "--optimizers", "sgd,adamw",
-                                "-k", "fsdp_impl-mlp-ws2-replicated", "--no-plots"))  # without xdist: its own
+    assert load_tables(tmp_path / REPORT.parent / "verification_tables")[1][
+        "command"
+    ] == "python -m pytest " + shlex.join(
+        _pytest_args(
+            "--data-modes",
+            "replicated,split",
+            "--optimizers",
+            "sgd,adamw",
+            "-k",
+            "fsdp_impl-mlp-ws2-replicated",
+            "--no-plots",
+        )
+    )  # without xdist: its own
     text = (tmp_path / REPORT).read_text()
     assert ": not drawn (--no-plots)._" in text and "](verification_plots/" not in text, text
     assert list((tmp_path / REPORT.parent / "verification_plots").iterdir()) == []
-    assert {s for _, s, _ in _verdicts(tmp_path)} == {"reference-mlp-ws1-replicated-sgd",
-                                                    "fsdp_impl-mlp-ws1-replicated-sgd",
-                                                    "fsdp_impl-mlp-ws2-replicated-sgd"}
+    assert {s for _, s, _ in _verdicts(tmp_path)} == {
+        "reference-mlp-ws1-replicated-sgd",
+        "fsdp_impl-mlp-ws1-replicated-sgd",
+        "fsdp_impl-mlp-ws2-replicated-sgd",
+    }
 
 
 # an adapter with the required methods only: under no_sync and clip it supports nothing requested
 BARE = "suites.unit.example_adapter:adapter"
-NOTHING_SUPPORTED = ["--impl", BARE, "--features", "no_sync,clip", "--world-sizes", "1,2", "--models", "mlp",
-                     "--optimizers", "sgd", "--data-modes", "replicated", "--steps", "2", "--no-plots"]
+NOTHING_SUPPORTED = [
+    "--impl",
+    BARE,
+    "--features",
+    "no_sync,clip",
+    "--world-sizes",
+    "1,2",
+    "--models",
+    "mlp",
+    "--optimizers",
+    "sgd",
+    "--data-modes",
+    "replicated",
+    "--steps",
+    "2",
+    "--no-plots",
+]
 
 
 def test_a_run_whose_implementation_ran_nothing_reads_not_run_and_exits_3(tmp_path):
@@ -168,6 +225,7 @@ def test_a_run_whose_implementation_ran_nothing_reads_not_run_and_exits_3(tmp_pa
     line and the console's last line say NOT RUN, the first and last lines count the implementation's
     scenarios, and the exit status is EXIT_NOT_RUN."""
     from harness.session import EXIT_NOT_RUN
+
     proc = _run(["-m", "harness", "run", *NOTHING_SUPPORTED], tmp_path)
     assert proc.returncode == EXIT_NOT_RUN, proc.stderr
     lines = proc.stderr.strip().splitlines()

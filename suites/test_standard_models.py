@@ -58,8 +58,7 @@ def test_the_attention_key_bias_is_found_model_sensitive_and_nothing_healthy_is(
 def test_batchnorm_split_runs_are_held_to_the_ranks_micro_batches_and_say_why(split_run):
     _, res = split_run
     bn = [v for v in res.verdicts if "-bn_mlp-" in v.scenario and v.check == "split_matches_full_batch"]
-    assert bn and all(v.status == PASS and "batch statistics" in v.message and "SyncBatchNorm" in v.message
-                      for v in bn)
+    assert bn and all(v.status == PASS and "batch statistics" in v.message and "SyncBatchNorm" in v.message for v in bn)
     # it is not the full batch's computation: the probe is far from the full-batch reference
     sc = res.tables["scenarios"]
     probes = sc[(sc.model == "bn_mlp") & (sc.micro_batches > 1)]

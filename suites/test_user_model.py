@@ -33,8 +33,15 @@ def worlds(kept_worlds):
 
 @pytest.mark.parametrize("feature", ["plain", pytest.param("accum", marks=pytest.mark.ci)])  # accum: the CI tier's
 def test_the_example_model_passes_every_check_sharded(worlds, feature):
-    scenarios = build_matrix(["fsdp_impl", "torch_fsdp2"], [EXAMPLE], [1, 2], ("replicated", "split"), ("adamw",),
-                             steps=3, features=(feature,))
+    scenarios = build_matrix(
+        ["fsdp_impl", "torch_fsdp2"],
+        [EXAMPLE],
+        [1, 2],
+        ("replicated", "split"),
+        ("adamw",),
+        steps=3,
+        features=(feature,),
+    )
     res = run_matrix(scenarios, pool=worlds)
     failed = [str(v) for v in res.verdicts if v.status == FAIL]
     assert not failed, "\n".join(failed)
@@ -61,9 +68,14 @@ def test_a_user_model_is_found_by_name_and_held_to_the_protocol():
 def test_a_factory_object_and_a_namespace_both_count(monkeypatch):
     import suites.unit.example_model as ex
 
-    monkeypatch.setattr(ex, "as_namespace", SimpleNamespace(build=ex.TinyConvNet, make_batch=ex.make_batch,
-                                                            loss=ex.F.cross_entropy, units=lambda m: list(m.blocks)),
-                        raising=False)
+    monkeypatch.setattr(
+        ex,
+        "as_namespace",
+        SimpleNamespace(
+            build=ex.TinyConvNet, make_batch=ex.make_batch, loss=ex.F.cross_entropy, units=lambda m: list(m.blocks)
+        ),
+        raising=False,
+    )
     monkeypatch.setattr(ex, "factory", lambda: ex.spec, raising=False)
     for name in ("suites.unit.example_model:as_namespace", "suites.unit.example_model:factory"):
         assert load_user_model(name).name == name
@@ -111,15 +123,21 @@ def test_batch_statistics_and_dropout_do_not_read_as_a_loss_that_is_not_a_mean()
     class Normed(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Conv1d(3, 8, 3), torch.nn.BatchNorm1d(8),
-                                                                   torch.nn.Dropout(0.5))])
+            self.blocks = torch.nn.ModuleList(
+                [torch.nn.Sequential(torch.nn.Conv1d(3, 8, 3), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5))]
+            )
             self.head = torch.nn.Linear(80, 5)
 
         def forward(self, x):
             return self.head(self.blocks[0](x).flatten(1))
 
-    spec = SimpleNamespace(name="normed", build=Normed, make_batch=make_batch, loss=torch.nn.functional.cross_entropy,
-                           units=lambda m: list(m.blocks))
+    spec = SimpleNamespace(
+        name="normed",
+        build=Normed,
+        make_batch=make_batch,
+        loss=torch.nn.functional.cross_entropy,
+        units=lambda m: list(m.blocks),
+    )
     check_model(spec, 16, 0)
     model = Normed()
     assert model.training  # the check leaves the mode as it found it

@@ -21,13 +21,16 @@ def worlds(kept_worlds):
 
 
 def test_normalised_sgd_passes_every_check_on_fsdp_impl_fsdp2_and_ddp(worlds):
-    scenarios = build_matrix(["fsdp_impl", "torch_fsdp2", "ddp"], ["mlp"], [1, 2], ("replicated", "split"), (NSGD,),
-                             steps=3)
+    scenarios = build_matrix(
+        ["fsdp_impl", "torch_fsdp2", "ddp"], ["mlp"], [1, 2], ("replicated", "split"), (NSGD,), steps=3
+    )
     res = run_matrix(scenarios, pool=worlds)
     failed = [str(v) for v in res.verdicts if v.status == FAIL]
     assert not failed, "\n".join(failed)
     judged = {(v.scenario, v.check) for v in res.verdicts if v.status == PASS}
-    for s in (s for s in scenarios if s.impl != REFERENCE_IMPL):  # measured, not skipped: each run against its yardstick, its memory against the ideal
+    for s in (
+        s for s in scenarios if s.impl != REFERENCE_IMPL
+    ):  # measured, not skipped: each run against its yardstick, its memory against the ideal
         assert (s.id, "memory_sharding") in judged and (s.id, "grad_norm_matches") in judged, s.id
         if s.world_size == 1:
             assert (s.id, "ws1_exact") in judged, s.id

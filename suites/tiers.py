@@ -13,8 +13,11 @@ SKIP_CI = "CI tier: run with --ci (.ci/run does)"
 
 def add_options(parser) -> None:
     group = parser.getgroup("suites", "the suites' tiers")
-    group.addoption("--ci", action="store_true",
-                    help="also run tests marked ci (the CI tier: processes the tests start, repeated cells)")
+    group.addoption(
+        "--ci",
+        action="store_true",
+        help="also run tests marked ci (the CI tier: processes the tests start, repeated cells)",
+    )
     group.addoption("--slow", action="store_true", help="also run tests marked slow or ci (every tier)")
 
 

@@ -6,7 +6,7 @@ assignment-2 adapter module, or ``"package.module:object"`` for a user adapter (
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -86,9 +86,18 @@ from harness.optimizers import make_optimizer as _make_optimizer
 
 REQUIRED = ("wrap", "full_params")
 OPTIONAL = ("make_optimizer", "after_backward")
-CAPABILITIES = ("set_gradient_sync", "clip_grad_norm", "save_checkpoint", "load_checkpoint", "wrap_mixed_precision",
-                "wrap_hybrid", "wrap_reshard_after_forward", "wrap_shard_placement", "wrap_offload",
-                "invariant_forward_backward")
+CAPABILITIES = (
+    "set_gradient_sync",
+    "clip_grad_norm",
+    "save_checkpoint",
+    "load_checkpoint",
+    "wrap_mixed_precision",
+    "wrap_hybrid",
+    "wrap_reshard_after_forward",
+    "wrap_shard_placement",
+    "wrap_offload",
+    "invariant_forward_backward",
+)
 
 
 class AdapterError(ValueError):
@@ -133,9 +142,12 @@ def missing_capability(adapter: object, feature: str) -> str | None:
     for part in parts(feature):  # a composition needs what each of its features needs
         missing = [m for m in FEATURE_NEEDS.get(part, ()) if not callable(getattr(adapter, m, None))]
         if missing:
-            return (f"adapter '{getattr(adapter, 'name', adapter)}' has no {' or '.join(m + '()' for m in missing)} "
-                    f"method, which feature '{part}'" + (f" of '{feature}'" if part != feature else "")
-                    + " needs (see harness/adapters/base.py)")
+            return (
+                f"adapter '{getattr(adapter, 'name', adapter)}' has no {' or '.join(m + '()' for m in missing)} "
+                f"method, which feature '{part}'"
+                + (f" of '{feature}'" if part != feature else "")
+                + " needs (see harness/adapters/base.py)"
+            )
     return None
 
 
@@ -165,13 +177,16 @@ def as_adapter(obj: object, label: str) -> Adapter:
         try:
             obj = obj()
         except Exception as exc:  # a user factory may raise anything
-            raise AdapterError(f"adapter {label!r}: calling {getattr(obj, '__name__', obj)!r} "
-                               f"failed: {type(exc).__name__}: {exc}") from exc
+            raise AdapterError(
+                f"adapter {label!r}: calling {getattr(obj, '__name__', obj)!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
     for method in REQUIRED:
         fn = getattr(obj, method, None)
         if not callable(fn) or getattr(type(obj), method, None) is getattr(Adapter, method):
-            raise AdapterError(f"adapter {label!r} has no {method}() method (required: "
-                               f"{', '.join(REQUIRED)}; see harness/adapters/base.py)")
+            raise AdapterError(
+                f"adapter {label!r} has no {method}() method (required: "
+                f"{', '.join(REQUIRED)}; see harness/adapters/base.py)"
+            )
     return obj if isinstance(obj, Adapter) else _Completed(obj, label)
 
 

@@ -22,8 +22,14 @@ from harness.adapters.base import Adapter, AdapterError, cpu_fp32
 from harness.adapters.user import import_module
 
 FUNCTIONS = ("get_fsdp", "fsdp_on_after_backward", "fsdp_gather_full_params")
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-          "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 
 
 class CS336Adapter(Adapter):
@@ -33,25 +39,27 @@ class CS336Adapter(Adapter):
         self.module = import_module(module, self.name)
         for fn in FUNCTIONS:
             if not callable(getattr(self.module, fn, None)):
-                raise AdapterError(f"adapter {self.name!r}: module {module!r} has no {fn}() "
-                                   f"(required: {', '.join(FUNCTIONS)})")
+                raise AdapterError(
+                    f"adapter {self.name!r}: module {module!r} has no {fn}() (required: {', '.join(FUNCTIONS)})"
+                )
 
     @classmethod
-    def from_name(cls, name: str) -> "CS336Adapter":
+    def from_name(cls, name: str) -> CS336Adapter:
         """``cs336:<module>`` or ``cs336:<module>@<dtype>``."""
         module, _, dtype = name.removeprefix("cs336:").partition("@")
         if not module:
             raise AdapterError(f"adapter {name!r}: expected 'cs336:<module>[@bf16|fp16|fp32]'")
         if dtype and dtype not in DTYPES:
-            raise AdapterError(f"adapter {name!r}: unknown compute dtype {dtype!r}; "
-                               f"valid: {', '.join(DTYPES)}")
+            raise AdapterError(f"adapter {name!r}: unknown compute dtype {dtype!r}; valid: {', '.join(DTYPES)}")
         return cls(module, DTYPES[dtype] if dtype else None)
 
     def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
         if dist.is_initialized() and dist.get_world_size(group) != dist.get_world_size():
-            raise AdapterError(f"adapter {self.name!r}: CS336 FSDP shards over the default process "
-                               f"group, but the harness group has {dist.get_world_size(group)} of "
-                               f"{dist.get_world_size()} ranks")
+            raise AdapterError(
+                f"adapter {self.name!r}: CS336 FSDP shards over the default process "
+                f"group, but the harness group has {dist.get_world_size(group)} of "
+                f"{dist.get_world_size()} ranks"
+            )
         model.to(device)
         if self.compute_dtype is None:
             return self.module.get_fsdp(model)

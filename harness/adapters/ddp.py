@@ -21,8 +21,9 @@ class DDPAdapter(Adapter):
         ids = [device] if device.type == "cuda" else None
         # Gradients as views of the communication buckets: otherwise DDP keeps each bucket (a second
         # full copy of the gradients) alive between steps beside the .grad tensors.
-        return DistributedDataParallel(model.to(device), device_ids=ids, process_group=group,
-                                       gradient_as_bucket_view=True)
+        return DistributedDataParallel(
+            model.to(device), device_ids=ids, process_group=group, gradient_as_bucket_view=True
+        )
 
     def save_checkpoint(self, wrapped: nn.Module, optimizer, path) -> None:
         """A full checkpoint (every rank holds everything): rank 0 writes it, the others wait."""

@@ -47,13 +47,15 @@ def _gather_rows(group, device_type: str, items: list) -> dict[str, Tensor]:
     send = torch.zeros(sum(rows), dtype=first.dtype, device=device)
     for (_, p), part in zip(items, send.split(rows)):
         local = p.to_local().detach().reshape(-1)
-        part[:local.numel()].copy_(local)
+        part[: local.numel()].copy_(local)
     recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
     with torch.no_grad():
         # torch 2.13's name; earlier releases (a GPU box may keep one) have only all_gather_into_tensor
         (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(recv, send, group=group)
-    return {name: full.reshape(-1)[:p.numel()].view(p.shape).clone()
-            for (name, p), full in zip(items, recv.view(world, -1).split(rows, dim=1))}
+    return {
+        name: full.reshape(-1)[: p.numel()].view(p.shape).clone()
+        for (name, p), full in zip(items, recv.view(world, -1).split(rows, dim=1))
+    }
 
 
 def _mesh_device(device_type: str) -> torch.device:

@@ -14,23 +14,27 @@ class FsdpImplAdapter(Adapter):
     def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
         return self._shard(model, units, device, process_group=group)
 
-    def wrap_mixed_precision(self, model: nn.Module, units: list[nn.Module], *, group, device, param_dtype,
-                             reduce_dtype) -> nn.Module:
+    def wrap_mixed_precision(
+        self, model: nn.Module, units: list[nn.Module], *, group, device, param_dtype, reduce_dtype
+    ) -> nn.Module:
         from fsdp_impl import MixedPrecisionPolicy
 
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         return self._shard(model, units, device, process_group=group, mp_policy=policy)
 
-    def wrap_hybrid(self, model: nn.Module, units: list[nn.Module], *, group, device, shard_group,
-                    replicate_group) -> nn.Module:
+    def wrap_hybrid(
+        self, model: nn.Module, units: list[nn.Module], *, group, device, shard_group, replicate_group
+    ) -> nn.Module:
         return self._shard(model, units, device, process_group=shard_group, replicate_group=replicate_group)
 
-    def wrap_reshard_after_forward(self, model: nn.Module, units: list[nn.Module], *, group, device,
-                                   reshard_after_forward: int) -> nn.Module:
+    def wrap_reshard_after_forward(
+        self, model: nn.Module, units: list[nn.Module], *, group, device, reshard_after_forward: int
+    ) -> nn.Module:
         return self._shard(model, units, device, process_group=group, reshard_after_forward=reshard_after_forward)
 
-    def wrap_shard_placement(self, model: nn.Module, units: list[nn.Module], *, group, device,
-                             shard_placement_fn) -> nn.Module:
+    def wrap_shard_placement(
+        self, model: nn.Module, units: list[nn.Module], *, group, device, shard_placement_fn
+    ) -> nn.Module:
         return self._shard(model, units, device, process_group=group, shard_placement_fn=shard_placement_fn)
 
     def wrap_offload(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
@@ -38,12 +42,14 @@ class FsdpImplAdapter(Adapter):
 
         return self._shard(model, units, device, process_group=group, offload_policy=CPUOffloadPolicy())
 
-    def invariant_forward_backward(self, wrapped: nn.Module, loss_fn, inputs, targets, *, micro_batches: int,
-                                   replicated: bool):
+    def invariant_forward_backward(
+        self, wrapped: nn.Module, loss_fn, inputs, targets, *, micro_batches: int, replicated: bool
+    ):
         from fsdp_impl import invariant_forward_backward
 
-        return invariant_forward_backward(wrapped, loss_fn, inputs, targets, micro_batches=micro_batches,
-                                          replicated=replicated)
+        return invariant_forward_backward(
+            wrapped, loss_fn, inputs, targets, micro_batches=micro_batches, replicated=replicated
+        )
 
     def save_checkpoint(self, wrapped: nn.Module, optimizer, path) -> None:
         from fsdp_impl import save_sharded
@@ -59,8 +65,9 @@ class FsdpImplAdapter(Adapter):
         try:
             from fsdp_impl import fully_shard
         except ImportError as exc:
-            raise AdapterError(f"adapter 'fsdp_impl': cannot import fsdp_impl.fully_shard: "
-                               f"{type(exc).__name__}: {exc}") from exc
+            raise AdapterError(
+                f"adapter 'fsdp_impl': cannot import fsdp_impl.fully_shard: {type(exc).__name__}: {exc}"
+            ) from exc
         model.to(device)
         for unit in units:
             fully_shard(unit, **options)

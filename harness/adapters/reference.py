@@ -16,15 +16,17 @@ class ReferenceAdapter(Adapter):
     def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
         return model.to(device)
 
-    def wrap_mixed_precision(self, model: nn.Module, units: list[nn.Module], *, group, device, param_dtype,
-                             reduce_dtype) -> nn.Module:
+    def wrap_mixed_precision(
+        self, model: nn.Module, units: list[nn.Module], *, group, device, param_dtype, reduce_dtype
+    ) -> nn.Module:
         return MixedPrecision(model.to(device), param_dtype)  # one process: nothing is reduced
 
     def wrap_offload(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
         return Offloaded(model.to("cpu"), torch.device(device))
 
-    def invariant_forward_backward(self, wrapped: nn.Module, loss_fn, inputs, targets, *, micro_batches: int,
-                                   replicated: bool = True):
+    def invariant_forward_backward(
+        self, wrapped: nn.Module, loss_fn, inputs, targets, *, micro_batches: int, replicated: bool = True
+    ):
         """The plain model's step summing `micro_batches` equal micro-batches of the (whole) batch in the fixed
         binary tree: each loss / L, every parameter's L gradients and the L losses added as left half + right
         half, recursively (the batch-invariant tier's yardstick, written apart from any implementation's)."""

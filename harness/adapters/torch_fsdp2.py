@@ -23,15 +23,17 @@ class TorchFSDP2Adapter(Adapter):
         mesh = DeviceMesh.from_group(group, torch.device(device).type)
         return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype)
 
-    def wrap_mixed_precision(self, model: nn.Module, units: list[nn.Module], *, group, device, param_dtype,
-                             reduce_dtype) -> nn.Module:
+    def wrap_mixed_precision(
+        self, model: nn.Module, units: list[nn.Module], *, group, device, param_dtype, reduce_dtype
+    ) -> nn.Module:
         from torch.distributed.device_mesh import DeviceMesh
 
         mesh = DeviceMesh.from_group(group, torch.device(device).type)
         return self._shard(model, units, mesh, group, device, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
-    def wrap_hybrid(self, model: nn.Module, units: list[nn.Module], *, group, device, shard_group,
-                    replicate_group) -> nn.Module:
+    def wrap_hybrid(
+        self, model: nn.Module, units: list[nn.Module], *, group, device, shard_group, replicate_group
+    ) -> nn.Module:
         """A 2D (replicate, shard) mesh from the harness's groups: FSDP2 shards over the last dimension,
         all-reduces across the first (HSDP)."""
         import torch.distributed as dist
@@ -39,13 +41,17 @@ class TorchFSDP2Adapter(Adapter):
 
         size = dist.get_world_size(group)
         ranks = torch.tensor([dist.get_global_rank(group, i) for i in range(size)])
-        mesh = DeviceMesh.from_group([replicate_group, shard_group], torch.device(device).type,
-                                     mesh=ranks.view(dist.get_world_size(replicate_group), -1),
-                                     mesh_dim_names=("replicate", "shard"))
+        mesh = DeviceMesh.from_group(
+            [replicate_group, shard_group],
+            torch.device(device).type,
+            mesh=ranks.view(dist.get_world_size(replicate_group), -1),
+            mesh_dim_names=("replicate", "shard"),
+        )
         return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype)
 
-    def wrap_reshard_after_forward(self, model: nn.Module, units: list[nn.Module], *, group, device,
-                                   reshard_after_forward: int) -> nn.Module:
+    def wrap_reshard_after_forward(
+        self, model: nn.Module, units: list[nn.Module], *, group, device, reshard_after_forward: int
+    ) -> nn.Module:
         """FSDP2's integer reshard_after_forward, given to every unit and the root (explicitly: the root too
         is resharded to the smaller group); the group's size as True, 1 as False (FSDP2 warns on the int 1)."""
         import torch.distributed as dist
@@ -54,16 +60,26 @@ class TorchFSDP2Adapter(Adapter):
         mesh = DeviceMesh.from_group(group, torch.device(device).type)
         g = reshard_after_forward
         g = True if g == dist.get_world_size(group) else False if g == 1 else g
-        return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype,
-                           reshard_after_forward=g)
+        return self._shard(
+            model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype, reshard_after_forward=g
+        )
 
-    def wrap_shard_placement(self, model: nn.Module, units: list[nn.Module], *, group, device,
-                             shard_placement_fn) -> nn.Module:
+    def wrap_shard_placement(
+        self, model: nn.Module, units: list[nn.Module], *, group, device, shard_placement_fn
+    ) -> nn.Module:
         from torch.distributed.device_mesh import DeviceMesh
 
         mesh = DeviceMesh.from_group(group, torch.device(device).type)
-        return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype,
-                           shard_placement_fn=shard_placement_fn)
+        return self._shard(
+            model,
+            units,
+            mesh,
+            group,
+            device,
+            param_dtype=None,
+            reduce_dtype=self.reduce_dtype,
+            shard_placement_fn=shard_placement_fn,
+        )
 
     def wrap_offload(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
         from torch.distributed.device_mesh import DeviceMesh
@@ -71,16 +87,34 @@ class TorchFSDP2Adapter(Adapter):
 
         mesh = DeviceMesh.from_group(group, torch.device(device).type)
         policy = CPUOffloadPolicy(pin_memory=torch.device(device).type == "cuda")  # pinning needs CUDA
-        return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype,
-                           offload_policy=policy)
+        return self._shard(
+            model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype, offload_policy=policy
+        )
 
-    def _shard(self, model, units, mesh, group, device, *, param_dtype, reduce_dtype,
-               reshard_after_forward=None, shard_placement_fn=None, offload_policy=None) -> nn.Module:
+    def _shard(
+        self,
+        model,
+        units,
+        mesh,
+        group,
+        device,
+        *,
+        param_dtype,
+        reduce_dtype,
+        reshard_after_forward=None,
+        shard_placement_fn=None,
+        offload_policy=None,
+    ) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": reshard_after_forward,
-                   "shard_placement_fn": shard_placement_fn, "offload_policy": offload_policy or OffloadPolicy()}
+        options = {
+            "mesh": mesh,
+            "mp_policy": policy,
+            "reshard_after_forward": reshard_after_forward,
+            "shard_placement_fn": shard_placement_fn,
+            "offload_policy": offload_policy or OffloadPolicy(),
+        }
         model.to(torch.device(device))
         for unit in units:
             fully_shard(unit, **options)
@@ -94,8 +128,7 @@ class TorchFSDP2Adapter(Adapter):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(wrapped, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path),
-                 process_group=wrapped._harness_group)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), process_group=wrapped._harness_group)
 
     def load_checkpoint(self, wrapped: nn.Module, optimizer, path) -> None:
         import torch.distributed.checkpoint as dcp

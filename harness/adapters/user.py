@@ -18,8 +18,7 @@ def import_module(module: str, label: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except Exception as exc:  # ImportError, SyntaxError, or anything its top level raises
-        raise AdapterError(f"adapter {label!r}: module {module!r} could not be imported: "
-                           f"{one_line(exc)}") from exc
+        raise AdapterError(f"adapter {label!r}: module {module!r} could not be imported: {one_line(exc)}") from exc
 
 
 def load_user_adapter(spec: str) -> Adapter:

@@ -75,7 +75,8 @@ class FsdpImplFp32Reduce(FsdpImplAdapter):
 
 def _adapter(label: str):
     return {"fsdp_impl[reduce fp32]": FsdpImplFp32Reduce, INVARIANT: FsdpImplAdapter}.get(label, load_adapter)(
-        *(() if label in ("fsdp_impl[reduce fp32]", INVARIANT) else (label,)))
+        *(() if label in ("fsdp_impl[reduce fp32]", INVARIANT) else (label,))
+    )
 
 
 def _build(label: str, p: dict, ctx):
@@ -94,7 +95,7 @@ def _batch(spec, p: dict, step: int, ctx, contiguous: bool = False):
     inputs, targets = global_batch(spec, p["global_batch"], step, p["seed"])
     if contiguous and p["data_mode"] == "split":
         n = inputs.shape[0] // ctx.world_size
-        x, y = inputs[ctx.rank * n:(ctx.rank + 1) * n], targets[ctx.rank * n:(ctx.rank + 1) * n]
+        x, y = inputs[ctx.rank * n : (ctx.rank + 1) * n], targets[ctx.rank * n : (ctx.rank + 1) * n]
     else:
         x, y, _ = local_slice(inputs, targets, ctx.rank, ctx.world_size, p["data_mode"])
     return x.to(ctx.device), y.to(ctx.device)
@@ -104,8 +105,9 @@ def _step(spec, adapter, wrapped, optimizer, x, y, invariant: str = "", micro: i
     """One training step; `invariant` ("split" / "replicated"): through fsdp_impl's batch-invariant step, as `micro`
     micro-batches."""
     if invariant:
-        loss = adapter.invariant_forward_backward(wrapped, spec.loss, x, y, micro_batches=micro,
-                                                  replicated=invariant == "replicated")
+        loss = adapter.invariant_forward_backward(
+            wrapped, spec.loss, x, y, micro_batches=micro, replicated=invariant == "replicated"
+        )
     else:
         loss = spec.loss(wrapped(x), y)
         loss.backward()
@@ -118,6 +120,13 @@ def _step(spec, adapter, wrapped, optimizer, x, y, invariant: str = "", micro: i
 def _sync(ctx) -> None:
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
+
+
+def _next_forward_hook(mem, root):
+    """A global pre-forward hook that clears `mem`'s per-module statistics before each forward of `root`."""
+    return torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda m, a: mem.next_forward() if m is root and mem.tracker is not None else None
+    )
 
 
 def bench_rank(ctx, p: dict) -> dict:
@@ -133,9 +142,7 @@ def bench_rank(ctx, p: dict) -> dict:
         mem = PeakMemory(wrapped, optimizer, ctx.device, extra=(x, y))
         # the invariant step runs several forwards of the root in the window: the tracker's per-module statistics
         # are cleared before each (a global hook made before the tracker's own runs before it)
-        root = wrapped
-        hook = torch.nn.modules.module.register_module_forward_pre_hook(
-            lambda m, a: mem.next_forward() if m is root and mem.tracker is not None else None) if mode else None
+        hook = _next_forward_hook(mem, wrapped) if mode else None
         try:
             with mem:
                 _step(spec, adapter, wrapped, optimizer, x, y, mode, p.get("micro", 0))
@@ -156,8 +163,9 @@ def bench_rank(ctx, p: dict) -> dict:
             dist.barrier(group=ctx.group)
             _sync(ctx)
             t0, c0 = time.perf_counter(), time.process_time()
-            loss = _step(spec, adapter, wrapped, optimizer, x, y, p["data_mode"] if label == INVARIANT else "",
-                         p.get("micro", 0))
+            loss = _step(
+                spec, adapter, wrapped, optimizer, x, y, p["data_mode"] if label == INVARIANT else "", p.get("micro", 0)
+            )
             _sync(ctx)
             if step > p["warmup"]:
                 out[label]["times_s"].append(time.perf_counter() - t0)
@@ -174,16 +182,29 @@ def summarize(per_rank: list[dict]) -> dict[str, dict]:
         steps = range(len(per_rank[0][label]["times_s"]))
         times = [max(r[label]["times_s"][i] for r in per_rank) for i in steps]
         cpu = [max(r[label]["cpu_s"][i] for r in per_rank) for i in steps]
-        out[label] = {"ms": 1e3 * statistics.median(times), "step_ms": [1e3 * t for t in times],
-                      "cpu_ms": 1e3 * statistics.median(cpu),
-                      "peak": max(r[label]["peak"] for r in per_rank),
-                      "state": max(r[label]["state"] for r in per_rank),
-                      "final_loss": per_rank[0][label]["losses"][-1]}
+        out[label] = {
+            "ms": 1e3 * statistics.median(times),
+            "step_ms": [1e3 * t for t in times],
+            "cpu_ms": 1e3 * statistics.median(cpu),
+            "peak": max(r[label]["peak"] for r in per_rank),
+            "state": max(r[label]["state"] for r in per_rank),
+            "final_loss": per_rank[0][label]["losses"][-1],
+        }
     return out
 
 
-COLUMNS = ("world size", "variant", "fsdp_impl step ms", "fsdp2 step ms", "ratio", "per-step ratios",
-           "cpu ratio", "fsdp_impl peak bytes", "fsdp2 peak bytes", "ratio")
+COLUMNS = (
+    "world size",
+    "variant",
+    "fsdp_impl step ms",
+    "fsdp2 step ms",
+    "ratio",
+    "per-step ratios",
+    "cpu ratio",
+    "fsdp_impl peak bytes",
+    "fsdp2 peak bytes",
+    "ratio",
+)
 
 
 def table(results: dict[int, dict[str, dict]]) -> str:
@@ -195,14 +216,24 @@ def table(results: dict[int, dict[str, dict]]) -> str:
         for label in (lab for lab in res if lab != FSDP2):
             mine = res[label]
             paired = [a / b for a, b in zip(mine["step_ms"], ref["step_ms"])]
-            rows.append([str(w), label, f"{mine['ms']:.2f}", f"{ref['ms']:.2f}", f"{mine['ms'] / ref['ms']:.2f}",
-                         f"{min(paired):.2f}-{max(paired):.2f}", f"{mine['cpu_ms'] / ref['cpu_ms']:.2f}",
-                         f"{mine['peak']:,}", f"{ref['peak']:,}", f"{mine['peak'] / ref['peak']:.2f}"])
+            rows.append(
+                [
+                    str(w),
+                    label,
+                    f"{mine['ms']:.2f}",
+                    f"{ref['ms']:.2f}",
+                    f"{mine['ms'] / ref['ms']:.2f}",
+                    f"{min(paired):.2f}-{max(paired):.2f}",
+                    f"{mine['cpu_ms'] / ref['cpu_ms']:.2f}",
+                    f"{mine['peak']:,}",
+                    f"{ref['peak']:,}",
+                    f"{mine['peak'] / ref['peak']:.2f}",
+                ]
+            )
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     line = lambda cells: "| " + " | ".join(c.rjust(n) for c, n in zip(cells, widths)) + " |"  # noqa: E731
     sep = "|" + "|".join("-" * (n + 2) for n in widths) + "|"
     return "\n".join([line(head), sep] + [line(r) for r in rows])
-
 
 
 def _world_sizes(text: str) -> list[int]:
@@ -230,9 +261,11 @@ def machine_line(backend: str) -> str:
     """The machine the figures come from: CPU (and its kernels' capability), torch, GPU if used."""
     cap = torch.backends.cpu.get_cpu_capability()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    text = (f"# machine: {_cpu_name()} ({cap}), {cpus} CPUs usable, torch {torch.__version__}, "
-            f"python {platform.python_version()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
-            f"intra-op threads {torch.get_num_threads()}")
+    text = (
+        f"# machine: {_cpu_name()} ({cap}), {cpus} CPUs usable, torch {torch.__version__}, "
+        f"python {platform.python_version()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
+        f"intra-op threads {torch.get_num_threads()}"
+    )
     if backend == "nccl" and torch.cuda.is_available():
         text += f", GPU {torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
     return text
@@ -257,8 +290,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[int, dict[str, dict]]]
     """Runs the benchmark, prints its tables; returns {model: {world size: summarize(...)}}."""
     ap = argparse.ArgumentParser(prog="python -m harness.bench.fsdp_vs_fsdp2", description=__doc__.split("\n")[0])
     ap.add_argument("--world-sizes", type=_world_sizes, default=[1, 2, 4, 8])
-    ap.add_argument("--model", type=opt.models, default=("tinylm",),
-                    help="comma-separated zoo models, e.g. tinylm,lm_50m; one table each")
+    ap.add_argument(
+        "--model",
+        type=opt.models,
+        default=("tinylm",),
+        help="comma-separated zoo models, e.g. tinylm,lm_50m; one table each",
+    )
     ap.add_argument("--steps", type=int, default=20, help="measured steps (after the warm-up)")
     ap.add_argument("--warmup", type=int, default=3, help="steps run before measuring (not timed)")
     ap.add_argument("--global-batch", type=int, default=16, help="split over the ranks; divisible by each W")
@@ -277,16 +314,29 @@ def main(argv: list[str] | None = None) -> dict[str, dict[int, dict[str, dict]]]
     n_params = {m: _n_params(m) for m in models}  # unknown names fail here, before any world starts
     micro = invariant_micro_batches(args.global_batch, args.world_sizes)
     impls = [label for label in IMPLS if label != INVARIANT or micro]
-    payload = {"steps": args.steps, "warmup": args.warmup, "seed": args.seed,
-               "global_batch": args.global_batch, "data_mode": args.data_mode,
-               "optimizer": args.optimizer, "lr": args.lr, "impls": impls, "micro": micro}
-    print(f"# fsdp_impl vs FSDP2: models {', '.join(f'{m} ({n_params[m]:,} parameters)' for m in models)}; "
-          f"optimizer={args.optimizer} global_batch={args.global_batch} ({args.data_mode}) "
-          f"steps={args.steps} (+{args.warmup} warm-up) backend={args.backend}")
+    payload = {
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "seed": args.seed,
+        "global_batch": args.global_batch,
+        "data_mode": args.data_mode,
+        "optimizer": args.optimizer,
+        "lr": args.lr,
+        "impls": impls,
+        "micro": micro,
+    }
+    print(
+        f"# fsdp_impl vs FSDP2: models {', '.join(f'{m} ({n_params[m]:,} parameters)' for m in models)}; "
+        f"optimizer={args.optimizer} global_batch={args.global_batch} ({args.data_mode}) "
+        f"steps={args.steps} (+{args.warmup} warm-up) backend={args.backend}"
+    )
     print(machine_line(args.backend))
-    print(f"# {INVARIANT}: L = {micro} micro-batches a step" if micro else
-          f"# {INVARIANT} left out: no power of two up to {INVARIANT_MICRO_BATCHES} divides the global batch "
-          f"({args.global_batch}) and is divided by every world size")
+    print(
+        f"# {INVARIANT}: L = {micro} micro-batches a step"
+        if micro
+        else f"# {INVARIANT} left out: no power of two up to {INVARIANT_MICRO_BATCHES} divides the global batch "
+        f"({args.global_batch}) and is divided by every world size"
+    )
     print(f"# load average at start {os.getloadavg()[0]:.1f}", flush=True)
     t_all = time.perf_counter()
     results: dict[str, dict[int, dict[str, dict]]] = {m: {} for m in models}
@@ -303,11 +353,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict[int, dict[str, dict]]]
         print()
         print(table(results[m]))
     print()
-    print("ratio = fsdp_impl / fsdp2 (<= 1: fsdp_impl as fast / as light). Step time: median over measured steps "
-          "of the slowest rank; per-step ratios: min-max over the measured steps of step i / step i (the spread "
-          "shows the machine's load); cpu ratio: of the median CPU time of a step (process CPU seconds, the most "
-          "over ranks). Peak: max over ranks of the peak bytes tracked over one step (PeakMemory; CPU: tensors "
-          "seen by the tracker, CUDA: max_memory_allocated).")
+    print(
+        "ratio = fsdp_impl / fsdp2 (<= 1: fsdp_impl as fast / as light). Step time: median over measured steps "
+        "of the slowest rank; per-step ratios: min-max over the measured steps of step i / step i (the spread "
+        "shows the machine's load); cpu ratio: of the median CPU time of a step (process CPU seconds, the most "
+        "over ranks). Peak: max over ranks of the peak bytes tracked over one step (PeakMemory; CPU: tensors "
+        "seen by the tracker, CUDA: max_memory_allocated)."
+    )
     print(f"# wall {time.perf_counter() - t_all:.1f} s; load average at end {os.getloadavg()[0]:.1f}")
     return results
 

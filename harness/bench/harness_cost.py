@@ -20,10 +20,10 @@ import time
 from collections import defaultdict
 
 from harness import options as opt
-from harness.preflight import checked_matrix
 from harness.core.scenario import REFERENCE_IMPL, Scenario
-from harness.phases import run_matrix
 from harness.execute.world import WorldPool
+from harness.phases import run_matrix
+from harness.preflight import checked_matrix
 
 BARE_TASK = "harness.bench.harness_cost:train_bare"
 
@@ -45,8 +45,10 @@ def train_bare(ctx, payload: dict) -> float:
     model = spec.build()
     wrapped = adapter.wrap(model, spec.units(model), group=ctx.group, device=ctx.device)
     optimizer = adapter.make_optimizer(wrapped, name=sc.optimizer, lr=sc.lr)
-    batches = [local_slice(*global_batch(spec, sc.global_batch, step, sc.seed), ctx.rank, ctx.world_size,
-                           sc.data_mode)[:2] for step in range(1, sc.steps + 1)]
+    batches = [
+        local_slice(*global_batch(spec, sc.global_batch, step, sc.seed), ctx.rank, ctx.world_size, sc.data_mode)[:2]
+        for step in range(1, sc.steps + 1)
+    ]
     if ctx.world_size > 1:
         dist.barrier(group=ctx.group)
     t0 = time.perf_counter()
@@ -70,8 +72,10 @@ def main(argv=None) -> None:
     ns = p.parse_args(argv)
     scenarios = checked_matrix(ns).scenarios()
     cells = [s for s in scenarios if s.impl != REFERENCE_IMPL and s.world_size in ns.world_sizes]
-    print(f"{len(cells)} cells (and the {len(scenarios) - len(cells)} runs they are compared with), "
-          f"world sizes {','.join(map(str, ns.world_sizes))}, {ns.steps} steps")
+    print(
+        f"{len(cells)} cells (and the {len(scenarios) - len(cells)} runs they are compared with), "
+        f"world sizes {','.join(map(str, ns.world_sizes))}, {ns.steps} steps"
+    )
     bare, harnessed = defaultdict(float), defaultdict(float)
     with WorldPool(keep=True) as pool:
         for w in sorted({s.world_size for s in scenarios}):

@@ -50,8 +50,10 @@ def main(argv=None) -> None:
             plain.append(_step_time(world, sc, d, False))
             traced.append(_step_time(world, sc, d, True))
     a, b = statistics.mean(plain), statistics.mean(traced)
-    print(f"{sc.id}: untraced step {a * 1e3:.1f} ms, traced step {b * 1e3:.1f} ms, ratio {b / a:.2f}x "
-          f"({ns.repeats} runs of {ns.steps} steps each, the slowest rank's mean step)")
+    print(
+        f"{sc.id}: untraced step {a * 1e3:.1f} ms, traced step {b * 1e3:.1f} ms, ratio {b / a:.2f}x "
+        f"({ns.repeats} runs of {ns.steps} steps each, the slowest rank's mean step)"
+    )
 
 
 if __name__ == "__main__":

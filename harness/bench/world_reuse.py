@@ -14,9 +14,9 @@ import argparse
 import time
 
 from harness import options as opt
-from harness.preflight import checked_matrix
-from harness.phases import run_matrix
 from harness.execute.world import WorldPool
+from harness.phases import run_matrix
+from harness.preflight import checked_matrix
 
 
 def main(argv=None) -> None:

@@ -5,8 +5,8 @@ readers of the tables (first crossing of a bound, rows per scenario)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pandas as pd
 
@@ -76,8 +76,9 @@ class Crossing:
     value: float
 
 
-def first_crossing(steps: pd.DataFrame, sid: str, col: str, bound: float,
-                    strict_zero: bool = False) -> tuple[Crossing | None, float]:
+def first_crossing(
+    steps: pd.DataFrame, sid: str, col: str, bound: float, strict_zero: bool = False
+) -> tuple[Crossing | None, float]:
     """(first crossing or None, worst value) for one scenario's `col` of the steps table."""
     rows = steps[steps.scenario == sid].sort_values("step")
     worst = float(rows[col].max()) if len(rows) else math.nan
@@ -97,8 +98,20 @@ def reference_id(row) -> str:
     return Scenario.of_row(row).reference().id
 
 
-def judge(check, row, passed, measured, bound, message, *, at: Crossing | None = None,
-          step: int | None = None, param: str = "", where: str = "", rank: int | None = None) -> Verdict:
+def judge(
+    check,
+    row,
+    passed,
+    measured,
+    bound,
+    message,
+    *,
+    at: Crossing | None = None,
+    step: int | None = None,
+    param: str = "",
+    where: str = "",
+    rank: int | None = None,
+) -> Verdict:
     """PASS, else KNOWN for a documented deviation (harness/core/policy.py), else FAIL; `at` locates it."""
     if at is not None:
         step, param, where = at.step, at.param, where or fmt(at.value)
@@ -107,8 +120,9 @@ def judge(check, row, passed, measured, bound, message, *, at: Crossing | None =
     loc = dict(where=where, step=step, param=param, rank=rank)
     dev = known_deviation(row.impl, check, widest(row), feature_of(row), message, backend_of(row))
     if dev is not None:
-        return Verdict(check, row.scenario, KNOWN, measured, bound, message=f"{message} Known deviation: {dev.cause}.",
-                       **loc)
+        return Verdict(
+            check, row.scenario, KNOWN, measured, bound, message=f"{message} Known deviation: {dev.cause}.", **loc
+        )
     return Verdict(check, row.scenario, FAIL, measured, bound, message=message, **loc)
 
 
@@ -127,8 +141,9 @@ def ok_rows(sc: pd.DataFrame) -> pd.DataFrame:
     return sc[sc.status == "ok"]
 
 
-def first_param_crossing(rows: pd.DataFrame | None, col: str, held: dict[str, float], bound: float,
-                          sensitive_params: set[str]) -> tuple[Crossing | None, float]:
+def first_param_crossing(
+    rows: pd.DataFrame | None, col: str, held: dict[str, float], bound: float, sensitive_params: set[str]
+) -> tuple[Crossing | None, float]:
     """(first crossing or None, worst `col` of the parameters held to the tier's bound) for one scenario's
     params-table rows: the first step where a parameter's `col` reaches the bound it is held to (or is NaN),
     naming the parameter furthest over at that step."""

@@ -9,7 +9,7 @@ import struct
 
 import pandas as pd
 
-from harness.checks.common import Check, ROW, by_scenario, first_param_crossing, fmt, judge, not_measured, ok_rows
+from harness.checks.common import ROW, Check, by_scenario, first_param_crossing, fmt, judge, not_measured, ok_rows
 from harness.checks.noise_floor import batch_stats_of, holding, probe_maxima
 from harness.core.policy import BF16_SPLIT, Bounds, not_exact
 from harness.core.scenario import (
@@ -41,27 +41,48 @@ def ckpt_restored(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         step, saver = ckpt_step(int(row.steps)), Scenario.of_row(row).saver().id
         params, state = _number(getattr(row, "restore_diff", None)), _number(getattr(row, "state_restore_diff", None))
         where, what = _text(row, "state_restore_where"), _text(row, "state_restored")
-        missing = ([f"no parameters of {row.scenario} after loading, or of {saver} at step {step}"]
-                   if math.isnan(params) else [])
+        missing = (
+            [f"no parameters of {row.scenario} after loading, or of {saver} at step {step}"]
+            if math.isnan(params)
+            else []
+        )
         if math.isnan(state):
-            missing.append(f"no optimizer state of {row.scenario} after loading compared with {saver}'s at step "
-                           f"{step} ({where or 'none recorded'})")
+            missing.append(
+                f"no optimizer state of {row.scenario} after loading compared with {saver}'s at step "
+                f"{step} ({where or 'none recorded'})"
+            )
         if missing:
             out.append(not_measured("ckpt_restored", row, "; ".join(missing), 0.0))
             continue
         failed = []
         if params != 0:
-            failed.append(f"parameters after loading differ from those saved by {saver}: max |diff| {fmt(params)} "
-                          f"({_text(row, 'restore_param')})")
+            failed.append(
+                f"parameters after loading differ from those saved by {saver}: max |diff| {fmt(params)} "
+                f"({_text(row, 'restore_param')})"
+            )
         if state != 0:
             failed.append(f"optimizer state after loading differs from what {saver}'s ranks held when saving: {where}")
-        msg = ("; ".join(failed) + f", at step {step}" if failed else
-               f"parameters and optimizer state after loading at {int(row.world_size)} ranks bitwise those saved "
-               f"at {resume_of(row)} (optimizer state: {what})")
+        msg = (
+            "; ".join(failed) + f", at step {step}"
+            if failed
+            else f"parameters and optimizer state after loading at {int(row.world_size)} ranks bitwise those saved "
+            f"at {resume_of(row)} (optimizer state: {what})"
+        )
         param = _text(row, "restore_param") if params != 0 else _text(row, "state_restore_param")
         rank = _number(getattr(row, "state_restore_rank", None)) if params == 0 else math.nan
-        out.append(judge("ckpt_restored", row, not failed, max(params, state), 0.0, msg, step=step, param=param,
-                         rank=None if math.isnan(rank) else int(rank)))
+        out.append(
+            judge(
+                "ckpt_restored",
+                row,
+                not failed,
+                max(params, state),
+                0.0,
+                msg,
+                step=step,
+                param=param,
+                rank=None if math.isnan(rank) else int(rank),
+            )
+        )
     return out
 
 
@@ -87,8 +108,11 @@ def bf16_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             out.append(not_measured("bf16_acts", row, "no parameter difference to the plain fp32 model recorded"))
             continue
         worst = float(drift.max())
-        msg = (f"bf16 moves the plain model by up to {fmt(worst)} from its fp32 run (the drift)" if worst > 0 else
-               "the plain model under the bf16 policy trains bitwise like in fp32: the policy did nothing")
+        msg = (
+            f"bf16 moves the plain model by up to {fmt(worst)} from its fp32 run (the drift)"
+            if worst > 0
+            else "the plain model under the bf16 policy trains bitwise like in fp32: the policy did nothing"
+        )
         out.append(judge("bf16_acts", row, worst > 0, worst, 0.0, msg))
     return out
 
@@ -114,20 +138,45 @@ def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         k = passes_per_step(feature_of(row))
         if twin.id not in done:
             why = "is not in this run" if twin.id not in known else "did not complete"
-            out.append(Verdict("factorisations_agree", row.scenario, SKIP, None, None, message=(
-                f"does not apply: its other factorisation, {twin.id} ({int(row.world_size) * k} ranks x 1 "
-                f"micro-batch), {why}")))
+            out.append(
+                Verdict(
+                    "factorisations_agree",
+                    row.scenario,
+                    SKIP,
+                    None,
+                    None,
+                    message=(
+                        f"does not apply: its other factorisation, {twin.id} ({int(row.world_size) * k} ranks x 1 "
+                        f"micro-batch), {why}"
+                    ),
+                )
+            )
             continue
         # a rank's k micro-batches (contiguous pieces of its slice) are not the W x k ranks' slices: where each
         # group of samples is rounded (bf16) or normalised (batch statistics) on its own, two computations
-        apart = (f"{BF16_SPLIT}; the two round different groups of samples to bf16" if rounded_per_rank(scen.feature)
-                 else f"the model normalises with batch statistics ({batch_stats_of(row)}); the two normalise "
-                 "different groups of samples" if batch_stats_of(row) else "")
+        apart = (
+            f"{BF16_SPLIT}; the two round different groups of samples to bf16"
+            if rounded_per_rank(scen.feature)
+            else f"the model normalises with batch statistics ({batch_stats_of(row)}); the two normalise "
+            "different groups of samples"
+            if batch_stats_of(row)
+            else ""
+        )
         if apart:
-            out.append(Verdict("factorisations_agree", row.scenario, SKIP, None, None, message=(
-                f"does not apply: {apart}, since a rank's {k} micro-batches (contiguous pieces of its slice) are not "
-                f"the {int(row.world_size) * k} ranks' slices: two different computations, each held to its own "
-                "ranks' micro-batches by split_matches_full_batch")))
+            out.append(
+                Verdict(
+                    "factorisations_agree",
+                    row.scenario,
+                    SKIP,
+                    None,
+                    None,
+                    message=(
+                        f"does not apply: {apart}, since a rank's {k} micro-batches (contiguous pieces of its slice) are not "
+                        f"the {int(row.world_size) * k} ranks' slices: two different computations, each held to its own "
+                        "ranks' micro-batches by split_matches_full_batch"
+                    ),
+                )
+            )
             continue
         # the floors of both cuts: at W = 1 the run has no probe of its own, its twin's slices have one
         probes = list(dict.fromkeys(scen.noise_probes() + twin.noise_probes()))
@@ -139,8 +188,10 @@ def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         hold = holding(row, maxima, probes, False, bounds)
         rows = params_of.get(row.scenario)
         at, worst = first_param_crossing(rows, "diff_factor", hold.held, bound, set(hold.hot))
-        msg = (f"{int(row.world_size)} ranks x {k} micro-batches vs {int(row.world_size) * k} ranks x 1: max |param "
-               f"diff| {fmt(worst)} (bound {bound:.3g}, the split tier's)")
+        msg = (
+            f"{int(row.world_size)} ranks x {k} micro-batches vs {int(row.world_size) * k} ranks x 1: max |param "
+            f"diff| {fmt(worst)} (bound {bound:.3g}, the split tier's)"
+        )
         if hold.hot and rows is not None:
             msg += hold.note(rows.groupby("param").diff_factor.max())
         out.append(judge("factorisations_agree", row, at is None and not math.isnan(worst), worst, bound, msg, at=at))
@@ -163,14 +214,31 @@ def replicas_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         bad = mine[mine.replicas_differ > 0]
         replicas = int(row.world_size) // shard_size("hsdp", int(row.world_size))
         if not len(bad):
-            out.append(judge("replicas_agree", row, True, 0.0, 0.0,
-                             f"the {replicas} replicas hold bitwise the same parameters after every step"))
+            out.append(
+                judge(
+                    "replicas_agree",
+                    row,
+                    True,
+                    0.0,
+                    0.0,
+                    f"the {replicas} replicas hold bitwise the same parameters after every step",
+                )
+            )
             continue
         first = bad.iloc[0]
-        out.append(judge("replicas_agree", row, False, float(bad.replicas_differ.max()), 0.0,
-                         f"{int(first.replicas_differ)} of {int(row.world_size)} ranks hold parameters that differ "
-                         f"from their first replica's after step {int(first.step)}", step=int(first.step),
-                         param="replica parameters"))
+        out.append(
+            judge(
+                "replicas_agree",
+                row,
+                False,
+                float(bad.replicas_differ.max()),
+                0.0,
+                f"{int(first.replicas_differ)} of {int(row.world_size)} ranks hold parameters that differ "
+                f"from their first replica's after step {int(first.step)}",
+                step=int(first.step),
+                param="replica parameters",
+            )
+        )
     return out
 
 
@@ -190,19 +258,37 @@ def ranks_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         said = mine.reports_differ.fillna("").astype(str)
         bad = mine[said != ""]
         if not len(bad):
-            out.append(judge("ranks_agree", row, True, 0.0, 0.0,
-                             f"all {int(row.world_size)} ranks record rank 0's loss, clipping norm and eval loss at "
-                             "every step"))
+            out.append(
+                judge(
+                    "ranks_agree",
+                    row,
+                    True,
+                    0.0,
+                    0.0,
+                    f"all {int(row.world_size)} ranks record rank 0's loss, clipping norm and eval loss at every step",
+                )
+            )
             continue
         first = bad.iloc[0]
         rank, rest = str(first.reports_differ).split(",")[0].split(":", 1)
         field, value = rest.split("=", 1)
         theirs = getattr(first, field if field in ("loss", "eval_loss") else "clip_norm", None)
-        out.append(judge("ranks_agree", row, False, None, 0.0,
-                         f"rank {rank} recorded {field} {value} at step {int(first.step)} where rank 0 recorded "
-                         f"{theirs!r} (a global figure, the same on every rank); ranks and fields that differ: "
-                         f"{first.reports_differ}", step=int(first.step), param=field, rank=int(rank),
-                         where=f"rank {rank} {field}"))
+        out.append(
+            judge(
+                "ranks_agree",
+                row,
+                False,
+                None,
+                0.0,
+                f"rank {rank} recorded {field} {value} at step {int(first.step)} where rank 0 recorded "
+                f"{theirs!r} (a global figure, the same on every rank); ranks and fields that differ: "
+                f"{first.reports_differ}",
+                step=int(first.step),
+                param=field,
+                rank=int(rank),
+                where=f"rank {rank} {field}",
+            )
+        )
     return out
 
 
@@ -227,8 +313,9 @@ def jitter_invariant(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         mine, theirs = steps_of.get(row.scenario), steps_of.get(calm.id)
         compared = getattr(row, "calm_compared", math.nan)
         if mine is None or theirs is None or not compared or compared != compared:
-            out.append(not_measured("jitter_invariant", row, f"no parameters of it and of {calm.id} at the same step",
-                                    0.0))
+            out.append(
+                not_measured("jitter_invariant", row, f"no parameters of it and of {calm.id} at the same step", 0.0)
+            )
             continue
         delays = float(mine.jitter_delays.fillna(0).sum())
         if delays <= 0:
@@ -247,15 +334,33 @@ def jitter_invariant(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         seconds = float(mine.jitter_s.fillna(0).sum())
         perturbed = f"{int(delays)} delays over all ranks ({seconds:.2f} s)"
         if not found:
-            out.append(judge("jitter_invariant", row, True, 0.0, 0.0,
-                             f"losses and parameters bitwise those of {calm.id} at every step ({int(compared)} "
-                             f"parameter snapshots) under {perturbed}"))
+            out.append(
+                judge(
+                    "jitter_invariant",
+                    row,
+                    True,
+                    0.0,
+                    0.0,
+                    f"losses and parameters bitwise those of {calm.id} at every step ({int(compared)} "
+                    f"parameter snapshots) under {perturbed}",
+                )
+            )
             continue
         step, param, what = min(found, key=lambda f: (f[0], f[1] == "loss"))  # a parameter before the loss
-        out.append(judge("jitter_invariant", row, False, None, 0.0,
-                         f"under {perturbed} the run parts from its calm twin {calm.id} (or either is not finite) at "
-                         f"step {step}: {what} (jitter, calm): the numbers depend on when the ranks get somewhere (a "
-                         "read of a collective's output before its wait, a race)", step=step, param=param))
+        out.append(
+            judge(
+                "jitter_invariant",
+                row,
+                False,
+                None,
+                0.0,
+                f"under {perturbed} the run parts from its calm twin {calm.id} (or either is not finite) at "
+                f"step {step}: {what} (jitter, calm): the numbers depend on when the ranks get somewhere (a "
+                "read of a collective's output before its wait, a race)",
+                step=step,
+                param=param,
+            )
+        )
     return out
 
 
@@ -274,8 +379,11 @@ def _own_steps(steps_of: dict, row) -> pd.DataFrame:
 
 
 def _hybrid(row) -> bool:
-    return (row.status == "ok" and has(feature_of(row), "hsdp")
-            and shard_size("hsdp", int(row.world_size)) < int(row.world_size))
+    return (
+        row.status == "ok"
+        and has(feature_of(row), "hsdp")
+        and shard_size("hsdp", int(row.world_size)) < int(row.world_size)
+    )
 
 
 def _multi_rank_ok(row) -> bool:
@@ -303,8 +411,11 @@ def eval_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             theirs = evals.get(yard) if yard in done else None
             what = f"no eval loss of {yard}" if theirs is None or theirs.isna().all() else None
             bound = pd.Series(0.0, index=mine.index) if mine is not None else None
-            why = ("bitwise, as ws1_exact holds the training loss" if widest(row) == 1 else
-                   "bitwise: replicated data, parameters held bitwise to world size 1")
+            why = (
+                "bitwise, as ws1_exact holds the training loss"
+                if widest(row) == 1
+                else "bitwise: replicated data, parameters held bitwise to world size 1"
+            )
             against = yard
         else:
             own = steps[row.scenario]
@@ -313,8 +424,11 @@ def eval_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                 mine, theirs = mine[trained], own.eval_loss_plain[trained]
             else:
                 theirs = None
-            what = ("no eval loss of the plain model at the run's parameters"
-                    if theirs is None or theirs.isna().any() else None)
+            what = (
+                "no eval loss of the plain model at the run's parameters"
+                if theirs is None or theirs.isna().any()
+                else None
+            )
             bound = bounds.eval_loss_rel * theirs.abs() if what is None else None
             why = f"{bounds.eval_loss_rel:g} x |its eval loss|"
             against = "the plain model at the run's own parameters (eval_loss_plain)"
@@ -329,15 +443,29 @@ def eval_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             out.append(judge("eval_matches", row, True, worst, float(bound.max()), msg))
             continue
         k = int(over.index[0])
-        out.append(judge("eval_matches", row, False, worst, float(bound.max()),
-                         f"{msg}; first at step {k}: {float(mine[k])!r} vs {float(theirs.get(k, math.nan))!r}", step=k,
-                         param="eval loss", where=fmt(float(diff[k]))))
+        out.append(
+            judge(
+                "eval_matches",
+                row,
+                False,
+                worst,
+                float(bound.max()),
+                f"{msg}; first at step {k}: {float(mine[k])!r} vs {float(theirs.get(k, math.nan))!r}",
+                step=k,
+                param="eval loss",
+                where=fmt(float(diff[k])),
+            )
+        )
     return out
 
 
 def _factorised(row) -> bool:
-    return row.status == "ok" and row.data_mode == "split" and passes_per_step(feature_of(row)) > 1 \
+    return (
+        row.status == "ok"
+        and row.data_mode == "split"
+        and passes_per_step(feature_of(row)) > 1
         and row.impl != REFERENCE_IMPL
+    )
 
 
 def _resumed(row) -> bool:
@@ -362,8 +490,17 @@ FEATURE_CHECKS = (
     Check(ranks_agree, _multi_rank_ok, {"scenarios": ROW + ("steps",), "steps": ("scenario", "step", "loss")}),
     Check(replicas_agree, _hybrid, {"scenarios": ROW, "steps": ("scenario", "step", "replicas_differ")}),
     Check(eval_matches, _evaluated, {"scenarios": ROW + ("steps",), "steps": ("scenario", "step", "eval_loss")}),
-    Check(jitter_invariant, _jittered, {"scenarios": ROW + ("calm_step", "calm_param", "calm_element", "calm_compared"),
-                                        "steps": ("scenario", "step", "loss", "jitter_delays", "jitter_s")}),
-    Check(factorisations_agree, _factorised, {"scenarios": ROW + ("steps", "lr"),
-                                              "params": ("scenario", "step", "param", "diff_factor")}),
+    Check(
+        jitter_invariant,
+        _jittered,
+        {
+            "scenarios": ROW + ("calm_step", "calm_param", "calm_element", "calm_compared"),
+            "steps": ("scenario", "step", "loss", "jitter_delays", "jitter_s"),
+        },
+    ),
+    Check(
+        factorisations_agree,
+        _factorised,
+        {"scenarios": ROW + ("steps", "lr"), "params": ("scenario", "step", "param", "diff_factor")},
+    ),
 )

@@ -12,8 +12,18 @@ import pandas as pd
 from harness.core.policy import NOISE_FLOOR_FACTOR, Bounds, model_sensitive, noise_floor_bound
 from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of, resume_of, rounded_per_rank, user_optimizer
 
-SENSITIVITY_COLUMNS = ("probe", "model", "optimizer", "seed", "feature", "micro_batches", "params", "sensitive",
-                       "tier_bound", "which")
+SENSITIVITY_COLUMNS = (
+    "probe",
+    "model",
+    "optimizer",
+    "seed",
+    "feature",
+    "micro_batches",
+    "params",
+    "sensitive",
+    "tier_bound",
+    "which",
+)
 
 
 def probe_maxima(tables) -> pd.DataFrame:
@@ -22,8 +32,12 @@ def probe_maxima(tables) -> pd.DataFrame:
     full-batch references whose travel a user's optimizer's reach reads): read once per run, each split
     scenario's floor picks its rows."""
     sc, params = tables.get("scenarios"), tables.get("params")
-    if not isinstance(sc, pd.DataFrame) or not isinstance(params, pd.DataFrame) or not len(params) \
-            or "micro_batches" not in sc:
+    if (
+        not isinstance(sc, pd.DataFrame)
+        or not isinstance(params, pd.DataFrame)
+        or not len(params)
+        or "micro_batches" not in sc
+    ):
         return pd.DataFrame(columns=["diff_ref", "diff_probe", "travel"])
     rows = params[params.scenario.isin(set(sc.scenario[sc.impl == REFERENCE_IMPL]))]
     how = {c: ("sum" if c == "travel" else "max") for c in ("diff_ref", "diff_probe", "travel") if c in rows}
@@ -50,8 +64,9 @@ def floors(maxima: pd.DataFrame, probes: list[Scenario], against_probe: bool = F
     return {q: float(v) for q, v in pd.concat(parts).groupby(level=0).max().items()}
 
 
-def held_bounds(floor: dict[str, float], tier_bound: float, reach: float = 0.0,
-                travel: dict[str, float] | None = None) -> dict[str, float]:
+def held_bounds(
+    floor: dict[str, float], tier_bound: float, reach: float = 0.0, travel: dict[str, float] | None = None
+) -> dict[str, float]:
     """parameter -> the bound it is held to: the tier's, or for a model-sensitive one the larger of 2 x its
     floor and the optimizer's reach (policy.noise_floor_bound): AdamW's `reach`, or a user's optimizer's
     measured one, `travel` (measured_reach)."""
@@ -96,26 +111,37 @@ def holding(row, maxima: pd.DataFrame, probes: list[Scenario], against_probe: bo
     """The Holding of a split row whose noise probes are `probes` (floors: `against_probe` as in floors)."""
     tier = bounds.split_bound(row.optimizer, float(row.lr), int(row.steps))
     floor, reach = floors(maxima, probes, against_probe), bounds.reach(row.optimizer, float(row.lr), int(row.steps))
-    travel = measured_reach(maxima, [Scenario.of_row(row).reference(), *probes]) if user_optimizer(row.optimizer) else {}
+    travel = (
+        measured_reach(maxima, [Scenario.of_row(row).reference(), *probes]) if user_optimizer(row.optimizer) else {}
+    )
     return Holding(tier, held_bounds(floor, tier, reach, travel), sensitive(floor, tier), reach, bool(travel))
 
 
-def sensitive_note(hot: dict[str, float], held: dict[str, float], measured: pd.Series, reach: float,
-                   measured_reach: bool = False) -> str:
+def sensitive_note(
+    hot: dict[str, float], held: dict[str, float], measured: pd.Series, reach: float, measured_reach: bool = False
+) -> str:
     """'; 2 of 27 parameters model-sensitive, ...: name value (floor f, bound b); ...' ('' for none):
     what a split verdict says of the parameters it holds to their floor or the optimizer's reach."""
     if not hot:
         return ""
-    how = (f"held to the larger of {NOISE_FLOOR_FACTOR:g} x their noise floor and AdamW's reach {reach:.3g} (the most "
-           "any two runs can part by; their gradient is rounding noise, so nothing tighter holds)"
-           if reach else
-           f"held to the larger of {NOISE_FLOOR_FACTOR:g} x their noise floor and the optimizer's measured reach (twice "
-           "the furthest the plain model's own runs moved each, step by step; their gradient is rounding noise, so "
-           "nothing tighter holds)" if measured_reach else f"held to {NOISE_FLOOR_FACTOR:g} x their noise floor")
-    return (f"; {len(hot)} of {len(held)} parameters model-sensitive (how far the plain model itself moves when the batch is cut "
-            f"into the ranks' slices), {how}: " + "; ".join(
-                f"{p} {float(measured.get(p, math.nan)):.3g} (floor {f:.3g}, bound {held[p]:.3g})"
-                for p, f in sorted(hot.items(), key=lambda kv: -kv[1])))
+    how = (
+        f"held to the larger of {NOISE_FLOOR_FACTOR:g} x their noise floor and AdamW's reach {reach:.3g} (the most "
+        "any two runs can part by; their gradient is rounding noise, so nothing tighter holds)"
+        if reach
+        else f"held to the larger of {NOISE_FLOOR_FACTOR:g} x their noise floor and the optimizer's measured reach (twice "
+        "the furthest the plain model's own runs moved each, step by step; their gradient is rounding noise, so "
+        "nothing tighter holds)"
+        if measured_reach
+        else f"held to {NOISE_FLOOR_FACTOR:g} x their noise floor"
+    )
+    return (
+        f"; {len(hot)} of {len(held)} parameters model-sensitive (how far the plain model itself moves when the batch is cut "
+        f"into the ranks' slices), {how}: "
+        + "; ".join(
+            f"{p} {float(measured.get(p, math.nan)):.3g} (floor {f:.3g}, bound {held[p]:.3g})"
+            for p, f in sorted(hot.items(), key=lambda kv: -kv[1])
+        )
+    )
 
 
 def batch_stats_of(row) -> str:
@@ -157,9 +183,20 @@ def sensitivity_table(tables, bounds: Bounds = Bounds()) -> pd.DataFrame:
             floor = floors(maxima, [probe], against_probe=stats or rounded_per_rank(probe.feature))
             hot = sensitive(floor, tier)
             which = "; ".join(f"{p} (floor {f:.3g})" for p, f in sorted(hot.items(), key=lambda kv: -kv[1]))
-            rows.append({"probe": r.scenario, "model": r.model, "optimizer": r.optimizer, "seed": int(r.seed),
-                         "feature": feature_of(r), "micro_batches": probe.micro_batches,
-                         "params": len(floor), "sensitive": len(hot), "tier_bound": tier, "which": which})
+            rows.append(
+                {
+                    "probe": r.scenario,
+                    "model": r.model,
+                    "optimizer": r.optimizer,
+                    "seed": int(r.seed),
+                    "feature": feature_of(r),
+                    "micro_batches": probe.micro_batches,
+                    "params": len(floor),
+                    "sensitive": len(hot),
+                    "tier_bound": tier,
+                    "which": which,
+                }
+            )
     return pd.DataFrame(rows, columns=SENSITIVITY_COLUMNS)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from harness.checks.common import Check, ROW, fmt, judge, not_measured, not_reference, ok_rows, reference_id
+from harness.checks.common import ROW, Check, fmt, judge, not_measured, not_reference, ok_rows, reference_id
 from harness.checks.noise_floor import batch_stats_of, split_yardstick
 from harness.core.policy import BATCH_STATS_SPLIT, Bounds
 from harness.core.scenario import REFERENCE_IMPL, Scenario, clip_of, widest
@@ -29,8 +29,11 @@ def grad_norm_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     shows, such as junk in the padding of a flat shard; the norm reads the whole local gradient."""
     out, bound = [], bounds.grad_norm_rel
     sc, steps = tables["scenarios"], tables["steps"]
-    first = {r.scenario: (int(r.step), r.grad_norm) for r in steps[steps.step == steps.step.min()].itertuples()} \
-        if len(steps) else {}
+    first = (
+        {r.scenario: (int(r.step), r.grad_norm) for r in steps[steps.step == steps.step.min()].itertuples()}
+        if len(steps)
+        else {}
+    )
     for row in ok_rows(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
         ref_id = split_yardstick(row)
         if ref_id not in first or row.scenario not in first:
@@ -39,13 +42,14 @@ def grad_norm_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             continue
         (step, got), (_, ref) = first[row.scenario], first[ref_id]
         if not math.isfinite(ref) or ref == 0:
-            out.append(not_measured("grad_norm_matches", row, f"the reference's step-1 gradient norm is {ref}",
-                                     bound))
+            out.append(not_measured("grad_norm_matches", row, f"the reference's step-1 gradient norm is {ref}", bound))
             continue
         rel = abs(got - ref) / abs(ref) if math.isfinite(got) else math.inf
         passed = rel <= bound
-        msg = (f"step-1 gradient norm {got:.9g} vs non-sharded {ref:.9g}: relative difference {fmt(rel)} "
-               f"(bound {bound:g}){ratio_hint(got, ref, widest(row), passed)}")
+        msg = (
+            f"step-1 gradient norm {got:.9g} vs non-sharded {ref:.9g}: relative difference {fmt(rel)} "
+            f"(bound {bound:g}){ratio_hint(got, ref, widest(row), passed)}"
+        )
         if ref_id != reference_id(row):
             msg += f"; against {ref_id}: {BATCH_STATS_SPLIT.format(layers=batch_stats_of(row))}"
         out.append(judge("grad_norm_matches", row, passed, rel, bound, msg, step=step, param="gradient norm"))
@@ -90,15 +94,33 @@ def clip_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         kind = "L2" if norm_type == 2 else "infinity"
         if len(idle):
             first = idle.iloc[0]
-            out.append(judge("clip_acts", row, False, float(first.clip_norm), max_norm,
-                             f"the {kind} norm before clipping is {first.clip_norm:.6g} at step {int(first.step)}, "
-                             f"not above max_norm {max_norm:g}: clipping did not act, so nothing about it was tested",
-                             step=int(first.step), param="gradient norm", where="clipping did not act"))
+            out.append(
+                judge(
+                    "clip_acts",
+                    row,
+                    False,
+                    float(first.clip_norm),
+                    max_norm,
+                    f"the {kind} norm before clipping is {first.clip_norm:.6g} at step {int(first.step)}, "
+                    f"not above max_norm {max_norm:g}: clipping did not act, so nothing about it was tested",
+                    step=int(first.step),
+                    param="gradient norm",
+                    where="clipping did not act",
+                )
+            )
             continue
         if row.impl == REFERENCE_IMPL:
-            out.append(judge("clip_acts", row, True, float(mine.clip_norm.min()), max_norm,
-                             f"clipping acted at every step ({kind} norm {mine.clip_norm.min():.6g} at the least, "
-                             f"max_norm {max_norm:g})"))
+            out.append(
+                judge(
+                    "clip_acts",
+                    row,
+                    True,
+                    float(mine.clip_norm.min()),
+                    max_norm,
+                    f"clipping acted at every step ({kind} norm {mine.clip_norm.min():.6g} at the least, "
+                    f"max_norm {max_norm:g})",
+                )
+            )
             continue
         ref_id = split_yardstick(row)
         ref = norms.get(ref_id)
@@ -108,13 +130,25 @@ def clip_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         got, want = float(mine.clip_norm.iloc[0]), float(ref.clip_norm.iloc[0])
         rel = abs(got - want) / abs(want)
         step = int(mine.step.iloc[0])
-        msg = (f"clipping acted at every step; the {kind} norm before clipping at step {step} is {got:.9g} vs "
-               f"the plain model's {want:.9g}: relative difference {fmt(rel)} "
-               f"(bound {bounds.grad_norm_rel:g}){ratio_hint(got, want, widest(row), rel <= bounds.grad_norm_rel)}")
+        msg = (
+            f"clipping acted at every step; the {kind} norm before clipping at step {step} is {got:.9g} vs "
+            f"the plain model's {want:.9g}: relative difference {fmt(rel)} "
+            f"(bound {bounds.grad_norm_rel:g}){ratio_hint(got, want, widest(row), rel <= bounds.grad_norm_rel)}"
+        )
         if ref_id != reference_id(row):
             msg += f"; against {ref_id}: {BATCH_STATS_SPLIT.format(layers=batch_stats_of(row))}"
-        out.append(judge("clip_acts", row, rel <= bounds.grad_norm_rel, rel, bounds.grad_norm_rel, msg,
-                         step=step, param="gradient norm"))
+        out.append(
+            judge(
+                "clip_acts",
+                row,
+                rel <= bounds.grad_norm_rel,
+                rel,
+                bounds.grad_norm_rel,
+                msg,
+                step=step,
+                param="gradient norm",
+            )
+        )
     return out
 
 

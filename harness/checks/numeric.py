@@ -6,9 +6,27 @@ import math
 
 import pandas as pd
 
-from harness.checks.common import Check, Crossing, EMPTY, ROW, all_rows, by_scenario, first_crossing, first_param_crossing, fmt, judge, multi_rank, not_measured, not_reference, ok_row, ok_rows, rank_or_none, reference_id, sharded_ws1
-from harness.checks.noise_floor import (batch_stats_of, holding, probe_maxima, resumed_across_sizes,
-                                        split_yardstick)
+from harness.checks.common import (
+    EMPTY,
+    ROW,
+    Check,
+    Crossing,
+    all_rows,
+    by_scenario,
+    first_crossing,
+    first_param_crossing,
+    fmt,
+    judge,
+    multi_rank,
+    not_measured,
+    not_reference,
+    ok_row,
+    ok_rows,
+    rank_or_none,
+    reference_id,
+    sharded_ws1,
+)
+from harness.checks.noise_floor import batch_stats_of, holding, probe_maxima, resumed_across_sizes, split_yardstick
 from harness.core.policy import BATCH_STATS_SPLIT, BF16_SPLIT, Bounds, not_exact
 from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of, resume_of, rounded_per_rank, widest
 from harness.core.verdict import PASS, SKIP, UNSUPPORTED, Verdict
@@ -30,7 +48,8 @@ def ranks_off(tables, sid: str, at: Crossing | None, col: str, bound: float) -> 
     held = sorted(set(int(r) for r in mine["rank"]) - set(off))
     who = f"rank {off[0]}" if len(off) == 1 else "ranks " + ", ".join(map(str, off))
     return (off[0] if len(off) == 1 else None), (
-        f"; only {who}'s rows of {at.param} crossed it (ranks {', '.join(map(str, held))} within the bound)")
+        f"; only {who}'s rows of {at.param} crossed it (ranks {', '.join(map(str, held))} within the bound)"
+    )
 
 
 def reduction_hint(steps: pd.DataFrame, sid: str, upto: int | None) -> tuple[int | None, str]:
@@ -49,8 +68,10 @@ def reduction_hint(steps: pd.DataFrame, sid: str, upto: int | None) -> tuple[int
     return (ranks[0] if len(ranks) == 1 else None), (
         f"; at step {int(first.step)} {who} put a different gradient into the reduction than the other ranks (with "
         "replicated data every rank computes the same one: the fault is before the reduction, on that rank)"
-        if len(ranks) == 1 else f"; at step {int(first.step)} the ranks put different gradients into the reduction "
-        f"({who}; with replicated data every rank computes the same one: the fault is before the reduction)")
+        if len(ranks) == 1
+        else f"; at step {int(first.step)} the ranks put different gradients into the reduction "
+        f"({who}; with replicated data every rank computes the same one: the fault is before the reduction)"
+    )
 
 
 def _trajectories(steps: pd.DataFrame) -> dict[str, list[float]]:
@@ -74,12 +95,26 @@ def ws1_exact(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         if bad_loss is not None and (at is None or bad_loss < at.step):
             at, loss_step = None, bad_loss
         passed = at is None and loss_step is None and len(losses) == len(ref)
-        msg = ("losses and parameters bitwise equal to the non-sharded model at every step" if passed else
-               f"world size 1 differs from the non-sharded model: max |param diff| {fmt(worst)}")
+        msg = (
+            "losses and parameters bitwise equal to the non-sharded model at every step"
+            if passed
+            else f"world size 1 differs from the non-sharded model: max |param diff| {fmt(worst)}"
+        )
         if loss_step is not None:
             msg += f"; loss {losses[loss_step - 1]!r} vs {ref[loss_step - 1]!r} at step {loss_step}"
-        out.append(judge("ws1_exact", row, passed, worst, 0.0, msg, at=at, step=loss_step,
-                            param="loss" if loss_step is not None else ""))
+        out.append(
+            judge(
+                "ws1_exact",
+                row,
+                passed,
+                worst,
+                0.0,
+                msg,
+                at=at,
+                step=loss_step,
+                param="loss" if loss_step is not None else "",
+            )
+        )
     return out
 
 
@@ -116,8 +151,10 @@ def cross_ws_replicated(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         if at is not None:
             sender, sent = reduction_hint(steps, row.scenario, at.step)
             rank, whose = (rank if rank is not None else sender), whose + sent
-        msg = (f"max |param diff| vs world size 1 = {fmt(worst)} (bound < {bound:g}{'; ' + why if why else ''})"
-               f"{note}{whose}")
+        msg = (
+            f"max |param diff| vs world size 1 = {fmt(worst)} (bound < {bound:g}{'; ' + why if why else ''})"
+            f"{note}{whose}"
+        )
         passed = at is None and not (probes and math.isnan(worst))
         out.append(judge("cross_ws_replicated", row, passed, worst, bound, msg, at=at, rank=rank))
     return out
@@ -133,29 +170,60 @@ def grads_match_ws1(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     done = set(ok_rows(sc).scenario)
     for row in ok_rows(sc)[lambda d: (_widest(d) > 1) & (d.data_mode == "replicated")].itertuples():
         if not_exact(feature_of(row), row.optimizer):
-            out.append(Verdict("grads_match_ws1", row.scenario, SKIP, None, None,
-                               message=f"does not apply: {not_exact(feature_of(row), row.optimizer)}"))
+            out.append(
+                Verdict(
+                    "grads_match_ws1",
+                    row.scenario,
+                    SKIP,
+                    None,
+                    None,
+                    message=f"does not apply: {not_exact(feature_of(row), row.optimizer)}",
+                )
+            )
             continue
         ws1 = _ws1_id(row)
         mine = steps[steps.scenario == row.scenario].sort_values("step")
         if ws1 not in done or not len(mine) or mine.grad_diff_ws1.isna().all():
-            out.append(not_measured("grads_match_ws1", row, f"no gradient values recorded for it and for {ws1}",
-                                     0.0))
+            out.append(not_measured("grads_match_ws1", row, f"no gradient values recorded for it and for {ws1}", 0.0))
             continue
         bad = mine[mine.grad_diff_ws1.isna() | (mine.grad_diff_ws1 != 0)]
         worst = float(mine.grad_diff_ws1.max())
         if not len(bad):
-            out.append(judge("grads_match_ws1", row, True, 0.0, 0.0,
-                                "gradient values bitwise those at world size 1 at every step"))
+            out.append(
+                judge(
+                    "grads_match_ws1",
+                    row,
+                    True,
+                    0.0,
+                    0.0,
+                    "gradient values bitwise those at world size 1 at every step",
+                )
+            )
             continue
         first = bad.iloc[0]
-        what = ("missing" if math.isnan(first.grad_diff_ws1) else "a different number of non-zero values"
-                if math.isinf(first.grad_diff_ws1) else f"max |sorted diff| {fmt(first.grad_diff_ws1)}")
+        what = (
+            "missing"
+            if math.isnan(first.grad_diff_ws1)
+            else "a different number of non-zero values"
+            if math.isinf(first.grad_diff_ws1)
+            else f"max |sorted diff| {fmt(first.grad_diff_ws1)}"
+        )
         sender, sent = reduction_hint(steps, row.scenario, int(first.step))
-        out.append(judge("grads_match_ws1", row, False, worst, 0.0,
-                            f"the gradient the optimizers applied differs from world size 1 from step "
-                            f"{int(first.step)}: {what}{sent}", step=int(first.step), param="gradient values",
-                            where=what, rank=sender))
+        out.append(
+            judge(
+                "grads_match_ws1",
+                row,
+                False,
+                worst,
+                0.0,
+                f"the gradient the optimizers applied differs from world size 1 from step "
+                f"{int(first.step)}: {what}{sent}",
+                step=int(first.step),
+                param="gradient values",
+                where=what,
+                rank=sender,
+            )
+        )
     return out
 
 
@@ -176,24 +244,45 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
         probes = scen.noise_probes()
         lost = [p.id for p in probes if p.id not in done]
         if lost:
-            out.append(not_measured("split_matches_full_batch", row, f"the noise probe {lost[0]} did not complete",
-                                    bound))
+            out.append(
+                not_measured("split_matches_full_batch", row, f"the noise probe {lost[0]} did not complete", bound)
+            )
             continue
         layers, col = batch_stats_of(row), "diff_ref"
         rounded = rounded_per_rank(feature_of(row))  # its reference is the ranks' micro-batches already
         against = "full-batch training"
         if rounded and resumed_across_sizes(row):
-            out.append(Verdict("split_matches_full_batch", row.scenario, SKIP, None, bound, message=(
-                f"does not apply: {BF16_SPLIT}; a run resumed at another world size rounded its first steps' "
-                f"gradients over {resume_of(row)} ranks and the rest over {int(row.world_size)}, which no single "
-                "plain run reproduces (its restore is held by ckpt_restored, its step-1 norm and its loss by its "
-                "saver's yardstick)")))
+            out.append(
+                Verdict(
+                    "split_matches_full_batch",
+                    row.scenario,
+                    SKIP,
+                    None,
+                    bound,
+                    message=(
+                        f"does not apply: {BF16_SPLIT}; a run resumed at another world size rounded its first steps' "
+                        f"gradients over {resume_of(row)} ranks and the rest over {int(row.world_size)}, which no single "
+                        "plain run reproduces (its restore is held by ckpt_restored, its step-1 norm and its loss by its "
+                        "saver's yardstick)"
+                    ),
+                )
+            )
             continue
         if layers and not rounded:
             if resumed_across_sizes(row):
-                out.append(Verdict("split_matches_full_batch", row.scenario, SKIP, None, bound, message=(
-                    f"does not apply: {BATCH_STATS_SPLIT.format(layers=layers)}; a run resumed at another world "
-                    "size trained on two different cuts of the batch, which no single plain run reproduces")))
+                out.append(
+                    Verdict(
+                        "split_matches_full_batch",
+                        row.scenario,
+                        SKIP,
+                        None,
+                        bound,
+                        message=(
+                            f"does not apply: {BATCH_STATS_SPLIT.format(layers=layers)}; a run resumed at another world "
+                            "size trained on two different cuts of the batch, which no single plain run reproduces"
+                        ),
+                    )
+                )
                 continue
             col, against = "diff_probe", "the plain model on the ranks' micro-batches"
             why += f"; {BATCH_STATS_SPLIT.format(layers=layers)}"
@@ -209,8 +298,18 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
         if hold.hot:
             msg += hold.note(rows.groupby("param")[col].max())
         rank, whose = ranks_off(tables, row.scenario, at, col, hold.held.get(at.param, bound) if at else bound)
-        out.append(judge("split_matches_full_batch", row, at is None and not math.isnan(worst), worst, bound,
-                         msg + whose, at=at, rank=rank))
+        out.append(
+            judge(
+                "split_matches_full_batch",
+                row,
+                at is None and not math.isnan(worst),
+                worst,
+                bound,
+                msg + whose,
+                at=at,
+                rank=rank,
+            )
+        )
     return out
 
 
@@ -220,13 +319,23 @@ def _first_step_only(rows: pd.DataFrame, params_of: dict, probes, why: str) -> t
     statistics amplify the difference step by step ([Note: noise floor], BATCH_STATS_SPLIT); the reversed
     probe's parting from the rank-order one is shown as the evidence."""
     first = int(rows.step.min())
-    rev = pd.concat([params_of[p.id] for p in probes if p.reverse_micro and p.id in params_of] or
-                    [pd.DataFrame(columns=["step", "diff_probe"])])
+    rev = pd.concat(
+        [params_of[p.id] for p in probes if p.reverse_micro and p.id in params_of]
+        or [pd.DataFrame(columns=["step", "diff_probe"])]
+    )
     spread = rev.groupby("step").diff_probe.max() if len(rev) else pd.Series(dtype=float)
-    parted = (f": the plain model's two orders of summation part by {fmt(float(spread.get(first, math.nan)))} at "
-              f"step {first} and {fmt(float(spread.max()))} by step {int(spread.index.max())}") if len(spread) else ""
-    return rows[rows.step == first], (f"{why}; held at step {first} only, where both start from the same parameters "
-                                      f"and only the order of summation differs; later steps are not held{parted}")
+    parted = (
+        (
+            f": the plain model's two orders of summation part by {fmt(float(spread.get(first, math.nan)))} at "
+            f"step {first} and {fmt(float(spread.max()))} by step {int(spread.index.max())}"
+        )
+        if len(spread)
+        else ""
+    )
+    return rows[rows.step == first], (
+        f"{why}; held at step {first} only, where both start from the same parameters "
+        f"and only the order of summation differs; later steps are not held{parted}"
+    )
 
 
 def converges(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
@@ -241,19 +350,41 @@ def converges(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     losses_of = _trajectories(steps)
     for row in ok_rows(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
         if row.data_mode == "split" and batch_stats_of(row) and resumed_across_sizes(row):
-            out.append(Verdict("converges", row.scenario, SKIP, None, 0.0, message=(
-                f"does not apply: {BATCH_STATS_SPLIT.format(layers=batch_stats_of(row))}; a run resumed at another "
-                "world size normalised two different cuts of the batch, whose loss no single plain run traces")))
+            out.append(
+                Verdict(
+                    "converges",
+                    row.scenario,
+                    SKIP,
+                    None,
+                    0.0,
+                    message=(
+                        f"does not apply: {BATCH_STATS_SPLIT.format(layers=batch_stats_of(row))}; a run resumed at another "
+                        "world size normalised two different cuts of the batch, whose loss no single plain run traces"
+                    ),
+                )
+            )
             continue
         ref_id, losses = split_yardstick(row), losses_of.get(row.scenario, [])
         ref = losses_of.get(ref_id)
         if ref is None or not losses:
-            out.append(not_measured("converges", row, f"no loss trajectory of {ref_id if ref is None else row.scenario}"))
+            out.append(
+                not_measured("converges", row, f"no loss trajectory of {ref_id if ref is None else row.scenario}")
+            )
             continue
         if not ref[-1] < ref[0]:
-            out.append(Verdict("converges", row.scenario, SKIP, None, 0.0, message=(
-                f"does not apply: the non-sharded model's own loss does not fall on this seed "
-                f"({ref[0]:.6g} -> {ref[-1]:.6g} over {len(ref)} steps)")))
+            out.append(
+                Verdict(
+                    "converges",
+                    row.scenario,
+                    SKIP,
+                    None,
+                    0.0,
+                    message=(
+                        f"does not apply: the non-sharded model's own loss does not fall on this seed "
+                        f"({ref[0]:.6g} -> {ref[-1]:.6g} over {len(ref)} steps)"
+                    ),
+                )
+            )
             continue
         first, last = losses[0], losses[-1]
         msg = f"loss {first:.6g} -> {last:.6g} (non-sharded {ref[0]:.6g} -> {ref[-1]:.6g})"
@@ -292,22 +423,45 @@ def params_cover_model(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     for row in ok_rows(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
         n = row.params_compared
         if pd.isna(n):
-            out.append(not_measured("params_cover_model", row, f"no parameters of {reference_id(row)} "
-                                     "to hold full_params against"))
+            out.append(
+                not_measured(
+                    "params_cover_model", row, f"no parameters of {reference_id(row)} to hold full_params against"
+                )
+            )
             continue
         bad = cover[cover.scenario == row.scenario].sort_values("step", kind="stable")  # missing first
         if not len(bad):
-            out.append(Verdict("params_cover_model", row.scenario, PASS, 0, 0, message=(
-                f"full_params gave all {int(n)} parameters of the plain model, names and shapes, at every step")))
+            out.append(
+                Verdict(
+                    "params_cover_model",
+                    row.scenario,
+                    PASS,
+                    0,
+                    0,
+                    message=(
+                        f"full_params gave all {int(n)} parameters of the plain model, names and shapes, at every step"
+                    ),
+                )
+            )
             continue
         first = bad.iloc[0]
         at_first = bad[bad.step == first.step]
         listed = "; ".join(f"{r.param}: {r.problem}" for r in at_first.head(5).itertuples())
         more = f" (and {len(at_first) - 5} more)" if len(at_first) > 5 else ""
-        out.append(judge("params_cover_model", row, False, len(at_first), 0,
-                            f"full_params disagrees with the plain model's {int(n)} parameters at step "
-                            f"{int(first.step)}: {listed}{more}", step=int(first.step), param=str(first.param),
-                            where=str(first.problem)))
+        out.append(
+            judge(
+                "params_cover_model",
+                row,
+                False,
+                len(at_first),
+                0,
+                f"full_params disagrees with the plain model's {int(n)} parameters at step "
+                f"{int(first.step)}: {listed}{more}",
+                step=int(first.step),
+                param=str(first.param),
+                where=str(first.problem),
+            )
+        )
     return out
 
 
@@ -319,8 +473,17 @@ def completed(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     for row in tables["scenarios"].itertuples():
         rank = rank_or_none(getattr(row, "failed_rank", None))
         if row.status in ("ok", "unsupported"):
-            out.append(Verdict("completed", row.scenario, PASS if row.status == "ok" else UNSUPPORTED, None, None,
-                               message="every rank finished" if row.status == "ok" else str(row.error), rank=rank))
+            out.append(
+                Verdict(
+                    "completed",
+                    row.scenario,
+                    PASS if row.status == "ok" else UNSUPPORTED,
+                    None,
+                    None,
+                    message="every rank finished" if row.status == "ok" else str(row.error),
+                    rank=rank,
+                )
+            )
         else:
             out.append(judge("completed", row, False, None, None, str(row.error), rank=rank))
     return out
@@ -342,14 +505,21 @@ NUMERIC_CHECKS = (
     Check(completed, all_rows, {"scenarios": ROW + ("error",)}),
     Check(finite, ok_row, {"scenarios": ROW, "steps": _STEPS, "params": ("scenario", "step", "param", "sum")}),
     Check(ws1_exact, sharded_ws1, {"scenarios": ROW, "steps": _DIFFS}),
-    Check(cross_ws_replicated, multi_rank("replicated"), {"scenarios": ROW + ("steps", "lr"), "steps": _DIFFS,
-                                                           "params": ("scenario", "step", "param", "diff_ws1")}),
+    Check(
+        cross_ws_replicated,
+        multi_rank("replicated"),
+        {"scenarios": ROW + ("steps", "lr"), "steps": _DIFFS, "params": ("scenario", "step", "param", "diff_ws1")},
+    ),
     Check(grads_match_ws1, multi_rank("replicated"), {"scenarios": ROW, "steps": _STEPS + ("grad_diff_ws1",)}),
-    Check(split_matches_full_batch, multi_rank("split"), {"scenarios": ROW + ("steps", "lr"),
-                                                           "params": ("scenario", "step", "param", "diff_ref")}),
+    Check(
+        split_matches_full_batch,
+        multi_rank("split"),
+        {"scenarios": ROW + ("steps", "lr"), "params": ("scenario", "step", "param", "diff_ref")},
+    ),
     Check(converges, not_reference, {"scenarios": ROW, "steps": _STEPS}),
-    Check(params_cover_model, not_reference, {"scenarios": ROW + ("params_compared",),
-                                               "coverage": ("scenario", "step", "param", "problem")}),
+    Check(
+        params_cover_model,
+        not_reference,
+        {"scenarios": ROW + ("params_compared",), "coverage": ("scenario", "step", "param", "problem")},
+    ),
 )
-
-

@@ -34,27 +34,61 @@ def run_checks(tables, bounds: Bounds = Bounds(), extra: tuple[Check, ...] = ())
     it applies to, gives FAIL verdicts that say so: a PASS always means a property was measured."""
     sc = tables.get("scenarios")
     if not isinstance(sc, pd.DataFrame) or any(c not in sc.columns for c in ROW):
-        return [Verdict("run", "", FAIL, None, None, message="could not check anything: the scenarios table "
-                        "or its id columns are missing")]
+        return [
+            Verdict(
+                "run",
+                "",
+                FAIL,
+                None,
+                None,
+                message="could not check anything: the scenarios table or its id columns are missing",
+            )
+        ]
     verdicts = []
     for check in all_checks() + tuple(extra):
         applicable = [r for r in sc.itertuples() if check.applies(r)]
         missing = missing_columns(tables, check)
         if missing:
-            verdicts += [Verdict(check.name, r.scenario, FAIL, None, None, message=(
-                f"could not be checked: {', '.join(missing)} missing from the run's tables")) for r in applicable]
+            verdicts += [
+                Verdict(
+                    check.name,
+                    r.scenario,
+                    FAIL,
+                    None,
+                    None,
+                    message=(f"could not be checked: {', '.join(missing)} missing from the run's tables"),
+                )
+                for r in applicable
+            ]
             continue
         try:
             got = check.fn(tables, bounds)
         except Exception as e:  # a check that breaks fails what it applies to; the other checks still run
-            got = [Verdict(check.name, r.scenario, FAIL, None, None,
-                           message=f"could not be checked: the check raised {type(e).__name__}: {e}")
-                   for r in applicable]
+            got = [
+                Verdict(
+                    check.name,
+                    r.scenario,
+                    FAIL,
+                    None,
+                    None,
+                    message=f"could not be checked: the check raised {type(e).__name__}: {e}",
+                )
+                for r in applicable
+            ]
         verdicts += got
         spoken = {v.scenario for v in got}
-        verdicts += [Verdict(check.name, r.scenario, FAIL, None, None, message=(
-            "could not be checked: the check gave no verdict for a scenario it applies to"))
-            for r in applicable if r.scenario not in spoken]
+        verdicts += [
+            Verdict(
+                check.name,
+                r.scenario,
+                FAIL,
+                None,
+                None,
+                message=("could not be checked: the check gave no verdict for a scenario it applies to"),
+            )
+            for r in applicable
+            if r.scenario not in spoken
+        ]
     return verdicts
 
 

@@ -17,10 +17,10 @@ import pandas as pd
 from harness.checks.common import Check, judge, not_measured, ok_row
 from harness.core.policy import POST_FORWARD_AFTER_EVAL, ROOT_AFTER_EVAL, Bounds
 from harness.core.scenario import (
-    clip_of,
-    has,
     Scenario,
+    clip_of,
     feature_of,
+    has,
     holds_unsharded_grads,
     passes_per_step,
     post_forward_ranks,
@@ -124,11 +124,14 @@ def _ideal_state(tables, row) -> dict[str, int] | str:
         ref_rows = sc[(sc.scenario == ref) & (sc.status == "ok")]
         held = _max_over_ranks(tables["memory"], ref, "state_optimizer_state") if len(ref_rows) else math.nan
         if math.isnan(held) or ref_rows.param_bytes.isna().all():
-            return (f"the optimizer-state ideal of a user's optimizer is what its plain reference run holds, and "
-                    f"{ref} recorded none")
+            return (
+                f"the optimizer-state ideal of a user's optimizer is what its plain reference run holds, and "
+                f"{ref} recorded none"
+            )
         factor = held / float(ref_rows.param_bytes.iloc[0])
-    return ideal_state_bytes(int(row.param_bytes), row.optimizer, shards(row), sharded=bool(row.sharded),
-                             state_factor=factor)
+    return ideal_state_bytes(
+        int(row.param_bytes), row.optimizer, shards(row), sharded=bool(row.sharded), state_factor=factor
+    )
 
 
 def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
@@ -156,37 +159,69 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                 worst, worst_limit = ratio, (limit / ideal[cat] if ideal[cat] else math.inf)
             over += [cat] if measured > limit else []
             if measured > limit and not where:
-                where = (f"{cat}: {measured:,.0f} B per rank > ideal {ideal[cat]:,.0f} B "
-                         f"({ratio:.2f}x; allowed {limit:,.0f} B)")
+                where = (
+                    f"{cat}: {measured:,.0f} B per rank > ideal {ideal[cat]:,.0f} B "
+                    f"({ratio:.2f}x; allowed {limit:,.0f} B)"
+                )
         elsewhere = _max_over_ranks(mem, row.scenario, "state_other", "state_buffers")
-        elsewhere_limit = (float(row.buffer_bytes) + bounds.memory_sharding_slack * sum(ideal.values())
-                           + bounds.held_elsewhere_bytes)
+        elsewhere_limit = (
+            float(row.buffer_bytes) + bounds.memory_sharding_slack * sum(ideal.values()) + bounds.held_elsewhere_bytes
+        )
         if math.isnan(elsewhere) or math.isnan(elsewhere_limit):
             where = where or "other: not measured (no census of what the rank holds)"
         elif elsewhere > elsewhere_limit:
             over.append("other")
         if "other" in over and not where:
-            where = (f"other: {elsewhere:,.0f} B per rank held outside parameters, gradients and optimizer "
-                     f"state (allowed {elsewhere_limit:,.0f} B: the model's buffers + 1% + "
-                     f"{bounds.held_elsewhere_bytes:,} B)")
-        excess = {"params": lambda: _held_anywhere(mem, row.scenario, "params") - (
-                      ideal["params"] * (1 + bounds.memory_sharding_slack) + allowance),
-                  "other": lambda: elsewhere - elsewhere_limit}
-        if (len(over) == 1 and over[0] in excess and where.startswith(f"{over[0]}:")
-                and _root_kept_after_eval(row, excess[over[0]]())):
+            where = (
+                f"other: {elsewhere:,.0f} B per rank held outside parameters, gradients and optimizer "
+                f"state (allowed {elsewhere_limit:,.0f} B: the model's buffers + 1% + "
+                f"{bounds.held_elsewhere_bytes:,} B)"
+            )
+        excess = {
+            "params": lambda: (
+                _held_anywhere(mem, row.scenario, "params")
+                - (ideal["params"] * (1 + bounds.memory_sharding_slack) + allowance)
+            ),
+            "other": lambda: elsewhere - elsewhere_limit,
+        }
+        if (
+            len(over) == 1
+            and over[0] in excess
+            and where.startswith(f"{over[0]}:")
+            and _root_kept_after_eval(row, excess[over[0]]())
+        ):
             where += f" ({ROOT_AFTER_EVAL}: over by at most its {float(row.root_bytes):,.0f} B)"
-        elif (over == ["params"] and where.startswith("params:") and has(feature_of(row), "eval")
-                and 0 < excess["params"]() <= _kept_after_forward(row)):
-            where += (f" ({POST_FORWARD_AFTER_EVAL}: over by at most the post-forward shards' "
-                      f"{_kept_after_forward(row):,.0f} B)")
+        elif (
+            over == ["params"]
+            and where.startswith("params:")
+            and has(feature_of(row), "eval")
+            and 0 < excess["params"]() <= _kept_after_forward(row)
+        ):
+            where += (
+                f" ({POST_FORWARD_AFTER_EVAL}: over by at most the post-forward shards' "
+                f"{_kept_after_forward(row):,.0f} B)"
+            )
         kind = "sharded over" if row.sharded else "replicated on"
-        mesh = f" of each of {int(row.world_size) // shards(row)} replicas" if shards(row) != int(row.world_size) else ""
-        msg = (f"per-rank state {total_measured:,.0f} B vs ideal {sum(ideal.values()):,.0f} B "
-               f"({kind} {shards(row) if row.sharded else row.world_size} ranks{mesh}; worst category {worst:.3f}x its ideal); "
-               f"held elsewhere {elsewhere:,.0f} B")
+        mesh = (
+            f" of each of {int(row.world_size) // shards(row)} replicas" if shards(row) != int(row.world_size) else ""
+        )
+        msg = (
+            f"per-rank state {total_measured:,.0f} B vs ideal {sum(ideal.values()):,.0f} B "
+            f"({kind} {shards(row) if row.sharded else row.world_size} ranks{mesh}; worst category {worst:.3f}x its ideal); "
+            f"held elsewhere {elsewhere:,.0f} B"
+        )
         # bound: the worst category's allowed ratio (1% slack + this model's padding allowance)
-        out.append(judge("memory_sharding", row, not where, worst, worst_limit,
-                         msg if not where else f"{msg}; {where}", where=where))
+        out.append(
+            judge(
+                "memory_sharding",
+                row,
+                not where,
+                worst,
+                worst_limit,
+                msg if not where else f"{msg}; {where}",
+                where=where,
+            )
+        )
     return out
 
 
@@ -209,9 +244,19 @@ def offload_host(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         if not has(feature_of(row), "offload"):
             continue
         if (row.scenario, "state_host_params") not in _per_rank(mem):
-            out.append(Verdict("offload_host", row.scenario, SKIP, None, None, message=(
-                "does not apply: the rank computes in host memory (a CPU run), so there is no device to offload "
-                "from; run with --backend nccl on a GPU")))
+            out.append(
+                Verdict(
+                    "offload_host",
+                    row.scenario,
+                    SKIP,
+                    None,
+                    None,
+                    message=(
+                        "does not apply: the rank computes in host memory (a CPU run), so there is no device to offload "
+                        "from; run with --backend nccl on a GPU"
+                    ),
+                )
+            )
             continue
         ideal = _ideal_state(tables, row)
         if isinstance(ideal, str):
@@ -221,15 +266,30 @@ def offload_host(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         host = _max_over_ranks(mem, row.scenario, *(f"state_host_{c}" for c in STATE_CATEGORIES))
         want = float(sum(ideal.values()))
         kept = f"the device still holds {device:,.0f} B of them"
-        if device > 0 and _root_kept_after_eval(row, _max_over_ranks(mem, row.scenario, "state_params")) \
-                and device == _max_over_ranks(mem, row.scenario, "state_params"):
+        if (
+            device > 0
+            and _root_kept_after_eval(row, _max_over_ranks(mem, row.scenario, "state_params"))
+            and device == _max_over_ranks(mem, row.scenario, "state_params")
+        ):
             kept += f" ({ROOT_AFTER_EVAL}: at most its {float(row.root_bytes):,.0f} B)"
         problems = ([kept] if device > 0 else []) + (
-            [f"host memory holds only {host:,.0f} B of the ideal {want:,.0f} B"] if host < want else [])
-        msg = (f"parameters, gradients and optimizer state after the step: {device:,.0f} B per rank on the device "
-               f"(0 allowed), {host:,.0f} B in host memory (ideal {want:,.0f} B)")
-        out.append(judge("offload_host", row, not problems, device, 0.0,
-                         msg if not problems else f"{msg}; {'; '.join(problems)}", where="; ".join(problems)))
+            [f"host memory holds only {host:,.0f} B of the ideal {want:,.0f} B"] if host < want else []
+        )
+        msg = (
+            f"parameters, gradients and optimizer state after the step: {device:,.0f} B per rank on the device "
+            f"(0 allowed), {host:,.0f} B in host memory (ideal {want:,.0f} B)"
+        )
+        out.append(
+            judge(
+                "offload_host",
+                row,
+                not problems,
+                device,
+                0.0,
+                msg if not problems else f"{msg}; {'; '.join(problems)}",
+                where="; ".join(problems),
+            )
+        )
     return out
 
 
@@ -261,22 +321,31 @@ def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             continue
         unsharded = 0 if not row.sharded or shards(row) == 1 else 2 * 2 * float(row.largest_unit_bytes)
         # with the reduction switched off between micro-batches every unit's unsharded gradient is held
-        held_grads = (float(row.trainable_bytes) if row.sharded and shards(row) > 1
-                      and holds_unsharded_grads(Scenario.of_row(row).feature) else 0.0)
+        held_grads = (
+            float(row.trainable_bytes)
+            if row.sharded and shards(row) > 1 and holds_unsharded_grads(Scenario.of_row(row).feature)
+            else 0.0
+        )
         # the compute copies where no unit is gathered: of every parameter (sharded W > 1: inside `unsharded`)
         copies = COMPUTE_COPY_RATIO.get(feature_of(row), 0.0) * float(row.param_bytes) if not unsharded else 0.0
-        transient = (_max_over_ranks(mem, row.scenario, "activations") + _max_over_ranks(mem, row.scenario, "other"))
+        transient = _max_over_ranks(mem, row.scenario, "activations") + _max_over_ranks(mem, row.scenario, "other")
         kept = _kept_after_forward(row)
-        bound = ((sum(ideal.values()) + unsharded + held_grads + copies + kept + transient) * (1 + bounds.peak_slack)
-                 + 4 * shard_padding(row, bounds))
-        msg = (f"peak {peak:,.0f} B per rank vs bound {bound:,.0f} B (state ideal {sum(ideal.values()):,.0f} + "
-               f"2 units unsharded {unsharded:,.0f} + activations/other {transient:,.0f}"
-               + (f" + unsharded gradients held between micro-batches {held_grads:,.0f}" if held_grads else "")
-               + (f" + {feature_of(row)} compute copies of the parameters {copies:,.0f}" if copies else "")
-               + (f" + post-forward shards {kept:,.0f}" if kept else "")
-               + f", +{bounds.peak_slack:.0%})")
-        out.append(_at_most("peak_memory_bound", row, peak, bound, msg,
-                            f"params: peak exceeds the bound by {peak - bound:,.0f} B"))
+        bound = (sum(ideal.values()) + unsharded + held_grads + copies + kept + transient) * (
+            1 + bounds.peak_slack
+        ) + 4 * shard_padding(row, bounds)
+        msg = (
+            f"peak {peak:,.0f} B per rank vs bound {bound:,.0f} B (state ideal {sum(ideal.values()):,.0f} + "
+            f"2 units unsharded {unsharded:,.0f} + activations/other {transient:,.0f}"
+            + (f" + unsharded gradients held between micro-batches {held_grads:,.0f}" if held_grads else "")
+            + (f" + {feature_of(row)} compute copies of the parameters {copies:,.0f}" if copies else "")
+            + (f" + post-forward shards {kept:,.0f}" if kept else "")
+            + f", +{bounds.peak_slack:.0%})"
+        )
+        out.append(
+            _at_most(
+                "peak_memory_bound", row, peak, bound, msg, f"params: peak exceeds the bound by {peak - bound:,.0f} B"
+            )
+        )
     return out
 
 
@@ -290,18 +359,35 @@ def peak_params_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     for row in _measured_rows(tables, "peak_params_bound", out, multi_rank=True).itertuples():
         held = _max_over_ranks(mem, row.scenario, "params")
         if math.isnan(held) or math.isnan(float(getattr(row, "root_bytes", math.nan))):
-            out.append(not_measured("peak_params_bound", row, "parameters at the peak or the root's own "
-                                     "parameter bytes were not recorded"))
+            out.append(
+                not_measured(
+                    "peak_params_bound",
+                    row,
+                    "parameters at the peak or the root's own parameter bytes were not recorded",
+                )
+            )
             continue
         mine = -(-int(row.param_bytes) // shards(row))
         gathered = 2 * float(row.largest_child_bytes) + float(row.root_bytes)
         kept = _kept_after_forward(row)
-        bound = mine + gathered + kept + shard_padding(row, bounds) + 2 * bounds.align_bytes_per_tensor * float(row.param_tensors)
-        msg = (f"parameters held at the peak {held:,.0f} B per rank vs bound {bound:,.0f} B (shards {mine:,} + "
-               f"2 child units {2 * float(row.largest_child_bytes):,.0f} + root {float(row.root_bytes):,.0f}"
-               + (f" + post-forward shards {kept:,.0f}" if kept else "") + " + padding)")
-        out.append(_at_most("peak_params_bound", row, held, bound, msg,
-                            f"params: {held - bound:,.0f} B over the bound at the peak"))
+        bound = (
+            mine
+            + gathered
+            + kept
+            + shard_padding(row, bounds)
+            + 2 * bounds.align_bytes_per_tensor * float(row.param_tensors)
+        )
+        msg = (
+            f"parameters held at the peak {held:,.0f} B per rank vs bound {bound:,.0f} B (shards {mine:,} + "
+            f"2 child units {2 * float(row.largest_child_bytes):,.0f} + root {float(row.root_bytes):,.0f}"
+            + (f" + post-forward shards {kept:,.0f}" if kept else "")
+            + " + padding)"
+        )
+        out.append(
+            _at_most(
+                "peak_params_bound", row, held, bound, msg, f"params: {held - bound:,.0f} B over the bound at the peak"
+            )
+        )
     return out
 
 
@@ -320,8 +406,14 @@ def units_gathered(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             out.append(not_measured("units_gathered", row, f"no moments of {', '.join(missing)} recorded"))
             continue
         if not (g.units.max() > 0 or g.root.astype(bool).any()):
-            out.append(not_measured("units_gathered", row, "no unit was ever seen holding its full parameters: "
-                                    "the implementation keeps them where the model's modules do not point"))
+            out.append(
+                not_measured(
+                    "units_gathered",
+                    row,
+                    "no unit was ever seen holding its full parameters: "
+                    "the implementation keeps them where the model's modules do not point",
+                )
+            )
             continue
         problems, worst, root_after_eval = [], 0, 0
         for r in g.itertuples():
@@ -337,11 +429,25 @@ def units_gathered(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         if problems and root_after_eval == len(problems):  # one cause, named as such (policy: ROOT_AFTER_EVAL)
             problems[0] += f" ({ROOT_AFTER_EVAL}, on {len(problems)} ranks)"
         most = g.groupby("phase").units.max()
-        msg = ("most units gathered at once: " + ", ".join(f"{p.replace('_', ' ')} {int(most[p])}" for p in phases)
-               + " (allowed " + ", ".join(str(ALLOWED[p]) for p in phases) + "; the root may stay gathered until "
-               "backward ends" + (" and during the eval forward" if "eval" in phases else "") + ")")
-        out.append(judge("units_gathered", row, not problems, worst, 0, msg if not problems else
-                         f"{msg}; {problems[0]}", where="; ".join(problems[:3])))
+        msg = (
+            "most units gathered at once: "
+            + ", ".join(f"{p.replace('_', ' ')} {int(most[p])}" for p in phases)
+            + " (allowed "
+            + ", ".join(str(ALLOWED[p]) for p in phases)
+            + "; the root may stay gathered until "
+            "backward ends" + (" and during the eval forward" if "eval" in phases else "") + ")"
+        )
+        out.append(
+            judge(
+                "units_gathered",
+                row,
+                not problems,
+                worst,
+                0,
+                msg if not problems else f"{msg}; {problems[0]}",
+                where="; ".join(problems[:3]),
+            )
+        )
     return out
 
 
@@ -377,8 +483,9 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         # the gradient; anything beyond that counts as a gradient all-reduce
         norms = (clip_of(feature) is not None) + user_optimizer(row.optimizer)
         norm_reduce = min(all_reduce, norms * float(row.param_tensors))
-        whose = " and ".join(w for w, on in (("clipping", clip_of(feature)), ("optimizer", user_optimizer(row.optimizer)))
-                             if on)
+        whose = " and ".join(
+            w for w, on in (("clipping", clip_of(feature)), ("optimizer", user_optimizer(row.optimizer))) if on
+        )
         all_reduce -= norm_reduce
         # hybrid sharding: the replicas then average their reduced shards, T / S elements of the rank's
         # own, by an all-reduce (FSDP2) or any of the reductions above
@@ -389,8 +496,9 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         t += replicas_t
         ideal_gather += replicas_t
         reduce = scatter + all_reduce
-        reduce_bytes = (_reduced(nbytes, shards(row))
-                        + nbytes.get("all_reduce", 0.0) * (all_reduce / (all_reduce + norm_reduce) if all_reduce else 0))
+        reduce_bytes = _reduced(nbytes, shards(row)) + nbytes.get("all_reduce", 0.0) * (
+            all_reduce / (all_reduce + norm_reduce) if all_reduce else 0
+        )
         factor = reduce_bytes / (reduce * width) if reduce else math.nan
         types = sorted(set(c[c.collective.isin((*SCATTER_COLLECTIVES, "all_reduce"))].dtype.astype(str)))
         problems = []
@@ -404,26 +512,46 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         regather = _gathered_over(c, g) if 1 < g < shards(row) else 0.0
         wide = gather - regather
         if 1 < g < shards(row) and wide > (passes + evals) * p * (1 + bounds.comm_slack) + gather_allowance / 2:
-            problems.append(f"all_gather over {shards(row)} ranks {wide:,.0f} elements > {per}P{plus_eval} = "
-                            f"{(passes + evals) * p:,.0f}: reshard_after_forward={g} regathers backward's "
-                            f"parameters within groups of {g} ranks, yet {regather:,.0f} elements were gathered so")
+            problems.append(
+                f"all_gather over {shards(row)} ranks {wide:,.0f} elements > {per}P{plus_eval} = "
+                f"{(passes + evals) * p:,.0f}: reshard_after_forward={g} regathers backward's "
+                f"parameters within groups of {g} ranks, yet {regather:,.0f} elements were gathered so"
+            )
         if not t <= reduce <= t * (1 + bounds.comm_slack) + allowance:
             what = "trainable" if t != reductions * p else "P ="
             problems.append(f"gradient reduction {reduce:,.0f} elements != {per_r}{what} {t:,.0f}")
         if all_reduce > replica_reduce:
-            problems.append(f"gradients reduced by all_reduce ({all_reduce:,.0f} elements): every rank receives the "
-                            "whole reduced gradient, twice a reduce-scatter's traffic (not ZeRO-3)")
-        msg = (f"per step: all_gather {gather:,.0f} elements ({gather / p:.2f}P), gradient reduction "
-               f"{reduce:,.0f} elements ({reduce / p:.2f}P) in {', '.join(types) or 'no type'}, "
-               f"{reduce_bytes:,.0f} B: traffic factor {factor:.2f}x the parameters' {8 * width:g}-bit elements; "
-               f"ZeRO-3 ideal {per}2P{plus_eval} + {per_r}P with P = {p:,.0f} elements"
-               + (f"; the {whose} norm's all_reduce {norm_reduce:,.0f} elements" if norm_reduce else "")
-               + (f"; the replicas' average of their shards T/S = {replicas_t:,.0f} elements" if replicas_t else "")
-               + (f"; all_gather within groups of {g} ranks (backward's regather) {regather:,.0f} elements"
-                  if 1 < g < shards(row) else ""))
-        limit = (ideal_gather + t) * (1 + bounds.comm_slack) + gather_allowance + allowance  # the most both conditions above allow together
-        out.append(judge("comm_volume", row, not problems, (gather + reduce) / p, limit / p,
-                         msg + f"; allowed up to {limit / p:.3g}P with padding", where="; ".join(problems)))
+            problems.append(
+                f"gradients reduced by all_reduce ({all_reduce:,.0f} elements): every rank receives the "
+                "whole reduced gradient, twice a reduce-scatter's traffic (not ZeRO-3)"
+            )
+        msg = (
+            f"per step: all_gather {gather:,.0f} elements ({gather / p:.2f}P), gradient reduction "
+            f"{reduce:,.0f} elements ({reduce / p:.2f}P) in {', '.join(types) or 'no type'}, "
+            f"{reduce_bytes:,.0f} B: traffic factor {factor:.2f}x the parameters' {8 * width:g}-bit elements; "
+            f"ZeRO-3 ideal {per}2P{plus_eval} + {per_r}P with P = {p:,.0f} elements"
+            + (f"; the {whose} norm's all_reduce {norm_reduce:,.0f} elements" if norm_reduce else "")
+            + (f"; the replicas' average of their shards T/S = {replicas_t:,.0f} elements" if replicas_t else "")
+            + (
+                f"; all_gather within groups of {g} ranks (backward's regather) {regather:,.0f} elements"
+                if 1 < g < shards(row)
+                else ""
+            )
+        )
+        limit = (
+            (ideal_gather + t) * (1 + bounds.comm_slack) + gather_allowance + allowance
+        )  # the most both conditions above allow together
+        out.append(
+            judge(
+                "comm_volume",
+                row,
+                not problems,
+                (gather + reduce) / p,
+                limit / p,
+                msg + f"; allowed up to {limit / p:.3g}P with padding",
+                where="; ".join(problems),
+            )
+        )
     return out
 
 
@@ -452,14 +580,32 @@ _SIZES = ("scenario", "status", "world_size", "sharded", "optimizer", "param_byt
 _MEM = {"memory": ("scenario", "category", "bytes")}
 RESOURCE_CHECKS = (
     Check(memory_sharding, ok_row, {"scenarios": _SIZES, **_MEM}, kind="efficiency"),
-    Check(peak_memory_bound, ok_row, {"scenarios": _SIZES + ("largest_unit_bytes", "trainable_bytes"), **_MEM},
-          kind="efficiency"),
-    Check(peak_params_bound, _ok_multi_rank, {"scenarios": _SIZES + ("largest_child_bytes", "root_bytes"), **_MEM},
-          kind="efficiency"),
-    Check(units_gathered, _ok_multi_rank, {"scenarios": _SIZES, "gathered": ("scenario", "rank", "phase", "units",
-                                                                          "which", "root")}, kind="efficiency"),
+    Check(
+        peak_memory_bound,
+        ok_row,
+        {"scenarios": _SIZES + ("largest_unit_bytes", "trainable_bytes"), **_MEM},
+        kind="efficiency",
+    ),
+    Check(
+        peak_params_bound,
+        _ok_multi_rank,
+        {"scenarios": _SIZES + ("largest_child_bytes", "root_bytes"), **_MEM},
+        kind="efficiency",
+    ),
+    Check(
+        units_gathered,
+        _ok_multi_rank,
+        {"scenarios": _SIZES, "gathered": ("scenario", "rank", "phase", "units", "which", "root")},
+        kind="efficiency",
+    ),
     Check(offload_host, _offloaded, {"scenarios": _SIZES, **_MEM}, kind="efficiency"),
-    Check(comm_volume, _ok_multi_rank, {"scenarios": _SIZES + ("param_elements", "trainable_elements"),
-                                        "comm": ("scenario", "collective", "dtype", "elements", "bytes")},
-          kind="efficiency"),
+    Check(
+        comm_volume,
+        _ok_multi_rank,
+        {
+            "scenarios": _SIZES + ("param_elements", "trainable_elements"),
+            "comm": ("scenario", "collective", "dtype", "elements", "bytes"),
+        },
+        kind="efficiency",
+    ),
 )

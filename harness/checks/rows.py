@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from harness.checks.common import Check, ROW, by_scenario, judge, not_measured, not_reference, ok_rows
+from harness.checks.common import ROW, Check, by_scenario, judge, not_measured, not_reference, ok_rows
 from harness.core.policy import NOISE_FLOOR_FACTOR, Bounds
 from harness.core.scenario import REFERENCE_IMPL, Scenario
 from harness.core.verdict import Verdict
@@ -29,18 +29,39 @@ def rows_trained(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         noise = _noise_note(getattr(row, "rows_noise", math.nan), ref)
         if apart is None or not len(apart):
             moved = getattr(row, "rows_moved", math.nan)
-            out.append(judge("rows_trained", row, True, 0, 0, (
-                f"the run moved {'' if noise else 'exactly '}the rows that {ref} moved ({_count(moved)} of the "
-                f"{int(n)} rows of its parameters)" + noise)))
+            out.append(
+                judge(
+                    "rows_trained",
+                    row,
+                    True,
+                    0,
+                    0,
+                    (
+                        f"the run moved {'' if noise else 'exactly '}the rows that {ref} moved ({_count(moved)} of the "
+                        f"{int(n)} rows of its parameters)" + noise
+                    ),
+                )
+            )
             continue
         apart = apart.sort_values(["step", "param"], kind="stable")
         first = apart.iloc[0]
         rank = _one_rank(first.ranks)
-        out.append(judge("rows_trained", row, False, len(apart), 0,
-                         "; ".join(_phrase(r, ref) for r in apart.head(4).itertuples())
-                         + (f" (and {len(apart) - 4} more parameters)" if len(apart) > 4 else "") + noise,
-                         step=int(first.step), param=str(first.param), rank=rank,
-                         where=f"rows {first.still or first.extra}"))
+        out.append(
+            judge(
+                "rows_trained",
+                row,
+                False,
+                len(apart),
+                0,
+                "; ".join(_phrase(r, ref) for r in apart.head(4).itertuples())
+                + (f" (and {len(apart) - 4} more parameters)" if len(apart) > 4 else "")
+                + noise,
+                step=int(first.step),
+                param=str(first.param),
+                rank=rank,
+                where=f"rows {first.still or first.extra}",
+            )
+        )
     return out
 
 
@@ -58,11 +79,13 @@ def _noise_note(n, ref: str) -> str:
     """What a verdict says of the rows left unheld at the model's noise level ('' for none)."""
     if n is None or (isinstance(n, float) and math.isnan(n)) or int(n) == 0:
         return ""
-    return (f"; {int(n)} row{'s' if int(n) > 1 else ''} moved otherwise than in {ref}, but no further than "
-            f"{NOISE_FLOOR_FACTOR:g} x the noise floor of their parameter (how far the plain model itself lands when "
-            "the batch is cut into the ranks' slices) or than rounding alone moves an element over the run's "
-            f"updates ({NOISE_FLOOR_FACTOR:g} x steps ulps of the parameter's largest value), or that a noise probe "
-            "moved otherwise than the plain model too, not held: model-sensitive rows, whose gradient is rounding noise")
+    return (
+        f"; {int(n)} row{'s' if int(n) > 1 else ''} moved otherwise than in {ref}, but no further than "
+        f"{NOISE_FLOOR_FACTOR:g} x the noise floor of their parameter (how far the plain model itself lands when "
+        "the batch is cut into the ranks' slices) or than rounding alone moves an element over the run's "
+        f"updates ({NOISE_FLOOR_FACTOR:g} x steps ulps of the parameter's largest value), or that a noise probe "
+        "moved otherwise than the plain model too, not held: model-sensitive rows, whose gradient is rounding noise"
+    )
 
 
 def _count(x) -> str:
@@ -78,6 +101,12 @@ def _one_rank(ranks) -> int | None:
 
 
 ROW_CHECKS = (
-    Check(rows_trained, not_reference, {"scenarios": ROW + ("rows_compared",),
-                                         "rows_trained": ("scenario", "param", "step", "still", "extra", "ranks")}),
+    Check(
+        rows_trained,
+        not_reference,
+        {
+            "scenarios": ROW + ("rows_compared",),
+            "rows_trained": ("scenario", "param", "step", "still", "extra", "ranks"),
+        },
+    ),
 )

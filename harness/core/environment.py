@@ -22,9 +22,13 @@ def kernel_env(backend: str) -> dict:
     import torch  # here, not at the top: the pytest plugin imports this module, and a usage error needs no torch
 
     cuda = backend == "nccl"
-    return {"torch": torch.__version__, "device": "cuda" if cuda else "cpu",
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu": cpu_model(),
-            **({"gpu": torch.cuda.get_device_name()} if cuda else {})}
+    return {
+        "torch": torch.__version__,
+        "device": "cuda" if cuda else "cpu",
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu": cpu_model(),
+        **({"gpu": torch.cuda.get_device_name()} if cuda else {}),
+    }
 
 
 def environment(backend: str) -> dict:
@@ -32,13 +36,25 @@ def environment(backend: str) -> dict:
     import torch
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
-    return {**kernel_env(backend), "python": platform.python_version(), "platform": platform.platform(),
-            "backend": backend, "cuda": torch.version.cuda or "", "git_commit": commit or "unknown",
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": _command()}
+    return {
+        **kernel_env(backend),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "backend": backend,
+        "cuda": torch.version.cuda or "",
+        "git_commit": commit or "unknown",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": _command(),
+    }
 
 
 def machine_kind(env: dict) -> str:

@@ -46,8 +46,9 @@ class ImplRuns:
     errored: int
 
     def __str__(self) -> str:
-        return (f"{self.impl}: {self.ran} ran, {self.unsupported} unsupported"
-                + (f", {self.errored} errored" if self.errored else ""))
+        return f"{self.impl}: {self.ran} ran, {self.unsupported} unsupported" + (
+            f", {self.errored} errored" if self.errored else ""
+        )
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,11 @@ def _cell_state(cells: pd.DataFrame) -> pd.Series:
     status = cells["status"].astype(str) if "status" in cells else pd.Series("ok", index=cells.index)
     error = cells["error"].fillna("").astype(str) if "error" in cells else pd.Series("", index=cells.index)
     errored = (error != "") & (error != "nan")
-    return pd.Series(["unsupported" if s == UNSUPPORTED else "errored" if e else "ran"
-                      for s, e in zip(status, errored)], index=cells.index, dtype=object)
+    return pd.Series(
+        ["unsupported" if s == UNSUPPORTED else "errored" if e else "ran" for s, e in zip(status, errored)],
+        index=cells.index,
+        dtype=object,
+    )
 
 
 def _count(verdicts: pd.DataFrame) -> dict[str, int]:
@@ -92,8 +96,11 @@ def _gate(verdicts: pd.DataFrame) -> str:
     nothing = gate[gate["check"] == GATE_COVERAGE]
     if len(nothing):
         return str(nothing["message"].iloc[0])
-    figures = gate[(gate["check"] != "gate:scenario") & (gate["scenario"].fillna("").astype(str) != "")
-                   & gate["status"].isin((PASS, FAIL))]
+    figures = gate[
+        (gate["check"] != "gate:scenario")
+        & (gate["scenario"].fillna("").astype(str) != "")
+        & gate["status"].isin((PASS, FAIL))
+    ]
     failed = int((figures["status"] == FAIL).sum())
     return f"gate: {len(figures)} figures compared with the baseline, {failed} outside tolerance"
 
@@ -106,9 +113,10 @@ def outcome(cells: pd.DataFrame, verdicts: pd.DataFrame) -> Outcome:
     named = list(dict.fromkeys(cells["impl"]))
     under_test = [i for i in named if i != REFERENCE_IMPL] or named
     yardstick = REFERENCE_IMPL if REFERENCE_IMPL not in under_test else None
-    impls = tuple(ImplRuns(i, *(int(((cells["impl"] == i) & (state == s)).sum()) for s in ("ran", "unsupported",
-                                                                                          "errored")))
-                  for i in under_test)
+    impls = tuple(
+        ImplRuns(i, *(int(((cells["impl"] == i) & (state == s)).sum()) for s in ("ran", "unsupported", "errored")))
+        for i in under_test
+    )
     reference_ids = set(cells.loc[cells["impl"] == yardstick, "scenario"])
     on_reference = verdicts["scenario"].isin(reference_ids) if len(verdicts) else pd.Series(dtype=bool)
     counts = _count(verdicts[~on_reference] if len(verdicts) else verdicts)

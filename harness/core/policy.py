@@ -66,14 +66,16 @@ NOT_EXACT_UNDER_L2_CLIP = (
     "under L2 clipping every gradient is scaled by the global norm, which W ranks sum from partial sums "
     "in another order than one rank does, so it differs in the last bit and AdamW amplifies that; no "
     "correct sharded clipping is bitwise across world sizes (clip_inf, a maximum, is); a parameter that "
-    "the plain model with its clipping coefficient nudged by W ulps moves further is held to that floor")
+    "the plain model with its clipping coefficient nudged by W ulps moves further is held to that floor"
+)
 # bf16 (harness.train.features.BF16_POLICY): world size 1 and replicated data bitwise; split data against the
 # plain bf16 model summing the same W micro-batches (harness.core.scenario.ROUNDED_PER_RANK) with the split
 # tier's bound. Derivation: docs/checks.md#bf16
 BF16_SPLIT = (
     "under bf16 each rank rounds its own gradient to bf16 before the fp32 reduction, so split data at W ranks "
     "is compared with the plain bf16 model summing the gradients of the same W micro-batches (rank r's slice "
-    "each, loss scaled by 1/W): the same bf16 values, summed in fp32 in another order at most")
+    "each, loss scaled by 1/W): the same bf16 values, summed in fp32 in another order at most"
+)
 
 # [Note: noise floor] How split data is held on a model the bounds were not tuned on: each parameter to
 # max(tier bound, NOISE_FLOOR_FACTOR x its noise floor f), f the furthest the plain model's noise probes
@@ -93,7 +95,8 @@ NOISE_FLOOR_FACTOR = 2.0
 BATCH_STATS_SPLIT = (
     "the model normalises with batch statistics ({layers}), so each rank normalises its own slice and split "
     "data is not the full batch's computation (it would be with SyncBatchNorm); it is held to the plain model "
-    "stepping on the sum of the same per-rank micro-batches instead")
+    "stepping on the sum of the same per-rank micro-batches instead"
+)
 
 
 # [Note: rows at rounding level] rows_trained holds a row as moved only beyond NOISE_FLOOR_FACTOR x steps ulps
@@ -120,8 +123,14 @@ def adamw_reach(lr: float, steps: int, betas: tuple[float, float] = ADAMW_BETAS)
     whatever their gradients: 2 x lr x sum of R_t ([Note: noise floor])."""
     b1, b2 = betas
     c = b1 * b1 / b2
-    return 2 * lr * sum((1 - b1) / (1 - b1 ** t) * ((1 - b2 ** t) / (1 - b2)) ** 0.5 * ((1 - c ** t) / (1 - c)) ** 0.5
-                        for t in range(1, steps + 1))
+    return (
+        2
+        * lr
+        * sum(
+            (1 - b1) / (1 - b1**t) * ((1 - b2**t) / (1 - b2)) ** 0.5 * ((1 - c**t) / (1 - c)) ** 0.5
+            for t in range(1, steps + 1)
+        )
+    )
 
 
 def model_sensitive(tier_bound: float, floor: float) -> bool:
@@ -163,7 +172,8 @@ def not_exact(feature: str, optimizer: str = "adamw") -> str:
 # reports/false_alarm_findings.md#a-users-optimizer-normalised-sgd)
 NOT_EXACT_USER_OPTIMIZER = (
     "a user's optimizer may compute its update from the whole matrix (a norm), which W ranks sum from partial "
-    "sums in another order than one rank does, so it is held as L2 clipping is: to the split tier's bound")
+    "sums in another order than one rank does, so it is held as L2 clipping is: to the split tier's bound"
+)
 
 
 # [Note: reshard2] How an integer reshard_after_forward (feature reshard2: each unit resharded to groups of
@@ -207,12 +217,14 @@ _FSDP2_FP32_RING = (
     "FSDP2's default reduce-scatter sums fp32 gradients over a gloo ring: W identical fp32 addends "
     "summed one by one round at the partial sums 3g, 5g, 6g, 7g, so the averaged gradient differs from "
     "one rank's by ~1 ulp and AdamW amplifies that; torch_fsdp2_fp64reduce (reduce_dtype=float64) "
-    "removes it")
+    "removes it"
+)
 _DDP_FP32_RING = (
     "DDP all-reduces fp32 gradient buckets over a gloo ring and divides by W: W identical fp32 addends "
     "summed one by one round at the partial sums 3g, 5g, 6g, 7g, as FSDP2's reduce-scatter does "
     "(measured at 8 ranks: 5.96e-08 on mlp after 7 AdamW steps, 1.19e-07 on tinylm after 10 SGD steps, "
-    "the same figures as FSDP2)")
+    "the same figures as FSDP2)"
+)
 
 # The batch-invariant tier (harness/invariant): L, the global micro-batches an invariant step sums in its tree: a
 # power of two, at least the largest default world size, dividing the default global batch; its bound is 0
@@ -227,7 +239,8 @@ _FSDP2_ROOT_AFTER_NO_GRAD = (
     "reshard_after_forward to False unless it is passed explicitly: pytorch #155319), expecting the backward "
     "to follow; after a forward under torch.no_grad() none follows, so they stay gathered until the next "
     "training step's backward reshards them (pytorch #149029; model.reshard() or reshard_after_forward=True "
-    "on the root frees them). fsdp_impl reshards every unit after a no_grad forward")
+    "on the root frees them). fsdp_impl reshards every unit after a no_grad forward"
+)
 
 _DDP_BUCKET_VIEW_NORM_CUDA = (
     "DDP keeps each gradient as a view into its communication bucket (gradient_as_bucket_view, so that it holds "
@@ -236,7 +249,8 @@ _DDP_BUCKET_VIEW_NORM_CUDA = (
     "(measured on an H200, torch 2.11: torch.linalg.vector_norm and torch._foreach_norm of the same values "
     "differ by 1 ulp between a 16-byte-aligned and a 4-byte-aligned copy). The L2 clipping coefficient then "
     "differs by 1 to 2 ulps (the localiser: 'clipping (rounding only), the clipping coefficient applied') and "
-    "AdamW carries it on (8.6e-6 on encoder_lm after 10 steps); on the CPU DDP is bitwise here")
+    "AdamW carries it on (8.6e-6 on encoder_lm after 10 steps); on the CPU DDP is bitwise here"
+)
 
 KNOWN_DEVIATIONS = (
     KnownDeviation("ddp", "ws1_exact", 1, _DDP_BUCKET_VIEW_NORM_CUDA, feature="clip", backend="nccl"),
@@ -248,28 +262,39 @@ KNOWN_DEVIATIONS = (
     # the eval loss of those parameters (feature eval, replicated data: bitwise W = 1's elsewhere)
     KnownDeviation("torch_fsdp2", "eval_matches", 3, _FSDP2_FP32_RING),
     KnownDeviation("ddp", "eval_matches", 3, _DDP_FP32_RING),
-    KnownDeviation("torch_fsdp2", "units_gathered", 2, _FSDP2_ROOT_AFTER_NO_GRAD, feature="eval",
-                   when=ROOT_AFTER_EVAL),
-    KnownDeviation("torch_fsdp2", "memory_sharding", 1, _FSDP2_ROOT_AFTER_NO_GRAD, feature="eval",
-                   when=ROOT_AFTER_EVAL),
-    # the same parameters under a CPU offload policy: the gathered copy is on the device (reports/gpu/README.md)
-    KnownDeviation("torch_fsdp2", "offload_host", 1, _FSDP2_ROOT_AFTER_NO_GRAD, feature="eval",
-                   when=ROOT_AFTER_EVAL),
+    KnownDeviation("torch_fsdp2", "units_gathered", 2, _FSDP2_ROOT_AFTER_NO_GRAD, feature="eval", when=ROOT_AFTER_EVAL),
     KnownDeviation(
-        "torch_fsdp2", "memory_sharding", 4,
+        "torch_fsdp2", "memory_sharding", 1, _FSDP2_ROOT_AFTER_NO_GRAD, feature="eval", when=ROOT_AFTER_EVAL
+    ),
+    # the same parameters under a CPU offload policy: the gathered copy is on the device (reports/gpu/README.md)
+    KnownDeviation("torch_fsdp2", "offload_host", 1, _FSDP2_ROOT_AFTER_NO_GRAD, feature="eval", when=ROOT_AFTER_EVAL),
+    KnownDeviation(
+        "torch_fsdp2",
+        "memory_sharding",
+        4,
         "FSDP2 with an integer reshard_after_forward reshards each unit to the smaller post-forward mesh after "
         "every forward, a no_grad one included, and frees it only in the backward that never follows an eval "
         "forward: param_bytes / g stay held until the next training step (reshard() frees them). fsdp_impl "
-        "reshards fully after a no_grad forward", feature="reshard2", when=POST_FORWARD_AFTER_EVAL),
+        "reshards fully after a no_grad forward",
+        feature="reshard2",
+        when=POST_FORWARD_AFTER_EVAL,
+    ),
     KnownDeviation(
-        "torch_fsdp1", "memory_sharding", 2,
+        "torch_fsdp1",
+        "memory_sharding",
+        2,
         "FSDP1 (FULL_SHARD) never frees the root's unsharded flat parameter in its post-forward (_post_forward_reshard: "
         "'with the intention that they are immediately used for backward computation (though this may not be "
         "true)'); it points the parameters back at their shards, so the unit timeline sees none gathered, but "
         "after a forward under torch.no_grad() the full buffer stays allocated until the next step's backward, "
-        "counted outside the parameters", feature="eval", when=ROOT_AFTER_EVAL),
+        "counted outside the parameters",
+        feature="eval",
+        when=ROOT_AFTER_EVAL,
+    ),
     KnownDeviation(
-        "torch_fsdp2", "peak_params_bound", 2,
+        "torch_fsdp2",
+        "peak_params_bound",
+        2,
         "FSDP2 on gloo now and then holds one more gathered unit at the step's peak than the bound's two "
         "(measured once in seven full CPU runs: torch_fsdp2-tinylm-ws4-replicated-adamw, 188,064 B against "
         "142,564 B, one tinylm block's gathered parameters over; every other run passed). The likely cause is "
@@ -278,30 +303,41 @@ KNOWN_DEVIATIONS = (
         "alive at the peak. Not seen on fsdp_impl, whose reshard frees its own buffer",
     ),
     KnownDeviation(
-        "torch_fsdp2", "completed", 2,
+        "torch_fsdp2",
+        "completed",
+        2,
         "torch.nn.utils.clip_grad_norm_ with norm_type=inf raises on FSDP2's DTensor gradients when a rank's "
         "Shard(0) of some parameter is empty (dim 0 below the world size: the mlp's 7-row layer at 8 ranks, "
         "the example model's 5-row head at 4): torch._foreach_norm refuses an infinity norm of an empty tensor "
         "(max has no identity). The run stops there; fsdp_impl.clip_grad_norm_ handles empty parts",
-        feature="clip_inf", when="_foreach_norm cannot compute the infinity norm on an empty tensor",
+        feature="clip_inf",
+        when="_foreach_norm cannot compute the infinity norm on an empty tensor",
     ),
 )
 
 
 # Per-sample gradient norms (`--per-sample`): Opacus as measured, not our code.
 OPACUS_EMPTY_SHARD = KnownDeviation(
-    "opacus", "per_sample_norms", 2,
+    "opacus",
+    "per_sample_norms",
+    2,
     "Opacus ghost_fsdp (make_private + one SGD step) raises when FSDP2's Shard(0) leaves some rank an "
     "empty shard of a parameter whose dim 0 is below the world size (DTensor refuses the in-place "
     "aten.add_ that would change placements); nothing is measured for it",
 )
 
 
-def known_deviation(impl: str, check: str, world_size: int, feature: str = "plain",
-                    message: str = "", backend: str = "gloo") -> KnownDeviation | None:
+def known_deviation(
+    impl: str, check: str, world_size: int, feature: str = "plain", message: str = "", backend: str = "gloo"
+) -> KnownDeviation | None:
     for dev in KNOWN_DEVIATIONS:
-        if (dev.impl == impl and dev.check == check and world_size >= dev.min_world_size
-                and (dev.feature is None or has(feature, dev.feature)) and dev.when in message
-                and dev.backend in (None, backend)):
+        if (
+            dev.impl == impl
+            and dev.check == check
+            and world_size >= dev.min_world_size
+            and (dev.feature is None or has(feature, dev.feature))
+            and dev.when in message
+            and dev.backend in (None, backend)
+        ):
             return dev
     return None

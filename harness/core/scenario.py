@@ -60,8 +60,22 @@ REFERENCE_IMPL = "reference"
 #            the CPU. Compared with the plain model doing the same (harness/adapters/reference.py Offloaded:
 #            fp32 master parameters on the CPU, device copies for each forward); on a CPU run (gloo) host and
 #            device are one memory and it must change nothing. Held by offload_host where a device exists
-FEATURES = ("plain", "accum", "no_sync", "clip", "clip_inf", "ac", "ckpt", "bf16", "hsdp", "eval", "jitter",
-            "reshard2", "shard1", "offload")
+FEATURES = (
+    "plain",
+    "accum",
+    "no_sync",
+    "clip",
+    "clip_inf",
+    "ac",
+    "ckpt",
+    "bf16",
+    "hsdp",
+    "eval",
+    "jitter",
+    "reshard2",
+    "shard1",
+    "offload",
+)
 ACCUM_MICRO_BATCHES = 2
 # Compositions: features joined by COMPOSE ("hsdp+clip") act together in one run, in FEATURES order
 # whatever order they are written in. These pairs cannot: two micro-batch schemes, two clipping norms, and
@@ -101,17 +115,26 @@ def check_feature(text: str) -> str:
     unknown = [n for n in names if n not in FEATURES]
     if unknown:
         where = f" in {text!r}" if len(names) > 1 else ""
-        raise ValueError(f"unknown feature {unknown[0]!r}{where}; choose from {', '.join(FEATURES)} "
-                         f"(compose them with {COMPOSE!r}, e.g. hsdp{COMPOSE}clip)")
+        raise ValueError(
+            f"unknown feature {unknown[0]!r}{where}; choose from {', '.join(FEATURES)} "
+            f"(compose them with {COMPOSE!r}, e.g. hsdp{COMPOSE}clip)"
+        )
     if len(set(names)) < len(names):
         raise ValueError(f"{text!r} names a feature twice")
     if "plain" in names and len(names) > 1:
         raise ValueError(f"{text!r}: plain is the step without features; it composes with nothing")
     for a, b in EXCLUSIVE:
         if a in names and b in names:
-            raise ValueError(f"{a}{COMPOSE}{b} cannot be composed: " + (
-                "two micro-batch schemes" if a == "accum" else "two clipping norms" if a == "clip" else
-                f"each is a wrap of its own (the adapter protocol has no wrap that takes both {a} and {b})"))
+            raise ValueError(
+                f"{a}{COMPOSE}{b} cannot be composed: "
+                + (
+                    "two micro-batch schemes"
+                    if a == "accum"
+                    else "two clipping norms"
+                    if a == "clip"
+                    else f"each is a wrap of its own (the adapter protocol has no wrap that takes both {a} and {b})"
+                )
+            )
     return compose(names)
 
 
@@ -123,6 +146,8 @@ def clip_of(feature: str) -> tuple[float, float] | None:
 def rounded_per_rank(feature: str) -> bool:
     """Whether the composition rounds each rank's gradient before the reduction (ROUNDED_PER_RANK)."""
     return any(f in ROUNDED_PER_RANK for f in parts(feature))
+
+
 # feature -> (norm type, max norm): below the smallest pre-clip norm the default models reach in 10
 # steps under seeds 0-4 (L2 0.20, inf 0.033 on mlp), so clipping acts at every step (checked per run)
 CLIP = {"clip": (2.0, 0.1), "clip_inf": (float("inf"), 0.01)}
@@ -133,10 +158,17 @@ NUMBERS_UNCHANGED = ("ac", "ckpt", "hsdp", "jitter", "reshard2", "shard1")
 # calm twin (Scenario.calm)
 TIMING_ONLY = ("jitter",)
 # the adapter methods a feature needs beyond the protocol's required ones (harness/adapters/base.py)
-FEATURE_NEEDS = {"no_sync": ("set_gradient_sync",), "clip": ("clip_grad_norm",), "clip_inf": ("clip_grad_norm",),
-                 "ckpt": ("save_checkpoint", "load_checkpoint"), "bf16": ("wrap_mixed_precision",),
-                 "hsdp": ("wrap_hybrid",), "reshard2": ("wrap_reshard_after_forward",),
-                 "shard1": ("wrap_shard_placement",), "offload": ("wrap_offload",)}
+FEATURE_NEEDS = {
+    "no_sync": ("set_gradient_sync",),
+    "clip": ("clip_grad_norm",),
+    "clip_inf": ("clip_grad_norm",),
+    "ckpt": ("save_checkpoint", "load_checkpoint"),
+    "bf16": ("wrap_mixed_precision",),
+    "hsdp": ("wrap_hybrid",),
+    "reshard2": ("wrap_reshard_after_forward",),
+    "shard1": ("wrap_shard_placement",),
+    "offload": ("wrap_offload",),
+}
 HSDP_REPLICAS = 2  # replicas of a hybrid mesh at W >= 2 (2 x 1 at W = 2, 2 x 2 at 4, 2 x 4 at 8)
 # Features under which every rank rounds its own gradient before the reduction sums it: under bf16 each
 # rank's backward yields bf16 values, which the fp32 reduction adds up. With split data at W ranks that is
@@ -267,21 +299,43 @@ class Scenario:
     @property
     def id(self) -> str:
         """Stable readable id, e.g. ``fsdp_impl-mlp-ws4-split-adamw`` (``...-adamw-accum`` with a feature)."""
-        return scenario_id(self.impl, self.model, self.world_size, self.data_mode, self.optimizer, self.seed,
-                           self.feature, self.resume_from, self.micro_batches, self.reverse_micro, self.nudge)
+        return scenario_id(
+            self.impl,
+            self.model,
+            self.world_size,
+            self.data_mode,
+            self.optimizer,
+            self.seed,
+            self.feature,
+            self.resume_from,
+            self.micro_batches,
+            self.reverse_micro,
+            self.nudge,
+        )
 
     @classmethod
-    def of_row(cls, row) -> "Scenario":
+    def of_row(cls, row) -> Scenario:
         """The scenario of a scenarios-table row."""
-        return cls(row.impl, row.model, int(row.world_size), row.data_mode, row.optimizer, seed=int(row.seed),
-                   feature=feature_of(row), resume_from=resume_of(row), micro_batches=micro_batches_of(row),
-                   reverse_micro=reverse_micro_of(row), nudge=_stored_int(row, "nudge", 0), backend=backend_of(row))
+        return cls(
+            row.impl,
+            row.model,
+            int(row.world_size),
+            row.data_mode,
+            row.optimizer,
+            seed=int(row.seed),
+            feature=feature_of(row),
+            resume_from=resume_of(row),
+            micro_batches=micro_batches_of(row),
+            reverse_micro=reverse_micro_of(row),
+            nudge=_stored_int(row, "nudge", 0),
+            backend=backend_of(row),
+        )
 
     @property
     def device_type(self) -> str:
         return "cuda" if self.backend == "nccl" else "cpu"
 
-    def reference(self) -> "Scenario":
+    def reference(self) -> Scenario:
         """The scenario whose trajectory this one is compared with: the plain model, full batch, doing
         the same feature (the same micro-batches, the same mixed precision, ...); for a feature that must
         not change the numbers at all (NUMBERS_UNCHANGED), the plain model doing the plain step. Split
@@ -290,11 +344,19 @@ class Scenario:
         compared with the plain model in fp32 on the whole batch (what bf16 alone does)."""
         dropped = NUMBERS_UNCHANGED + (("bf16",) if self.impl == REFERENCE_IMPL else ())
         per_rank = self.impl != REFERENCE_IMPL and rounded_per_rank(self.feature) and self.data_mode == "split"
-        return dataclasses.replace(self, impl=REFERENCE_IMPL, world_size=1, data_mode="replicated",
-                                   feature=without(self.feature, *dropped), resume_from=0,
-                                   micro_batches=self.world_size if per_rank else 1, reverse_micro=False, nudge=0)
+        return dataclasses.replace(
+            self,
+            impl=REFERENCE_IMPL,
+            world_size=1,
+            data_mode="replicated",
+            feature=without(self.feature, *dropped),
+            resume_from=0,
+            micro_batches=self.world_size if per_rank else 1,
+            reverse_micro=False,
+            nudge=0,
+        )
 
-    def noise_probes(self) -> list["Scenario"]:
+    def noise_probes(self) -> list[Scenario]:
         """Split data at W ranks: the plain model doing this run's step on the same global batch cut into
         the slices the W ranks take (rank r's slice as micro-batch r, every loss scaled by 1 / W, the
         gradients summed), one probe per world size the trajectory was trained at. A probe is a correct
@@ -318,9 +380,11 @@ class Scenario:
             return [ref.replace(nudge=w) for w in sizes] if nudged else []
         if rounded_per_rank(self.feature):  # its reference is the rank-order probe: only the order is left
             return [ref.replace(reverse_micro=True)] if ref.micro_batches * k > 2 else []
-        return [ref.replace(micro_batches=w, reverse_micro=rev) for w in sizes
-                for rev in ((False, True) if w * k > 2 else (False,))] + \
-            [ref.replace(micro_batches=w, nudge=w) for w in sizes if nudged]
+        return [
+            ref.replace(micro_batches=w, reverse_micro=rev)
+            for w in sizes
+            for rev in ((False, True) if w * k > 2 else (False,))
+        ] + [ref.replace(micro_batches=w, nudge=w) for w in sizes if nudged]
 
     def is_nudged(self) -> bool:
         """Whether a sharded run of this scenario may compute a scalar of a whole gradient from W partial sums
@@ -328,25 +392,27 @@ class Scenario:
         nudged ones ([Note: user optimizer] in harness/core/policy.py)."""
         return any(has(self.feature, f) for f in NUDGED) or user_optimizer(self.optimizer)
 
-    def rank_order_probe(self, at: int | None = None) -> "Scenario | None":
+    def rank_order_probe(self, at: int | None = None) -> Scenario | None:
         """The noise probe a run is held against directly: for a split run, the probe in rank order at its
         own world size (or at `at`, another world size its trajectory was trained at); for a probe in
         reverse order, its twin in rank order (what the order changed)."""
         if self.reverse_micro or self.nudge:
             return self.replace(reverse_micro=False, nudge=0) if self.micro_batches > 1 else None
         at = self.world_size if at is None else at
-        return next((p for p in self.noise_probes()
-                     if p.micro_batches == at and not p.reverse_micro and not p.nudge), None)
+        return next(
+            (p for p in self.noise_probes() if p.micro_batches == at and not p.reverse_micro and not p.nudge), None
+        )
 
-    def saver(self) -> "Scenario | None":
+    def saver(self) -> Scenario | None:
         """The run whose checkpoint a ckpt run resumes from: the same implementation's plain run at
         `resume_from` ranks (it saves after ckpt_step(steps)); None for any other run."""
         if not has(self.feature, "ckpt"):
             return None
-        return dataclasses.replace(self, world_size=self.resume_from or self.world_size,
-                                   feature=without(self.feature, "ckpt"), resume_from=0)
+        return dataclasses.replace(
+            self, world_size=self.resume_from or self.world_size, feature=without(self.feature, "ckpt"), resume_from=0
+        )
 
-    def dependencies(self) -> list["Scenario"]:
+    def dependencies(self) -> list[Scenario]:
         """The runs this one's checks compare with: the reference, the noise probes of split data, for a
         sharded run at W > 1 the same implementation at world size 1 in the same data mode, and the run a
         checkpoint comes from, and under a timing-only feature (jitter) its calm twin."""
@@ -357,23 +423,24 @@ class Scenario:
         deps += [self.calm()] if self.calm() is not None else []
         return deps + ([self.saver()] if self.saver() is not None else [])
 
-    def calm(self) -> "Scenario | None":
+    def calm(self) -> Scenario | None:
         """Under a timing-only feature (jitter): the same run without it, which this one must equal bitwise at
         every step (harness/checks/features.py jitter_invariant); None otherwise."""
         if not any(has(self.feature, f) for f in TIMING_ONLY):
             return None
         return dataclasses.replace(self, feature=without(self.feature, *TIMING_ONLY))
 
-    def ws1(self) -> "Scenario":
+    def ws1(self) -> Scenario:
         """The same implementation at world size 1, same data mode and feature (less a timing-only one: its
         run is held to its calm twin, which is held to this one): the cross-world-size comparison; for a
         resumed run, the uninterrupted plain run (what it must go on like)."""
         if has(self.feature, "ckpt"):
-            return dataclasses.replace(self, world_size=1, feature=without(self.feature, "ckpt", *TIMING_ONLY),
-                                       resume_from=0)
+            return dataclasses.replace(
+                self, world_size=1, feature=without(self.feature, "ckpt", *TIMING_ONLY), resume_from=0
+            )
         return dataclasses.replace(self, world_size=1, feature=without(self.feature, *TIMING_ONLY))
 
-    def factor_twin(self) -> "Scenario | None":
+    def factor_twin(self) -> Scenario | None:
         """Split data with k micro-batches at W: the same implementation's step at W x k ranks (the same
         composition without its micro-batches, from scratch)
         trains on the same global batch in W x k pieces of the same size (grouped otherwise: a rank's
@@ -382,20 +449,33 @@ class Scenario:
         k = passes_per_step(self.feature)
         if self.data_mode != "split" or k == 1 or self.impl == REFERENCE_IMPL:
             return None
-        return dataclasses.replace(self, world_size=self.world_size * k,
-                                   feature=without(self.feature, "accum", "no_sync", "ckpt", *TIMING_ONLY),
-                                   resume_from=0)
+        return dataclasses.replace(
+            self,
+            world_size=self.world_size * k,
+            feature=without(self.feature, "accum", "no_sync", "ckpt", *TIMING_ONLY),
+            resume_from=0,
+        )
 
-    def at_world_size(self, world_size: int) -> "Scenario":
+    def at_world_size(self, world_size: int) -> Scenario:
         return dataclasses.replace(self, world_size=world_size)
 
-    def replace(self, **changes) -> "Scenario":
+    def replace(self, **changes) -> Scenario:
         return dataclasses.replace(self, **changes)
 
 
-def scenario_id(impl: str, model: str, world_size: int, data_mode: str, optimizer: str | None = None,
-                seed: int = 0, feature: str = "plain", resume_from: int = 0, micro_batches: int = 1,
-                reverse_micro: bool = False, nudge: int = 0) -> str:
+def scenario_id(
+    impl: str,
+    model: str,
+    world_size: int,
+    data_mode: str,
+    optimizer: str | None = None,
+    seed: int = 0,
+    feature: str = "plain",
+    resume_from: int = 0,
+    micro_batches: int = 1,
+    reverse_micro: bool = False,
+    nudge: int = 0,
+) -> str:
     """The one way ids are made: ``impl-model-wsW-mode[-optimizer][-feature][-fromW][-microK][-nudgeN][-seedN]``.
     Runs that train no optimizer (the per-sample norms, measured on one backward) leave it out; the plain
     feature is left out; ``-fromW`` names the world size a resumed (ckpt) run's checkpoint was saved at,
@@ -420,18 +500,41 @@ def _slug(impl: str) -> str:
 
 
 def build_matrix(
-    impls, models, world_sizes, data_modes, optimizers, *, steps=10, seeds=(0,), lr=1e-2,
-    global_batch=16, backend="gloo", features=("plain",),
+    impls,
+    models,
+    world_sizes,
+    data_modes,
+    optimizers,
+    *,
+    steps=10,
+    seeds=(0,),
+    lr=1e-2,
+    global_batch=16,
+    backend="gloo",
+    features=("plain",),
 ) -> list[Scenario]:
     """Every combination, in a stable order, plus the runs they are compared with: the references
     first, and each implementation at world size 1 where the world sizes leave it out. A ckpt cell
     at W is one per other world size of the run that its checkpoint comes from (W itself when the
     run has one world size)."""
     cells = [
-        Scenario(impl, model, ws, mode, opt, steps=steps, seed=seed, lr=lr,
-                 global_batch=global_batch, backend=backend, feature=feature, resume_from=source)
+        Scenario(
+            impl,
+            model,
+            ws,
+            mode,
+            opt,
+            steps=steps,
+            seed=seed,
+            lr=lr,
+            global_batch=global_batch,
+            backend=backend,
+            feature=feature,
+            resume_from=source,
+        )
         for seed, feature, impl, model, ws, mode, opt in itertools.product(
-            seeds, features, impls, models, world_sizes, data_modes, optimizers)
+            seeds, features, impls, models, world_sizes, data_modes, optimizers
+        )
         for source in _sources(feature, ws, world_sizes)
     ]
     return with_dependencies(cells)

@@ -11,7 +11,7 @@ import contextlib
 import errno
 import os
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 # a full disk or quota: never the implementation's doing, whatever it was writing
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -50,8 +50,10 @@ def temp_dir() -> str:
         problem = "not a directory" if os.path.exists(wanted) and not os.path.isdir(wanted) else None
         problem = problem or unwritable(wanted)
         if problem:
-            raise ScratchError(f"TMPDIR {wanted} is not writable: {problem} (the run's rendezvous files, parameter "
-                               "snapshots and checkpoints go there; point TMPDIR at a writable folder or unset it)")
+            raise ScratchError(
+                f"TMPDIR {wanted} is not writable: {problem} (the run's rendezvous files, parameter "
+                "snapshots and checkpoints go there; point TMPDIR at a writable folder or unset it)"
+            )
     folder = tempfile.gettempdir()
     problem = unwritable(folder)
     if problem:
@@ -70,6 +72,8 @@ def writing_into(folder: str | os.PathLike) -> Iterator[None]:
         reason = reason or (unwritable(os.fspath(folder)) if os.path.isdir(folder) else None)
         if reason is None:
             raise
-        raise ScratchError(f"the temp dir {tempfile.gettempdir()} cannot take the run's files: {reason} "
-                           f"(writing under {os.fspath(folder)}; free space there or set TMPDIR to another "
-                           f"folder)") from exc
+        raise ScratchError(
+            f"the temp dir {tempfile.gettempdir()} cannot take the run's files: {reason} "
+            f"(writing under {os.fspath(folder)}; free space there or set TMPDIR to another "
+            f"folder)"
+        ) from exc

@@ -36,9 +36,12 @@ class Verdict:
     @property
     def location(self) -> str:
         """'step 3, fc2.weight, rank 1 (detail)': the fields in reading order, then `where`."""
-        parts = [f"step {self.step}" if self.step is not None else "", self.param,
-                 f"sample {self.sample}" if self.sample is not None else "",
-                 f"rank {self.rank}" if self.rank is not None else ""]
+        parts = [
+            f"step {self.step}" if self.step is not None else "",
+            self.param,
+            f"sample {self.sample}" if self.sample is not None else "",
+            f"rank {self.rank}" if self.rank is not None else "",
+        ]
         head = ", ".join(p for p in parts if p)
         if head and self.where:
             return f"{head} ({self.where})"

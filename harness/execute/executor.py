@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Protocol
-
+from typing import Protocol
 
 from harness.adapters import load_adapter
 from harness.adapters.base import AdapterError, missing_capability
@@ -72,7 +72,7 @@ def unsupported(sc: Scenario) -> str | None:
     return None if adapter is None else missing_capability(adapter, sc.feature)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _adapter(impl: str):
     """One adapter per implementation name, to look at its capabilities (None: it does not load, and
     the scenario itself will fail with the adapter's own message)."""
@@ -102,8 +102,9 @@ def failed_rank(e: WorldError) -> int | None:
     return None
 
 
-def execute(scenarios: list[Scenario], *, snapshot_dir: str | Path, pool: ScenarioPool,
-            progress: Progress | None = None) -> dict:
+def execute(
+    scenarios: list[Scenario], *, snapshot_dir: str | Path, pool: ScenarioPool, progress: Progress | None = None
+) -> dict:
     """scenario id -> record, for the records this process collects. Worlds in ascending size, so that
     each world is started once; runs resumed from a checkpoint come after every run (their savers
     included), in ascending size again."""

@@ -94,6 +94,7 @@ def _serve(listener_fd: int, alive_r: int, preload: list[str]) -> None:
         faulthandler.disable()
         _name(TITLE)
         from multiprocessing import forkserver
+
         forkserver._forkserver._lock = threading.Lock()  # the parent's copy was held at the fork
         forkserver.main(listener_fd, alive_r, preload)
         code = 0

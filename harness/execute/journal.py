@@ -32,8 +32,10 @@ class Journal:
         self.root.mkdir(parents=True, exist_ok=True)
         stamp = self.root / "made_with.txt"
         if stamp.exists() and stamp.read_text() != made_with:
-            raise JournalMismatch(f"{self.root} was started by {stamp.read_text()!r}, this is {made_with!r}: "
-                                  "run that code on it, or move it away to start afresh")
+            raise JournalMismatch(
+                f"{self.root} was started by {stamp.read_text()!r}, this is {made_with!r}: "
+                "run that code on it, or move it away to start afresh"
+            )
         stamp.write_text(made_with)
         self.snapshots = self.root / "snapshots"
         self.snapshots.mkdir(exist_ok=True)

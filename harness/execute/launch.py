@@ -40,7 +40,8 @@ def check_job_fits(world_sizes, job_size: int) -> None:
     if too_big:
         raise TorchrunUsageError(
             f"--world-sizes: {','.join(map(str, too_big))} need more ranks than torchrun started "
-            f"({job_size}); launch at least {too_big[-1]} (e.g. --nproc_per_node={too_big[-1]}) or drop them")
+            f"({job_size}); launch at least {too_big[-1]} (e.g. --nproc_per_node={too_big[-1]}) or drop them"
+        )
 
 
 def peer_wait_s() -> float:

@@ -46,16 +46,22 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator
 
 import torch.distributed as dist
 
 from harness.core.scenario import Scenario, has
 from harness.execute.executor import execute
-from harness.execute.launch import (TORCHRUN_VARIABLES, NotLaunchedHere, TorchrunUsageError, check_job_fits,
-                                   launched_by_torchrun, peer_wait_s)
+from harness.execute.launch import (
+    TORCHRUN_VARIABLES,
+    NotLaunchedHere,
+    TorchrunUsageError,
+    check_job_fits,
+    launched_by_torchrun,
+    peer_wait_s,
+)
 from harness.execute.worker import RankContext, device_for, root_cause, setup_process
 
 __all__ = ["torchrun_job", "Job", "TorchrunPool", "TorchrunError", "TorchrunUsageError"]
@@ -79,7 +85,7 @@ class Job:
     """Rank 0's view of the torchrun job a matrix runs in: the pool that puts scenarios on the job's ranks, and
     the temp dir on rank 0's node where the snapshots go."""
 
-    pool: "TorchrunPool"
+    pool: TorchrunPool
     snapshot_dir: str
 
 
@@ -96,12 +102,12 @@ def torchrun_job(scenarios: list[Scenario], *, timeout_s: float = 300.0) -> Iter
     if not dist.is_initialized():
         check_launched_here()
     setup_process()
-    device = device_for(backend, int(os.environ.get("LOCAL_RANK", rank)),
-                        int(os.environ.get("LOCAL_WORLD_SIZE", job_size)))
+    device = device_for(
+        backend, int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", job_size))
+    )
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group(backend, init_method="env://",
-                                timeout=timedelta(seconds=timeout_s + GRACE_S + 60))
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s + GRACE_S + 60))
     _runs += 1
     store = dist.PrefixStore(f"fsdp-harness/run{_runs}/", dist.distributed_c10d._get_default_store())
     if rank == 0:
@@ -133,12 +139,15 @@ def check_launched_here() -> None:
     itself) within `peer_wait_s()`. Polled in Python: Ctrl-C ends the wait. NotLaunchedHere else."""
     rank, agent_store = int(os.environ["RANK"]), os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
     names = f"TORCHELASTIC_RUN_ID={os.environ.get('TORCHELASTIC_RUN_ID')} and RANK={rank}"
-    advice = ("left over from another job? unset TORCHELASTIC_RUN_ID RANK WORLD_SIZE MASTER_ADDR MASTER_PORT for a "
-              "plain run, or launch with torchrun")
+    advice = (
+        "left over from another job? unset TORCHELASTIC_RUN_ID RANK WORLD_SIZE MASTER_ADDR MASTER_PORT for a "
+        "plain run, or launch with torchrun"
+    )
     if agent_store is None or "MASTER_PORT" not in os.environ:
         missing = "TORCHELASTIC_USE_AGENT_STORE" if agent_store is None else "MASTER_PORT"
-        raise NotLaunchedHere(f"{names} are set, but {missing}, which torchrun's agent sets with them, is not: "
-                              f"{advice}")
+        raise NotLaunchedHere(
+            f"{names} are set, but {missing}, which torchrun's agent sets with them, is not: {advice}"
+        )
     if rank == 0 and agent_store != "True":
         return
     where = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
@@ -152,14 +161,17 @@ def check_launched_here() -> None:
         except OSError as exc:
             reason = exc.strerror or type(exc).__name__
         if not said:
-            sys.stderr.write(f"waiting up to {wait_s:.0f} s for torchrun's store at {where[0]}:{where[1]} "
-                             f"({names}; Ctrl-C stops)\n")
+            sys.stderr.write(
+                f"waiting up to {wait_s:.0f} s for torchrun's store at {where[0]}:{where[1]} ({names}; Ctrl-C stops)\n"
+            )
             sys.stderr.flush()
             said = True
         if time.monotonic() >= deadline:
-            raise NotLaunchedHere(f"{names} are set, but nothing answers at MASTER_ADDR:MASTER_PORT "
-                                  f"({where[0]}:{where[1]}), where torchrun's store would be, after {wait_s:.0f} s "
-                                  f"({reason}): {advice}")
+            raise NotLaunchedHere(
+                f"{names} are set, but nothing answers at MASTER_ADDR:MASTER_PORT "
+                f"({where[0]}:{where[1]}), where torchrun's store would be, after {wait_s:.0f} s "
+                f"({reason}): {advice}"
+            )
         time.sleep(0.2)
 
 
@@ -200,8 +212,9 @@ class TorchrunPool:
     def group(self, w: int):
         """The subgroup of ranks 0..w-1 (every rank of the job calls this, in the same order)."""
         if w not in self.groups:
-            self.groups[w] = dist.new_group(ranks=list(range(w)), backend=self.backend,
-                                            timeout=timedelta(seconds=self.timeout_s))
+            self.groups[w] = dist.new_group(
+                ranks=list(range(w)), backend=self.backend, timeout=timedelta(seconds=self.timeout_s)
+            )
             self.worlds_started += 1
         return self.groups[w]
 
@@ -211,8 +224,13 @@ class TorchrunPool:
         if w not in self.hybrid:
             from harness.train.features import make_hybrid_groups
 
-            self.hybrid[w] = make_hybrid_groups(list(range(w)), self.rank, lambda members: dist.new_group(
-                ranks=members, backend=self.backend, timeout=timedelta(seconds=self.timeout_s)))
+            self.hybrid[w] = make_hybrid_groups(
+                list(range(w)),
+                self.rank,
+                lambda members: dist.new_group(
+                    ranks=members, backend=self.backend, timeout=timedelta(seconds=self.timeout_s)
+                ),
+            )
 
     def drop_group(self, w: int) -> None:
         """Destroy the subgroup for w. If nothing else holds it any more, its gloo connections
@@ -261,8 +279,9 @@ class TorchrunPool:
 
         done = threading.Event()
         main_thread = threading.main_thread().ident
-        watchdog = threading.Thread(target=self._watch, args=(key, main_thread, done),
-                                    name="fsdp-harness-watchdog", daemon=True)
+        watchdog = threading.Thread(
+            target=self._watch, args=(key, main_thread, done), name="fsdp-harness-watchdog", daemon=True
+        )
         watchdog.start()
         try:
             ctx = RankContext(self.rank, w, self.group(w), self.device, self.backend, self.hybrid.get(w))
@@ -282,8 +301,10 @@ class TorchrunPool:
         hard_deadline = time.monotonic() + self.timeout_s * (1 - STACK_AT) + HARD_EXIT_AFTER_S
         while not done.wait(1.0):
             if self.store.check(["finished"]) or time.monotonic() > hard_deadline:
-                sys.stderr.write(f"[fsdp-harness] rank {self.rank} is still stuck in a scenario past its "
-                                 f"timeout; ending this process\n")
+                sys.stderr.write(
+                    f"[fsdp-harness] rank {self.rank} is still stuck in a scenario past its "
+                    f"timeout; ending this process\n"
+                )
                 sys.stderr.flush()
                 os._exit(3)
 
@@ -312,7 +333,9 @@ class TorchrunPool:
         if failed:
             first = root_cause(failed)
             lines = [f"rank {first} of {label} failed in {sc.id}:", failed[first].rstrip()]
-            lines += [f"rank {r} failed too: {failed[r].strip().splitlines()[-1]}" for r in sorted(failed) if r != first]
+            lines += [
+                f"rank {r} failed too: {failed[r].strip().splitlines()[-1]}" for r in sorted(failed) if r != first
+            ]
             return {"error": "\n".join(lines), "failed_rank": first}
         return {"ranks": [outcomes[r][1] for r in range(w)]}
 
@@ -327,8 +350,9 @@ class TorchrunPool:
         try:
             self.store.wait([k], timedelta(seconds=wait_s))
         except Exception as exc:  # rank 0 went silent: nothing sensible is left to do here
-            raise TorchrunError(f"rank {self.rank}: no word from rank 0 about {sc.id} within {wait_s:.0f}s "
-                                f"({type(exc).__name__})") from None
+            raise TorchrunError(
+                f"rank {self.rank}: no word from rank 0 about {sc.id} within {wait_s:.0f}s ({type(exc).__name__})"
+            ) from None
         return self.store.get(k).decode()
 
 

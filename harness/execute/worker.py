@@ -16,9 +16,10 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,8 +68,9 @@ def resolve(fn: str) -> Callable[[RankContext, Any], Any]:
     return obj
 
 
-def main(rank: int, world_size: int, backend: str, store_path: str, conn: Connection,
-         lifeline: Connection, stack_path: str) -> None:
+def main(
+    rank: int, world_size: int, backend: str, store_path: str, conn: Connection, lifeline: Connection, stack_path: str
+) -> None:
     """Entry point of a world's worker process: join the group, then serve tasks until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it kills us
     _die_with_parent(lifeline)
@@ -116,6 +118,7 @@ def _die_with_parent(lifeline: Connection) -> None:
     at EOF: when the parent closes it (kill) or dies. PR_SET_PDEATHSIG adds a kernel-level guard
     where our parent is the launching process (spawn); under forkserver the parent is the server.
     """
+
     def lifeline_watch() -> None:  # named so that stack dumps can leave this thread out
         try:
             lifeline.recv_bytes()

@@ -30,9 +30,10 @@ import threading
 import time
 import types
 import weakref
+from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -40,8 +41,7 @@ from harness.execute import forked_server, worker
 from harness.execute.launch import launched_by_torchrun
 from harness.execute.worker import RankContext
 
-__all__ = ["World", "WorldPool", "RankContext", "WorldError", "RankFailed", "WorldHung",
-           "launched_by_torchrun"]
+__all__ = ["World", "WorldPool", "RankContext", "WorldError", "RankFailed", "WorldHung", "launched_by_torchrun"]
 
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # before torch loads in a worker
 # imported once, in the forkserver; torch._inductor.config is what use_deterministic_algorithms
@@ -53,10 +53,12 @@ def preload(*modules: str) -> None:
     """Have the forkserver import `modules` too, once, before it forks any worker (each fresh world's
     workers would import them again otherwise). No effect once the forkserver runs."""
     _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+
+
 _FAILURE_GRACE_S = 1.0  # after a first failure, time left for the other ranks to report theirs
 _STACK_WAIT_S = 3.0  # how long a stuck rank gets to write its stack
 _CLOSE_WAIT_S = 5.0  # how long a clean close waits before killing
-_LIVE: "weakref.WeakSet[World]" = weakref.WeakSet()  # closed at interpreter exit
+_LIVE: weakref.WeakSet[World] = weakref.WeakSet()  # closed at interpreter exit
 _UNWIND_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # `kill PID`, a closed terminal
 
 
@@ -105,13 +107,13 @@ class WorldHung(WorldError):
 class World:
     """``world_size`` worker processes in one process group; ``run`` calls a task on every rank."""
 
-    def __init__(self, world_size: int, backend: str = "gloo", *, timeout_s: float = 300.0,
-                 start_method: str = "forkserver"):
+    def __init__(
+        self, world_size: int, backend: str = "gloo", *, timeout_s: float = 300.0, start_method: str = "forkserver"
+    ):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if backend == "nccl" and torch.cuda.device_count() < world_size:
-            raise WorldError(f"backend 'nccl' needs {world_size} CUDA devices, "
-                             f"found {torch.cuda.device_count()}")
+            raise WorldError(f"backend 'nccl' needs {world_size} CUDA devices, found {torch.cuda.device_count()}")
         unwind_on_termination()
         self.world_size, self.backend, self.timeout_s = world_size, backend, timeout_s
         self.start_method = start_method
@@ -152,7 +154,7 @@ class World:
                 try:
                     conn.send_bytes(message)
                 except OSError as exc:
-                    raise RankFailed(f"rank {rank} of {self!r} is gone ({exc})", {rank: str(exc)})
+                    raise RankFailed(f"rank {rank} of {self!r} is gone ({exc})", {rank: str(exc)}) from exc
             return self._collect(fn, deadline)
         except BaseException:  # RankFailed, WorldHung, Ctrl-C: no worker survives
             self._kill()
@@ -170,7 +172,7 @@ class World:
             proc.join(max(0.0, deadline - time.monotonic()))
         self._kill(broken=False)
 
-    def __enter__(self) -> "World":
+    def __enter__(self) -> World:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -194,9 +196,18 @@ class World:
             for rank in range(self.world_size):
                 parent_end, child_end = ctx.Pipe()
                 proc = ctx.Process(
-                    target=worker.main, name=f"world{self.world_size}-rank{rank}",
-                    args=(rank, self.world_size, self.backend, store_path, child_end, lifeline_r,
-                          self._stack_paths[rank]))
+                    target=worker.main,
+                    name=f"world{self.world_size}-rank{rank}",
+                    args=(
+                        rank,
+                        self.world_size,
+                        self.backend,
+                        store_path,
+                        child_end,
+                        lifeline_r,
+                        self._stack_paths[rank],
+                    ),
+                )
                 with _ctrl_c_after_hand_over():
                     proc.start()
                     child_end.close()
@@ -270,7 +281,8 @@ class World:
                 os.kill(self.pids[rank], signal.SIGUSR1)
         deadline = time.monotonic() + _STACK_WAIT_S
         while time.monotonic() < deadline and not all(
-                _size(self._stack_paths[r]) > offsets[r] for r in ranks if offsets[r] >= 0):
+            _size(self._stack_paths[r]) > offsets[r] for r in ranks if offsets[r] >= 0
+        ):
             time.sleep(0.05)
         time.sleep(0.1)  # lets a dump that has started finish writing
         stacks = {}
@@ -311,8 +323,9 @@ class WorldPool:
     start and its workers' first-use costs are paid once, for W idle processes per size kept (CPU
     backends only: a kept CUDA world would hold its device's memory while another world measures)."""
 
-    def __init__(self, *, timeout_s: float = 300.0, start_method: str = "forkserver", reuse: bool = True,
-                 keep: bool = False):
+    def __init__(
+        self, *, timeout_s: float = 300.0, start_method: str = "forkserver", reuse: bool = True, keep: bool = False
+    ):
         unwind_on_termination()  # before the owner makes temp dirs for the pool's worlds to write in
         self.timeout_s, self.start_method, self.reuse, self.keep = timeout_s, start_method, reuse, keep
         self.worlds_started = 0
@@ -330,8 +343,7 @@ class WorldPool:
                 self._worlds.pop(other).close()
         else:
             self.close()
-        world = self._worlds[key] = World(world_size, backend, timeout_s=self.timeout_s,
-                                          start_method=self.start_method)
+        world = self._worlds[key] = World(world_size, backend, timeout_s=self.timeout_s, start_method=self.start_method)
         self.worlds_started += 1
         return world
 
@@ -339,7 +351,7 @@ class WorldPool:
         while self._worlds:
             self._worlds.popitem()[1].close()
 
-    def __enter__(self) -> "WorldPool":
+    def __enter__(self) -> WorldPool:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -367,6 +379,7 @@ def _start_forkserver() -> None:
     Forked from this process where that is safe (harness/execute/forked_server.py), else executed.
     The resource tracker first: starting it unblocks SIGINT on its way out."""
     from multiprocessing import forkserver, resource_tracker
+
     resource_tracker.ensure_running()
     before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
@@ -380,6 +393,7 @@ def _start_forkserver() -> None:
 def _stop_forkserver() -> None:
     """Kill the forkserver this process started (the next world starts another)."""
     from multiprocessing import forkserver
+
     server = forkserver._forkserver  # multiprocessing's own instance; _stop closes, reaps, unlinks
     if server._forkserver_pid is None:
         return
@@ -391,6 +405,7 @@ def _stop_forkserver() -> None:
 
 def _forkserver_reply_code():
     from multiprocessing import forkserver
+
     return getattr(getattr(forkserver, "read_signed", None), "__code__", None)
 
 
@@ -399,8 +414,10 @@ def _ctrl_c_after_hand_over() -> Iterator[None]:
     """Hold a Ctrl-C until the block ends, except in the wait for the forkserver's reply (see
     [Note: Ctrl-C while a world starts]). Only where Ctrl-C raises KeyboardInterrupt in this thread:
     an ignored SIGINT, or a handler of the program's own, is left alone."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield
         return
     held: list[int] = []
@@ -444,9 +461,11 @@ def _socket_dir_that_fits() -> None:
             short = tempfile.mkdtemp(prefix="pymp-", dir=base)
             break
     else:
-        raise WorldError(f"the temp dir {tempfile.gettempdir()!r} is too long for the forkserver's socket "
-                         f"(AF_UNIX paths hold {_SOCKET_PATH_MAX} bytes) and none of {', '.join(_SHORT_TEMP_DIRS)} "
-                         "is writable: set TMPDIR to a shorter path")
+        raise WorldError(
+            f"the temp dir {tempfile.gettempdir()!r} is too long for the forkserver's socket "
+            f"(AF_UNIX paths hold {_SOCKET_PATH_MAX} bytes) and none of {', '.join(_SHORT_TEMP_DIRS)} "
+            "is writable: set TMPDIR to a shorter path"
+        )
     config["tempdir"] = short  # a long one made earlier stays: multiprocessing removes it at exit
     # removed at exit, as multiprocessing removes the temp dir it makes itself
     mp.util.Finalize(None, shutil.rmtree, args=(short,), kwargs={"ignore_errors": True}, exitpriority=-100)
@@ -504,7 +523,7 @@ def _close_live_worlds() -> None:
         world.close()
 
 
-def call_or_error(pool: "WorldPool", world_size: int, task: str, payload) -> tuple[list | None, str]:
+def call_or_error(pool: WorldPool, world_size: int, task: str, payload) -> tuple[list | None, str]:
     """`task` run on `pool`'s world of `world_size` ranks: (per-rank results, '') or (None, one line: the
     exception and the last line of the first failing rank's traceback); a failed world is rebuilt on next get."""
     try:

@@ -31,8 +31,16 @@ from harness.tables.store import rank_bytes, write_text_atomic
 
 FORMAT, VERSION = "fsdp-equivalence-baseline", 1
 DEFAULT_DIR = Path("reports/baselines")
-SCALARS = ("final_loss", "max_diff_ref", "max_diff_ws1", "peak_mem", "state_mem", "comm_bytes", "comm_calls",
-           "step_time")
+SCALARS = (
+    "final_loss",
+    "max_diff_ref",
+    "max_diff_ws1",
+    "peak_mem",
+    "state_mem",
+    "comm_bytes",
+    "comm_calls",
+    "step_time",
+)
 
 
 class BaselineError(Exception):
@@ -64,8 +72,10 @@ def summarize(tables: dict) -> dict[str, dict]:
         # only a run that did not finish, or tables stored without a comm table, measured no traffic
         traffic = status == "ok" and "comm" in tables
         out[sid] = {
-            "status": status, "loss": [_f(x) for x in s.get("loss", [])],
-            "final_loss": _f(row.get("final_loss")), "max_diff_ref": _f(row.get("max_diff_ref")),
+            "status": status,
+            "loss": [_f(x) for x in s.get("loss", [])],
+            "final_loss": _f(row.get("final_loss")),
+            "max_diff_ref": _f(row.get("max_diff_ref")),
             "max_diff_ws1": _f(row.get("max_diff_ws1")),
             "peak_mem": _f(mem_of("peak") if pd.isna(row.get("peak_bytes", np.nan)) else row["peak_bytes"]),
             "state_mem": _f(mem_of("state_total") if pd.isna(row.get("state_bytes", np.nan)) else row["state_bytes"]),
@@ -73,8 +83,11 @@ def summarize(tables: dict) -> dict[str, dict]:
             "comm_bytes": _f(c["bytes"].sum() if len(c) else 0.0) if traffic else None,
             "comm_calls": _f(c["calls"].sum() if len(c) else 0.0) if traffic else None,
             "step_time": _f(row.get("step_time_s")),
-            **{k: _f(row[k]) if k in ("world_size", "seed") else str(row[k])
-               for k in ("impl", "model", "world_size", "data_mode", "optimizer", "seed") if k in row},
+            **{
+                k: _f(row[k]) if k in ("world_size", "seed") else str(row[k])
+                for k in ("impl", "model", "world_size", "data_mode", "optimizer", "seed")
+                if k in row
+            },
         }
     return out
 
@@ -115,9 +128,15 @@ def baseline_file(name: str, env: dict, directory: Path = DEFAULT_DIR) -> Path:
 
 def baseline_text(tables: dict, env: dict, name: str) -> str:
     """The baseline document: pretty JSON, sorted keys, one value per line."""
-    doc = {"format": FORMAT, "version": VERSION, "name": name, "env": _jsonable_env(dict(env or {})),
-           "configuration": configuration_of(tables, env),
-           "tolerances_default": {f: str(t) for f, t in DEFAULT_TOLERANCES.items()}, "scenarios": summarize(tables)}
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "name": name,
+        "env": _jsonable_env(dict(env or {})),
+        "configuration": configuration_of(tables, env),
+        "tolerances_default": {f: str(t) for f, t in DEFAULT_TOLERANCES.items()},
+        "scenarios": summarize(tables),
+    }
     return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n"
 
 
@@ -183,19 +202,27 @@ def load_baseline(name_or_path: str | Path, directory: Path = DEFAULT_DIR, *, ki
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise BaselineError(f"baseline {path} is not a baseline file (format is not '{FORMAT}')")
     if doc.get("version") != VERSION:
-        raise BaselineError(f"baseline {path} has version {doc.get('version')!r}, this harness reads version "
-                            f"{VERSION}; re-save it")
+        raise BaselineError(
+            f"baseline {path} has version {doc.get('version')!r}, this harness reads version {VERSION}; re-save it"
+        )
     if not isinstance(doc.get("scenarios"), dict) or not isinstance(doc.get("env", {}), dict):
         raise BaselineError(f"baseline {path} is malformed: 'scenarios' and 'env' must be objects")
     if not isinstance(doc.get("configuration", {}), dict):
         raise BaselineError(f"baseline {path} is malformed: 'configuration' must be an object")
     for sid, entry in doc["scenarios"].items():
         _check_entry(path, sid, entry)
-    return Baseline(str(doc.get("name", path.stem)), path, doc.get("env", {}), doc["scenarios"], wanted,
-                    configuration=doc.get("configuration"))
+    return Baseline(
+        str(doc.get("name", path.stem)),
+        path,
+        doc.get("env", {}),
+        doc["scenarios"],
+        wanted,
+        configuration=doc.get("configuration"),
+    )
 
 
 def baseline_of_run(tables: dict, env: dict, name: str, path: Path) -> Baseline:
     """Another stored run seen as a baseline, so that `compare A B` applies the gate's rules."""
-    return Baseline(name, Path(path), _jsonable_env(dict(env or {})), summarize(tables),
-                    configuration=configuration_of(tables, env))
+    return Baseline(
+        name, Path(path), _jsonable_env(dict(env or {})), summarize(tables), configuration=configuration_of(tables, env)
+    )

@@ -54,8 +54,16 @@ class GateRow:
     label: str = ""  # display: "vs reference", the environment key, ...
 
     def verdict(self) -> Verdict:
-        return Verdict(self.check, self.scenario, self.status, self.delta, self.allowed,
-                       where=self.label if self.step is None else "", message=self.message, step=self.step)
+        return Verdict(
+            self.check,
+            self.scenario,
+            self.status,
+            self.delta,
+            self.allowed,
+            where=self.label if self.step is None else "",
+            message=self.message,
+            step=self.step,
+        )
 
 
 def _field(field: str, sid: str, base: dict, cur: dict, tol: Tolerance) -> GateRow:
@@ -64,14 +72,29 @@ def _field(field: str, sid: str, base: dict, cur: dict, tol: Tolerance) -> GateR
     b_el, c_el = _elements(field, base), _elements(field, cur)
     head, check, tol_s = f"{field} of {sid}", f"gate:{field}", str(tol)
     if len(b_el) != len(c_el):
-        return GateRow(check, sid, FAIL, f"{head}: {len(b_el)} values in baseline, {len(c_el)} now",
-                       len(b_el), len(c_el), tolerance=tol_s)
+        return GateRow(
+            check,
+            sid,
+            FAIL,
+            f"{head}: {len(b_el)} values in baseline, {len(c_el)} now",
+            len(b_el),
+            len(c_el),
+            tolerance=tol_s,
+        )
     worst = None
     for (step, label, b), (*_, c) in zip(b_el, c_el):
         if b is None or c is None:
             if b is not None:
-                return GateRow(check, sid, FAIL, f"{head}: baseline has {b}, this run did not measure it", b,
-                               tolerance=tol_s, step=step, label=label)
+                return GateRow(
+                    check,
+                    sid,
+                    FAIL,
+                    f"{head}: baseline has {b}, this run did not measure it",
+                    b,
+                    tolerance=tol_s,
+                    step=step,
+                    label=label,
+                )
             continue
         delta = c - b if not two_sided else abs(c - b)
         item = (step, label, b, c, delta, tol.allowed(b))
@@ -80,16 +103,31 @@ def _field(field: str, sid: str, base: dict, cur: dict, tol: Tolerance) -> GateR
             break
         worst = max(worst or item, item, key=lambda t: t[4] - t[5])
     if worst is None:
-        return GateRow(check, sid, SKIP, f"{head}: not measured in the baseline (re-save it to gate this field)",
-                       tolerance=tol_s)
+        return GateRow(
+            check, sid, SKIP, f"{head}: not measured in the baseline (re-save it to gate this field)", tolerance=tol_s
+        )
     step, label, b, c, delta, allowed = worst
     loc = f" at {label}" if step is not None else f" ({label})" if label else ""
     tol_s = f"{tol} (= {allowed:g})" if tol.relative else tol_s
     failed = tol.fails(c, b, two_sided)
-    msg = (f"{head} regressed{loc}: baseline {b:.10g}, current {c:.10g}, change {c - b:+.3g} exceeds tolerance "
-           f"{tol_s}" if failed else f"{head} within tolerance {tol_s}{loc}: baseline {b:.10g}, current {c:.10g}")
-    return GateRow(check, sid, FAIL if failed else PASS, msg, b, c, delta, allowed, str(tol),
-                   step if failed or delta else None, label if failed or delta else "")
+    msg = (
+        f"{head} regressed{loc}: baseline {b:.10g}, current {c:.10g}, change {c - b:+.3g} exceeds tolerance {tol_s}"
+        if failed
+        else f"{head} within tolerance {tol_s}{loc}: baseline {b:.10g}, current {c:.10g}"
+    )
+    return GateRow(
+        check,
+        sid,
+        FAIL if failed else PASS,
+        msg,
+        b,
+        c,
+        delta,
+        allowed,
+        str(tol),
+        step if failed or delta else None,
+        label if failed or delta else "",
+    )
 
 
 def _resolve(tolerances: dict | None) -> dict[str, Tolerance]:
@@ -105,28 +143,55 @@ def _configuration(base: Baseline, current: dict | None) -> tuple[list[GateRow],
     if current is None:
         return [], {}
     if base.configuration is None:
-        return [GateRow("gate:configuration", "", SKIP, (
-            f"baseline '{base.name}' does not record the configuration it was run with (saved before baselines "
-            f"did): scenarios are compared by id as if both runs had the same lr, steps and global batch; "
-            f"re-save it (--save-baseline {base.name}) to have that checked"))], {}
+        return [
+            GateRow(
+                "gate:configuration",
+                "",
+                SKIP,
+                (
+                    f"baseline '{base.name}' does not record the configuration it was run with (saved before baselines "
+                    f"did): scenarios are compared by id as if both runs had the same lr, steps and global batch; "
+                    f"re-save it (--save-baseline {base.name}) to have that checked"
+                ),
+            )
+        ], {}
     differ, unknown = config.differences(base.configuration, current)
     rows = []
     for d in differ:
-        why = (f"{', '.join(config.AFFECTS[d.field])} not compared (scenario ids do not name the {d.field}: the "
-               f"same id trained another way; re-save the baseline with this configuration to gate them)"
-               if d.setting else "only the scenarios both runs have are compared")
+        why = (
+            f"{', '.join(config.AFFECTS[d.field])} not compared (scenario ids do not name the {d.field}: the "
+            f"same id trained another way; re-save the baseline with this configuration to gate them)"
+            if d.setting
+            else "only the scenarios both runs have are compared"
+        )
         rows.append(GateRow("gate:configuration", "", SKIP, f"configuration differs: {d}: {why}", label=d.field))
     for field in unknown:
         side = "this run" if current.get(field) is None else f"baseline '{base.name}'"
-        rows.append(GateRow("gate:configuration", "", SKIP, f"configuration: {side} does not record {field}: "
-                            "compared as if it were the same", label=field))
-    skipped = {f: f"{f} not compared: configuration differs ({'; '.join(map(str, ds))})"
-               for f, ds in config.affected(differ).items()}
+        rows.append(
+            GateRow(
+                "gate:configuration",
+                "",
+                SKIP,
+                f"configuration: {side} does not record {field}: compared as if it were the same",
+                label=field,
+            )
+        )
+    skipped = {
+        f: f"{f} not compared: configuration differs ({'; '.join(map(str, ds))})"
+        for f, ds in config.affected(differ).items()
+    }
     return rows, skipped
 
 
-def comparison(current: dict[str, dict], env: dict | None, base: Baseline, tolerances: dict | None = None,
-               configuration: dict | None = None, *, strict: bool = False) -> list[GateRow]:
+def comparison(
+    current: dict[str, dict],
+    env: dict | None,
+    base: Baseline,
+    tolerances: dict | None = None,
+    configuration: dict | None = None,
+    *,
+    strict: bool = False,
+) -> list[GateRow]:
     """The one comparison of a run's per-scenario figures (`summarize`) with a baseline.
 
     Rules, the same for the gate and for `compare`: an environment key that differs is a SKIP note
@@ -144,9 +209,9 @@ def comparison(current: dict[str, dict], env: dict | None, base: Baseline, toler
     compared = [r for r in rows if r.scenario and r.check != "gate:scenario" and r.status in (PASS, FAIL)]
     if compared:
         return rows
-    why = (f"the gate compared nothing with baseline '{base.name}': {_nothing_because(rows, current, base)} "
-           + ("(--gate-strict: a gate that compares nothing fails)" if strict else
-              "(--gate-strict makes this a failure)"))
+    why = f"the gate compared nothing with baseline '{base.name}': {_nothing_because(rows, current, base)} " + (
+        "(--gate-strict: a gate that compares nothing fails)" if strict else "(--gate-strict makes this a failure)"
+    )
     return rows + [GateRow(GATE_COVERAGE, "", FAIL if strict else SKIP, why)]
 
 
@@ -163,17 +228,21 @@ def _nothing_because(rows: list[GateRow], current: dict[str, dict], base: Baseli
     return "every field was off or left uncompared" + (f" ({reasons[0]})" if reasons else "")
 
 
-def _rows(current: dict[str, dict], env: dict | None, base: Baseline, tols: dict[str, Tolerance],
-          configuration: dict | None) -> list[GateRow]:
+def _rows(
+    current: dict[str, dict], env: dict | None, base: Baseline, tols: dict[str, Tolerance], configuration: dict | None
+) -> list[GateRow]:
     """`comparison`'s rows, before it says whether anything was compared."""
     if not base.comparable:
-        why = (f"baseline '{base.name}' has no file for this machine kind ({base.wanted_kind}) nor for another "
-               f"CPU kind with this device and torch version: nothing was gated (torch's own implementations "
-               f"move memory and traffic between versions; save one with --save-baseline {base.name})")
+        why = (
+            f"baseline '{base.name}' has no file for this machine kind ({base.wanted_kind}) nor for another "
+            f"CPU kind with this device and torch version: nothing was gated (torch's own implementations "
+            f"move memory and traffic between versions; save one with --save-baseline {base.name})"
+        )
         return [GateRow(f"gate:{f}", "", SKIP, why) for f, t in tols.items() if not t.off]
     rows = [GateRow("gate:env", "", SKIP, msg, label=k) for k, msg in env_warnings(env, base)]
-    rows += [GateRow(f"gate:{f}", "", SKIP, f"gate off for {f} (enable with e.g. {f}:50%)") for f, t in tols.items()
-             if t.off]
+    rows += [
+        GateRow(f"gate:{f}", "", SKIP, f"gate off for {f} (enable with e.g. {f}:50%)") for f, t in tols.items() if t.off
+    ]
     notes, differs = _configuration(base, configuration)
     rows += notes + [GateRow(f"gate:{f}", "", SKIP, why) for f, why in differs.items() if not tols[f].off]
     tols = {f: t for f, t in tols.items() if f not in differs}
@@ -183,34 +252,73 @@ def _rows(current: dict[str, dict], env: dict | None, base: Baseline, tols: dict
         tols = {f: t for f, t in tols.items() if f not in KERNEL_DEPENDENT}
     for sid in list(base.scenarios) + [s for s in current if s not in base.scenarios]:
         if sid not in current:
-            rows.append(GateRow("gate:scenario", sid, SKIP, f"scenario {sid} is in baseline '{base.name}' but not "
-                                "in this run: not compared"))
+            rows.append(
+                GateRow(
+                    "gate:scenario",
+                    sid,
+                    SKIP,
+                    f"scenario {sid} is in baseline '{base.name}' but not in this run: not compared",
+                )
+            )
         elif sid not in base.scenarios:
-            rows.append(GateRow("gate:scenario", sid, SKIP, f"new scenario {sid} is not in baseline '{base.name}': "
-                                "not gated (re-save the baseline to cover it)"))
+            rows.append(
+                GateRow(
+                    "gate:scenario",
+                    sid,
+                    SKIP,
+                    f"new scenario {sid} is not in baseline '{base.name}': "
+                    "not gated (re-save the baseline to cover it)",
+                )
+            )
         elif current[sid]["status"] != "ok" and base.scenarios[sid]["status"] == "ok":
-            what = ("is unsupported in this run: the implementation lost what its feature needs"
-                    if current[sid]["status"] == "unsupported" else "errored in this run")
+            what = (
+                "is unsupported in this run: the implementation lost what its feature needs"
+                if current[sid]["status"] == "unsupported"
+                else "errored in this run"
+            )
             rows.append(GateRow("gate:scenario", sid, FAIL, f"scenario {sid} {what}"))
         else:
             rows += [_field(f, sid, base.scenarios[sid], current[sid], t) for f, t in tols.items() if not t.off]
     return rows
 
 
-def compare(tables: dict, baseline: Baseline | str | Path, tolerances: dict | None = None, *,
-            env: dict | None = None, strict: bool = False) -> list[Verdict]:
+def compare(
+    tables: dict,
+    baseline: Baseline | str | Path,
+    tolerances: dict | None = None,
+    *,
+    env: dict | None = None,
+    strict: bool = False,
+) -> list[Verdict]:
     """Gate verdicts for this run's tables against `baseline` (see `comparison`)."""
     base = baseline if isinstance(baseline, Baseline) else load_baseline(baseline)
     rows = comparison(summarize(tables), env, base, tolerances, config.configuration_of(tables, env), strict=strict)
     return [r.verdict() for r in rows]
 
 
-COMPARE_COLUMNS = ["check", "scenario", "status", "baseline", "current", "delta", "allowed", "tolerance", "step",
-                   "label", "message"]
+COMPARE_COLUMNS = [
+    "check",
+    "scenario",
+    "status",
+    "baseline",
+    "current",
+    "delta",
+    "allowed",
+    "tolerance",
+    "step",
+    "label",
+    "message",
+]
 
 
-def compare_table(tables: dict, baseline: Baseline | str | Path, tolerances: dict | None = None, *,
-                  env: dict | None = None, strict: bool = False) -> pd.DataFrame:
+def compare_table(
+    tables: dict,
+    baseline: Baseline | str | Path,
+    tolerances: dict | None = None,
+    *,
+    env: dict | None = None,
+    strict: bool = False,
+) -> pd.DataFrame:
     """The same comparison as `compare`, side by side: one row per scenario x field (a = this run)."""
     base = baseline if isinstance(baseline, Baseline) else load_baseline(baseline)
     rows = comparison(summarize(tables), env, base, tolerances, config.configuration_of(tables, env), strict=strict)

@@ -30,12 +30,23 @@ import pandas as pd
 from harness.core.scenario import REFERENCE_IMPL
 from harness.gate.tolerance import FIELDS as GATE_FIELDS
 
-SELECTION = {"impls": "impl", "models": "model", "world_sizes": "world_size", "data_modes": "data_mode",
-             "optimizers": "optimizer", "features": "feature", "seeds": "seed"}  # field -> scenarios column
+SELECTION = {
+    "impls": "impl",
+    "models": "model",
+    "world_sizes": "world_size",
+    "data_modes": "data_mode",
+    "optimizers": "optimizer",
+    "features": "feature",
+    "seeds": "seed",
+}  # field -> scenarios column
 SETTINGS = ("lr", "steps", "global_batch", "backend")  # the first three are scenarios columns, the backend is in env
 FIELDS = (*SELECTION, *SETTINGS)
-AFFECTS: dict[str, tuple[str, ...]] = {"lr": ("loss", "max_diff"), "steps": tuple(GATE_FIELDS),
-                                       "global_batch": tuple(GATE_FIELDS), "backend": tuple(GATE_FIELDS)}
+AFFECTS: dict[str, tuple[str, ...]] = {
+    "lr": ("loss", "max_diff"),
+    "steps": tuple(GATE_FIELDS),
+    "global_batch": tuple(GATE_FIELDS),
+    "backend": tuple(GATE_FIELDS),
+}
 
 
 def _plain(value):

@@ -33,8 +33,15 @@ def env_warnings(env: dict | None, baseline: Baseline) -> list[tuple[str, str]]:
         return []
     cur, base = _jsonable_env(env), baseline.env
     keys = sorted((set(cur) | set(base)) - VOLATILE_ENV)
-    return [(k, f"environment differs from baseline '{baseline.name}': {k} was {base.get(k)!r}, now "
-                f"{cur.get(k)!r}; figures may move for this reason") for k in keys if cur.get(k) != base.get(k)]
+    return [
+        (
+            k,
+            f"environment differs from baseline '{baseline.name}': {k} was {base.get(k)!r}, now "
+            f"{cur.get(k)!r}; figures may move for this reason",
+        )
+        for k in keys
+        if cur.get(k) != base.get(k)
+    ]
 
 
 def cpu_name(cpu: str | None) -> str | None:
@@ -59,11 +66,16 @@ def kernel_mismatch(env: dict | None, baseline: Baseline) -> str:
     if not differ:
         return ""
     if baseline.wanted_kind:
-        return (f"baseline '{baseline.name}' has no file for this machine kind ({baseline.wanted_kind}); memory "
-                f"and traffic were gated against {baseline.path.name}, losses and parameter diffs were NOT gated "
-                f"(their last bits depend on the kernels; save one with --save-baseline {baseline.name})")
-    said = "; ".join(f"{k} {baseline.env.get(k, 'not recorded')!r} there, {cur.get(k, 'not recorded')!r} here"
-                     for k in differ)
-    return (f"baseline '{baseline.name}' may have run on other numeric kernels ({said}): losses and "
-            f"parameter diffs differ in the last bits between kernel sets, so they are not compared "
-            f"(re-save the baseline on this kind of machine to gate them)")
+        return (
+            f"baseline '{baseline.name}' has no file for this machine kind ({baseline.wanted_kind}); memory "
+            f"and traffic were gated against {baseline.path.name}, losses and parameter diffs were NOT gated "
+            f"(their last bits depend on the kernels; save one with --save-baseline {baseline.name})"
+        )
+    said = "; ".join(
+        f"{k} {baseline.env.get(k, 'not recorded')!r} there, {cur.get(k, 'not recorded')!r} here" for k in differ
+    )
+    return (
+        f"baseline '{baseline.name}' may have run on other numeric kernels ({said}): losses and "
+        f"parameter diffs differ in the last bits between kernel sets, so they are not compared "
+        f"(re-save the baseline on this kind of machine to gate them)"
+    )

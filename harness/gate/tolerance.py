@@ -51,9 +51,13 @@ class Tolerance:
 
 # field -> (default tolerance, two-sided?)
 FIELDS: dict[str, tuple[Tolerance, bool]] = {
-    "loss": (Tolerance(1e-7), True), "max_diff": (Tolerance(0.10, relative=True), False),
-    "peak_mem": (Tolerance(0.05, relative=True, floor=4096), False), "state_mem": (Tolerance(0.01, relative=True), False),
-    "comm_bytes": (Tolerance(0), True), "comm_calls": (Tolerance(0), True), "step_time": (Tolerance(off=True), False),
+    "loss": (Tolerance(1e-7), True),
+    "max_diff": (Tolerance(0.10, relative=True), False),
+    "peak_mem": (Tolerance(0.05, relative=True, floor=4096), False),
+    "state_mem": (Tolerance(0.01, relative=True), False),
+    "comm_bytes": (Tolerance(0), True),
+    "comm_calls": (Tolerance(0), True),
+    "step_time": (Tolerance(off=True), False),
 }
 DEFAULT_TOLERANCES = {f: t for f, (t, _) in FIELDS.items()}
 
@@ -84,8 +88,10 @@ def parse_gate(spec: str) -> dict[str, Tolerance]:
         except ValueError:
             value = floor = math.nan
         if not (math.isfinite(value) and math.isfinite(floor)) or value < 0 or floor < 0 or (floor_s and not pct):
-            raise GateSpecError(f"gate '{item}': '{raw}' is not a number >= 0, a percentage like 5% "
-                                f"(optionally with a minimum, 5%min4096), or 'off'")
+            raise GateSpecError(
+                f"gate '{item}': '{raw}' is not a number >= 0, a percentage like 5% "
+                f"(optionally with a minimum, 5%min4096), or 'off'"
+            )
         if pct and not floor_s:  # '5%' alone keeps the field's own floor (peak_mem: 4096 B, see above)
             floor = DEFAULT_TOLERANCES[field].floor
         out[field] = Tolerance(value / 100 if pct else value, relative=pct, floor=floor)

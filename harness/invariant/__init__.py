@@ -10,6 +10,7 @@ from harness.report.sections import register_section
 
 def _invariant_section(tables: dict) -> list[str]:
     from harness.invariant.section import invariant_section
+
     return invariant_section(tables)
 
 

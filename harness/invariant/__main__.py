@@ -29,26 +29,38 @@ def main(argv=None) -> int:
     bad = [f for f in ns.features if f not in FEATURES]
     if bad:
         p.error(f"the tier runs {', '.join(FEATURES)}, not {', '.join(bad)}")
+    import pandas as pd
+
     from harness.checks.registry import verdict_table
     from harness.core.scenario import DATA_MODES
     from harness.invariant.run import run_invariant
     from harness.invariant.section import invariant_section
     from harness.tables.store import write_text_atomic
 
-    import pandas as pd
-
     tables, verdicts = {"invariant": []}, []
     for seed in ns.seeds:
-        got, judged = run_invariant(ns.impl, ns.models, ns.world_sizes, DATA_MODES, ns.optimizers, steps=ns.steps,
-                                    features=ns.features, seed=seed,
-                                    progress=lambda s: sys.stderr.write(f"[invariant] {s}\n"))
+        got, judged = run_invariant(
+            ns.impl,
+            ns.models,
+            ns.world_sizes,
+            DATA_MODES,
+            ns.optimizers,
+            steps=ns.steps,
+            features=ns.features,
+            seed=seed,
+            progress=lambda s: sys.stderr.write(f"[invariant] {s}\n"),
+        )
         tables["invariant"].append(got["invariant"])
         verdicts += judged
     tables["invariant"] = pd.concat(tables["invariant"], ignore_index=True)
     counts = {s: sum(v.status == s for v in verdicts) for s in ("pass", "fail", "unsupported")}
     command = "python -m harness.invariant " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = [f"<!-- {command.strip()} -->", *invariant_section({**tables, "verdicts": verdict_table(verdicts)}),
-             f"Verdicts: {counts['pass']} passed, {counts['fail']} failed, {counts['unsupported']} unsupported.", ""]
+    lines = [
+        f"<!-- {command.strip()} -->",
+        *invariant_section({**tables, "verdicts": verdict_table(verdicts)}),
+        f"Verdicts: {counts['pass']} passed, {counts['fail']} failed, {counts['unsupported']} unsupported.",
+        "",
+    ]
     lines += [f"- {v}" for v in verdicts if v.status == "fail"]
     path = write_text_atomic(ns.out, "\n".join(lines) + "\n")
     sys.stderr.write(f"{counts['pass']} passed, {counts['fail']} failed; report: {path}\n")

@@ -29,14 +29,41 @@ from harness.execute.world import WorldPool, call_or_error
 TASK = "harness.invariant.task:train_invariant"
 FEATURE = "invariant"
 CHECKS = ("invariant_matches_tree", "invariant_across_ws", "invariant_ranks_agree")
-COLUMNS = ["scenario", "impl", "model", "world_size", "data_mode", "optimizer", "feature", "step", "loss",
-           "diff_tree", "diff_ws_min"]
+COLUMNS = [
+    "scenario",
+    "impl",
+    "model",
+    "world_size",
+    "data_mode",
+    "optimizer",
+    "feature",
+    "step",
+    "loss",
+    "diff_tree",
+    "diff_ws_min",
+]
 
 
-def sid(impl: str, model: str, world_size: int, mode: str, optimizer: str, seed: int, feature: str = "plain",
-        resume_from: int = 0) -> str:
-    return scenario_id(impl, model, world_size, mode, optimizer, seed=seed, resume_from=resume_from,
-                       feature=FEATURE if feature == "plain" else f"{feature}+{FEATURE}")
+def sid(
+    impl: str,
+    model: str,
+    world_size: int,
+    mode: str,
+    optimizer: str,
+    seed: int,
+    feature: str = "plain",
+    resume_from: int = 0,
+) -> str:
+    return scenario_id(
+        impl,
+        model,
+        world_size,
+        mode,
+        optimizer,
+        seed=seed,
+        resume_from=resume_from,
+        feature=FEATURE if feature == "plain" else f"{feature}+{FEATURE}",
+    )
 
 
 def _resumed(pool: WorldPool, saver: int, world_size: int, payload: dict) -> tuple[list | None, str]:
@@ -50,8 +77,9 @@ def _resumed(pool: WorldPool, saver: int, world_size: int, payload: dict) -> tup
         loaded, err = _call(pool, world_size, {**payload, "first": first + 1, "load": f"{tmp}/ckpt"})
     if loaded is None:
         return None, err
-    return [{"losses": saved[0]["losses"] + r["losses"], "params": saved[0]["params"] + r["params"]}
-            for r in loaded], ""
+    return [
+        {"losses": saved[0]["losses"] + r["losses"], "params": saved[0]["params"] + r["params"]} for r in loaded
+    ], ""
 
 
 def _call(pool: WorldPool, world_size: int, payload: dict) -> tuple[list | None, str]:
@@ -85,10 +113,22 @@ def first_difference(steps: list[tuple[float, str]], complete: bool = True) -> t
     return max((d for d, _ in steps), default=0.0), first[0], first[1]
 
 
-def run_invariant(impls, models, world_sizes, data_modes, optimizers, *, steps: int = 3, seed: int = 0,
-                  lr: float = 1e-2, global_batch: int = 16, micro: int = INVARIANT_MICRO_BATCHES,
-                  features=("plain",), pool: WorldPool | None = None,
-                  progress=None) -> tuple[dict[str, pd.DataFrame], list[Verdict]]:
+def run_invariant(
+    impls,
+    models,
+    world_sizes,
+    data_modes,
+    optimizers,
+    *,
+    steps: int = 3,
+    seed: int = 0,
+    lr: float = 1e-2,
+    global_batch: int = 16,
+    micro: int = INVARIANT_MICRO_BATCHES,
+    features=("plain",),
+    pool: WorldPool | None = None,
+    progress=None,
+) -> tuple[dict[str, pd.DataFrame], list[Verdict]]:
     """The tier for `impls` (adapter names) under each of `features` (harness.invariant.task.FEATURES; ckpt: each
     world size resumes the checkpoint the next one saved); returns ({"invariant": table}, verdicts)."""
     from harness.invariant.task import FEATURES as SUPPORTED
@@ -98,20 +138,33 @@ def run_invariant(impls, models, world_sizes, data_modes, optimizers, *, steps: 
         raise ValueError(f"the batch-invariant tier runs {', '.join(SUPPORTED)}, not {', '.join(unknown)}")
     sizes = sorted(world_sizes)
     if micro & (micro - 1) or any(micro % w for w in sizes) or global_batch % micro:
-        raise ValueError(f"the batch-invariant tier needs L = {micro} micro-batches: a power of two that every world "
-                         f"size ({', '.join(map(str, sizes))}) divides and that divides the global batch "
-                         f"({global_batch})")
+        raise ValueError(
+            f"the batch-invariant tier needs L = {micro} micro-batches: a power of two that every world "
+            f"size ({', '.join(map(str, sizes))}) divides and that divides the global batch "
+            f"({global_batch})"
+        )
     unclaimed = {impl: why for impl in impls if (why := unclaimed_reason(impl))[1]}
     own = pool is None
     pool = pool or WorldPool()
     rows, verdicts = [], []
     try:
         for model, opt, feature in itertools.product(models, optimizers, features):
-            base = {"model": model, "optimizer": opt, "micro": micro, "steps": steps, "seed": seed, "lr": lr,
-                    "global_batch": global_batch, "feature": feature}
+            base = {
+                "model": model,
+                "optimizer": opt,
+                "micro": micro,
+                "steps": steps,
+                "seed": seed,
+                "lr": lr,
+                "global_batch": global_batch,
+                "feature": feature,
+            }
             # the yardstick trains without interruption
-            ref, ref_err = _call(pool, 1, {**base, "feature": feature.replace("ckpt", "plain"), "impl": "reference",
-                                           "data_mode": "split"})
+            ref, ref_err = _call(
+                pool,
+                1,
+                {**base, "feature": feature.replace("ckpt", "plain"), "impl": "reference", "data_mode": "split"},
+            )
             for impl, mode in itertools.product(impls, data_modes):
                 smallest = None
                 for i, w in enumerate(sizes):
@@ -126,8 +179,9 @@ def run_invariant(impls, models, world_sizes, data_modes, optimizers, *, steps: 
                     if progress:
                         progress(s)
                     if got is not None and "unsupported" in got[0]:
-                        verdicts += [Verdict(c, s, UNSUPPORTED, None, None, message=got[0]["unsupported"])
-                                     for c in CHECKS]
+                        verdicts += [
+                            Verdict(c, s, UNSUPPORTED, None, None, message=got[0]["unsupported"]) for c in CHECKS
+                        ]
                         continue
                     if got is None or ref is None:
                         why = err or f"the tree reference raised: {ref_err}"
@@ -148,12 +202,16 @@ def unclaimed_reason(impl: str) -> tuple[str, str]:
 
     adapter = load_adapter(impl)
     if not getattr(adapter, "batch_invariant", False):
-        return UNSUPPORTED, (f"adapter '{adapter.name}' does not declare batch_invariant: the tier holds "
-                             f"implementations that claim training independent of the world size "
-                             f"(harness/adapters/base.py)")
+        return UNSUPPORTED, (
+            f"adapter '{adapter.name}' does not declare batch_invariant: the tier holds "
+            f"implementations that claim training independent of the world size "
+            f"(harness/adapters/base.py)"
+        )
     if not callable(getattr(adapter, "invariant_forward_backward", None)):
-        return FAIL, (f"not measured: adapter '{adapter.name}' declares batch_invariant but has no "
-                      f"invariant_forward_backward() method to train it by (harness/adapters/base.py)")
+        return FAIL, (
+            f"not measured: adapter '{adapter.name}' declares batch_invariant but has no "
+            f"invariant_forward_backward() method to train it by (harness/adapters/base.py)"
+        )
     return "", ""
 
 
@@ -161,35 +219,88 @@ def judge(s: str, got: list[dict], ref: dict, smallest: tuple[int, dict], rows: 
     """The three verdicts of one scenario (`got`: every rank's result) and its table rows."""
     mine = got[0]
     w0, small = smallest
-    to_tree, to_small = step_differences(mine["params"], ref["params"]), step_differences(mine["params"], small["params"])
+    to_tree, to_small = (
+        step_differences(mine["params"], ref["params"]),
+        step_differences(mine["params"], small["params"]),
+    )
     tree = first_difference(to_tree, len(mine["params"]) == len(ref["params"]))
     across = first_difference(to_small, len(mine["params"]) == len(small["params"]))
     loss_tree = next((i for i, (a, b) in enumerate(zip(mine["losses"], ref["losses"]), 1) if a != b), None)
     loss_across = next((i for i, (a, b) in enumerate(zip(mine["losses"], small["losses"]), 1) if a != b), None)
     disagree = [r for r, res in enumerate(got) if res["losses"] != mine["losses"]]
     for step, loss in enumerate(mine["losses"], start=1):
-        rows.append([s, *cell[:6], step, loss, to_tree[step - 1][0] if step <= len(to_tree) else math.inf,
-                     to_small[step - 1][0] if step <= len(to_small) else math.inf])
+        rows.append(
+            [
+                s,
+                *cell[:6],
+                step,
+                loss,
+                to_tree[step - 1][0] if step <= len(to_tree) else math.inf,
+                to_small[step - 1][0] if step <= len(to_small) else math.inf,
+            ]
+        )
     return [
-        _verdict("invariant_matches_tree", s, tree, loss_tree, mine, ref,
-                 "the plain model summing the same micro-batches in the same tree at one rank"),
-        _verdict("invariant_across_ws", s, across, loss_across, mine, small,
-                 f"the same implementation at world size {w0}"),
-        Verdict("invariant_ranks_agree", s, PASS if not disagree else FAIL, float(len(disagree)), 0.0,
-                message=("every rank returned the same loss at every step" if not disagree else
-                         f"rank {disagree[0]} returned losses {got[disagree[0]]['losses']} where rank 0 returned "
-                         f"{mine['losses']}"), rank=disagree[0] if disagree else None),
+        _verdict(
+            "invariant_matches_tree",
+            s,
+            tree,
+            loss_tree,
+            mine,
+            ref,
+            "the plain model summing the same micro-batches in the same tree at one rank",
+        ),
+        _verdict(
+            "invariant_across_ws", s, across, loss_across, mine, small, f"the same implementation at world size {w0}"
+        ),
+        Verdict(
+            "invariant_ranks_agree",
+            s,
+            PASS if not disagree else FAIL,
+            float(len(disagree)),
+            0.0,
+            message=(
+                "every rank returned the same loss at every step"
+                if not disagree
+                else f"rank {disagree[0]} returned losses {got[disagree[0]]['losses']} where rank 0 returned "
+                f"{mine['losses']}"
+            ),
+            rank=disagree[0] if disagree else None,
+        ),
     ]
 
 
-def _verdict(check: str, s: str, params: tuple, loss_step: int | None, mine: dict, other: dict, against: str) -> Verdict:
+def _verdict(
+    check: str, s: str, params: tuple, loss_step: int | None, mine: dict, other: dict, against: str
+) -> Verdict:
     worst, step, param = params
     if worst == 0 and loss_step is None:
-        return Verdict(check, s, PASS, 0.0, 0.0, message=f"bitwise {against}: every parameter after every step and "
-                                                          f"the loss (max |diff| 0)")
+        return Verdict(
+            check,
+            s,
+            PASS,
+            0.0,
+            0.0,
+            message=f"bitwise {against}: every parameter after every step and the loss (max |diff| 0)",
+        )
     if step is None or (loss_step is not None and loss_step <= step):
-        return Verdict(check, s, FAIL, worst, 0.0, step=loss_step, param="loss",
-                       message=f"differs from {against}: loss {mine['losses'][loss_step - 1]!r} against "
-                               f"{other['losses'][loss_step - 1]!r} at step {loss_step} (max |param diff| {worst:.3g})")
-    return Verdict(check, s, FAIL, worst, 0.0, step=step, param=param,
-                   message=f"differs from {against}: max |param diff| {worst:.3g}, first at step {step} in {param}")
+        return Verdict(
+            check,
+            s,
+            FAIL,
+            worst,
+            0.0,
+            step=loss_step,
+            param="loss",
+            message=f"differs from {against}: loss {mine['losses'][loss_step - 1]!r} against "
+            f"{other['losses'][loss_step - 1]!r} at step {loss_step} (max |param diff| {worst:.3g})",
+        )
+    return Verdict(
+        check,
+        s,
+        FAIL,
+        worst,
+        0.0,
+        step=step,
+        param=param,
+        message=f"differs from {against}: max |param diff| {worst:.3g}, first at step {step} in {param}",
+    )

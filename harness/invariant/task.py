@@ -30,8 +30,10 @@ def train_invariant(ctx, p: dict) -> dict:
 
     adapter = load_adapter(p["impl"])
     if not callable(getattr(adapter, "invariant_forward_backward", None)):
-        return {"unsupported": f"adapter '{adapter.name}' has no invariant_forward_backward() method, which the "
-                               f"batch-invariant tier needs (see harness/adapters/base.py)"}
+        return {
+            "unsupported": f"adapter '{adapter.name}' has no invariant_forward_backward() method, which the "
+            f"batch-invariant tier needs (see harness/adapters/base.py)"
+        }
     feature = p.get("feature", "plain")
     spec = get_model_spec(p["model"])
     torch.manual_seed(p["seed"])
@@ -50,10 +52,11 @@ def train_invariant(ctx, p: dict) -> dict:
         x, y = spec.make_batch(p["global_batch"], step, p["seed"])
         if not replicated:
             n = x.shape[0] // ctx.world_size
-            x, y = x[ctx.rank * n:(ctx.rank + 1) * n], y[ctx.rank * n:(ctx.rank + 1) * n]
+            x, y = x[ctx.rank * n : (ctx.rank + 1) * n], y[ctx.rank * n : (ctx.rank + 1) * n]
         x, y = x.to(ctx.device), y.to(ctx.device)
-        loss = adapter.invariant_forward_backward(wrapped, loss_fn, x, y, micro_batches=p["micro"],
-                                                  replicated=replicated)
+        loss = adapter.invariant_forward_backward(
+            wrapped, loss_fn, x, y, micro_batches=p["micro"], replicated=replicated
+        )
         adapter.after_backward(wrapped, optimizer)
         if has(feature, "clip_inf"):
             norm_type, max_norm = CLIP["clip_inf"]

@@ -8,6 +8,7 @@ from harness.report.sections import register_section
 
 def _section(tables: dict) -> list[str]:
     from harness.localize.section import where_it_diverged
+
     return where_it_diverged(tables)
 
 

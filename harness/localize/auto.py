@@ -16,9 +16,20 @@ from harness.options import DEFAULT_LOCALIZE
 from harness.tables.schema import columns
 
 # the verdicts that compare numbers with a yardstick: a failure of any of them is localised
-LOCALISED_CHECKS = ("finite", "ws1_exact", "cross_ws_replicated", "grads_match_ws1", "split_matches_full_batch",
-                    "grad_norm_matches", "clip_acts", "ckpt_restored", "replicas_agree", "factorisations_agree",
-                    "converges", "jitter_invariant")
+LOCALISED_CHECKS = (
+    "finite",
+    "ws1_exact",
+    "cross_ws_replicated",
+    "grads_match_ws1",
+    "split_matches_full_batch",
+    "grad_norm_matches",
+    "clip_acts",
+    "ckpt_restored",
+    "replicas_agree",
+    "factorisations_agree",
+    "converges",
+    "jitter_invariant",
+)
 
 
 def to_localise(result, n: int) -> list:
@@ -30,8 +41,14 @@ def to_localise(result, n: int) -> list:
     chosen = []
     for v in result.verdicts:
         sc = by_id.get(v.scenario)
-        if (v.status == FAIL and v.check in LOCALISED_CHECKS and sc is not None and sc.impl != REFERENCE_IMPL
-                and sc not in chosen and v.scenario not in replayed):
+        if (
+            v.status == FAIL
+            and v.check in LOCALISED_CHECKS
+            and sc is not None
+            and sc.impl != REFERENCE_IMPL
+            and sc not in chosen
+            and v.scenario not in replayed
+        ):
             chosen.append(sc)
     return chosen[:n]
 
@@ -55,17 +72,32 @@ def localise_failures(result, n: int = DEFAULT_LOCALIZE, *, pool: WorldPool, say
         say(f"  {sc.id}: {found.short()}")
     result.tables["localised"] = pd.DataFrame(rows, columns=columns("localised"))
     failing = {v.scenario for v in result.verdicts if v.status == FAIL and v.check in LOCALISED_CHECKS}
-    result.verdicts[:] = [dataclasses.replace(v, message=f"{v.message.rstrip('. ')}. Where it diverged: {lines[v.scenario]}")
-                          if v.scenario in lines and v.scenario in failing and v.status == FAIL
-                          and v.check in LOCALISED_CHECKS else v for v in result.verdicts]
+    result.verdicts[:] = [
+        dataclasses.replace(v, message=f"{v.message.rstrip('. ')}. Where it diverged: {lines[v.scenario]}")
+        if v.scenario in lines and v.scenario in failing and v.status == FAIL and v.check in LOCALISED_CHECKS
+        else v
+        for v in result.verdicts
+    ]
 
 
 def row_of(found) -> dict:
     p = found.point
-    base = {"scenario": found.scenario.id, "yardstick": found.yardstick.id,
-            "steps": f"{found.steps[0]}-{found.steps[-1]}"}
+    base = {
+        "scenario": found.scenario.id,
+        "yardstick": found.yardstick.id,
+        "steps": f"{found.steps[0]}-{found.steps[-1]}",
+    }
     if p is None:
         return {**base, "element": "no divergence: every traced op and state matches the yardstick bit for bit"}
-    return {**base, "step": p.step, "micro_batch": p.pass_, "phase": p.phase, "module": p.module, "op": p.op,
-            "ranks": ",".join(map(str, p.ranks)), "element": p.detail, "rounding": bool(p.rounding),
-            "context": "\n".join("\t".join(row) for row in p.context)}
+    return {
+        **base,
+        "step": p.step,
+        "micro_batch": p.pass_,
+        "phase": p.phase,
+        "module": p.module,
+        "op": p.op,
+        "ranks": ",".join(map(str, p.ranks)),
+        "element": p.detail,
+        "rounding": bool(p.rounding),
+        "context": "\n".join("\t".join(row) for row in p.context),
+    }

@@ -39,9 +39,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-U32 = 2.0 ** -24  # unit roundoff of fp32
-STATE_SLOTS = {"grads_reduced": (1000, "gradient reduction"), "grads_clipped": (1001, "clipping"),
-               "params_after": (1002, "optimizer step")}
+U32 = 2.0**-24  # unit roundoff of fp32
+STATE_SLOTS = {
+    "grads_reduced": (1000, "gradient reduction"),
+    "grads_clipped": (1001, "clipping"),
+    "params_after": (1002, "optimizer step"),
+}
 
 
 @dataclass
@@ -66,9 +69,11 @@ class Point:
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Distance of two fp32 tensors in units in the last place (on the integer line of fp32 values)."""
+
     def line(t):
         i = t.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
         return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
+
     return (line(a) - line(b)).abs()
 
 
@@ -80,8 +85,11 @@ def element(name: str, here: torch.Tensor, there: torch.Tensor, row0: int = 0) -
     a, b = here.reshape(-1).double(), there.reshape(-1).double()
     diff = (a - b).abs()
     diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
-    differ = int((here.reshape(-1) != there.reshape(-1)).sum()) if not here.is_floating_point() else int(
-        ((a != b) & ~(torch.isnan(a) & torch.isnan(b))).sum())
+    differ = (
+        int((here.reshape(-1) != there.reshape(-1)).sum())
+        if not here.is_floating_point()
+        else int(((a != b) & ~(torch.isnan(a) & torch.isnan(b))).sum())
+    )
     flat = int(diff.argmax())
     idx = list(torch.unravel_index(torch.tensor(flat), here.shape)) if here.dim() else []
     idx = [int(i) for i in idx]
@@ -90,17 +98,28 @@ def element(name: str, here: torch.Tensor, there: torch.Tensor, row0: int = 0) -
     where = f"{name}[{', '.join(map(str, idx))}]" if idx else name
     dist = ""
     if here.is_floating_point():
-        dist = f", {int(ulps(here.reshape(-1)[flat:flat + 1].float(), there.reshape(-1)[flat:flat + 1].float()))} ulps"
-    return (f"{where}: {float(a[flat]):.9g} here, {float(b[flat]):.9g} in the yardstick{dist}; "
-            f"{differ} of {a.numel()} elements differ"), flat
+        dist = (
+            f", {int(ulps(here.reshape(-1)[flat : flat + 1].float(), there.reshape(-1)[flat : flat + 1].float()))} ulps"
+        )
+    return (
+        f"{where}: {float(a[flat]):.9g} here, {float(b[flat]):.9g} in the yardstick{dist}; "
+        f"{differ} of {a.numel()} elements differ"
+    ), flat
 
 
 # ---------------------------------------------------------------------------------------------- ops ---
 def _ops(trace: dict, step: int, pass_: int, phases, prep: bool = True) -> list[dict]:
     """The step's ops of pass `pass_` in `phases` that have a value; without the parameters' preparation
     (ops on parameters alone: trace.StepTracer._from_params) unless `prep`."""
-    return [o for o in trace["ops"] if o["step"] == step and o["pass"] == pass_ and o["phase"] in phases
-            and o.get("digest") is not None and (prep or not o.get("prep"))]
+    return [
+        o
+        for o in trace["ops"]
+        if o["step"] == step
+        and o["pass"] == pass_
+        and o["phase"] in phases
+        and o.get("digest") is not None
+        and (prep or not o.get("prep"))
+    ]
 
 
 def first_unmatched(ref_ops: list[dict], ops: list[dict]):
@@ -114,8 +133,10 @@ def first_unmatched(ref_ops: list[dict], ops: list[dict]):
     pos, used, matched = defaultdict(int), set(), {}
     for r in ref_ops:
         seq, i = by_module[r["module"]], pos[r["module"]]
-        while i < len(seq) and (seq[i]["i"] in used or not (seq[i]["op"] == r["op"] and seq[i]["digest"] == r["digest"]
-                                                             and seq[i]["shape"] == r["shape"])):
+        while i < len(seq) and (
+            seq[i]["i"] in used
+            or not (seq[i]["op"] == r["op"] and seq[i]["digest"] == r["digest"] and seq[i]["shape"] == r["shape"])
+        ):
             i += 1
         if i < len(seq):
             used.add(seq[i]["i"])
@@ -131,7 +152,7 @@ def first_unmatched(ref_ops: list[dict], ops: list[dict]):
             continue
         start = pos[r["module"]]
         cand = next((o for o in seq[start:] if o["op"] == r["op"] and o["shape"] == r["shape"]), None)
-        after = seq[seq.index(cand) + 1:] if cand is not None else seq[start:]
+        after = seq[seq.index(cand) + 1 :] if cand is not None else seq[start:]
         return r, cand, (matched, after)
     return None
 
@@ -144,15 +165,20 @@ def _op_point(step, slot, phase, pass_, ref_trace, trace, ref_ops, ops, found) -
         detail = "the rank ran no such op in this module where the yardstick did"
     else:
         mine, theirs = trace["values"].get(cand["i"]), ref_trace["values"].get(r["i"])
-        detail = (element("output", mine, theirs)[0] if mine is not None and theirs is not None
-                  else "values not kept (over the trace's keep_bytes): the op's output hashes differ")
+        detail = (
+            element("output", mine, theirs)[0]
+            if mine is not None and theirs is not None
+            else "values not kept (over the trace's keep_bytes): the op's output hashes differ"
+        )
     seq = [o for o in ref_ops if o["module"] == r["module"]]
     at = seq.index(r)
     name = lambda o: f"{o['op']} {o['shape'][0] if o['shape'] else ''}".strip()  # noqa: E731
-    context = [(name(o), name(matched[o["i"]]) if o["i"] in matched else "", "same") for o in seq[max(0, at - 3):at]]
+    context = [(name(o), name(matched[o["i"]]) if o["i"] in matched else "", "same") for o in seq[max(0, at - 3) : at]]
     context.append((name(r), name(cand) if cand is not None else "(none)", "DIFFERS"))
-    context += [(name(o), name(mine) if mine is not None else "", "") for o, mine in
-                zip(seq[at + 1:at + 4], after[:3] + [None] * 3)]
+    context += [
+        (name(o), name(mine) if mine is not None else "", "")
+        for o, mine in zip(seq[at + 1 : at + 4], after[:3] + [None] * 3)
+    ]
     return Point(step, slot, phase, r["module"], op, detail, pass_=pass_, context=context)
 
 
@@ -195,20 +221,29 @@ def compare_state(mine: dict, ref: dict, allowance: dict | None = None, what: st
             return name, f"{name}: the rank holds no {what} of it where the yardstick has one", False
         rows, local = mine[name]
         if rows is not None and local.dim() and local.shape[0] > rows[1] - rows[0]:
-            pad = local[rows[1] - rows[0]:]
+            pad = local[rows[1] - rows[0] :]
             if bool((pad != 0).any()):
                 at = int((pad != 0).reshape(pad.shape[0], -1).any(1).nonzero()[0])
-                return name, (f"{name}: padding row {at} beyond the {rows[1] - rows[0]} rows the rank holds is "
-                              f"not zero ({float(pad[at].reshape(-1)[0]):.9g}, ...)"), False
+                return (
+                    name,
+                    (
+                        f"{name}: padding row {at} beyond the {rows[1] - rows[0]} rows the rank holds is "
+                        f"not zero ({float(pad[at].reshape(-1)[0]):.9g}, ...)"
+                    ),
+                    False,
+                )
         if rows is not None:
-            theirs, row0 = full[rows[0]:rows[1]], rows[0]
+            theirs, row0 = full[rows[0] : rows[1]], rows[0]
         elif local.shape == full.shape:
             theirs, row0 = full, 0
         else:
-            return name, (f"{name}: held as {list(local.shape)}, not as dim-0 rows of the full "
-                          f"{list(full.shape)}: no mapping"), False
+            return (
+                name,
+                (f"{name}: held as {list(local.shape)}, not as dim-0 rows of the full {list(full.shape)}: no mapping"),
+                False,
+            )
         if local.shape != theirs.shape:
-            local = local[:theirs.shape[0]] if local.dim() and local.shape[1:] == theirs.shape[1:] else local
+            local = local[: theirs.shape[0]] if local.dim() and local.shape[1:] == theirs.shape[1:] else local
         if theirs.device != local.device:  # state offloaded to the host against the yardstick's on the device
             theirs = theirs.to(local.device)
         if local.shape == theirs.shape and torch.equal(local, theirs):
@@ -217,15 +252,25 @@ def compare_state(mine: dict, ref: dict, allowance: dict | None = None, what: st
         within = False
         if allowance is not None and name in allowance and local.shape == theirs.shape and flat >= 0:
             bound = allowance[name]
-            bound = bound[row0:row0 + theirs.shape[0]] if rows is not None else bound
+            bound = bound[row0 : row0 + theirs.shape[0]] if rows is not None else bound
             within = bool(((local.double() - theirs.double()).abs() <= bound.reshape(local.shape)).all())
         return name, detail, within
     return None
 
 
 # ------------------------------------------------------------------------------------------- a rank ---
-def first_point(ref: dict, mine: dict, *, rank: int, world_size: int, split: bool, passes: int,
-                steps: list[int], resumed_at: int = 0, carried: bool = False) -> Point | None:
+def first_point(
+    ref: dict,
+    mine: dict,
+    *,
+    rank: int,
+    world_size: int,
+    split: bool,
+    passes: int,
+    steps: list[int],
+    resumed_at: int = 0,
+    carried: bool = False,
+) -> Point | None:
     """Where rank `rank`'s trace `mine` first parts from the yardstick's `ref` beyond rounding; else the
     first place they part by a reduction's rounding alone (Point.rounding), or None. The yardstick starts
     each step after the first from the parameters the run holds (replay.assemble), so a step is compared
@@ -238,11 +283,17 @@ def first_point(ref: dict, mine: dict, *, rank: int, world_size: int, split: boo
     units = ref.get("units", [])
     rounded, apart, steady = None, carried, None
     for step in steps:
-        before = compare_state(_state(mine, step, "params_before") or {}, _state(ref, step, "params_before") or {},
-                               what="parameter")
+        before = compare_state(
+            _state(mine, step, "params_before") or {}, _state(ref, step, "params_before") or {}, what="parameter"
+        )
         if before is not None:
-            phase = ("checkpoint load" if resumed_at and step == resumed_at + 1 else
-                     "initial parameters" if step == 1 else "parameters at the start of the step")
+            phase = (
+                "checkpoint load"
+                if resumed_at and step == resumed_at + 1
+                else "initial parameters"
+                if step == 1
+                else "parameters at the start of the step"
+            )
             return Point(step, 0, phase, unit_of(before[0], units), "(parameters held)", before[1])
         for j in range(passes):
             found = _pass_point(ref, mine, step, j, rank * passes + j if split else j)
@@ -264,15 +315,30 @@ def first_point(ref: dict, mine: dict, *, rank: int, world_size: int, split: boo
             if not theirs or ours is None:
                 continue
             slot, phase = STATE_SLOTS[what]
-            bound = allowance if what == "grads_reduced" else (
-                {k: v + 2 * (world_size + 2) * U32 * theirs[k][1].double().abs() for k, v in allowance.items()
-                 if k in theirs} if what == "grads_clipped" else None)
+            bound = (
+                allowance
+                if what == "grads_reduced"
+                else (
+                    {
+                        k: v + 2 * (world_size + 2) * U32 * theirs[k][1].double().abs()
+                        for k, v in allowance.items()
+                        if k in theirs
+                    }
+                    if what == "grads_clipped"
+                    else None
+                )
+            )
             found = compare_state(ours, theirs, bound, what="gradient" if what.startswith("grads") else "parameter")
             if found is None:
                 continue
             name, detail, within = found
-            op = (_reduction_op(mine, step, unit_of(name, units)) if what == "grads_reduced" else
-                  "the clipping coefficient applied" if what == "grads_clipped" else "the optimizer's update")
+            op = (
+                _reduction_op(mine, step, unit_of(name, units))
+                if what == "grads_reduced"
+                else "the clipping coefficient applied"
+                if what == "grads_clipped"
+                else "the optimizer's update"
+            )
             point = Point(step, slot, phase, unit_of(name, units), op, detail, rounding=within)
             if not within:
                 return point
@@ -297,9 +363,11 @@ def _pass_point(ref: dict, mine: dict, step: int, j: int, r_pass: int) -> Point 
     """The first op of the rank's pass `j` (the yardstick's pass `r_pass`) that parts from the yardstick's:
     forward, then a recomputation (held to the yardstick's forward of the modules recomputed), then
     backward."""
-    for slot, phase, ref_phases, my_phases in ((1, "forward", ("forward",), ("forward",)),
-                                                (2, "recomputation", ("forward",), ("recomputation",)),
-                                                (3, "backward", ("backward",), ("backward",))):
+    for slot, phase, ref_phases, my_phases in (
+        (1, "forward", ("forward",), ("forward",)),
+        (2, "recomputation", ("forward",), ("recomputation",)),
+        (3, "backward", ("backward",), ("backward",)),
+    ):
         ops = _ops(mine, step, j, my_phases)
         if not ops and phase == "recomputation":
             continue
@@ -323,14 +391,31 @@ def reduction_rank(traces: list[dict], step: int) -> int | None:
     return odd[0] if len(odd) == 1 and all(sent[a] == sent[agree[0]] for a in agree) else None
 
 
-def localise(ref: dict, traces: list[dict], *, split: bool, passes: int, steps: list[int],
-             resumed_at: int = 0, carried: bool = False) -> Point | None:
+def localise(
+    ref: dict,
+    traces: list[dict],
+    *,
+    split: bool,
+    passes: int,
+    steps: list[int],
+    resumed_at: int = 0,
+    carried: bool = False,
+) -> Point | None:
     """The earliest point over the ranks where the run parted from its yardstick, with every rank that
     parted there (Point.ranks), or None when every traced step matches."""
     points = {}
     for rank, mine in enumerate(traces):
-        p = first_point(ref, mine, rank=rank, world_size=len(traces), split=split, passes=passes,
-                        steps=steps, resumed_at=resumed_at, carried=carried)
+        p = first_point(
+            ref,
+            mine,
+            rank=rank,
+            world_size=len(traces),
+            split=split,
+            passes=passes,
+            steps=steps,
+            resumed_at=resumed_at,
+            carried=carried,
+        )
         if p is not None:
             points[rank] = p
     if not points:

@@ -40,9 +40,12 @@ class SentRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         found = classify(func, tuple(args))
         if found is not None:
-            values = [t.detach().reshape(-1).to("cpu", torch.float64).tolist()
-                      for a in args for t in tensors_of(a)
-                      if t.is_floating_point() and 0 < t.numel() <= MAX_RECORDED]
+            values = [
+                t.detach().reshape(-1).to("cpu", torch.float64).tolist()
+                for a in args
+                for t in tensors_of(a)
+                if t.is_floating_point() and 0 < t.numel() <= MAX_RECORDED
+            ]
             self.sent.append((f"{found[0]} ({func._overloadpacket.__name__})", values))
         return func(*args, **kwargs)
 
@@ -78,13 +81,18 @@ def _matches(values: list[float], own: torch.Tensor, bound: float) -> bool:
     return False
 
 
-def localise(truth_norms, ranks: list[dict], indices: list[list[int]], final: list[list[float]],
-             bound: float) -> PerSampleLocalised:
+def localise(
+    truth_norms, ranks: list[dict], indices: list[list[int]], final: list[list[float]], bound: float
+) -> PerSampleLocalised:
     """`ranks`: each rank's traced_task output's "sent"; `indices`: each rank's own global sample indices;
     `final`: each rank's norms in global order after the exchange."""
     truth = torch.tensor(list(truth_norms), dtype=torch.float64)
-    bad = [(r, k) for r, norms in enumerate(final) for k, x in enumerate(norms)
-           if not abs(x - float(truth[k])) / abs(float(truth[k])) < bound]
+    bad = [
+        (r, k)
+        for r, norms in enumerate(final)
+        for k, x in enumerate(norms)
+        if not abs(x - float(truth[k])) / abs(float(truth[k])) < bound
+    ]
     if not bad:
         return PerSampleLocalised("nothing", None, None, ["every rank's norms match the truth: nothing to localise"])
     r_bad, k_bad = bad[0]
@@ -94,17 +102,27 @@ def localise(truth_norms, ranks: list[dict], indices: list[list[int]], final: li
         hit = next((i for i, (_, args) in enumerate(sent) if any(_matches(a, own, bound) for a in args)), None)
         if hit is None:
             return PerSampleLocalised(
-                "computation", r, None,
-                [f"computation on rank {r}: none of what it sent into its {len(sent)} collectives holds its own "
-                 f"samples' norms ({len(indices[r])}) or their squares within {bound:g} of the truth (its own norms "
-                 "were wrong before any exchange, or sent in a form this search does not read)"])
+                "computation",
+                r,
+                None,
+                [
+                    f"computation on rank {r}: none of what it sent into its {len(sent)} collectives holds its own "
+                    f"samples' norms ({len(indices[r])}) or their squares within {bound:g} of the truth (its own norms "
+                    "were wrong before any exchange, or sent in a form this search does not read)"
+                ],
+            )
         hits.append(hit)
     i, kind = hits[r_bad], ranks[r_bad][hits[r_bad]][0]
     return PerSampleLocalised(
-        "exchange", r_bad, f"#{i + 1} {kind}",
-        [f"exchange: every rank's own samples' norms were right (within {bound:g}) when sent into a collective; "
-         f"rank {r_bad}'s: collective #{i + 1}, {kind}",
-         f"rank {r_bad}, sample {k_bad}: {final[r_bad][k_bad]:.6g} after the exchange, truth {float(truth[k_bad]):.6g}"])
+        "exchange",
+        r_bad,
+        f"#{i + 1} {kind}",
+        [
+            f"exchange: every rank's own samples' norms were right (within {bound:g}) when sent into a collective; "
+            f"rank {r_bad}'s: collective #{i + 1}, {kind}",
+            f"rank {r_bad}, sample {k_bad}: {final[r_bad][k_bad]:.6g} after the exchange, truth {float(truth[k_bad]):.6g}",
+        ],
+    )
 
 
 def own_indices(batch: int, world_size: int, mode: str) -> list[list[int]]:
@@ -121,5 +139,10 @@ def replay(pool, world_size: int, task: str, payload: dict, variant: str, truth_
     `truth_norms`. `payload` gives the data layout (batch, mode) as the task reads it."""
     payload = {**payload, "variants": [variant]}
     ranks = pool.get(world_size, "gloo").call(TRACED_TASK, {"task": task, "payload": payload})
-    return localise(truth_norms, [r["sent"] for r in ranks], own_indices(payload["batch"], world_size, payload["mode"]),
-                    [r["result"]["norms"][variant] for r in ranks], PER_SAMPLE_RTOL)
+    return localise(
+        truth_norms,
+        [r["sent"] for r in ranks],
+        own_indices(payload["batch"], world_size, payload["mode"]),
+        [r["result"]["norms"][variant] for r in ranks],
+        PER_SAMPLE_RTOL,
+    )

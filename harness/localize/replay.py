@@ -49,8 +49,13 @@ class Localised:
         if p is None:
             return "no divergence from the yardstick in the traced steps"
         parts = [f"step {p.step}"] + ([f"micro-batch {p.pass_}"] if p.pass_ is not None else [])
-        parts += [p.phase + (" (rounding only)" if p.rounding else ""), p.module, p.op,
-                  f"rank{'s' if len(p.ranks) > 1 else ''} {','.join(map(str, p.ranks))}", p.detail]
+        parts += [
+            p.phase + (" (rounding only)" if p.rounding else ""),
+            p.module,
+            p.op,
+            f"rank{'s' if len(p.ranks) > 1 else ''} {','.join(map(str, p.ranks))}",
+            p.detail,
+        ]
         return ", ".join(parts)
 
     def lines(self) -> list[str]:
@@ -58,27 +63,36 @@ class Localised:
         sc, p = self.scenario, self.point
         head = f"{sc.id} against {self.yardstick.id}, steps {self.steps[0]}-{self.steps[-1]}:"
         if p is None:
-            return [head, "  no divergence: every traced op and every rank's parameters, gradients and updates "
-                          "match the yardstick bit for bit"]
+            return [
+                head,
+                "  no divergence: every traced op and every rank's parameters, gradients and updates "
+                "match the yardstick bit for bit",
+            ]
         if p.rounding:
-            head += (" no divergence beyond rounding: the gradients after the reduction differ from the "
-                     "yardstick's by no more than summing the same terms in another order gives (2 (n-1) u "
-                     "sum|g_i| per element), first at")
+            head += (
+                " no divergence beyond rounding: the gradients after the reduction differ from the "
+                "yardstick's by no more than summing the same terms in another order gives (2 (n-1) u "
+                "sum|g_i| per element), first at"
+            )
         lines = [head, f"  step         {p.step}"]
         if p.pass_ is not None:
             lines.append(f"  micro-batch  {p.pass_} of {passes_per_step(sc.feature)} on the rank")
-        lines += [f"  phase        {p.phase}" + (" (rounding only)" if p.rounding else ""),
-                  f"  module       {p.module}", f"  op           {p.op}",
-                  f"  rank         {', '.join(map(str, p.ranks))} of {sc.world_size}",
-                  f"  element      {p.detail}"]
+        lines += [
+            f"  phase        {p.phase}" + (" (rounding only)" if p.rounding else ""),
+            f"  module       {p.module}",
+            f"  op           {p.op}",
+            f"  rank         {', '.join(map(str, p.ranks))} of {sc.world_size}",
+            f"  element      {p.detail}",
+        ]
         if p.context:
-            lines.append(f"  {'the yardstick: ops of that module around it':<46} {'the rank: the ops in their place':<40}")
+            lines.append(
+                f"  {'the yardstick: ops of that module around it':<46} {'the rank: the ops in their place':<40}"
+            )
             lines += [f"    {ref:<44} {mine:<40} {mark}" for ref, mine, mark in p.context]
         return lines
 
 
-def replay(sc: Scenario, *, pool, workdir: Path, steps: int | None = None,
-           keep_bytes: int = KEEP_BYTES) -> Localised:
+def replay(sc: Scenario, *, pool, workdir: Path, steps: int | None = None, keep_bytes: int = KEEP_BYTES) -> Localised:
     """Run `sc` and its yardstick traced up to `steps` (default: all) in `pool`'s worlds, and compare."""
     from harness.execute.executor import TASK, payload_of
 
@@ -116,15 +130,30 @@ def replay(sc: Scenario, *, pool, workdir: Path, steps: int | None = None,
         applied = force_grads and (assemble(traces, step, "grads_clipped") or assemble(traces, step, "grads_reduced"))
         if applied:
             save_params(applied, force_dir / f"grads{step}.pt")
-    run(ref, {**traced, "pass_grads": ref.micro_batches * passes_per_step(ref.feature) > 1,
-              "slices_summed": ref.micro_batches > 1, "force_dir": str(force_dir)})
+    run(
+        ref,
+        {
+            **traced,
+            "pass_grads": ref.micro_batches * passes_per_step(ref.feature) > 1,
+            "slices_summed": ref.micro_batches > 1,
+            "force_dir": str(force_dir),
+        },
+    )
     ref_trace = _load(workdir / ref.id / "trace", 1)[0]
     # a checkpoint saved at another world size carries that trajectory's rounding (and its optimizer state's)
-    natural = next((st["params"] for st in ref_trace["state"] if st["step"] == start and st["what"] == "params_after"),
-                   {})
+    natural = next(
+        (st["params"] for st in ref_trace["state"] if st["step"] == start and st["what"] == "params_after"), {}
+    )
     carried = any(name in natural and not torch.equal(full, natural[name][1]) for name, full in saved.items())
-    point = localise(ref_trace, traces, split=sc.data_mode == "split" and sc.world_size > 1,
-                     passes=passes_per_step(sc.feature), steps=step_list, resumed_at=start, carried=carried)
+    point = localise(
+        ref_trace,
+        traces,
+        split=sc.data_mode == "split" and sc.world_size > 1,
+        passes=passes_per_step(sc.feature),
+        steps=step_list,
+        resumed_at=start,
+        carried=carried,
+    )
     return Localised(sc, ref, point, step_list)
 
 
@@ -141,7 +170,7 @@ def assemble(traces: list[dict], step: int, what: str = "params_after") -> dict[
             if rows is None:
                 pieces[name].setdefault(-1, local)
             elif rows[1] > rows[0]:
-                pieces[name].setdefault(rows[0], local[:rows[1] - rows[0]])
+                pieces[name].setdefault(rows[0], local[: rows[1] - rows[0]])
     full = {}
     for name, parts in pieces.items():
         if -1 in parts:  # a whole copy
@@ -182,8 +211,9 @@ def localize(sc: Scenario, *, steps: int | None = None, timeout_s: float = 300.0
         return replay(sc, pool=pool, workdir=Path(d), steps=steps)
 
 
-def scenario_of_id(text: str, *, steps: int = 10, lr: float = 1e-2, global_batch: int = 16,
-                   backend: str = "gloo") -> Scenario:
+def scenario_of_id(
+    text: str, *, steps: int = 10, lr: float = 1e-2, global_batch: int = 16, backend: str = "gloo"
+) -> Scenario:
     """The scenario an id names (harness.core.scenario.scenario_id), with the run's steps, lr and global batch
     (an id does not carry them); ValueError (one line) for text that is not such an id."""
     import re
@@ -194,17 +224,23 @@ def scenario_of_id(text: str, *, steps: int = 10, lr: float = 1e-2, global_batch
     tokens = text.strip().split("-")
     at = next((i for i, t in enumerate(tokens) if re.fullmatch(r"ws\d+", t) and i >= 2), None)
     # a user's optimizer 'pkg.mod:factory' is spelled 'pkg.mod.factory' (scenario_id's slug)
-    if (at is None or len(tokens) < at + 3 or tokens[at + 1] not in DATA_MODES
-            or not (tokens[at + 2] in OPTIMIZERS or "." in tokens[at + 2])):
-        raise ValueError(f"{text!r} is not a scenario id (impl-model-wsW-mode-optimizer[-feature][-fromW][-seedN], "
-                         "as the report and the console name them)")
-    impl, model = "-".join(tokens[:at - 1]), tokens[at - 1]
+    if (
+        at is None
+        or len(tokens) < at + 3
+        or tokens[at + 1] not in DATA_MODES
+        or not (tokens[at + 2] in OPTIMIZERS or "." in tokens[at + 2])
+    ):
+        raise ValueError(
+            f"{text!r} is not a scenario id (impl-model-wsW-mode-optimizer[-feature][-fromW][-seedN], "
+            "as the report and the console name them)"
+        )
+    impl, model = "-".join(tokens[: at - 1]), tokens[at - 1]
     if impl not in BUILTIN_ADAPTERS:
-        impl = "cs336:" + impl[len("cs336."):] if impl.startswith("cs336.") else ":".join(impl.rsplit(".", 1))
+        impl = "cs336:" + impl[len("cs336.") :] if impl.startswith("cs336.") else ":".join(impl.rsplit(".", 1))
     if model not in MODELS + STANDARD_MODELS:
         model = HF_PREFIX + model[3:] if model.startswith("hf.") else ":".join(model.rsplit(".", 1))
     fields = {"feature": "plain"}
-    for t in tokens[at + 3:]:
+    for t in tokens[at + 3 :]:
         for key, pattern in (("resume_from", r"from(\d+)"), ("seed", r"seed(\d+)"), ("nudge", r"nudge(\d+)")):
             m = re.fullmatch(pattern, t)
             if m:
@@ -215,5 +251,15 @@ def scenario_of_id(text: str, *, steps: int = 10, lr: float = 1e-2, global_batch
                 raise ValueError(f"{text!r} is a reference or noise probe: there is nothing to localise it against")
             fields["feature"] = check_feature(t)
     optimizer = tokens[at + 2] if tokens[at + 2] in OPTIMIZERS else ":".join(tokens[at + 2].rsplit(".", 1))
-    return Scenario(impl, model, int(tokens[at][2:]), tokens[at + 1], optimizer, steps=steps, lr=lr,
-                    global_batch=global_batch, backend=backend, **fields)
+    return Scenario(
+        impl,
+        model,
+        int(tokens[at][2:]),
+        tokens[at + 1],
+        optimizer,
+        steps=steps,
+        lr=lr,
+        global_batch=global_batch,
+        backend=backend,
+        **fields,
+    )

@@ -39,9 +39,18 @@ def candidates(scenarios: list[Scenario], verdicts: list[Verdict], bounds: Bound
     out = []
     for i, v in enumerate(verdicts):
         sc = by_id.get(v.scenario)
-        if (v.check != CHECK or v.status != FAIL or sc is None or sc.impl == REFERENCE_IMPL or v.step is None
-                or failing.get(v.scenario) != 1 or sc.optimizer not in OPTIMIZERS or sc.resume_from
-                or v.measured is None or not v.measured == v.measured):
+        if (
+            v.check != CHECK
+            or v.status != FAIL
+            or sc is None
+            or sc.impl == REFERENCE_IMPL
+            or v.step is None
+            or failing.get(v.scenario) != 1
+            or sc.optimizer not in OPTIMIZERS
+            or sc.resume_from
+            or v.measured is None
+            or not v.measured == v.measured
+        ):
             continue
         reach = bounds.reach(sc.optimizer, sc.lr, sc.steps)
         if reach > 0 and v.measured <= reach:
@@ -49,8 +58,9 @@ def candidates(scenarios: list[Scenario], verdicts: list[Verdict], bounds: Bound
     return out
 
 
-def replay_crossings(scenarios: list[Scenario], verdicts: list[Verdict], pool, bounds: Bounds = Bounds(),
-                     say=lambda line: None) -> list[Verdict]:
+def replay_crossings(
+    scenarios: list[Scenario], verdicts: list[Verdict], pool, bounds: Bounds = Bounds(), say=lambda line: None
+) -> list[Verdict]:
     """`verdicts` with each candidate crossing replayed (`pool`: a WorldPool): PASS held to the reach where
     every step matched its yardstick beyond rounding, else FAIL naming where the run parted."""
     chosen = candidates(scenarios, verdicts, bounds)
@@ -62,8 +72,9 @@ def replay_crossings(scenarios: list[Scenario], verdicts: list[Verdict], pool, b
         v = out[i]
         found, why = replay_or_why(sc, pool=pool, steps=v.step)
         if found is None:  # the verdict stands as judged; the replay says why it could not run
-            out[i] = dataclasses.replace(v, message=f"{v.message.rstrip('. ')}. The crossing could not be "
-                                                    f"{REPLAYED} ({why}), so it stands")
+            out[i] = dataclasses.replace(
+                v, message=f"{v.message.rstrip('. ')}. The crossing could not be {REPLAYED} ({why}), so it stands"
+            )
             continue
         out[i] = judged(v, sc, found, bounds)
         say(f"  {sc.id}: {out[i].status}")
@@ -74,16 +85,28 @@ def judged(v: Verdict, sc: Scenario, found, bounds: Bounds) -> Verdict:
     """The crossing `v` after its replay `found` (harness.localize.replay.Localised)."""
     steps = f"steps {found.steps[0]}-{found.steps[-1]}"
     if found.diverged:
-        return dataclasses.replace(v, message=f"{v.message.rstrip('. ')}. The run, {REPLAYED} ({steps}), "
-                                              f"parted from the plain model's computation: {found.short()}")
+        return dataclasses.replace(
+            v,
+            message=f"{v.message.rstrip('. ')}. The run, {REPLAYED} ({steps}), "
+            f"parted from the plain model's computation: {found.short()}",
+        )
     reach = bounds.reach(sc.optimizer, sc.lr, sc.steps)
-    how = ("every op bit for bit" if found.point is None else
-           "forward and backward bit for bit, the gradient reduction within the rounding of summing its terms in "
-           "another order, the optimizer's update bit for bit")
-    return dataclasses.replace(v, status=PASS, bound=reach, message=(
-        f"{v.message.rstrip('. ')}. Not the implementation: {REPLAYED} ({steps}) from the run's own "
-        f"parameters and gradients, every step computed what the plain model computes there ({how}), so the "
-        f"trajectory left the full batch's by the model's own amplification of rounding (model-sensitive, found "
-        f"by replay: a token near a kink such as a ReLU's zero, sent the other way, then AdamW's step of its own "
-        f"size). Held instead to AdamW's reach {reach:.3g}, the most two runs can part by whatever their "
-        f"gradients (harness/core/policy.py [Note: trajectory replayed])"))
+    how = (
+        "every op bit for bit"
+        if found.point is None
+        else "forward and backward bit for bit, the gradient reduction within the rounding of summing its terms in "
+        "another order, the optimizer's update bit for bit"
+    )
+    return dataclasses.replace(
+        v,
+        status=PASS,
+        bound=reach,
+        message=(
+            f"{v.message.rstrip('. ')}. Not the implementation: {REPLAYED} ({steps}) from the run's own "
+            f"parameters and gradients, every step computed what the plain model computes there ({how}), so the "
+            f"trajectory left the full batch's by the model's own amplification of rounding (model-sensitive, found "
+            f"by replay: a token near a kink such as a ReLU's zero, sent the other way, then AdamW's step of its own "
+            f"size). Held instead to AdamW's reach {reach:.3g}, the most two runs can part by whatever their "
+            f"gradients (harness/core/policy.py [Note: trajectory replayed])"
+        ),
+    )

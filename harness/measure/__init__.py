@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import importlib
 
-_WHERE = {"CommCounter": "comm", "state_bytes": "memory", "PeakMemory": "memory", "CATEGORIES": "memory",
-          "ideal_state_bytes": "ideals", "ideal_comm_elements": "ideals"}
+_WHERE = {
+    "CommCounter": "comm",
+    "state_bytes": "memory",
+    "PeakMemory": "memory",
+    "CATEGORIES": "memory",
+    "ideal_state_bytes": "ideals",
+    "ideal_comm_elements": "ideals",
+}
 __all__ = list(_WHERE)
 
 

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -133,7 +134,7 @@ class Census:
                 _KEPT.clear()
                 gc.unfreeze()
 
-    def __enter__(self) -> "Census":
+    def __enter__(self) -> Census:
         return self
 
     def __exit__(self, exc_type, *exc: object) -> None:
@@ -145,24 +146,26 @@ class Census:
         torch.cuda.synchronize(self.device)
         return int(torch.cuda.memory_allocated(self.device))
 
-    def new_tensors(self, exclude: Iterable[torch.Tensor] = (), device_type: str | None = None
-                    ) -> dict[int, tuple[int, torch.Tensor]]:
+    def new_tensors(
+        self, exclude: Iterable[torch.Tensor] = (), device_type: str | None = None
+    ) -> dict[int, tuple[int, torch.Tensor]]:
         """The storages on this census's device (or on `device_type`) alive now that were not at
         construction, less those of `exclude`."""
         skip, device_type = self.before | _keys(exclude), device_type or self.device.type
-        return {k: v for k, v in live_tensors().items()
-                if k not in skip and local_tensor(v[1]).device.type == device_type}
+        return {
+            k: v for k, v in live_tensors().items() if k not in skip and local_tensor(v[1]).device.type == device_type
+        }
 
     def optimizers(self, optimizer: Any) -> list[Any]:
         """`optimizer` (one or several) and every other ``torch.optim.Optimizer`` alive that the
         scenario made: whatever an adapter's optimizer wraps, its state is found."""
         given = optimizer_list(optimizer)
         seen = {id(o) for o in given}
-        return given + [o for o in gc.get_objects()
-                        if issubclass(type(o), torch.optim.Optimizer) and id(o) not in seen]
+        return given + [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer) and id(o) not in seen]
 
-    def classify(self, model: nn.Module, optimizer: Any, exclude: Iterable[torch.Tensor] = (),
-                 device_type: str | None = None) -> list[tuple[str, int, torch.Tensor]]:
+    def classify(
+        self, model: nn.Module, optimizer: Any, exclude: Iterable[torch.Tensor] = (), device_type: str | None = None
+    ) -> list[tuple[str, int, torch.Tensor]]:
         """(category, bytes, a tensor using it) per storage on this census's device (or `device_type`)
         alive now that was not at construction."""
         owner: dict[int, str] = {}
@@ -170,11 +173,16 @@ class Census:
         for cat, tensors in groups.items():
             for k in _keys(tensors):
                 owner.setdefault(k, cat)
-        return [(owner.get(k, "other"), nbytes, t)
-                for k, (nbytes, t) in self.new_tensors(exclude, device_type).items()]
+        return [(owner.get(k, "other"), nbytes, t) for k, (nbytes, t) in self.new_tensors(exclude, device_type).items()]
 
-    def held(self, model: nn.Module, optimizer: Any, exclude: Iterable[torch.Tensor] = (), settle: bool = True,
-             tolerated: int = 0) -> dict[str, int]:
+    def held(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        exclude: Iterable[torch.Tensor] = (),
+        settle: bool = True,
+        tolerated: int = 0,
+    ) -> dict[str, int]:
         """Bytes held now, by category (HELD_CATEGORIES), each storage once.
 
         A communication thread may let go of a collective's buffers a moment after the collective

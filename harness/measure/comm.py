@@ -43,8 +43,9 @@ import ctypes
 import threading
 import zlib
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -65,10 +66,10 @@ class Size:
     bytes: int = 0
     dtype: str = ""
 
-    def __mul__(self, k: int) -> "Size":
+    def __mul__(self, k: int) -> Size:
         return Size(self.elements * int(k), self.bytes * int(k), self.dtype)
 
-    def __add__(self, other: "Size") -> "Size":
+    def __add__(self, other: Size) -> Size:
         dtype = self.dtype if other.dtype in ("", self.dtype) else other.dtype if not self.dtype else "mixed"
         return Size(self.elements + other.elements, self.bytes + other.bytes, dtype)
 
@@ -95,6 +96,7 @@ def _pg_size(pg: Any) -> int:
     """World size of the group argument (a boxed ``ScriptObject`` at the dispatcher)."""
     if isinstance(pg, torch.ScriptObject):
         import torch.distributed as dist
+
         pg = dist.ProcessGroup.unbox(pg)
     return int(pg.size())
 
@@ -109,6 +111,7 @@ def _group_ranks(args: tuple) -> int:
         if isinstance(a, str):  # a functional collective's group name (or its reduce op: not a group)
             try:
                 from torch.distributed.distributed_c10d import _resolve_process_group
+
                 return int(_resolve_process_group(a).size())
             except (ImportError, RuntimeError, ValueError, KeyError):
                 continue
@@ -164,14 +167,29 @@ _FUNCTIONAL: dict[str, tuple[str, Callable[[tuple], Size]]] = {
 # op name -> the argument that holds a reduction's input (what each rank contributes to the sum), for the
 # collectives that sum across ranks: fingerprinted when a counter is asked to (CommCounter(fingerprint=True))
 _REDUCTION_INPUT = {
-    "_reduce_scatter_base_": 1, "reduce_scatter_": 1, "reduce_scatter_tensor_coalesced_": 1, "allreduce_": 0,
-    "allreduce_coalesced_": 0, "alltoall_": 1, "alltoall_base_": 1, "reduce_": 0,
-    "reduce_scatter_tensor": 0, "reduce_scatter_tensor_out": 0, "reduce_scatter_tensor_coalesced": 0,
-    "all_reduce": 0, "all_reduce_": 0, "all_reduce_coalesced": 0, "all_reduce_coalesced_": 0,
+    "_reduce_scatter_base_": 1,
+    "reduce_scatter_": 1,
+    "reduce_scatter_tensor_coalesced_": 1,
+    "allreduce_": 0,
+    "allreduce_coalesced_": 0,
+    "alltoall_": 1,
+    "alltoall_base_": 1,
+    "reduce_": 0,
+    "reduce_scatter_tensor": 0,
+    "reduce_scatter_tensor_out": 0,
+    "reduce_scatter_tensor_coalesced": 0,
+    "all_reduce": 0,
+    "all_reduce_": 0,
+    "all_reduce_coalesced": 0,
+    "all_reduce_coalesced_": 0,
     "all_to_all_single": 0,
 }
-COLLECTIVE_NAMESPACES = {"c10d": _C10D, "_c10d_functional": _FUNCTIONAL,
-               "_c10d_functional_autograd": _FUNCTIONAL, "c10d_functional": _FUNCTIONAL}
+COLLECTIVE_NAMESPACES = {
+    "c10d": _C10D,
+    "_c10d_functional": _FUNCTIONAL,
+    "_c10d_functional_autograd": _FUNCTIONAL,
+    "c10d_functional": _FUNCTIONAL,
+}
 # Not communication: waits and the like.
 _WAITS = {"wait_tensor", "wait"}
 _IGNORED = _WAITS | {"_wrap_tensor_autograd", "check_for_nan"}
@@ -191,12 +209,24 @@ def op_kind(func: Any) -> str | None:
 # dispatcher, so while a counter is active they are wrapped. Each maps to the c10d op with the
 # same argument order; the backend object stands in for the op's process-group argument.
 _BACKEND_METHODS = {
-    "broadcast": "broadcast_", "allreduce": "allreduce_", "allreduce_coalesced": "allreduce_coalesced_",
-    "reduce": "reduce_", "allgather": "allgather_", "_allgather_base": "_allgather_base_",
-    "allgather_coalesced": "allgather_coalesced_", "gather": "gather_", "scatter": "scatter_",
-    "reduce_scatter": "reduce_scatter_", "_reduce_scatter_base": "_reduce_scatter_base_",
-    "alltoall": "alltoall_", "alltoall_base": "alltoall_base_", "send": "send", "recv": "recv_",
-    "recv_anysource": "recv_any_source_", "barrier": "barrier", "monitored_barrier": "monitored_barrier_",
+    "broadcast": "broadcast_",
+    "allreduce": "allreduce_",
+    "allreduce_coalesced": "allreduce_coalesced_",
+    "reduce": "reduce_",
+    "allgather": "allgather_",
+    "_allgather_base": "_allgather_base_",
+    "allgather_coalesced": "allgather_coalesced_",
+    "gather": "gather_",
+    "scatter": "scatter_",
+    "reduce_scatter": "reduce_scatter_",
+    "_reduce_scatter_base": "_reduce_scatter_base_",
+    "alltoall": "alltoall_",
+    "alltoall_base": "alltoall_base_",
+    "send": "send",
+    "recv": "recv_",
+    "recv_anysource": "recv_any_source_",
+    "barrier": "barrier",
+    "monitored_barrier": "monitored_barrier_",
 }
 _SAVED: list[tuple[Any, str, Any]] = []  # (class, method, original) while patched
 _LOCK = threading.Lock()
@@ -234,7 +264,7 @@ def _backend_class() -> Any:
 
 def _patch() -> None:
     cls = _backend_class()
-    for meth, op in (_BACKEND_METHODS.items() if cls is not None else ()):
+    for meth, op in _BACKEND_METHODS.items() if cls is not None else ():
         orig = cls.__dict__.get(meth)
         if orig is None:
             continue
@@ -327,6 +357,7 @@ def _counting_kernel(op: Any) -> Callable[..., Any]:
             return op.redispatch(keyset, *args, **kwargs)
         finally:
             _INSIDE.depth -= 1
+
     return kernel
 
 
@@ -380,7 +411,7 @@ class CommCounter:
         # at the dispatcher)
         self.reduction_inputs: list[tuple[str, int, str]] = []
 
-    def __enter__(self) -> "CommCounter":
+    def __enter__(self) -> CommCounter:
         self.calls.clear()
         self.sizes.clear()
         self.reduction_inputs.clear()
@@ -401,9 +432,17 @@ class CommCounter:
     def summary(self) -> list[dict]:
         """One dict per collective, element type and group size seen: {"collective", "dtype", "ranks", "calls",
         "elements", "bytes"}, sorted ("ranks": of the group it ran over, 0 where unknown)."""
-        return [{"collective": c, "dtype": d, "ranks": r, "calls": self.calls[(c, d, r)],
-                 "elements": self.sizes[(c, d, r)].elements, "bytes": self.sizes[(c, d, r)].bytes}
-                for c, d, r in sorted(self.calls)]
+        return [
+            {
+                "collective": c,
+                "dtype": d,
+                "ranks": r,
+                "calls": self.calls[(c, d, r)],
+                "elements": self.sizes[(c, d, r)].elements,
+                "bytes": self.sizes[(c, d, r)].bytes,
+            }
+            for c, d, r in sorted(self.calls)
+        ]
 
     def bytes_of(self, collective: str) -> int:
         return sum(s.bytes for (c, *_), s in self.sizes.items() if c == collective)

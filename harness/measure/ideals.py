@@ -28,8 +28,9 @@ def ideal_comm_elements(param_elements: int, world_size: int, trainable_elements
 OPTIMIZER_STATE_FACTOR = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_momentum": 1, "sgd_nomomentum": 0}
 
 
-def ideal_state_bytes(full_param_bytes: int, optimizer: str, world_size: int, *,
-                      sharded: bool = True, state_factor: float | None = None) -> dict[str, int]:
+def ideal_state_bytes(
+    full_param_bytes: int, optimizer: str, world_size: int, *, sharded: bool = True, state_factor: float | None = None
+) -> dict[str, int]:
     """Per-rank ZeRO-3 ideal: params, grads and optimizer state of P bytes each divided by W
     (ceil, padding ignored); ``sharded=False`` (DDP) keeps the full size on every rank.
     Optimizer state is 2P for adam/adamw (exp_avg, exp_avg_sq), P for sgd with momentum, or
@@ -41,8 +42,10 @@ def ideal_state_bytes(full_param_bytes: int, optimizer: str, world_size: int, *,
         try:
             state_factor = OPTIMIZER_STATE_FACTOR[optimizer.lower()]
         except KeyError:
-            raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATE_FACTOR)} "
-                             f"(a user's optimizer needs its measured state_factor)") from None
+            raise ValueError(
+                f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATE_FACTOR)} "
+                f"(a user's optimizer needs its measured state_factor)"
+            ) from None
     div = world_size if sharded else 1
     per = -(-full_param_bytes // div)
     return {"params": per, "grads": per, "optimizer_state": math.ceil(state_factor * per)}

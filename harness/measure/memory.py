@@ -20,7 +20,8 @@ Buffers are not part of `state_bytes` (ZeRO-3 does not shard them).
 from __future__ import annotations
 
 import gc
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -84,14 +85,22 @@ def state_tensors(model: nn.Module, optimizer: Any) -> dict[str, list[torch.Tens
                 if id(p) not in known:
                     known.add(id(p))
                     params.append(p)
-    return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
-            "optimizer_state": optimizer_state_tensors(optimizers)}
+    return {
+        "params": params,
+        "grads": [p.grad for p in params if p.grad is not None],
+        "optimizer_state": optimizer_state_tensors(optimizers),
+    }
 
 
 def optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor]:
     """The tensors in the ``state`` of one optimizer or several (none for an object without one)."""
-    return [v for opt in optimizer_list(optimizer) for s in getattr(opt, "state", {}).values() for v in s.values()
-            if isinstance(v, torch.Tensor)]
+    return [
+        v
+        for opt in optimizer_list(optimizer)
+        for s in getattr(opt, "state", {}).values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    ]
 
 
 def state_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
@@ -103,12 +112,18 @@ def state_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
 
 # Tracker reference type (its ``.value``) -> our category; anything unlisted is "other".
 _CATEGORY_OF = {
-    "Parameter": "params", "Sharded Param": "params", "Unsharded Param": "params",
+    "Parameter": "params",
+    "Sharded Param": "params",
+    "Unsharded Param": "params",
     "All Gather": "params",
-    "Gradient": "grads", "Sharded Grad": "grads", "Unsharded Grad": "grads",
+    "Gradient": "grads",
+    "Sharded Grad": "grads",
+    "Unsharded Grad": "grads",
     "Reduce Scatter": "grads",
-    "Optstate": "optimizer_state", "OptState": "optimizer_state",
-    "Activation": "activations", "Temp": "activations",
+    "Optstate": "optimizer_state",
+    "OptState": "optimizer_state",
+    "Activation": "activations",
+    "Temp": "activations",
 }
 _C10D = torch.ops.c10d
 _GATHERS = {_C10D._allgather_base_.default, _C10D.allgather_into_tensor_coalesced_.default}
@@ -142,8 +157,7 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
         super().__init__()
         self._gradient_data: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> True
 
-    def _track_module_params_and_buffers(self, module: nn.Module,
-                                         install_grad_hooks: bool = True) -> tuple[int, int]:
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
         def grad_hook(grad: torch.Tensor) -> None:
             self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
@@ -153,11 +167,16 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
             param_memory += sum(w.mem_consumed for w in winfos)
             if p.is_leaf and p.grad is not None:  # .grad of a non-leaf warns
                 self._update_and_maybe_create_winfos(p.grad, _MemRefType.GRAD)
-            if install_grad_hooks and p.is_leaf and p.requires_grad \
-                    and self._param_to_grad_hook_handles.get(p, None) is None:
+            if (
+                install_grad_hooks
+                and p.is_leaf
+                and p.requires_grad
+                and self._param_to_grad_hook_handles.get(p, None) is None
+            ):
                 self._param_to_grad_hook_handles[p] = (
                     p.register_hook(grad_hook),
-                    p.register_post_accumulate_grad_hook(lambda q: grad_hook(q.grad)))
+                    p.register_post_accumulate_grad_hook(lambda q: grad_hook(q.grad)),
+                )
         for b in module.buffers():
             winfos = self._update_and_maybe_create_winfos(b, _MemRefType.BUFFER)
             buffer_memory += sum(w.mem_consumed for w in winfos)
@@ -174,8 +193,13 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
         results = _tensors(res)
         if fake is getattr(self, "_fake_mode_on_entry", None):  # not DTensor's sharding propagation
             backward = self._mod_tracker.is_bw
-            reftype = (_MemRefType.OPT if self._in_opt else
-                       _MemRefType.TEMP if backward and not self._in_ac else _MemRefType.ACT)
+            reftype = (
+                _MemRefType.OPT
+                if self._in_opt
+                else _MemRefType.TEMP
+                if backward and not self._in_ac
+                else _MemRefType.ACT
+            )
             for t in results:
                 self._track(reftype, t)
             self._update_peak_stats(_ModState.PEAK_BW if backward else _ModState.PEAK_FW)
@@ -247,8 +271,9 @@ def _arguments(func) -> list[tuple[int, str, bool, bool]]:
     return found
 
 
-def _written_and_read(func, args: tuple, kwargs: dict, results: list[torch.Tensor]
-                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _written_and_read(
+    func, args: tuple, kwargs: dict, results: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(the tensors an operation wrote, the tensors it read), given the tensors of its result. An aten operation
     writes its results and the arguments its schema marks as written (``out=``, in-place ``self``); it reads
     every other tensor argument and an in-place ``self`` (except where it overwrites it whole: copy_, zero_,
@@ -292,8 +317,14 @@ class PeakMemory:
     on the device); the category split comes from the tracker and ``other`` takes the remainder.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Any, device: torch.device | str,
-                 extra: Iterable[torch.Tensor] = (), on_op: Any = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        device: torch.device | str,
+        extra: Iterable[torch.Tensor] = (),
+        on_op: Any = None,
+    ) -> None:
         self.model = model
         self.on_op = on_op  # called at every operation of the step (harness.measure.timeline)
         # one optimizer or several (a wrapper and the optimizer inside it): the torch optimizers'
@@ -305,7 +336,7 @@ class PeakMemory:
         self._cuda_peak: int | None = None
         self._gc_was_enabled = False
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         # Garbage from earlier work, collected at a moment that depends on the process's history,
         # would otherwise land inside the window at random: collect it first, then hold the
         # collector off so only reference counting frees tensors while we measure.

@@ -54,8 +54,10 @@ def held_state(optimizers, names: dict[int, str], own: int = 1) -> dict:
                     continue
                 name = names.get(id(p))
                 if name is None:
-                    problems.append(f"parameter {i} of group {g} of the optimizer, shape {tuple(p.shape)}, is not "
-                                    f"a parameter of the model: its state cannot be compared by name")
+                    problems.append(
+                        f"parameter {i} of group {g} of the optimizer, shape {tuple(p.shape)}, is not "
+                        f"a parameter of the model: its state cannot be compared by name"
+                    )
                     continue
                 if name in state:
                     continue
@@ -84,19 +86,28 @@ def _part(p: torch.Tensor, value) -> dict | str:
         return _placed(local, offset, value.shape)
     if value.dim() == 0:
         return _placed(value, (), ())
-    if DTensor is not None and isinstance(p, DTensor) and value.shape == p.to_local().shape \
-            and not any(isinstance(pl, Partial) for pl in p.placements):
+    if (
+        DTensor is not None
+        and isinstance(p, DTensor)
+        and value.shape == p.to_local().shape
+        and not any(isinstance(pl, Partial) for pl in p.placements)
+    ):
         _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
         return _placed(value, offset, p.shape)
     if value.shape == p.shape:
         return _placed(value, (0,) * value.dim(), p.shape)
-    return (f"a plain tensor of shape {tuple(value.shape)}: neither the parameter's {tuple(p.shape)} nor "
-            f"this rank's part of it")
+    return (
+        f"a plain tensor of shape {tuple(value.shape)}: neither the parameter's {tuple(p.shape)} nor "
+        f"this rank's part of it"
+    )
 
 
 def _placed(local: torch.Tensor, offset, shape) -> dict:
-    return {"offset": tuple(int(o) for o in offset), "shape": tuple(int(s) for s in shape),
-            "local": local.detach().to("cpu").clone()}
+    return {
+        "offset": tuple(int(o) for o in offset),
+        "shape": tuple(int(s) for s in shape),
+        "local": local.detach().to("cpu").clone(),
+    }
 
 
 def save_held_state(optimizers, names: dict[int, str], ctx, path: Path, own: int = 1) -> None:

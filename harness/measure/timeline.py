@@ -50,11 +50,19 @@ def _load_dtensor() -> None:
         except ImportError:  # torch built without distributed
             pass
 
+
 __all__ = ["UnitTimeline", "PHASES", "ALLOWED", "ROOT", "expected_phases"]
 
 PHASES = ("forward", "after_forward", "backward", "after_backward", "optimizer", "eval", "after_eval")
-ALLOWED = {"forward": 2, "after_forward": 1, "backward": 2, "after_backward": 0, "optimizer": 0, "eval": 2,
-           "after_eval": 0}
+ALLOWED = {
+    "forward": 2,
+    "after_forward": 1,
+    "backward": 2,
+    "after_backward": 0,
+    "optimizer": 0,
+    "eval": 2,
+    "after_eval": 0,
+}
 # phases in which the root may stay gathered
 ROOT_FREE = ("forward", "after_forward", "backward", "eval")
 EVAL_PHASES = ("eval", "after_eval")  # only under feature eval
@@ -65,6 +73,8 @@ def expected_phases(feature: str) -> tuple[str, ...]:
     from harness.core.scenario import has
 
     return PHASES if has(feature, "eval") else tuple(p for p in PHASES if p not in EVAL_PHASES)
+
+
 ROOT = "(root)"
 
 
@@ -166,5 +176,8 @@ class UnitTimeline:
 
     def records(self) -> list[dict]:
         """One plain record per phase seen: phase, moments, units, which, root."""
-        return [{"phase": p, "moments": r.moments, "units": r.units, "which": r.which, "root": r.root}
-                for p in PHASES if (r := self._phases.get(p)) is not None]
+        return [
+            {"phase": p, "moments": r.moments, "units": r.units, "which": r.which, "root": r.root}
+            for p in PHASES
+            if (r := self._phases.get(p)) is not None
+        ]

@@ -11,6 +11,7 @@ from harness.report.sections import register_section
 
 def _per_sample_section(tables: dict) -> list[str]:
     from harness.per_sample.section import per_sample_section
+
     return per_sample_section(tables)
 
 

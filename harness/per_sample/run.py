@@ -79,44 +79,88 @@ def negative_control(v: Verdict, world_size: int) -> Verdict:
     """The allreduce variant's expected FAIL turned into 'the check catches the bug'."""
     name = "per_sample_norms_negative_control"
     if world_size == 1:
-        return Verdict(name, v.scenario, SKIP, v.measured, v.bound, message=(
-            "W=1: a one-rank all-reduce is the identity, so the known-bad aggregation is correct here "
-            f"and there is no bug to detect ({v.message})"))
+        return Verdict(
+            name,
+            v.scenario,
+            SKIP,
+            v.measured,
+            v.bound,
+            message=(
+                "W=1: a one-rank all-reduce is the identity, so the known-bad aggregation is correct here "
+                f"and there is no bug to detect ({v.message})"
+            ),
+        )
     caught = v.status == FAIL
-    return dataclasses.replace(v, check=name, status=PASS if caught else FAIL, message=(
-        "negative control (known-bad position-wise all-reduce of per-sample norms): "
-        + ("bug DETECTED by per_sample_norms" if caught else "bug NOT detected: per_sample_norms passed")
-        + f" - {v.message}"))
+    return dataclasses.replace(
+        v,
+        check=name,
+        status=PASS if caught else FAIL,
+        message=(
+            "negative control (known-bad position-wise all-reduce of per-sample norms): "
+            + ("bug DETECTED by per_sample_norms" if caught else "bug NOT detected: per_sample_norms passed")
+            + f" - {v.message}"
+        ),
+    )
 
 
-def opacus_update_verdict(v: Verdict, ratio: float, world_size: int, mode: str, expected_bs: set,
-                          batch: int) -> Verdict:
+def opacus_update_verdict(
+    v: Verdict, ratio: float, world_size: int, mode: str, expected_bs: set, batch: int
+) -> Verdict:
     """Opacus' clipped_update as measured; the replicated-data W-times update is a known finding."""
-    explained = (v.status == FAIL and mode == "replicated" and world_size > 1 and abs(ratio - world_size) < 1e-3
-                 and expected_bs == {batch / world_size})
+    explained = (
+        v.status == FAIL
+        and mode == "replicated"
+        and world_size > 1
+        and abs(ratio - world_size) < 1e-3
+        and expected_bs == {batch / world_size}
+    )
     if not explained:
         return v
-    return dataclasses.replace(v, status=KNOWN, message=(
-        f"Opacus make_private with replicated data: update is {ratio:.4f}x the exact clipped-mean update "
-        f"(W={world_size}). Cause: make_private sets expected_batch_size = len(dataset) * sample_rate / "
-        f"world_size = {batch / world_size:g} (the per-worker batch, opacus/privacy_engine.py), assuming each "
-        f"rank holds 1/W of the data; with replicated data each rank clips and sums all {batch} samples, so "
-        f"the averaged gradient is W times the exact one. Correct with split data. ({v.message})"))
+    return dataclasses.replace(
+        v,
+        status=KNOWN,
+        message=(
+            f"Opacus make_private with replicated data: update is {ratio:.4f}x the exact clipped-mean update "
+            f"(W={world_size}). Cause: make_private sets expected_batch_size = len(dataset) * sample_rate / "
+            f"world_size = {batch / world_size:g} (the per-worker batch, opacus/privacy_engine.py), assuming each "
+            f"rank holds 1/W of the data; with replicated data each rank clips and sums all {batch} samples, so "
+            f"the averaged gradient is W times the exact one. Correct with split data. ({v.message})"
+        ),
+    )
 
 
 def _rows(model, impl, mode, ws, norms, truth_norms, nv: Verdict, upd: Verdict | None, uratio: float):
-    rows = [dict(model=model, impl=impl, data_mode=mode, world_size=ws, sample=i, norm=float(n), truth=float(t))
-            for i, (n, t) in enumerate(zip(norms, truth_norms))]
+    rows = [
+        dict(model=model, impl=impl, data_mode=mode, world_size=ws, sample=i, norm=float(n), truth=float(t))
+        for i, (n, t) in enumerate(zip(norms, truth_norms))
+    ]
     mean_n, mean_t = statistics.fmean(norms), statistics.fmean(truth_norms)
-    summary = dict(model=model, impl=impl, data_mode=mode, world_size=ws, mean_norm=mean_n, truth_mean=mean_t,
-                   ratio_of_means=mean_n / mean_t, max_rel_err=nv.measured,
-                   clipped_update_rel_err=upd.measured if upd is not None else math.nan, update_ratio=uratio)
+    summary = dict(
+        model=model,
+        impl=impl,
+        data_mode=mode,
+        world_size=ws,
+        mean_norm=mean_n,
+        truth_mean=mean_t,
+        ratio_of_means=mean_n / mean_t,
+        max_rel_err=nv.measured,
+        clipped_update_rel_err=upd.measured if upd is not None else math.nan,
+        update_ratio=uratio,
+    )
     return rows, summary
 
 
-def run_per_sample(models=("mlp",), world_sizes=(1, 2, 4, 8), modes=("replicated", "split"), *, seed=0,
-                   batch=8, pool: WorldPool | None = None,
-                   include_opacus=True, localise: int = 0) -> tuple[dict[str, pd.DataFrame], list[Verdict]]:
+def run_per_sample(
+    models=("mlp",),
+    world_sizes=(1, 2, 4, 8),
+    modes=("replicated", "split"),
+    *,
+    seed=0,
+    batch=8,
+    pool: WorldPool | None = None,
+    include_opacus=True,
+    localise: int = 0,
+) -> tuple[dict[str, pd.DataFrame], list[Verdict]]:
     """Run the per-sample tasks; returns ({"per_sample", "per_sample_summary"}, verdicts). `localise`: up to
     that many failing fsdp_impl norm checks are replayed traced (harness.localize.per_sample) and their
     verdicts' messages say on which side of the exchange the norms went wrong."""
@@ -138,18 +182,40 @@ def run_per_sample(models=("mlp",), world_sizes=(1, 2, 4, 8), modes=("replicated
                     recs, err = _run(pool, ws, "norms_task", dict(base, variants=["fsdp_impl", NEGATIVE_CONTROL]))
                     upd, uerr = _run(pool, ws, "clipped_update_task", clip)
                     if upd is None:
-                        verdicts.append(Verdict("clipped_update", sid["fsdp_impl"], FAIL, None, None,
-                                                message=f"clipped_update_task raised: {uerr}"))
+                        verdicts.append(
+                            Verdict(
+                                "clipped_update",
+                                sid["fsdp_impl"],
+                                FAIL,
+                                None,
+                                None,
+                                message=f"clipped_update_task raised: {uerr}",
+                            )
+                        )
                         uv, ur = None, math.nan
                     else:
                         uv = ps.check_clipped_update(sid["fsdp_impl"], upd[0]["update"], exact)
                         ur = update_ratio(upd[0]["update"], exact)
                         verdicts.append(uv)
                     if recs is None:
-                        verdicts += [Verdict("per_sample_norms", sid["fsdp_impl"], FAIL, None, None,
-                                             message=f"norms_task raised: {err}"),
-                                     Verdict("per_sample_norms_negative_control", sid[NEGATIVE_CONTROL], FAIL,
-                                             None, None, message=f"not run: norms_task raised: {err}")]
+                        verdicts += [
+                            Verdict(
+                                "per_sample_norms",
+                                sid["fsdp_impl"],
+                                FAIL,
+                                None,
+                                None,
+                                message=f"norms_task raised: {err}",
+                            ),
+                            Verdict(
+                                "per_sample_norms_negative_control",
+                                sid[NEGATIVE_CONTROL],
+                                FAIL,
+                                None,
+                                None,
+                                message=f"not run: norms_task raised: {err}",
+                            ),
+                        ]
                         continue
                     for impl in ("fsdp_impl", NEGATIVE_CONTROL):
                         per_rank = [r["norms"][impl] for r in recs]
@@ -159,8 +225,17 @@ def run_per_sample(models=("mlp",), world_sizes=(1, 2, 4, 8), modes=("replicated
                             localise -= 1
                             nv = _localised(nv, pool, ws, base, t.norms)
                         verdicts.append(nv if is_fsdp else negative_control(nv, ws))
-                        r, s = _rows(model, impl, mode, ws, per_rank[0], t.norms, nv, uv if is_fsdp else None,
-                                     ur if is_fsdp else math.nan)
+                        r, s = _rows(
+                            model,
+                            impl,
+                            mode,
+                            ws,
+                            per_rank[0],
+                            t.norms,
+                            nv,
+                            uv if is_fsdp else None,
+                            ur if is_fsdp else math.nan,
+                        )
                         rows += r
                         summary.append(s)
             if include_opacus and not opacus_missing:  # last in each world: an Opacus error kills the world
@@ -169,18 +244,28 @@ def run_per_sample(models=("mlp",), world_sizes=(1, 2, 4, 8), modes=("replicated
                     exact = t.update(max_norm(model, seed, batch), LR)
                     for mode in modes:
                         sid = scenario_id("opacus", model, ws, mode)
-                        clip = dict(model=model, seed=seed, batch=batch, mode=mode,
-                                    max_norm=max_norm(model, seed, batch), lr=LR)
+                        clip = dict(
+                            model=model, seed=seed, batch=batch, mode=mode, max_norm=max_norm(model, seed, batch), lr=LR
+                        )
                         recs, err = _run(pool, ws, "opacus_fsdp_task", clip)
                         if recs is None:
                             verdicts += opacus_raised(sid, model, ws, err)
                             continue
                         nv = ps.check_per_sample_norms(sid, [r["gathered"] for r in recs], t.norms)
-                        nv = dataclasses.replace(nv, scenario=sid, message="Opacus ghost_fsdp local norms placed "
-                                                 "by global index: " + nv.message)
+                        nv = dataclasses.replace(
+                            nv,
+                            scenario=sid,
+                            message="Opacus ghost_fsdp local norms placed by global index: " + nv.message,
+                        )
                         ur = update_ratio(recs[0]["update"], exact)
-                        uv = opacus_update_verdict(ps.check_clipped_update(sid, recs[0]["update"], exact), ur, ws,
-                                                   mode, {r["expected_batch_size"] for r in recs}, batch)
+                        uv = opacus_update_verdict(
+                            ps.check_clipped_update(sid, recs[0]["update"], exact),
+                            ur,
+                            ws,
+                            mode,
+                            {r["expected_batch_size"] for r in recs},
+                            batch,
+                        )
                         verdicts += [nv, uv]
                         r, s = _rows(model, "opacus", mode, ws, recs[0]["gathered"], t.norms, nv, uv, ur)
                         rows += r
@@ -188,8 +273,10 @@ def run_per_sample(models=("mlp",), world_sizes=(1, 2, 4, 8), modes=("replicated
     finally:
         if own:
             pool.close()
-    return {"per_sample": _sorted(pd.DataFrame(rows, columns=columns("per_sample"))),
-            "per_sample_summary": _sorted(pd.DataFrame(summary, columns=columns("per_sample_summary")))}, verdicts
+    return {
+        "per_sample": _sorted(pd.DataFrame(rows, columns=columns("per_sample"))),
+        "per_sample_summary": _sorted(pd.DataFrame(summary, columns=columns("per_sample_summary"))),
+    }, verdicts
 
 
 def _localised(v: Verdict, pool: WorldPool, ws: int, payload: dict, truth_norms) -> Verdict:
@@ -208,8 +295,9 @@ def _sorted(df: pd.DataFrame) -> pd.DataFrame:
     """model, impl (fsdp_impl, allreduce, opacus), data mode, world size[, sample]."""
     order = {i: k for k, i in enumerate(IMPLS)}
     keys = ["model", "impl", "data_mode", "world_size"] + (["sample"] if "sample" in df else [])
-    return df.sort_values(keys, key=lambda c: c.map(order) if c.name == "impl" else c,
-                          kind="stable").reset_index(drop=True)
+    return df.sort_values(keys, key=lambda c: c.map(order) if c.name == "impl" else c, kind="stable").reset_index(
+        drop=True
+    )
 
 
 if __name__ == "__main__":  # python -m harness.per_sample.run: a quick look (W = 1, 2)

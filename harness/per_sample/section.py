@@ -15,15 +15,19 @@ MAX_SAMPLES = 8
 NEGATIVE_CONTROL = "allreduce"
 CONTROL_CHECK = "per_sample_norms_negative_control"
 IMPL_ORDER = {"fsdp_impl": 0, "allreduce": 1, "opacus": 2}
-INTRO = ("Norm of each sample's loss gradient |grad l_i| (the DP-SGD convention), against a float64 "
-         "single-process truth (`torch.func` vmap of grad). *ratio of means* = impl mean norm / truth mean norm "
-         "(1 when right; about sqrt(W) when per-sample norms are summed over ranks); *max rel err* is over every "
-         "sample and rank; *clipped update rel err* = max |update - exact clipped-mean update| / its largest "
-         "entry after one SGD step (clip at the median truth norm, lr 1); *|update|/|exact|* = ratio of 2-norms.")
-CONTROL_NOTE = ("`allreduce` is a **negative control**, not a product: the known-bad aggregation (per-sample norms "
-                "all-reduced position by position over ranks). It is run to show the check catches that bug; its "
-                "verdict `per_sample_norms_negative_control` PASSES when the bug is detected (at W=1 there is "
-                "nothing to detect: skipped).")
+INTRO = (
+    "Norm of each sample's loss gradient |grad l_i| (the DP-SGD convention), against a float64 "
+    "single-process truth (`torch.func` vmap of grad). *ratio of means* = impl mean norm / truth mean norm "
+    "(1 when right; about sqrt(W) when per-sample norms are summed over ranks); *max rel err* is over every "
+    "sample and rank; *clipped update rel err* = max |update - exact clipped-mean update| / its largest "
+    "entry after one SGD step (clip at the median truth norm, lr 1); *|update|/|exact|* = ratio of 2-norms."
+)
+CONTROL_NOTE = (
+    "`allreduce` is a **negative control**, not a product: the known-bad aggregation (per-sample norms "
+    "all-reduced position by position over ranks). It is run to show the check catches that bug; its "
+    "verdict `per_sample_norms_negative_control` PASSES when the bug is detected (at W=1 there is "
+    "nothing to detect: skipped)."
+)
 
 
 def _impl_key(col: pd.Series) -> pd.Series:
@@ -67,8 +71,10 @@ def _findings(verdicts: pd.DataFrame, summary: pd.DataFrame, ids: list[str]) -> 
     if len(caught):
         ratios = dict(zip(ids, summary["ratio_of_means"]))
         shown = ", ".join(f"{sc.split('-', 1)[1]}: {ratios.get(sc, float('nan')):.3f}" for sc in caught["scenario"])
-        out.append(f"- **Negative control: bug detected** by `per_sample_norms` in {len(caught)} of "
-                   f"{int((control & (mine['status'] != SKIP)).sum())} scenarios (ratio of means {shown}).")
+        out.append(
+            f"- **Negative control: bug detected** by `per_sample_norms` in {len(caught)} of "
+            f"{int((control & (mine['status'] != SKIP)).sum())} scenarios (ratio of means {shown})."
+        )
     rest = mine[(mine["status"] != PASS) & ~(control & (mine["status"] == SKIP))]
     for (sc, st, m), g in rest.groupby(["scenario", "status", "message"], sort=False):  # same cause: one line
         out.append(f"- **{st.upper()}** {', '.join(f'`{c}`' for c in g['check'])} on `{sc}`: {m}")
@@ -84,27 +90,43 @@ def per_sample_section(tables: dict) -> list[str]:
         return []
     verdicts, samples = _t(tables, "verdicts"), _t(tables, "per_sample")
     summary = summary.sort_values(["model", "impl", "data_mode", "world_size"], key=_impl_key, kind="stable")
-    ids = [scenario_id(i, m, int(w), d) for i, m, w, d in
-           zip(summary["impl"], summary["model"], summary["world_size"], summary["data_mode"])]
+    ids = [
+        scenario_id(i, m, int(w), d)
+        for i, m, w, d in zip(summary["impl"], summary["model"], summary["world_size"], summary["data_mode"])
+    ]
     out = ["## Per-sample gradient norms", "", INTRO, ""]
     if (summary["impl"] == NEGATIVE_CONTROL).any():
         out += [CONTROL_NOTE, ""]
     label = [f"{i} (negative control)" if i == NEGATIVE_CONTROL else i for i in summary["impl"]]
-    out += [md_table(pd.DataFrame({
-        "model": summary["model"], "impl": label, "mode": summary["data_mode"],
-        "W": summary["world_size"].astype(int),
-        "mean norm": [num(x, ".7g") for x in summary["mean_norm"]],
-        "truth mean": [num(x, ".7g") for x in summary["truth_mean"]],
-        "ratio of means": [num(x, ".7f") for x in summary["ratio_of_means"]],
-        "max rel err": [num(x) for x in summary["max_rel_err"]],
-        "clipped update rel err": [num(x) for x in summary["clipped_update_rel_err"]],
-        "|update|/|exact|": [num(x, ".4f") for x in summary["update_ratio"]],
-        "verdicts": _verdict_cells(verdicts, ids)})), ""]
+    out += [
+        md_table(
+            pd.DataFrame(
+                {
+                    "model": summary["model"],
+                    "impl": label,
+                    "mode": summary["data_mode"],
+                    "W": summary["world_size"].astype(int),
+                    "mean norm": [num(x, ".7g") for x in summary["mean_norm"]],
+                    "truth mean": [num(x, ".7g") for x in summary["truth_mean"]],
+                    "ratio of means": [num(x, ".7f") for x in summary["ratio_of_means"]],
+                    "max rel err": [num(x) for x in summary["max_rel_err"]],
+                    "clipped update rel err": [num(x) for x in summary["clipped_update_rel_err"]],
+                    "|update|/|exact|": [num(x, ".4f") for x in summary["update_ratio"]],
+                    "verdicts": _verdict_cells(verdicts, ids),
+                }
+            )
+        ),
+        "",
+    ]
     out += _findings(verdicts, summary, ids)
     if len(samples):
         model = str(summary["model"].iloc[0])
         n = int(samples.loc[samples["model"] == model, "sample"].nunique())
         shown = f"first {MAX_SAMPLES} of {n} samples" if n > MAX_SAMPLES else f"all {n} samples"
-        out += [f"### Per-sample norms: {model} ({shown}; columns impl/mode/W)", "",
-                md_table(_sample_table(samples, model)), ""]
+        out += [
+            f"### Per-sample norms: {model} ({shown}; columns impl/mode/W)",
+            "",
+            md_table(_sample_table(samples, model)),
+            "",
+        ]
     return out

@@ -36,6 +36,7 @@ NORM_VARIANTS = ("fsdp_impl", "allreduce", "allreduce_partial")
 
 # ------------------------------------------------------------------------------- ground truth
 
+
 def per_sample_losses(spec: ModelSpec, outputs: Tensor, targets: Tensor) -> Tensor:
     """l_i = spec.loss on sample i alone; spec.loss of the batch is their mean."""
     return vmap(lambda o, t: spec.loss(o.unsqueeze(0), t.unsqueeze(0)))(outputs, targets)
@@ -71,7 +72,7 @@ def loop_norms(model: nn.Module, spec: ModelSpec, x: Tensor, y: Tensor) -> Tenso
     out = []
     for i in range(x.shape[0]):
         model.zero_grad(set_to_none=True)
-        spec.loss(model(x[i:i + 1]), y[i:i + 1]).backward()
+        spec.loss(model(x[i : i + 1]), y[i : i + 1]).backward()
         out.append(sum(p.grad.double().pow(2).sum() for p in model.parameters() if p.grad is not None))
     model.zero_grad(set_to_none=True)
     return torch.stack(out).sqrt()
@@ -102,6 +103,7 @@ def truth(model: str, seed: int, batch: int, step: int = 1) -> Truth:
 
 
 # ------------------------------------------------------------------------ tasks (inside worlds)
+
 
 def _wrapped_fsdp_impl(p: dict, ctx) -> tuple[nn.Module, ModelSpec, Tensor, Tensor, Tensor]:
     """Seeded model sharded by fsdp_impl (units, then root) and this rank's slice of the batch."""
@@ -144,7 +146,7 @@ def _partial_shard_norms(p: dict, ctx, x: Tensor, y: Tensor) -> Tensor:
     plain = spec.build().to(ctx.device)
     flat = torch.cat([g.flatten(1) for g in truth_grads(plain, spec, x, y).values()], 1)  # (n, P)
     per = math.ceil(flat.shape[1] / ctx.world_size)
-    return flat[:, ctx.rank * per:(ctx.rank + 1) * per].double().pow(2).sum(1)
+    return flat[:, ctx.rank * per : (ctx.rank + 1) * per].double().pow(2).sum(1)
 
 
 def norms_task(ctx, p: dict) -> dict:
@@ -184,18 +186,29 @@ def clipped_update_task(ctx, p: dict) -> dict:
 
 # ------------------------------------------------------------------------------------ checks
 
-def check_per_sample_norms(scenario: str, per_rank: list[list[float]], truth_norms, *,
-                           bound: float = PER_SAMPLE_RTOL) -> Verdict:
+
+def check_per_sample_norms(
+    scenario: str, per_rank: list[list[float]], truth_norms, *, bound: float = PER_SAMPLE_RTOL
+) -> Verdict:
     """Every rank's norms vs the truth, sample by sample: max relative error; ranks must agree."""
     t = torch.tensor(list(truth_norms), dtype=torch.float64)
     if not per_rank:
-        return Verdict("per_sample_norms", scenario, FAIL, None, bound, message="could not be checked: no norms were produced")
+        return Verdict(
+            "per_sample_norms", scenario, FAIL, None, bound, message="could not be checked: no norms were produced"
+        )
     worst, at = -1.0, {}
     for r, values in enumerate(per_rank):
         v = torch.tensor(values, dtype=torch.float64)
         if v.shape != t.shape:
-            return Verdict("per_sample_norms", scenario, FAIL, math.inf, bound, rank=r,
-                           message=f"rank {r} gave {v.numel()} norms for a global batch of {t.numel()}")
+            return Verdict(
+                "per_sample_norms",
+                scenario,
+                FAIL,
+                math.inf,
+                bound,
+                rank=r,
+                message=f"rank {r} gave {v.numel()} norms for a global batch of {t.numel()}",
+            )
         rel = ((v - t).abs() / t).nan_to_num(math.inf)
         k = int(rel.argmax())
         if float(rel[k]) > worst:
@@ -204,19 +217,30 @@ def check_per_sample_norms(scenario: str, per_rank: list[list[float]], truth_nor
     mean_v, mean_t = sum(per_rank[0]) / len(per_rank[0]), float(t.mean())
     ratio = mean_v / mean_t
     passed = worst < bound and agree
-    msg = (f"max relative error {worst:.3g} vs truth (bound {bound:g}); mean norm {mean_v:.4g} vs truth "
-           f"{mean_t:.4g} (ratio {ratio:.3f}); ranks {'agree' if agree else 'DISAGREE'}")
-    return Verdict("per_sample_norms", scenario, PASS if passed else FAIL, worst, bound, message=msg,
-                   **({} if passed else at))
+    msg = (
+        f"max relative error {worst:.3g} vs truth (bound {bound:g}); mean norm {mean_v:.4g} vs truth "
+        f"{mean_t:.4g} (ratio {ratio:.3f}); ranks {'agree' if agree else 'DISAGREE'}"
+    )
+    return Verdict(
+        "per_sample_norms", scenario, PASS if passed else FAIL, worst, bound, message=msg, **({} if passed else at)
+    )
 
 
-def check_clipped_update(scenario: str, update: dict[str, list], truth_update: dict[str, Tensor], *,
-                         bound: float = CLIPPED_UPDATE_RTOL) -> Verdict:
+def check_clipped_update(
+    scenario: str, update: dict[str, list], truth_update: dict[str, Tensor], *, bound: float = CLIPPED_UPDATE_RTOL
+) -> Verdict:
     """max |update - truth| / max |truth| over all parameters; the message gives the norm ratio."""
     missing = sorted(set(truth_update) - set(update))
     if missing:
-        return Verdict("clipped_update", scenario, FAIL, math.inf, bound, param=missing[0],
-                       message=f"no update for {len(missing)} parameters, e.g. {missing[0]}")
+        return Verdict(
+            "clipped_update",
+            scenario,
+            FAIL,
+            math.inf,
+            bound,
+            param=missing[0],
+            message=f"no update for {len(missing)} parameters, e.g. {missing[0]}",
+        )
     scale = max(float(t.abs().max()) for t in truth_update.values())
     worst, where, num, den = -1.0, "", 0.0, 0.0
     for name, t in truth_update.items():
@@ -227,13 +251,17 @@ def check_clipped_update(scenario: str, update: dict[str, list], truth_update: d
             worst, where = err, name
     ratio = math.sqrt(num / den) if den else math.nan
     passed = worst < bound
-    msg = (f"max |update - exact clipped-mean update| = {worst:.3g} of its largest entry (bound {bound:g}); "
-           f"|update| / |exact| = {ratio:.4f}")
-    return Verdict("clipped_update", scenario, PASS if passed else FAIL, worst, bound, message=msg,
-                   param="" if passed else where)
+    msg = (
+        f"max |update - exact clipped-mean update| = {worst:.3g} of its largest entry (bound {bound:g}); "
+        f"|update| / |exact| = {ratio:.4f}"
+    )
+    return Verdict(
+        "clipped_update", scenario, PASS if passed else FAIL, worst, bound, message=msg, param="" if passed else where
+    )
 
 
 # ------------------------------------------------------------------------ Opacus (optional)
+
 
 def opacus_unavailable() -> str | None:
     """None when Opacus' ghost_fsdp and ghost_tp paths import; otherwise why not, in one line."""
@@ -297,22 +325,37 @@ def opacus_fsdp_task(ctx, p: dict) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, opt, criterion, loader = PrivacyEngine().make_private(
-            module=root, optimizer=torch.optim.SGD(root.parameters(), lr=p["lr"]), criterion=PerSampleLoss(spec),
-            data_loader=loader, noise_multiplier=0.0, max_grad_norm=p["max_norm"],
-            grad_sample_mode="ghost_fsdp", poisson_sampling=False)
+            module=root,
+            optimizer=torch.optim.SGD(root.parameters(), lr=p["lr"]),
+            criterion=PerSampleLoss(spec),
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=p["max_norm"],
+            grad_sample_mode="ghost_fsdp",
+            poisson_sampling=False,
+        )
         x, y = next(iter(loader))
         criterion(model(x), y).backward()
         local = model.per_sample_gradient_norms.detach().double().flatten().tolist()
         opt.step()
     after = _full_dtensor_params(root)
     placed, allreduced = _gather_global(local, idx, ctx)
-    return {"rank": ctx.rank, "indices": idx, "local_norms": local, "gathered": placed, "allreduce": allreduced,
-            "expected_batch_size": float(opt.expected_batch_size), "module": type(model).__name__,
-            "update": {k: (after[k] - before[k]).flatten().tolist() for k in before} if ctx.rank == 0 else None}
+    return {
+        "rank": ctx.rank,
+        "indices": idx,
+        "local_norms": local,
+        "gathered": placed,
+        "allreduce": allreduced,
+        "expected_batch_size": float(opt.expected_batch_size),
+        "module": type(model).__name__,
+        "update": {k: (after[k] - before[k]).flatten().tolist() for k in before} if ctx.rank == 0 else None,
+    }
 
 
 def _full_dtensor_params(module: nn.Module) -> dict[str, Tensor]:
     from torch.distributed.tensor import DTensor
 
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().double().clone()
-            for k, v in module.named_parameters()}
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().double().clone()
+        for k, v in module.named_parameters()
+    }

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,8 +59,12 @@ def default_units(module: nn.Module) -> list[nn.Module]:
     return units or [c for c in module.children() if any(True for _ in c.parameters())]
 
 
-def fsdp2_wrap(module: nn.Module, group: dist.ProcessGroup, device_type: str = "cpu",
-               units: Callable[[nn.Module], list[nn.Module]] = default_units) -> nn.Module:
+def fsdp2_wrap(
+    module: nn.Module,
+    group: dist.ProcessGroup,
+    device_type: str = "cpu",
+    units: Callable[[nn.Module], list[nn.Module]] = default_units,
+) -> nn.Module:
     """Torch's ``fully_shard`` (FSDP2) on each of ``units(module)``, then on the root."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
@@ -78,8 +83,10 @@ def _fake_world(world_size: int):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise RuntimeError("plan_memory needs a process with no default process group "
-                           "(it creates a fake one per world size); run it outside the workers")
+        raise RuntimeError(
+            "plan_memory needs a process with no default process group "
+            "(it creates a fake one per world size); run it outside the workers"
+        )
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield dist.group.WORLD
@@ -131,12 +138,15 @@ def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return out.float().pow(2).mean()
 
 
-def plan_memory(build_model: Callable[[], nn.Module],
-                wrap: Callable[[nn.Module, dist.ProcessGroup], nn.Module],
-                world_sizes: list[int], optimizer: str, *,
-                make_batch: Callable[[], Any] | None = None,
-                loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-                ) -> list[dict[str, Any]]:
+def plan_memory(
+    build_model: Callable[[], nn.Module],
+    wrap: Callable[[nn.Module, dist.ProcessGroup], nn.Module],
+    world_sizes: list[int],
+    optimizer: str,
+    *,
+    make_batch: Callable[[], Any] | None = None,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+) -> list[dict[str, Any]]:
     """Per-rank state bytes (and, with ``make_batch``, peak) for each W, with reductions vs W=1.
 
     ``wrap(module, group)`` shards ``module`` over ``group`` and returns the model to train
@@ -159,16 +169,22 @@ def plan_memory(build_model: Callable[[], nn.Module],
             row: dict[str, Any] | None = None
             if make_batch is not None:
                 try:
-                    row = _fake_step(build_model, wrap, group, optimizer, make_batch,
-                                     loss_fn or _default_loss)
+                    row = _fake_step(build_model, wrap, group, optimizer, make_batch, loss_fn or _default_loss)
                 except Exception as e:  # noqa: BLE001 - recorded, then fall back
                     notes.append(f"fake-step failed: {type(e).__name__}: {e}")
             if row is None:
                 row = _meta_state(build_model, wrap, group, optimizer, notes)
         row["state_total"] = sum(row[k] for k in STATE)
         row["ideal_state_total"] = sum(ideal_state_bytes(full, optimizer, ws).values())
-        rows.append({"world_size": ws, "full_param_bytes": full, **row,
-                     "seconds": round(time.perf_counter() - t0, 3), "note": "; ".join(notes)})
+        rows.append(
+            {
+                "world_size": ws,
+                "full_param_bytes": full,
+                **row,
+                "seconds": round(time.perf_counter() - t0, 3),
+                "note": "; ".join(notes),
+            }
+        )
     base = rows[0]
     for row in rows:
         for key in (*STATE, "state_total"):

@@ -30,11 +30,21 @@ def plan_table(model: str, impls, world_sizes, optimizer: str = "adamw") -> pd.D
         for r in plan_memory(spec.build, _wrapper(impl, spec.units), list(world_sizes), optimizer):
             if r["world_size"] not in world_sizes:
                 continue
-            rows.append({"impl": impl, "world_size": r["world_size"], "params": r["params"], "grads": r["grads"],
-                         "optimizer_state": r["optimizer_state"], "state_total": r["state_total"],
-                         "ideal_state_total": r["ideal_state_total"],
-                         "vs_ideal": r["state_total"] / r["ideal_state_total"], "reduction": r["reduction"],
-                         "seconds": r["seconds"], "note": r["note"]})
+            rows.append(
+                {
+                    "impl": impl,
+                    "world_size": r["world_size"],
+                    "params": r["params"],
+                    "grads": r["grads"],
+                    "optimizer_state": r["optimizer_state"],
+                    "state_total": r["state_total"],
+                    "ideal_state_total": r["ideal_state_total"],
+                    "vs_ideal": r["state_total"] / r["ideal_state_total"],
+                    "reduction": r["reduction"],
+                    "seconds": r["seconds"],
+                    "note": r["note"],
+                }
+            )
     return pd.DataFrame(rows)
 
 

@@ -26,8 +26,11 @@ def _t(tables: dict, name: str) -> pd.DataFrame:
 
 def _label(key: tuple) -> str:
     impl, model, mode, opt, feature, seed = key
-    return (f"{impl} · {model} · {mode} · {opt}" + (f" · {feature}" if feature != "plain" else "")
-            + (f" · seed {seed}" if seed else ""))
+    return (
+        f"{impl} · {model} · {mode} · {opt}"
+        + (f" · {feature}" if feature != "plain" else "")
+        + (f" · seed {seed}" if seed else "")
+    )
 
 
 def _file_stem(key: tuple) -> str:

@@ -44,8 +44,9 @@ def render(tables: dict, env: dict, title: str, plots_dir: Path | None, rel: str
     return "\n".join(out).rstrip() + "\n"
 
 
-def write_report(tables: dict, env: dict, path: Path, *, title: str = "FSDP equivalence verification",
-                 plots: bool = True) -> Path:
+def write_report(
+    tables: dict, env: dict, path: Path, *, title: str = "FSDP equivalence verification", plots: bool = True
+) -> Path:
     """Write `path` (markdown) and `<stem>_plots/` beside it, atomically; returns `path`. A write
     that fails raises harness.tables.store.OutputError (one line) and leaves the earlier report in place.
     `plots` False: the plots folder is left empty (--no-plots)."""
@@ -60,8 +61,9 @@ def write_report(tables: dict, env: dict, path: Path, *, title: str = "FSDP equi
     return path
 
 
-def stage_report(tables: dict, env: dict, path: Path, tmp: Path, *,
-                 title: str = "FSDP equivalence verification", plots: bool = True) -> list[tuple[Path, Path]]:
+def stage_report(
+    tables: dict, env: dict, path: Path, tmp: Path, *, title: str = "FSDP equivalence verification", plots: bool = True
+) -> list[tuple[Path, Path]]:
     """Render the report and its plots into `tmp`; the (staged, final) pairs for `swap_into_place`. `plots`
     False (--no-plots): none drawn, and the plots folder is staged empty, so that no earlier run's plots stay
     beside this report."""

@@ -44,8 +44,7 @@ def _save(fig: Figure, path: Path) -> Path:
 
 def _series(steps: pd.DataFrame, column: str) -> dict[int, pd.DataFrame]:
     """world size -> rows (step, column) sorted by step."""
-    return {int(ws): g.sort_values("step")[["step", column]]
-            for ws, g in steps.groupby("world_size", sort=True)}
+    return {int(ws): g.sort_values("step")[["step", column]] for ws, g in steps.groupby("world_size", sort=True)}
 
 
 def loss_figure(steps: pd.DataFrame, reference: pd.DataFrame | None, title: str) -> Figure:
@@ -53,8 +52,15 @@ def loss_figure(steps: pd.DataFrame, reference: pd.DataFrame | None, title: str)
     fig, ax = _figure()
     series = _series(steps, "loss")
     for i, (ws, g) in enumerate(series.items()):
-        ax.plot(g["step"], g["loss"], marker=MARKERS[i % len(MARKERS)], markersize=9 - 1.5 * i,
-                linewidth=2.2 - 0.4 * min(i, 4), alpha=0.85, label=f"W={ws}")
+        ax.plot(
+            g["step"],
+            g["loss"],
+            marker=MARKERS[i % len(MARKERS)],
+            markersize=9 - 1.5 * i,
+            linewidth=2.2 - 0.4 * min(i, 4),
+            alpha=0.85,
+            label=f"W={ws}",
+        )
     if reference is not None and len(reference):
         r = reference.sort_values("step")
         ax.plot(r["step"], r["loss"], "k--", linewidth=1, label="reference (1 process)")
@@ -72,21 +78,33 @@ def zero_floor(values, bounds=()) -> float:
     return float(10.0 ** (np.floor(np.log10(positive.min() if len(positive) else 1e-8)) - 2))
 
 
-def diff_figure(steps: pd.DataFrame, title: str, *, column: str = "max_diff_ref",
-                bounds: dict[str, float] | None = None) -> Figure:
+def diff_figure(
+    steps: pd.DataFrame, title: str, *, column: str = "max_diff_ref", bounds: dict[str, float] | None = None
+) -> Figure:
     """max |param diff| per step on a log scale; exact zeros are drawn on a floor line labelled 'exact'."""
     fig, ax = _figure()
     floor = zero_floor(steps[column], [b for b in (bounds or {}).values() if b and b > 0])
     for i, (ws, g) in enumerate(_series(steps, column).items()):
         y = g[column].to_numpy(dtype=float)
-        ax.plot(g["step"], np.where(y > 0, y, floor), marker=MARKERS[i % len(MARKERS)],
-                markersize=9 - 1.5 * i, alpha=0.85, label=f"W={ws}")
+        ax.plot(
+            g["step"],
+            np.where(y > 0, y, floor),
+            marker=MARKERS[i % len(MARKERS)],
+            markersize=9 - 1.5 * i,
+            alpha=0.85,
+            label=f"W={ws}",
+        )
     ax.axhline(floor, color="grey", linewidth=0.8, linestyle=":")
     for label, b in (bounds or {}).items():
         if b and b > 0:
             ax.axhline(b, color="red", linewidth=1, linestyle="--", label=f"bound {label} = {b:.0e}")
-    top = max([floor * 30, *[float(v) for v in steps[column] if np.isfinite(v)],
-               *[b for b in (bounds or {}).values() if b and b > 0]])
+    top = max(
+        [
+            floor * 30,
+            *[float(v) for v in steps[column] if np.isfinite(v)],
+            *[b for b in (bounds or {}).values() if b and b > 0],
+        ]
+    )
     ax.set_ylim(floor / 3, top * 3)  # a range before the log scale: all-exact data has none of its own
     ax.set_yscale("log")
 

@@ -14,20 +14,37 @@ from harness.report.formatting import _plot, human_bytes, md_table, num
 from harness.report.groups import _cells, _file_stem, _groups, _label, _per_ws, _t
 from harness.tables.store import rank_bytes
 
-MEM_ORDER = ["params", "grads", "optimizer_state", "state_params", "state_grads", "state_optimizer_state",
-             "state_buffers", "state_other", "state_unattributed",
-             "state_total", "activations", "other", "peak"]
+MEM_ORDER = [
+    "params",
+    "grads",
+    "optimizer_state",
+    "state_params",
+    "state_grads",
+    "state_optimizer_state",
+    "state_buffers",
+    "state_other",
+    "state_unattributed",
+    "state_total",
+    "activations",
+    "other",
+    "peak",
+]
 
 
 def _memory_section(tables: dict, plots_dir: Path | None, rel: str) -> list[str]:
     cells, mem = _cells(tables), _t(tables, "memory")
-    out = ["## Memory", "", "Bytes per rank (max over ranks) by category and world size."
-           + (" Cells read `measured (ideal)`." if "ideal_bytes" in mem else "")
-           + " `state_*` is what the rank holds after the measured step, found from the rank process (every tensor"
-           " storage reachable from Python that was not alive before the model was built; on CUDA also what the"
-           " allocator holds beyond that): `state_total` is parameters + gradients + optimizer state, and"
-           " `state_other` what is held outside them and the buffers. The other rows are the breakdown at the"
-           " step's peak.", ""]
+    out = [
+        "## Memory",
+        "",
+        "Bytes per rank (max over ranks) by category and world size."
+        + (" Cells read `measured (ideal)`." if "ideal_bytes" in mem else "")
+        + " `state_*` is what the rank holds after the measured step, found from the rank process (every tensor"
+        " storage reachable from Python that was not alive before the model was built; on CUDA also what the"
+        " allocator holds beyond that): `state_total` is parameters + gradients + optimizer state, and"
+        " `state_other` what is held outside them and the buffers. The other rows are the breakdown at the"
+        " step's peak.",
+        "",
+    ]
     groups = _groups(cells)
     if not groups or (not len(mem) and "state_bytes" not in cells):
         return out + ["_Memory: not measured._", ""]
@@ -38,8 +55,12 @@ def _memory_section(tables: dict, plots_dir: Path | None, rel: str) -> list[str]
             m = m.merge(rows[["scenario", "world_size"]], on="scenario")
             agg = {"bytes": "max", **({"ideal_bytes": "max"} if "ideal_bytes" in m else {})}
             cat = m.groupby(["category", "world_size"]).agg(agg)
-            cell = cat.apply(lambda r: human_bytes(r["bytes"]) + (f" ({human_bytes(r['ideal_bytes'])})"
-                                                                   if "ideal_bytes" in r else ""), axis=1)
+            cell = cat.apply(
+                lambda r: (
+                    human_bytes(r["bytes"]) + (f" ({human_bytes(r['ideal_bytes'])})" if "ideal_bytes" in r else "")
+                ),
+                axis=1,
+            )
             table = cell.unstack("world_size")
             order = [c for c in MEM_ORDER if c in table.index] + sorted(set(table.index) - set(MEM_ORDER))
             table = table.loc[order]
@@ -54,8 +75,18 @@ def _memory_section(tables: dict, plots_dir: Path | None, rel: str) -> list[str]
         out += _gathered_table(tables, rows)
         per_ws = _per_ws(rows, mem)
         if per_ws[["state_bytes", "peak_bytes"]].notna().any().any():
-            out += [_plot(plots.plot_memory, plots_dir, f"memory-{_file_stem(key)}.png", rel, f"memory {_label(key)}",
-                          per_ws, f"memory per rank: {_label(key)}"), ""]
+            out += [
+                _plot(
+                    plots.plot_memory,
+                    plots_dir,
+                    f"memory-{_file_stem(key)}.png",
+                    rel,
+                    f"memory {_label(key)}",
+                    per_ws,
+                    f"memory per rank: {_label(key)}",
+                ),
+                "",
+            ]
     return out
 
 
@@ -77,15 +108,25 @@ def _gathered_table(tables: dict, rows: pd.DataFrame) -> list[str]:
     cell.index = [p.replace("_", " ") for p in cell.index]
     allowed = ", ".join(f"{p.replace('_', ' ')} {ALLOWED[p]}" for p in seen)
     root = "until backward ends" + (" and during the eval forward" if "eval" in seen else "")
-    return [f"Units holding their full parameters at once, the most at one moment of each phase (ZeRO-3 allows "
-            f"{allowed}; the root {root}):", "", md_table(cell.rename_axis("phase").reset_index()), ""]
+    return [
+        f"Units holding their full parameters at once, the most at one moment of each phase (ZeRO-3 allows "
+        f"{allowed}; the root {root}):",
+        "",
+        md_table(cell.rename_axis("phase").reset_index()),
+        "",
+    ]
 
 
 def _comm_section(tables: dict) -> list[str]:
     comm, cells = _t(tables, "comm"), _cells(tables)
-    out = ["## Communication", "", "Per training step on rank 0, per collective and element type, in elements "
-           "and bytes of the full size each collective handles. ZeRO-3 ideal: 2 all-gathers and 1 reduce-scatter "
-           "of the parameters per step, (W-1)/W of their bytes each on the wire.", ""]
+    out = [
+        "## Communication",
+        "",
+        "Per training step on rank 0, per collective and element type, in elements "
+        "and bytes of the full size each collective handles. ZeRO-3 ideal: 2 all-gathers and 1 reduce-scatter "
+        "of the parameters per step, (W-1)/W of their bytes each on the wire.",
+        "",
+    ]
     if not len(comm) or not len(cells):
         return out + ["_Communication: not measured._", ""]
     for key, rows in _groups(cells):
@@ -95,14 +136,18 @@ def _comm_section(tables: dict) -> list[str]:
             out += ["_No collectives recorded._", ""]
             continue
         col = lambda name: c[name] if name in c else pd.Series(np.nan, index=c.index)  # noqa: E731
-        t = pd.DataFrame({"world size": c["world_size"], "collective": c["collective"],
-                          "dtype": col("dtype").fillna("").astype(str),
-                          "group ranks": [num(x, "g") for x in col("ranks")],
-                          "calls per step": [num(x, "g") for x in c["calls"]],
-                          "elements per step": [num(x, ",.0f" if float(x).is_integer() else ",.6g")
-                                                for x in col("elements")],
-                          "bytes per step": [human_bytes(x) for x in c["bytes"]],
-                          "bytes (exact)": [num(x, ".0f" if float(x).is_integer() else ".6g") for x in c["bytes"]]})
+        t = pd.DataFrame(
+            {
+                "world size": c["world_size"],
+                "collective": c["collective"],
+                "dtype": col("dtype").fillna("").astype(str),
+                "group ranks": [num(x, "g") for x in col("ranks")],
+                "calls per step": [num(x, "g") for x in c["calls"]],
+                "elements per step": [num(x, ",.0f" if float(x).is_integer() else ",.6g") for x in col("elements")],
+                "bytes per step": [human_bytes(x) for x in c["bytes"]],
+                "bytes (exact)": [num(x, ".0f" if float(x).is_integer() else ".6g") for x in c["bytes"]],
+            }
+        )
         if "ideal_bytes" in c:
             t["ideal bytes"] = [human_bytes(x) for x in c["ideal_bytes"]]
         missing = sorted(set(rows["world_size"]) - set(c["world_size"]))

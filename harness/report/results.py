@@ -47,24 +47,30 @@ def _group_sections(tables: dict, plots_dir: Path | None, rel: str) -> list[str]
         said = f"Reference: `{ref_id or 'not run'}`."
         wider = _references_per_ws(key, rows["world_size"])
         if wider:  # split data under bf16: each world size has its own (harness/core/policy.py, BF16_SPLIT)
-            said = (f"Reference: `{ref_id or 'not run'}` at 1 rank; at W ranks the plain model summing the gradients "
-                    f"of the W ranks' micro-batches ({', '.join(f'`{r}`' for _, r in sorted(wider.items()))}); "
-                    f"the loss table's reference column is the first.")
+            said = (
+                f"Reference: `{ref_id or 'not run'}` at 1 rank; at W ranks the plain model summing the gradients "
+                f"of the W ranks' micro-batches ({', '.join(f'`{r}`' for _, r in sorted(wider.items()))}); "
+                f"the loss table's reference column is the first."
+            )
         out += [f"### {label}", "", said, ""]
         mws = _per_ws(rows, mem)
         one = mws[mws["world_size"] == 1]
         s1, p1 = (one["state_bytes"].iloc[0], one["peak_bytes"].iloc[0]) if len(one) else (np.nan, np.nan)
         col = lambda c: rows[c] if c in rows else pd.Series(np.nan, index=rows.index)  # noqa: E731
-        table = pd.DataFrame({
-            "world size": rows["world_size"].astype(int), "final loss": [num(x, ".10g") for x in col("final_loss")],
-            "param sum": [num(x, ".10g") for x in col("param_sum")],
-            "max diff vs 1 rank": [num(x) for x in col("max_diff_ws1")],
-            "max diff vs reference": [num(x) for x in col("max_diff_ref")],
-            "per-rank state": [human_bytes(x) for x in mws["state_bytes"]],
-            "peak memory": [human_bytes(x) for x in mws["peak_bytes"]],
-            "reduction vs 1 rank": [ratio(s1, x) for x in mws["state_bytes"]],
-            "peak reduction": [ratio(p1, x) for x in mws["peak_bytes"]],
-            "step time": [num(x, ".3f") + " s" if not _missing(x) else "—" for x in col("step_time_s")]})
+        table = pd.DataFrame(
+            {
+                "world size": rows["world_size"].astype(int),
+                "final loss": [num(x, ".10g") for x in col("final_loss")],
+                "param sum": [num(x, ".10g") for x in col("param_sum")],
+                "max diff vs 1 rank": [num(x) for x in col("max_diff_ws1")],
+                "max diff vs reference": [num(x) for x in col("max_diff_ref")],
+                "per-rank state": [human_bytes(x) for x in mws["state_bytes"]],
+                "peak memory": [human_bytes(x) for x in mws["peak_bytes"]],
+                "reduction vs 1 rank": [ratio(s1, x) for x in mws["state_bytes"]],
+                "peak reduction": [ratio(p1, x) for x in mws["peak_bytes"]],
+                "step time": [num(x, ".3f") + " s" if not _missing(x) else "—" for x in col("step_time_s")],
+            }
+        )
         if "error" in rows and (rows["error"].fillna("").astype(str) != "").any():
             table["error"] = rows["error"].fillna("").astype(str).to_list()
         out += [md_table(table), ""]
@@ -80,20 +86,42 @@ def _group_sections(tables: dict, plots_dir: Path | None, rel: str) -> list[str]
         picked = _pick_steps(list(loss.index))
         show = loss.reindex(picked).map(lambda x: num(x, ".10g"))
         show.columns = [f"W={c}" if c != "reference" else c for c in show.columns]
-        out += ["#### Loss per iteration", "", md_table(show.reset_index()), "",
-                _plot(plots.plot_loss, plots_dir, f"loss-{slug}.png", rel, f"loss {label}", g, ref,
-                      f"loss: {label}"), ""]
-        diff = g.pivot_table(index="step", columns="world_size", values="max_diff_ref", aggfunc="first",
-                             dropna=False).reindex(index=loss.index)
+        out += [
+            "#### Loss per iteration",
+            "",
+            md_table(show.reset_index()),
+            "",
+            _plot(plots.plot_loss, plots_dir, f"loss-{slug}.png", rel, f"loss {label}", g, ref, f"loss: {label}"),
+            "",
+        ]
+        diff = g.pivot_table(
+            index="step", columns="world_size", values="max_diff_ref", aggfunc="first", dropna=False
+        ).reindex(index=loss.index)
         show = diff.reindex(picked).map(num)
         show.columns = [f"W={c}" for c in show.columns]
         bounds = {}
         if len(verdicts):  # only the bounds held against this plot's quantity, |param diff| vs reference
-            vb = verdicts[verdicts["scenario"].isin(rows["scenario"])
-                          & verdicts["check"].map(lambda c: DIFF_COLUMN.get(c) == "max_diff_ref")]
+            vb = verdicts[
+                verdicts["scenario"].isin(rows["scenario"])
+                & verdicts["check"].map(lambda c: DIFF_COLUMN.get(c) == "max_diff_ref")
+            ]
             vb = vb.assign(bound=pd.to_numeric(vb["bound"], errors="coerce")).dropna(subset=["bound"])
             bounds = {c: float(b) for c, b in zip(vb["check"], vb["bound"]) if b > 0}
-        out += ["#### Max |param diff| vs reference per step", "", md_table(show.reset_index()), "",
-                _plot(plots.plot_diff, plots_dir, f"diff-{slug}.png", rel, f"param diff {label}", g,
-                      f"max |param diff| vs reference: {label}", bounds=bounds), ""]
+        out += [
+            "#### Max |param diff| vs reference per step",
+            "",
+            md_table(show.reset_index()),
+            "",
+            _plot(
+                plots.plot_diff,
+                plots_dir,
+                f"diff-{slug}.png",
+                rel,
+                f"param diff {label}",
+                g,
+                f"max |param diff| vs reference: {label}",
+                bounds=bounds,
+            ),
+            "",
+        ]
     return out

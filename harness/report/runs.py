@@ -68,7 +68,7 @@ def publish(folder: Path, runs: Path = RUNS, latest: Path = LATEST, keep: int = 
     os.replace(link, latest)  # atomic: `latest` always names a complete run
     said.append(f"{latest} -> {folder}")
     older = [f for f in _run_folders(runs) if f != folder]
-    for old in older[:max(0, len(older) - (keep - 1))]:
+    for old in older[: max(0, len(older) - (keep - 1))]:
         shutil.rmtree(old)
         said.append(f"removed {old} (the newest {keep} runs are kept)")
     return said

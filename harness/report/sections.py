@@ -11,7 +11,7 @@ its report imports those packages first (harness.session.load_report_sections).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 Section = Callable[[dict], list[str]]
 

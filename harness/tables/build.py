@@ -23,9 +23,20 @@ from harness.train.params_file import load_params
 
 
 def _scenario_fields(sc: Scenario) -> dict:
-    return {"scenario": sc.id, "impl": sc.impl, "model": sc.model, "world_size": sc.world_size,
-            "data_mode": sc.data_mode, "optimizer": sc.optimizer, "seed": sc.seed, "feature": sc.feature,
-            "resume_from": sc.resume_from, "micro_batches": sc.micro_batches, "reverse_micro": sc.reverse_micro, "nudge": sc.nudge}
+    return {
+        "scenario": sc.id,
+        "impl": sc.impl,
+        "model": sc.model,
+        "world_size": sc.world_size,
+        "data_mode": sc.data_mode,
+        "optimizer": sc.optimizer,
+        "seed": sc.seed,
+        "feature": sc.feature,
+        "resume_from": sc.resume_from,
+        "micro_batches": sc.micro_batches,
+        "reverse_micro": sc.reverse_micro,
+        "nudge": sc.nudge,
+    }
 
 
 class _Snapshots:
@@ -82,8 +93,11 @@ def _travel(cur: dict, before: dict | None) -> dict[str, float]:
     user's optimizer, harness/checks/noise_floor.py); {} without the step before."""
     if before is None:
         return {}
-    return {name: float((t.double() - before[name].double()).norm()) for name, t in cur.items()
-            if name in before and before[name].shape == t.shape}
+    return {
+        name: float((t.double() - before[name].double()).norm())
+        for name, t in cur.items()
+        if name in before and before[name].shape == t.shape
+    }
 
 
 def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[str, pd.DataFrame]:
@@ -98,8 +112,9 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
         if "ranks" not in res:
             status, why = ("unsupported", res["unsupported"]) if "unsupported" in res else ("error", res["error"])
             status, why = model_limit(sc, status, why, results)
-            scen_rows.append({**base, **_settings(sc), "status": status, "error": why,
-                              "failed_rank": res.get("failed_rank")})
+            scen_rows.append(
+                {**base, **_settings(sc), "status": status, "error": why, "failed_rank": res.get("failed_rank")}
+            )
             continue
         r0 = res["ranks"][0]
         ref_id = sc.reference().id
@@ -121,10 +136,20 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             d_twin = _diffs(cur, snaps.get(twin.id, k)) if twin is not None and twin.id in by_id else {}
             moved = _travel(cur, snaps.get(sc.id, k - 1)) if sc.impl == REFERENCE_IMPL else {}
             for name, t in cur.items():
-                param_rows.append({"scenario": sc.id, "step": k, "param": name, "numel": t.numel(),
-                                   "diff_ref": d_ref.get(name, math.nan), "diff_ws1": d_ws1.get(name, math.nan),
-                                   "diff_probe": d_probe.get(name, math.nan), "diff_factor": d_twin.get(name, math.nan),
-                                   "travel": moved.get(name, math.nan), "sum": float(t.double().sum())})
+                param_rows.append(
+                    {
+                        "scenario": sc.id,
+                        "step": k,
+                        "param": name,
+                        "numel": t.numel(),
+                        "diff_ref": d_ref.get(name, math.nan),
+                        "diff_ws1": d_ws1.get(name, math.nan),
+                        "diff_probe": d_probe.get(name, math.nan),
+                        "diff_factor": d_twin.get(name, math.nan),
+                        "travel": moved.get(name, math.nan),
+                        "sum": float(t.double().sum()),
+                    }
+                )
             wr, mr = _worst(d_ref)
             w1, m1 = _worst(d_ws1)
             wt, mt = _worst(d_twin)
@@ -132,25 +157,43 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             g1 = math.nan
             if ws1_id in by_id and ws1_id != sc.id and sc.data_mode == "replicated":
                 g1 = _grad_diff(snaps.grads_path(sc.id, k), snaps.grads_path(ws1_id, k))
-            steps_rows.append({**base, "step": k, "loss": rec["loss"], "grad_norm": rec["grad_norm"],
-                               "max_diff_ref": mr, "worst_param_ref": wr, "max_diff_ws1": m1, "worst_param_ws1": w1,
-                               "grad_diff_ws1": g1, "clip_norm": rec.get("clip_norm", math.nan),
-                               "max_diff_factor": mt, "worst_param_factor": wt,
-                               "max_diff_probe": mp, "worst_param_probe": wp,
-                               "replicas_differ": rec.get("replicas_differ", math.nan),
-                               "jitter_delays": sum(r["steps"][i].get("jitter_delays", 0) for r in res["ranks"]),
-                               "jitter_s": sum(r["steps"][i].get("jitter_s", 0.0) for r in res["ranks"]),
-                               "reduction_ranks": reduction_ranks(res["ranks"], i, r0.get("param_tensors", 0)),
-                               "reports_differ": reports_differ(res["ranks"], i),
-                               "eval_loss": rec.get("eval_loss", math.nan),
-                               "eval_loss_plain": rec.get("eval_loss_plain", math.nan)})
-            final = {"final_loss": rec["loss"], "param_sum": sum(float(t.double().sum()) for t in cur.values()),
-                     "max_diff_ref": mr, "max_diff_ws1": m1}
+            steps_rows.append(
+                {
+                    **base,
+                    "step": k,
+                    "loss": rec["loss"],
+                    "grad_norm": rec["grad_norm"],
+                    "max_diff_ref": mr,
+                    "worst_param_ref": wr,
+                    "max_diff_ws1": m1,
+                    "worst_param_ws1": w1,
+                    "grad_diff_ws1": g1,
+                    "clip_norm": rec.get("clip_norm", math.nan),
+                    "max_diff_factor": mt,
+                    "worst_param_factor": wt,
+                    "max_diff_probe": mp,
+                    "worst_param_probe": wp,
+                    "replicas_differ": rec.get("replicas_differ", math.nan),
+                    "jitter_delays": sum(r["steps"][i].get("jitter_delays", 0) for r in res["ranks"]),
+                    "jitter_s": sum(r["steps"][i].get("jitter_s", 0.0) for r in res["ranks"]),
+                    "reduction_ranks": reduction_ranks(res["ranks"], i, r0.get("param_tensors", 0)),
+                    "reports_differ": reports_differ(res["ranks"], i),
+                    "eval_loss": rec.get("eval_loss", math.nan),
+                    "eval_loss_plain": rec.get("eval_loss_plain", math.nan),
+                }
+            )
+            final = {
+                "final_loss": rec["loss"],
+                "param_sum": sum(float(t.double().sum()) for t in cur.values()),
+                "max_diff_ref": mr,
+                "max_diff_ws1": m1,
+            }
         restore = _restore(sc, snaps, by_id)
         rows_compared = rows_moved = rows_noise = math.nan
         if sc.impl != REFERENCE_IMPL and ref_id in by_id:
             apart, rows_compared, rows_moved, rows_noise = rows_apart(
-                sc, snaps, res["ranks"], ref_id, [p for p in sc.noise_probes() if p.id in by_id])
+                sc, snaps, res["ranks"], ref_id, [p for p in sc.noise_probes() if p.id in by_id]
+            )
             apart_rows += apart
         calm = _calm(sc, snaps, by_id, [rec["step"] for rec in r0["steps"]])
         for rank_rec in res["ranks"]:
@@ -161,26 +204,49 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             comm_rows.append({"scenario": sc.id, **c})
         state = [rr["memory"].get("state_total", math.nan) for rr in res["ranks"]]
         peak = [rr["memory"].get("peak", math.nan) for rr in res["ranks"]]
-        scen_rows.append({**base, **_settings(sc), "status": "ok", "error": "", "failed_rank": None,
-                          **final,
-                          "sharded": r0.get("sharded", True), "param_bytes": r0.get("param_bytes", math.nan),
-                          "trainable_bytes": r0.get("trainable_bytes", math.nan),
-                          "param_elements": r0.get("param_elements", math.nan),
-                          "trainable_elements": r0.get("trainable_elements", math.nan),
-                          "largest_unit_bytes": r0.get("largest_unit_bytes", math.nan),
-                          "largest_child_bytes": r0.get("largest_child_bytes", math.nan),
-                          "root_bytes": r0.get("root_bytes", math.nan),
-                          "row_bytes": r0.get("row_bytes", math.nan), "param_tensors": r0.get("param_tensors", math.nan),
-                          "buffer_bytes": r0.get("buffer_bytes", math.nan),
-                          "batch_stats": r0.get("batch_stats", ""),
-                          "params_compared": compared, "rows_compared": rows_compared,
-                          "rows_moved": rows_moved, "rows_noise": rows_noise, **restore, **calm, "state_bytes": max(state), "peak_bytes": max(peak),
-                          "step_time_s": max(rr["step_time_s"] for rr in res["ranks"])})
-    rows = {"steps": steps_rows, "params": param_rows, "scenarios": scen_rows, "memory": mem_rows,
-            "comm": comm_rows, "coverage": cover_rows, "gathered": gathered_rows, "rank_diffs": rank_rows,
-            "rows_trained": apart_rows}
+        scen_rows.append(
+            {
+                **base,
+                **_settings(sc),
+                "status": "ok",
+                "error": "",
+                "failed_rank": None,
+                **final,
+                "sharded": r0.get("sharded", True),
+                "param_bytes": r0.get("param_bytes", math.nan),
+                "trainable_bytes": r0.get("trainable_bytes", math.nan),
+                "param_elements": r0.get("param_elements", math.nan),
+                "trainable_elements": r0.get("trainable_elements", math.nan),
+                "largest_unit_bytes": r0.get("largest_unit_bytes", math.nan),
+                "largest_child_bytes": r0.get("largest_child_bytes", math.nan),
+                "root_bytes": r0.get("root_bytes", math.nan),
+                "row_bytes": r0.get("row_bytes", math.nan),
+                "param_tensors": r0.get("param_tensors", math.nan),
+                "buffer_bytes": r0.get("buffer_bytes", math.nan),
+                "batch_stats": r0.get("batch_stats", ""),
+                "params_compared": compared,
+                "rows_compared": rows_compared,
+                "rows_moved": rows_moved,
+                "rows_noise": rows_noise,
+                **restore,
+                **calm,
+                "state_bytes": max(state),
+                "peak_bytes": max(peak),
+                "step_time_s": max(rr["step_time_s"] for rr in res["ranks"]),
+            }
+        )
+    rows = {
+        "steps": steps_rows,
+        "params": param_rows,
+        "scenarios": scen_rows,
+        "memory": mem_rows,
+        "comm": comm_rows,
+        "coverage": cover_rows,
+        "gathered": gathered_rows,
+        "rank_diffs": rank_rows,
+        "rows_trained": apart_rows,
+    }
     return {name: pd.DataFrame(r, columns=columns(name)) for name, r in rows.items()}
-
 
 
 # what every rank's step record says that must be the same on every rank
@@ -242,16 +308,20 @@ def model_limit(sc: Scenario, status: str, error: str, results: dict[str, dict])
     if status != "error":
         return status, error
     if sc.impl == REFERENCE_IMPL:
-        return status, (f"{MODEL_LIMIT} the plain model itself fails in this scenario, no implementation involved "
-                        f"({_last_line(error)}):\n{error}")
+        return status, (
+            f"{MODEL_LIMIT} the plain model itself fails in this scenario, no implementation involved "
+            f"({_last_line(error)}):\n{error}"
+        )
     mine = {line.strip() for line in str(error).splitlines()}
     for dep in (sc.reference(), *sc.noise_probes()):
         theirs = results.get(dep.id, {})
         raised = _last_line(theirs.get("error", ""))
         # the plain run's exception line, raised on some rank of this run ("rank 3 failed too: <it>" included)
         if raised and (raised in mine or any(line.endswith(": " + raised) for line in mine)):
-            return "unsupported", (f"{MODEL_LIMIT} fails as the plain model fails in {dep.id} ({raised}); the model "
-                                   "cannot run this scenario, whoever shards it")
+            return "unsupported", (
+                f"{MODEL_LIMIT} fails as the plain model fails in {dep.id} ({raised}); the model "
+                "cannot run this scenario, whoever shards it"
+            )
     return status, error
 
 
@@ -265,8 +335,9 @@ def _settings(sc: Scenario) -> dict:
     return {"steps": sc.steps, "lr": sc.lr, "global_batch": sc.global_batch, "backend": sc.backend}
 
 
-def _rank_diffs(sid: str, step: int, ranks: list[dict], cur: dict, ref: dict | None, ws1: dict | None,
-                d_ref: dict, d_ws1: dict) -> list[dict]:
+def _rank_diffs(
+    sid: str, step: int, ranks: list[dict], cur: dict, ref: dict | None, ws1: dict | None, d_ref: dict, d_ws1: dict
+) -> list[dict]:
     """Per rank, the largest |param diff| within the dim-0 rows that rank holds (its record's `rows`), for
     every parameter that differs at all at this step: which ranks' rows parted from the yardstick."""
     out = []
@@ -280,8 +351,16 @@ def _rank_diffs(sid: str, step: int, ranks: list[dict], cur: dict, ref: dict | N
             if span is None:
                 continue
             a, b = span
-            out.append({"scenario": sid, "step": step, "param": name, "rank": rec["rank"],
-                        "diff_ref": _span_diff(t, ref, name, a, b), "diff_ws1": _span_diff(t, ws1, name, a, b)})
+            out.append(
+                {
+                    "scenario": sid,
+                    "step": step,
+                    "param": name,
+                    "rank": rec["rank"],
+                    "diff_ref": _span_diff(t, ref, name, a, b),
+                    "diff_ws1": _span_diff(t, ws1, name, a, b),
+                }
+            )
     return out
 
 
@@ -348,8 +427,10 @@ def bitwise_difference(t: torch.Tensor, other: torch.Tensor | None) -> str:
         return ""
     i = int(differ.nonzero()[0])
     index = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), t.shape)) if t.dim() else ()
-    return (f"{index}: {a[i].item()!r} vs {b[i].item()!r}; "
-            f"{int(differ.sum())} of {a.numel()} elements differ or are not finite")
+    return (
+        f"{index}: {a[i].item()!r} vs {b[i].item()!r}; "
+        f"{int(differ.sum())} of {a.numel()} elements differ or are not finite"
+    )
 
 
 def _coverage(sid: str, step: int, cur: dict, ref: dict) -> list[dict]:
@@ -357,11 +438,21 @@ def _coverage(sid: str, step: int, cur: dict, ref: dict) -> list[dict]:
     out, a name the plain model does not have, or another shape. Empty when every parameter of the
     plain model came back under its name with its shape."""
     rows = [{"scenario": sid, "step": step, "param": n, "problem": "missing"} for n in ref if n not in cur]
-    rows += [{"scenario": sid, "step": step, "param": n, "problem": "not a parameter of the plain model"}
-             for n in cur if n not in ref]
-    rows += [{"scenario": sid, "step": step, "param": n,
-              "problem": f"shape {tuple(cur[n].shape)}, the plain model's is {tuple(ref[n].shape)}"}
-             for n in cur if n in ref and cur[n].shape != ref[n].shape]
+    rows += [
+        {"scenario": sid, "step": step, "param": n, "problem": "not a parameter of the plain model"}
+        for n in cur
+        if n not in ref
+    ]
+    rows += [
+        {
+            "scenario": sid,
+            "step": step,
+            "param": n,
+            "problem": f"shape {tuple(cur[n].shape)}, the plain model's is {tuple(ref[n].shape)}",
+        }
+        for n in cur
+        if n in ref and cur[n].shape != ref[n].shape
+    ]
     return rows
 
 

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import torch
 
-COLUMNS = ("state_restore_diff", "state_restore_param", "state_restore_rank", "state_restore_where",
-           "state_restored")
+COLUMNS = ("state_restore_diff", "state_restore_param", "state_restore_rank", "state_restore_where", "state_restored")
 
 
 def compare_files(saved: Path, restored: Path) -> dict:
@@ -60,11 +59,19 @@ def compare(saved: list[dict], restored: list[dict]) -> dict:
     for (name, key), mask in covered.items():
         if mask is not None and not bool(mask.all()):
             first = tuple(int(i) for i in (~mask).nonzero()[0])
-            worst.structural(name, None, f"{name} {key}{_index(first)}: held by no rank after loading "
-                                         f"({int((~mask).sum())} of {mask.numel()} elements)")
+            worst.structural(
+                name,
+                None,
+                f"{name} {key}{_index(first)}: held by no rank after loading "
+                f"({int((~mask).sum())} of {mask.numel()} elements)",
+            )
     keys = sorted({k for _, k in whole})
-    what = (f"{', '.join(keys)} of {len({n for n, _ in whole})} parameters, {worst.elements} elements over "
-            f"{len(restored)} rank(s)" if whole else "none saved")
+    what = (
+        f"{', '.join(keys)} of {len({n for n, _ in whole})} parameters, {worst.elements} elements over "
+        f"{len(restored)} rank(s)"
+        if whole
+        else "none saved"
+    )
     where = worst.where + (f" ({worst.differing} of {worst.elements} elements differ)" if worst.differing else "")
     return _result(worst.diff, worst.param, worst.rank, where, what)
 
@@ -101,12 +108,13 @@ def _slices(part: dict) -> tuple:
     return tuple(slice(o, o + n) for o, n in zip(part["offset"], part["local"].shape))
 
 
-def _compare_part(worst: "_Worst", covered: dict, saved, name: str, key: str, rank: int, part: dict) -> None:
+def _compare_part(worst: _Worst, covered: dict, saved, name: str, key: str, rank: int, part: dict) -> None:
     if "value" in part or not isinstance(saved, torch.Tensor):
         a, b = part.get("value", part.get("local")), saved
         if any(isinstance(x, torch.Tensor) and x.numel() != 1 for x in (a, b)):
-            worst.structural(name, rank, f"{name} {key}: rank {rank} holds {_kind(a)} after loading, "
-                                         f"{_kind(b)} was saved")
+            worst.structural(
+                name, rank, f"{name} {key}: rank {rank} holds {_kind(a)} after loading, {_kind(b)} was saved"
+            )
             return
         a, b = (float(x) if isinstance(x, (torch.Tensor, int, float)) else x for x in (a, b))
         covered.setdefault((name, key), None)
@@ -116,8 +124,12 @@ def _compare_part(worst: "_Worst", covered: dict, saved, name: str, key: str, ra
             worst.element(d, name, key, rank, (), a, b)
         return
     if tuple(part["shape"]) != tuple(saved.shape):
-        worst.structural(name, rank, f"{name} {key}: rank {rank} holds a part of a whole of shape "
-                                     f"{tuple(part['shape'])}, the saved one is {tuple(saved.shape)}")
+        worst.structural(
+            name,
+            rank,
+            f"{name} {key}: rank {rank} holds a part of a whole of shape "
+            f"{tuple(part['shape'])}, the saved one is {tuple(saved.shape)}",
+        )
         return
     mask = covered.setdefault((name, key), torch.zeros(saved.shape, dtype=torch.bool))
     where = _slices(part)
@@ -151,8 +163,9 @@ class _Worst:
         self.differing += count
         if d > self.diff or not self.where:
             self.diff, self.param, self.rank = d, param, rank
-            self.where = (f"{param} {key}{_index(index)} on rank {rank}: {_value(restored)} after loading, "
-                          f"{_value(saved)} saved")
+            self.where = (
+                f"{param} {key}{_index(index)} on rank {rank}: {_value(restored)} after loading, {_value(saved)} saved"
+            )
 
 
 def _kind(x) -> str:

@@ -86,8 +86,9 @@ def noise_floors(snaps, ref_id: str, probes: list[Scenario], last: int) -> dict[
     return out
 
 
-def rows_apart(sc: Scenario, snaps, ranks: list[dict], ref_id: str,
-               probes: list[Scenario] = ()) -> tuple[list[dict], float, float, float]:
+def rows_apart(
+    sc: Scenario, snaps, ranks: list[dict], ref_id: str, probes: list[Scenario] = ()
+) -> tuple[list[dict], float, float, float]:
     """(rows_trained table rows, rows compared, rows the reference moved, rows apart left unheld) for one run
     against its reference `ref_id`: a table row per parameter whose moved rows differ, with the first step
     where they part. A row is apart only when one run left it exactly and the other moved it beyond the larger
@@ -103,13 +104,20 @@ def rows_apart(sc: Scenario, snaps, ranks: list[dict], ref_id: str,
     floor = noise_floors(snaps, ref_id, list(probes), last)
     out, compared, trained, unheld = [], 0, 0, 0
     for name, t in mine.items():
-        if name not in ref or name not in mine0 or name not in ref0 or t.shape != ref[name].shape \
-                or ref0[name].shape != t.shape or mine0[name].shape != t.shape:
+        if (
+            name not in ref
+            or name not in mine0
+            or name not in ref0
+            or t.shape != ref[name].shape
+            or ref0[name].shape != t.shape
+            or mine0[name].shape != t.shape
+        ):
             continue  # a parameter full_params lost or misshaped: params_cover_model's
         a, b = moved(t, mine0[name]), moved(ref[name], ref0[name])
         compared, trained = compared + a.numel(), trained + int(b.sum())
-        limit = max(NOISE_FLOOR_FACTOR * floor.get(name, 0.0),
-                    _drift(t, mine0[name], ref[name], ref0[name], steps=last - first))
+        limit = max(
+            NOISE_FLOOR_FACTOR * floor.get(name, 0.0), _drift(t, mine0[name], ref[name], ref0[name], steps=last - first)
+        )
         a_far, b_far = (moved(t, mine0[name], limit), moved(ref[name], ref0[name], limit)) if limit > 0 else (a, b)
         gone, alone = b_far & ~a, a_far & ~b  # one run left the row exactly as it was, the other moved it far
         if probes and bool((gone | alone).any()):  # unless a correct split computation is torn over it too
@@ -122,8 +130,16 @@ def rows_apart(sc: Scenario, snaps, ranks: list[dict], ref_id: str,
         if not (still or extra):
             continue
         step = _first_parting(sc, snaps, ref_id, name, first, still, extra)
-        out.append({"scenario": sc.id, "param": name, "step": step, "still": spans(still), "extra": spans(extra),
-                    "ranks": holders(still + extra, name, ranks)})
+        out.append(
+            {
+                "scenario": sc.id,
+                "param": name,
+                "step": step,
+                "still": spans(still),
+                "extra": spans(extra),
+                "ranks": holders(still + extra, name, ranks),
+            }
+        )
     return out, float(compared), float(trained), float(unheld)
 
 
@@ -166,8 +182,7 @@ def _drift(*tensors: torch.Tensor, steps: int) -> float:
     return rounding_drift(scale, torch.finfo(tensors[0].dtype).eps, steps) if finite else 0.0
 
 
-def _first_parting(sc: Scenario, snaps, ref_id: str, name: str, first: int, still: list[int],
-                   extra: list[int]) -> int:
+def _first_parting(sc: Scenario, snaps, ref_id: str, name: str, first: int, still: list[int], extra: list[int]) -> int:
     """The first step at which one of the rows apart had moved in the run that moves it."""
     for k in range(first + 1, sc.steps + 1):
         for run, rows in ((ref_id, still), (sc.id, extra)):

@@ -1,7 +1,7 @@
 """The table schema: every table a run produces, what one row is, and its columns in order.
 
-The one definition that building (`build.py`), storing (`store.py`), the test builders and the
-README's table all read; a test holds the README to it.
+The one definition that building (`build.py`), storing (`store.py`), the test builders and the table of
+tables in docs/report.md all read; a test holds the page to it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ class Table:
     name: str
     row: str  # what one row is
     columns: tuple[str, ...]  # every column, in order
-    note: str = ""  # what the README's table adds after the columns
+    note: str = ""  # what the docs' table adds after the columns
     # the columns a stored run must have to be read back; the others may be missing from a run
     # stored before they existed, and the checks that need them fail by name (checks/numeric.py)
     required: tuple[str, ...] | None = None  # None: all of them
@@ -88,63 +88,217 @@ SCENARIO_IDS = ("scenario", "impl", "model", "world_size", "data_mode", "optimiz
 # that many ulps)
 FEATURE = ("feature", "resume_from", "micro_batches", "reverse_micro", "nudge")
 
-TABLES: dict[str, Table] = {t.name: t for t in (
-    Table("steps", "scenario x step", SCENARIO_IDS + FEATURE + (
-        "step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1",
-        "grad_diff_ws1", "clip_norm", "max_diff_factor", "worst_param_factor", "replicas_differ", "max_diff_probe",
-        "worst_param_probe", "reduction_ranks", "reports_differ", "eval_loss", "eval_loss_plain", "jitter_delays", "jitter_s"),
-          required=SCENARIO_IDS + ("step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1",
-                                   "worst_param_ws1")),
-    Table("params", "scenario x step x parameter", (
-        "scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum", "diff_probe", "diff_factor", "travel"),
-          required=("scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum")),
-    Table("scenarios", "scenario", SCENARIO_IDS + FEATURE + (
-        "steps", "lr", "global_batch", "backend", "status", "error", "failed_rank", "final_loss", "param_sum", "max_diff_ref",
-        "max_diff_ws1", "sharded",
-        "param_bytes", "trainable_bytes", "param_elements", "trainable_elements", "largest_unit_bytes",
-        "largest_child_bytes", "root_bytes", "row_bytes", "param_tensors", "buffer_bytes", "batch_stats", "params_compared",
-        "rows_compared", "rows_moved", "rows_noise", "restore_diff",
-        "restore_param", "state_restore_diff", "state_restore_param", "state_restore_rank", "state_restore_where",
-        "state_restored", "calm_step", "calm_param", "calm_element", "calm_compared", "state_bytes",
-        "peak_bytes", "step_time_s"),
-          required=SCENARIO_IDS + ("steps", "lr", "status", "error", "final_loss", "param_sum", "max_diff_ref",
-                                   "max_diff_ws1", "state_bytes", "peak_bytes", "step_time_s")),
-    Table("memory", "scenario x rank x category", ("scenario", "rank", "category", "bytes"),
-          "category: params, grads, optimizer_state, activations, other, peak; state_params, state_grads, "
-          "state_optimizer_state, state_buffers, state_other, state_unattributed (CUDA), state_total"),
-    Table("gathered", "scenario x rank x phase of the measured step", (
-        "scenario", "rank", "phase", "moments", "units", "which", "root"),
-          "units: the most units (the root aside) holding their full parameters at one moment of the phase, "
-          "which: their names, root: the root's own parameters full at some moment (harness.measure.timeline)"),
-    Table("comm", "scenario x collective x element type x group size", (
-        "scenario", "collective", "dtype", "ranks", "calls", "elements", "bytes"),
-          "per step, the full size each collective handles, from every thread of the rank; ranks: of the group "
-          "it ran over (0: unknown)", required=("scenario", "collective", "dtype", "calls", "elements", "bytes")),
-    Table("coverage", "scenario x step x parameter `full_params` got wrong", ("scenario", "step", "param", "problem"),
-          "problem: missing, not a parameter of the plain model, another shape; empty when all held"),
-    Table("rank_diffs", "scenario x step x parameter x rank, where the parameter differs at all", (
-        "scenario", "step", "param", "rank", "diff_ref", "diff_ws1"),
-          "max |param diff| within the dim-0 rows that rank holds (DTensor parameters laid out by rows), vs the "
-          "reference and vs world size 1: which ranks' rows parted", required=()),
-    Table("rows_trained", "scenario x parameter whose moved rows differ from its reference's", (
-        "scenario", "param", "step", "still", "extra", "ranks"),
-          "rows (dim-0 indices) that moved from the run's starting snapshot by its last step, held against the "
-          "reference's: still, moved by the reference only (never trained); extra, moved by the run only; "
-          "step, the first step one of them moved; ranks, those holding them; empty when every run moved the "
-          "rows its reference moved (harness/tables/rows.py)", required=()),
-    Table("verdicts", "verdict", tuple(VERDICT_COLUMNS),
-          required=("check", "scenario", "status", "measured", "bound", "where", "message", "step", "param")),
-    Table("localised", "failing scenario localised (the first --localize N)", (
-        "scenario", "yardstick", "steps", "step", "micro_batch", "phase", "module", "op", "ranks", "element",
-        "rounding", "context"),
-          "where the scenario first parted from its yardstick (harness.localize); element: the parameter or op "
-          "output element with both values; context: the yardstick's ops of that module around it", required=()),
-    Table("per_sample", "model x impl x data mode x world size x sample", (
-        "model", "impl", "data_mode", "world_size", "sample", "norm", "truth"), "with `--per-sample`"),
-    Table("per_sample_summary", "model x impl x data mode x world size", (
-        "model", "impl", "data_mode", "world_size", "mean_norm", "truth_mean", "ratio_of_means", "max_rel_err",
-        "clipped_update_rel_err", "update_ratio"), "with `--per-sample`"),
-)}
+TABLES: dict[str, Table] = {
+    t.name: t
+    for t in (
+        Table(
+            "steps",
+            "scenario x step",
+            SCENARIO_IDS
+            + FEATURE
+            + (
+                "step",
+                "loss",
+                "grad_norm",
+                "max_diff_ref",
+                "worst_param_ref",
+                "max_diff_ws1",
+                "worst_param_ws1",
+                "grad_diff_ws1",
+                "clip_norm",
+                "max_diff_factor",
+                "worst_param_factor",
+                "replicas_differ",
+                "max_diff_probe",
+                "worst_param_probe",
+                "reduction_ranks",
+                "reports_differ",
+                "eval_loss",
+                "eval_loss_plain",
+                "jitter_delays",
+                "jitter_s",
+            ),
+            required=SCENARIO_IDS
+            + ("step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1"),
+        ),
+        Table(
+            "params",
+            "scenario x step x parameter",
+            (
+                "scenario",
+                "step",
+                "param",
+                "numel",
+                "diff_ref",
+                "diff_ws1",
+                "sum",
+                "diff_probe",
+                "diff_factor",
+                "travel",
+            ),
+            required=("scenario", "step", "param", "numel", "diff_ref", "diff_ws1", "sum"),
+        ),
+        Table(
+            "scenarios",
+            "scenario",
+            SCENARIO_IDS
+            + FEATURE
+            + (
+                "steps",
+                "lr",
+                "global_batch",
+                "backend",
+                "status",
+                "error",
+                "failed_rank",
+                "final_loss",
+                "param_sum",
+                "max_diff_ref",
+                "max_diff_ws1",
+                "sharded",
+                "param_bytes",
+                "trainable_bytes",
+                "param_elements",
+                "trainable_elements",
+                "largest_unit_bytes",
+                "largest_child_bytes",
+                "root_bytes",
+                "row_bytes",
+                "param_tensors",
+                "buffer_bytes",
+                "batch_stats",
+                "params_compared",
+                "rows_compared",
+                "rows_moved",
+                "rows_noise",
+                "restore_diff",
+                "restore_param",
+                "state_restore_diff",
+                "state_restore_param",
+                "state_restore_rank",
+                "state_restore_where",
+                "state_restored",
+                "calm_step",
+                "calm_param",
+                "calm_element",
+                "calm_compared",
+                "state_bytes",
+                "peak_bytes",
+                "step_time_s",
+            ),
+            required=SCENARIO_IDS
+            + (
+                "steps",
+                "lr",
+                "status",
+                "error",
+                "final_loss",
+                "param_sum",
+                "max_diff_ref",
+                "max_diff_ws1",
+                "state_bytes",
+                "peak_bytes",
+                "step_time_s",
+            ),
+        ),
+        Table(
+            "memory",
+            "scenario x rank x category",
+            ("scenario", "rank", "category", "bytes"),
+            "category: params, grads, optimizer_state, activations, other, peak; state_params, state_grads, "
+            "state_optimizer_state, state_buffers, state_other, state_unattributed (CUDA), state_total",
+        ),
+        Table(
+            "gathered",
+            "scenario x rank x phase of the measured step",
+            ("scenario", "rank", "phase", "moments", "units", "which", "root"),
+            "units: the most units (the root aside) holding their full parameters at one moment of the phase, "
+            "which: their names, root: the root's own parameters full at some moment (harness.measure.timeline)",
+        ),
+        Table(
+            "comm",
+            "scenario x collective x element type x group size",
+            ("scenario", "collective", "dtype", "ranks", "calls", "elements", "bytes"),
+            "per step, the full size each collective handles, from every thread of the rank; ranks: of the group "
+            "it ran over (0: unknown)",
+            required=("scenario", "collective", "dtype", "calls", "elements", "bytes"),
+        ),
+        Table(
+            "coverage",
+            "scenario x step x parameter `full_params` got wrong",
+            ("scenario", "step", "param", "problem"),
+            "problem: missing, not a parameter of the plain model, another shape; empty when all held",
+        ),
+        Table(
+            "rank_diffs",
+            "scenario x step x parameter x rank, where the parameter differs at all",
+            ("scenario", "step", "param", "rank", "diff_ref", "diff_ws1"),
+            "max |param diff| within the dim-0 rows that rank holds (DTensor parameters laid out by rows), vs the "
+            "reference and vs world size 1: which ranks' rows parted",
+            required=(),
+        ),
+        Table(
+            "rows_trained",
+            "scenario x parameter whose moved rows differ from its reference's",
+            ("scenario", "param", "step", "still", "extra", "ranks"),
+            "rows (dim-0 indices) that moved from the run's starting snapshot by its last step, held against the "
+            "reference's: still, moved by the reference only (never trained); extra, moved by the run only; "
+            "step, the first step one of them moved; ranks, those holding them; empty when every run moved the "
+            "rows its reference moved (harness/tables/rows.py)",
+            required=(),
+        ),
+        Table(
+            "verdicts",
+            "verdict",
+            tuple(VERDICT_COLUMNS),
+            required=("check", "scenario", "status", "measured", "bound", "where", "message", "step", "param"),
+        ),
+        Table(
+            "localised",
+            "failing scenario localised (the first --localize N)",
+            (
+                "scenario",
+                "yardstick",
+                "steps",
+                "step",
+                "micro_batch",
+                "phase",
+                "module",
+                "op",
+                "ranks",
+                "element",
+                "rounding",
+                "context",
+            ),
+            "where the scenario first parted from its yardstick (harness.localize); element: the parameter or op "
+            "output element with both values; context: the yardstick's ops of that module around it",
+            required=(),
+        ),
+        Table(
+            "per_sample",
+            "model x impl x data mode x world size x sample",
+            ("model", "impl", "data_mode", "world_size", "sample", "norm", "truth"),
+            "with `--per-sample`",
+        ),
+        Table(
+            "per_sample_summary",
+            "model x impl x data mode x world size",
+            (
+                "model",
+                "impl",
+                "data_mode",
+                "world_size",
+                "mean_norm",
+                "truth_mean",
+                "ratio_of_means",
+                "max_rel_err",
+                "clipped_update_rel_err",
+                "update_ratio",
+            ),
+            "with `--per-sample`",
+        ),
+    )
+}
 
 
 def columns(name: str) -> list[str]:
@@ -152,8 +306,8 @@ def columns(name: str) -> list[str]:
     return list(TABLES[name].columns)
 
 
-def readme_table() -> str:
-    """The README's table of tables (markdown), made from the schema."""
+def docs_table() -> str:
+    """docs/report.md's table of tables (markdown), made from the schema."""
     lines = ["| table | one row per | columns |", "|---|---|---|"]
     for t in TABLES.values():
         cols = ", ".join(t.columns) + (f" ({t.note})" if t.note else "")

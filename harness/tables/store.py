@@ -192,8 +192,12 @@ def stage_run(tables: dict[str, pd.DataFrame], env: dict, folder: Path) -> Path:
             df.to_csv(folder / file, index=False)
         else:
             (folder / file).write_text("")
-        manifest["tables"][name] = {"file": file, "columns": [str(c) for c in df.columns],
-                                    "kinds": {str(c): _kind(df[c].dtype) for c in df.columns}, "rows": len(df)}
+        manifest["tables"][name] = {
+            "file": file,
+            "columns": [str(c) for c in df.columns],
+            "kinds": {str(c): _kind(df[c].dtype) for c in df.columns},
+            "rows": len(df),
+        }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return folder
 
@@ -207,8 +211,12 @@ def _read_table(directory: Path, name: str, meta: dict) -> pd.DataFrame:
         return pd.DataFrame()
     numeric = [c for c in columns if kinds.get(c) in ("int", "float")]
     try:
-        df = pd.read_csv(path, keep_default_na=False, na_values={c: ["", "nan", "NaN"] for c in numeric},
-                         dtype={c: str for c in columns if kinds.get(c) == "str"})
+        df = pd.read_csv(
+            path,
+            keep_default_na=False,
+            na_values={c: ["", "nan", "NaN"] for c in numeric},
+            dtype={c: str for c in columns if kinds.get(c) == "str"},
+        )
     except (ValueError, pd.errors.ParserError) as exc:
         raise StoreError(f"run {directory}: {meta['file']} is not valid CSV ({str(exc).splitlines()[0]})") from None
     if list(df.columns) != columns:
@@ -248,8 +256,15 @@ def load_tables(directory: Path) -> tuple[dict[str, pd.DataFrame], dict]:
     if version != SCHEMA_VERSION:
         raise StoreError(f"{path} has schema version {version}, this harness reads {SCHEMA_VERSION}; re-run it")
     try:
-        metas = {str(n): {"file": str(m["file"]), "columns": list(m["columns"]), "kinds": dict(m["kinds"]),
-                          "rows": int(m["rows"])} for n, m in manifest["tables"].items()}
+        metas = {
+            str(n): {
+                "file": str(m["file"]),
+                "columns": list(m["columns"]),
+                "kinds": dict(m["kinds"]),
+                "rows": int(m["rows"]),
+            }
+            for n, m in manifest["tables"].items()
+        }
         env = dict(manifest.get("env") or {})
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise StoreError(f"{path} is malformed ({type(exc).__name__}: {exc})") from None

@@ -17,8 +17,8 @@ the resumed run's right after loading (``restored_state.pt``), for check ``ckpt_
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -47,8 +47,9 @@ class Checkpointing:
             return []
         folder, records = self.source / CHECKPOINT, self.source / STEPS
         if not records.exists():
-            raise CheckpointMissing(f"no checkpoint in {self.source.name}: that run did not save one "
-                                    f"(see its own verdicts)")
+            raise CheckpointMissing(
+                f"no checkpoint in {self.source.name}: that run did not save one (see its own verdicts)"
+            )
         steps = torch.load(records, weights_only=True)
         adapter.load_checkpoint(wrapped, optimizer, folder)
         write_state(self.snap_dir / RESTORED_STATE)
@@ -60,8 +61,9 @@ class Checkpointing:
                         shutil.copyfile(self.source / name, self.snap_dir / name)
         return list(steps)
 
-    def save_after(self, step: int, adapter, wrapped, optimizer, steps: list[dict],
-                   write_state: Callable[[Path], None]) -> None:
+    def save_after(
+        self, step: int, adapter, wrapped, optimizer, steps: list[dict], write_state: Callable[[Path], None]
+    ) -> None:
         """After the saver's step `save_at`: the adapter's checkpoint and the optimizer state the ranks
         hold (`write_state`; both collective), then the records."""
         if self.save_at is None or step != self.save_at:

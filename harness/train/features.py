@@ -5,12 +5,18 @@ so a feature is an equivalence like the plain step: same micro-batches, same sca
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from harness.core.scenario import (check_feature, has, hsdp_mesh, passes_per_step, post_forward_ranks,
-                                   reductions_per_step)
+from harness.core.scenario import (
+    check_feature,
+    has,
+    hsdp_mesh,
+    passes_per_step,
+    post_forward_ranks,
+    reductions_per_step,
+)
 from harness.train.data import local_slice
 
 # bf16: the dtypes of the mixed-precision policy every implementation (and the plain reference) is given
@@ -27,16 +33,19 @@ def wrap_for(feature: str, adapter, model, units, *, ctx):
         return adapter.wrap_mixed_precision(model, units, group=group, device=device, **BF16_POLICY)
     if has(feature, "hsdp"):
         shard_group, replicate_group = ctx.hybrid or hybrid_groups(group)
-        return adapter.wrap_hybrid(model, units, group=group, device=device, shard_group=shard_group,
-                                   replicate_group=replicate_group)
+        return adapter.wrap_hybrid(
+            model, units, group=group, device=device, shard_group=shard_group, replicate_group=replicate_group
+        )
     if has(feature, "shard1"):
-        return adapter.wrap_shard_placement(model, units, group=group, device=device,
-                                            shard_placement_fn=dim1_placement(_size(group)))
+        return adapter.wrap_shard_placement(
+            model, units, group=group, device=device, shard_placement_fn=dim1_placement(_size(group))
+        )
     if has(feature, "offload"):
         return adapter.wrap_offload(model, units, group=group, device=device)
     if has(feature, "reshard2"):
-        return adapter.wrap_reshard_after_forward(model, units, group=group, device=device,
-                                                  reshard_after_forward=post_forward_ranks(feature, _size(group)))
+        return adapter.wrap_reshard_after_forward(
+            model, units, group=group, device=device, reshard_after_forward=post_forward_ranks(feature, _size(group))
+        )
     return adapter.wrap(model, units, group=group, device=device)
 
 
@@ -61,8 +70,9 @@ def hybrid_layout(world_size: int) -> list[list[int]]:
     """Every group of the hybrid mesh over ranks 0..W-1 (harness.core.scenario.hsdp_mesh: rank =
     replica x shard size + index in its shard group): the shard groups, then the replicate groups."""
     replicas, shard = hsdp_mesh(world_size)
-    return ([list(range(r * shard, (r + 1) * shard)) for r in range(replicas)]
-            + [list(range(i, world_size, shard)) for i in range(shard)])
+    return [list(range(r * shard, (r + 1) * shard)) for r in range(replicas)] + [
+        list(range(i, world_size, shard)) for i in range(shard)
+    ]
 
 
 def make_hybrid_groups(ranks: list[int], rank: int, new_group) -> tuple | None:
@@ -119,7 +129,7 @@ def micro_batches(x: torch.Tensor, y: torch.Tensor, k: int) -> list[tuple[torch.
     if n % k:
         raise ValueError(f"a local batch of {n} samples does not split into {k} equal micro-batches")
     m = n // k
-    return [(x[i * m:(i + 1) * m], y[i * m:(i + 1) * m]) for i in range(k)]
+    return [(x[i * m : (i + 1) * m], y[i * m : (i + 1) * m]) for i in range(k)]
 
 
 def rank_slices(x: torch.Tensor, y: torch.Tensor, ranks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -128,10 +138,18 @@ def rank_slices(x: torch.Tensor, y: torch.Tensor, ranks: int) -> list[tuple[torc
     return [local_slice(x, y, r, ranks, "split")[:2] for r in range(ranks)]
 
 
-def forward_backward(feature: str, spec, model, x: torch.Tensor, y: torch.Tensor,
-                     mark: Callable = lambda phase, value=None: value,
-                     set_sync: Callable[[bool], None] | None = None, micro: int = 1,
-                     reverse: bool = False, slices_summed: bool = False) -> torch.Tensor:
+def forward_backward(
+    feature: str,
+    spec,
+    model,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    mark: Callable = lambda phase, value=None: value,
+    set_sync: Callable[[bool], None] | None = None,
+    micro: int = 1,
+    reverse: bool = False,
+    slices_summed: bool = False,
+) -> torch.Tensor:
     """Forward and backward of one step on this rank's batch; returns the loss of the whole local batch
     (detached). `mark(phase, value)` is told where the step is (harness.measure.timeline);
     `set_sync(enabled)` switches the gradient reduction (the adapter's set_gradient_sync). `micro` > 1
@@ -165,8 +183,13 @@ def forward_backward(feature: str, spec, model, x: torch.Tensor, y: torch.Tensor
     return total
 
 
-def evaluate(feature: str, spec, model, batches: list[tuple[torch.Tensor, torch.Tensor]],
-             mark: Callable = lambda phase, value=None: value) -> list[float]:
+def evaluate(
+    feature: str,
+    spec,
+    model,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    mark: Callable = lambda phase, value=None: value,
+) -> list[float]:
     """The evaluation pass (feature eval): a forward of `model` under torch.no_grad() on each held-out
     (inputs, targets) in `batches` (the rank's slice; a reference's micro-batches: the slices its ranks
     take), each loss taken as the training step takes it (in fp32 under bf16). `mark` hears "eval"

@@ -29,25 +29,35 @@ seeded. Unlike the zoo's models these are not meta-initializable to equal values
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import Tensor, nn
 
+from harness.core.loading import one_line
 from harness.core.names import unknown_hf_model
 from harness.train.model_spec import ModelSpec, lm_batch, lm_loss
-from harness.core.loading import one_line
 from harness.train.user_models import ModelError
 
 SEQ_LEN = 16  # tokens per sample make_batch returns (within both models' context)
 INSTALL = "pip install -e .[hf]"
 
 NO_DROPOUT_GPT2 = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
-COMMON = dict(tie_word_embeddings=True, use_cache=False, attn_implementation="eager",
-              bos_token_id=0, eos_token_id=0)  # ids inside the small vocab (GPT-2's default 50256 is not)
+COMMON = dict(
+    tie_word_embeddings=True, use_cache=False, attn_implementation="eager", bos_token_id=0, eos_token_id=0
+)  # ids inside the small vocab (GPT-2's default 50256 is not)
 
 GPT2 = dict(vocab_size=131, n_positions=24, n_embd=32, n_layer=2, n_head=4, **NO_DROPOUT_GPT2, **COMMON)
-LLAMA = dict(vocab_size=128, hidden_size=32, intermediate_size=86, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=4, max_position_embeddings=24, attention_dropout=0.0, **COMMON)
+LLAMA = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=86,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=24,
+    attention_dropout=0.0,
+    **COMMON,
+)
 
 
 class LogitsOnly(nn.Module):
@@ -73,8 +83,9 @@ def _llama() -> LogitsOnly:
     return LogitsOnly(LlamaForCausalLM(LlamaConfig(**LLAMA)))
 
 
-def _spec(name: str, build: Callable[[], LogitsOnly], vocab: int,
-          blocks: Callable[[nn.Module], nn.ModuleList]) -> ModelSpec:
+def _spec(
+    name: str, build: Callable[[], LogitsOnly], vocab: int, blocks: Callable[[nn.Module], nn.ModuleList]
+) -> ModelSpec:
     return ModelSpec(
         name=name,
         build=build,
@@ -98,6 +109,7 @@ def hf_model_spec(name: str) -> ModelSpec:
     try:
         import transformers  # noqa: F401
     except ImportError as exc:
-        raise ModelError(f"model {name!r} needs Hugging Face transformers, which is not importable "
-                         f"({one_line(exc)}): {INSTALL}") from None
+        raise ModelError(
+            f"model {name!r} needs Hugging Face transformers, which is not importable ({one_line(exc)}): {INSTALL}"
+        ) from None
     return HF_SPECS[name]

@@ -30,12 +30,13 @@ import hashlib
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.measure.comm import WhileEntered, DTENSOR, op_kind
+from harness.measure.comm import DTENSOR, WhileEntered, op_kind
 
 MAX_DELAY_S = 0.02  # the longest one delay: long beside a collective of the zoo's models (tens of microseconds)
 POINTS = ("collective", "wait", "forward", "optimizer")
@@ -48,7 +49,7 @@ def delay_of(seed: int, rank: int, step: int, index: int, max_s: float = MAX_DEL
     """The `index`-th delay of `rank` at `step` under `seed`, in [0, max_s]: the same in every run and
     process (a hash, not Python's salted one), apart between ranks and points."""
     h = hashlib.blake2b(f"{seed}/{rank}/{step}/{index}".encode(), digest_size=8).digest()
-    return max_s * int.from_bytes(h, "little") / 2.0 ** 64
+    return max_s * int.from_bytes(h, "little") / 2.0**64
 
 
 def _wrap_work_wait() -> None:
@@ -98,18 +99,20 @@ class Jitter(TorchDispatchMode):
 
     def marking(self, mark: Callable) -> Callable:
         """`mark` (harness/train/features.py forward_backward's) with a delay after each forward."""
+
         def marked(phase: str, value=None):
             out = mark(phase, value)
             if phase == "after_forward":
                 self.pause("forward")
             return out
+
         return marked
 
     @property
     def delays(self) -> int:
         return sum(self.counts.values())
 
-    def __enter__(self) -> "Jitter":
+    def __enter__(self) -> Jitter:
         _JITTERS.enter(self)
         super().__enter__()
         return self

@@ -249,8 +249,9 @@ def _lm_spec(name: str, cfg: LMConfig) -> ModelSpec:
 
 TINYLM = LMConfig()
 # GPT-2-medium scale (~355M parameters, tied like GPT-2). For memory planning: build on meta.
-GPT2_MEDIUM = LMConfig(vocab=50257, d_model=1024, n_heads=16, n_layers=24, d_ff=2752,
-                       seq_len=32, context=1024, tied=True)
+GPT2_MEDIUM = LMConfig(
+    vocab=50257, d_model=1024, n_heads=16, n_layers=24, d_ff=2752, seq_len=32, context=1024, tied=True
+)
 # ~55M parameters (54,735,360), untied, short sequences: the smallest zoo LM whose step is dominated
 # by real matmuls and whose parameters (and AdamW state, ~0.9 GB at W=1) are big enough that
 # sharding costs show; small enough to train a few steps on a 2-core CPU (harness/bench).
@@ -287,9 +288,13 @@ def _tied_vocab33_spec() -> ModelSpec:
     at 8 ranks: one row on each of ranks 0-6, a full chunk, none on rank 7). Every other dimension (16, 32)
     divides by 8, so the vocabulary is the model's only uneven parameter: a fault that shows on it is the
     vocabulary's. The tie keeps embedding and head in the root unit (_lm_units)."""
-    return ModelSpec("tied_vocab33", lambda: TransformerLM(VOCAB33),
-                     lambda n, step, seed: every_id_batch(VOCAB33.vocab, VOCAB33.seq_len, n, step, seed),
-                     lm_loss, _lm_units)
+    return ModelSpec(
+        "tied_vocab33",
+        lambda: TransformerLM(VOCAB33),
+        lambda n, step, seed: every_id_batch(VOCAB33.vocab, VOCAB33.seq_len, n, step, seed),
+        lm_loss,
+        _lm_units,
+    )
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -314,5 +319,7 @@ def get_model_spec(name: str) -> ModelSpec:
         return hf_model_spec(name)
     if ":" in name:
         return load_user_model(name)
-    raise ValueError(f"unknown model {name!r}; valid: {', '.join((*MODELS, *STANDARD_MODELS, *HF_MODELS))}, "
-                     f"or 'package.module:factory'")
+    raise ValueError(
+        f"unknown model {name!r}; valid: {', '.join((*MODELS, *STANDARD_MODELS, *HF_MODELS))}, "
+        f"or 'package.module:factory'"
+    )

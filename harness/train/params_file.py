@@ -44,6 +44,6 @@ def load_params(path: Path) -> dict[str, torch.Tensor]:
     out, offsets = {}, [0] * len(packed)
     for name, shape, kind in zip(names, shapes, kinds):
         n = math.prod(shape)
-        out[name] = packed[kind][offsets[kind]:offsets[kind] + n].view(shape)
+        out[name] = packed[kind][offsets[kind] : offsets[kind] + n].view(shape)
         offsets[kind] += n
     return out

@@ -83,7 +83,8 @@ class EncoderLM(nn.Module):
         self.embed = nn.Embedding(vocab, d, padding_idx=self.PAD)
         self.layers = nn.ModuleList(
             nn.TransformerEncoderLayer(d, HEADS, dim_feedforward=2 * d, dropout=0.0, batch_first=True)
-            for _ in range(layers))
+            for _ in range(layers)
+        )
         self.head = nn.Linear(d, vocab)
 
     def forward(self, tokens: Tensor) -> Tensor:
@@ -103,7 +104,8 @@ class BNMLP(nn.Module):
     def __init__(self, sizes: tuple[int, ...] = BN_SIZES) -> None:
         super().__init__()
         self.hidden = nn.ModuleList(
-            nn.Sequential(nn.Linear(a, b), nn.BatchNorm1d(b), nn.Tanh()) for a, b in zip(sizes[:-2], sizes[1:-1]))
+            nn.Sequential(nn.Linear(a, b), nn.BatchNorm1d(b), nn.Tanh()) for a, b in zip(sizes[:-2], sizes[1:-1])
+        )
         self.head = nn.Linear(sizes[-2], sizes[-1])
 
     def forward(self, x: Tensor) -> Tensor:

@@ -59,8 +59,9 @@ def train_scenario(ctx, payload: dict) -> dict:
         return res
 
 
-def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckpt: "Checkpointing",
-           trace: dict | None = None) -> dict:
+def _train(
+    ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckpt: Checkpointing, trace: dict | None = None
+) -> dict:
     device = ctx.device
     torch.manual_seed(sc.seed)
     model = spec.build()
@@ -104,7 +105,9 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
         if traced:
             tracer.begin_step(step, wrapped, trace.get("force_dir"))
         # replicated data: every rank computes the same gradient, so what each puts into a reduction is compared
-        counter = CommCounter(fingerprint=sc.data_mode == "replicated" and ctx.world_size > 1 and not has(sc.feature, "hsdp"))
+        counter = CommCounter(
+            fingerprint=sc.data_mode == "replicated" and ctx.world_size > 1 and not has(sc.feature, "hsdp")
+        )
         mem = None
         if measure_mem:  # the peak tracker also counts what the implementation holds outside model and optimizer
             optimizers = census.optimizers(optimizer)  # the adapter's and any inside it
@@ -122,11 +125,21 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
         # timing perturbation (jitter): delays at the collectives, the waits, after forward, before the step
         jitter = Jitter(sc.seed, ctx.rank, step) if has(sc.feature, "jitter") else None
         mark = jitter.marking(mark) if jitter is not None else mark
-        with counter, (mem if mem is not None else contextlib.nullcontext()), (jitter or contextlib.nullcontext()):
+        with counter, mem if mem is not None else contextlib.nullcontext(), jitter or contextlib.nullcontext():
             with tracer if traced else contextlib.nullcontext():
                 summed = traced and trace.get("slices_summed", False)
-                loss = forward_backward(sc.feature, spec, wrapped, x, y, mark, set_sync, micro=sc.micro_batches,
-                                        reverse=sc.reverse_micro, slices_summed=summed)
+                loss = forward_backward(
+                    sc.feature,
+                    spec,
+                    wrapped,
+                    x,
+                    y,
+                    mark,
+                    set_sync,
+                    micro=sc.micro_batches,
+                    reverse=sc.reverse_micro,
+                    slices_summed=summed,
+                )
                 adapter.after_backward(wrapped, optimizer)
                 mark("after_backward")
                 if traced:
@@ -154,35 +167,54 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
         else:
             memory = dict(mem.result())
             # a comm thread may still hold a buffer of a collective that ran: none ran, none to wait for
-            held = census.held(wrapped, optimizers, exclude=(*batch, loss), settle=bool(counter.summary()),
-                               tolerated=Bounds.held_elsewhere_bytes)
+            held = census.held(
+                wrapped,
+                optimizers,
+                exclude=(*batch, loss),
+                settle=bool(counter.summary()),
+                tolerated=Bounds.held_elsewhere_bytes,
+            )
             memory.update({f"state_{k}": v for k, v in held.items()})
             # the ZeRO-3 state (what the gate compares across runs); buffers and other are rows of their own
             # (on a device, wherever it lives: state offloaded to the host counts as much as state on the device)
-            memory["state_total"] = sum(held.get(p + c, 0) for p in ("", "host_")
-                                        for c in ("params", "grads", "optimizer_state"))
+            memory["state_total"] = sum(
+                held.get(p + c, 0) for p in ("", "host_") for c in ("params", "grads", "optimizer_state")
+            )
             gathered = timeline.records()
         # the step's global figures, in as few collectives as the data mode allows (rank 0's record holds them)
         adds_up = adapter.sharded and ctx.world_size > 1  # shards' squared norms add up; copies are all equal
         if sc.data_mode == "replicated":
             loss_value = float(loss.detach())
-            grad_sq = _save_grads(_optimizer_grads(optimizer, first_copy and (adapter.sharded or ctx.rank == 0)),
-                                  grad_sq, adds_up, ctx, snap_dir / f"step{step}.grads.pt")
+            grad_sq = _save_grads(
+                _optimizer_grads(optimizer, first_copy and (adapter.sharded or ctx.rank == 0)),
+                grad_sq,
+                adds_up,
+                ctx,
+                snap_dir / f"step{step}.grads.pt",
+            )
         else:
             loss_value, grad_sq = _global_loss_and_sq(loss, grad_sq, adds_up, ctx)
         eval_loss = _global_eval_loss(eval_losses, sc, ctx) if held_out else math.nan
         optimizer.zero_grad(set_to_none=True)
         for row in counter.summary():
-            tot = comm_totals.setdefault((row["collective"], row["dtype"], row["ranks"]),
-                                         {"calls": 0, "elements": 0, "bytes": 0})
+            tot = comm_totals.setdefault(
+                (row["collective"], row["dtype"], row["ranks"]), {"calls": 0, "elements": 0, "bytes": 0}
+            )
             for k in tot:
                 tot[k] += row[k]
-        steps.append({"step": step, "loss": loss_value, "grad_norm": math.sqrt(grad_sq), "clip_norm": clip_norm,
-                      "eval_loss": eval_loss,
-                      "replicas_differ": _replicas_differ(wrapped, sc, ctx),
-                      "jitter_delays": jitter.delays if jitter is not None else 0,
-                      "jitter_s": jitter.slept if jitter is not None else 0.0,
-                      "reduction_inputs": list(counter.reduction_inputs) if counter.fingerprint else None})
+        steps.append(
+            {
+                "step": step,
+                "loss": loss_value,
+                "grad_norm": math.sqrt(grad_sq),
+                "clip_norm": clip_norm,
+                "eval_loss": eval_loss,
+                "replicas_differ": _replicas_differ(wrapped, sc, ctx),
+                "jitter_delays": jitter.delays if jitter is not None else 0,
+                "jitter_s": jitter.slept if jitter is not None else 0.0,
+                "reduction_inputs": list(counter.reduction_inputs) if counter.fingerprint else None,
+            }
+        )
         _snapshot(adapter, wrapped, snap_dir / f"step{step}.pt", ctx.rank)
         ckpt.save_after(step, adapter, wrapped, optimizer, steps, write_state)
 
@@ -190,11 +222,23 @@ def _train(ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckp
         (snap_dir / "trace").mkdir(parents=True, exist_ok=True)
         tracer.save(snap_dir / "trace" / f"rank{ctx.rank}.pt")
     trained = max(1, sc.steps - start)  # the steps this run trained itself
-    comm = [{"collective": c, "dtype": d, "ranks": r, **{k: v / trained for k, v in tot.items()}}
-            for (c, d, r), tot in sorted(comm_totals.items())]
-    return {"scenario": sc.id, "rank": ctx.rank, "steps": steps, "memory": memory, "comm": comm, "gathered": gathered,
-            "sharded": bool(adapter.sharded), "rows": rows_held(wrapped), **sizes,
-            "step_time_s": sum(times) / len(times) if times else math.nan, "snapshot_dir": str(snap_dir)}
+    comm = [
+        {"collective": c, "dtype": d, "ranks": r, **{k: v / trained for k, v in tot.items()}}
+        for (c, d, r), tot in sorted(comm_totals.items())
+    ]
+    return {
+        "scenario": sc.id,
+        "rank": ctx.rank,
+        "steps": steps,
+        "memory": memory,
+        "comm": comm,
+        "gathered": gathered,
+        "sharded": bool(adapter.sharded),
+        "rows": rows_held(wrapped),
+        **sizes,
+        "step_time_s": sum(times) / len(times) if times else math.nan,
+        "snapshot_dir": str(snap_dir),
+    }
 
 
 def _held_out(sc: Scenario, spec, step: int, ctx) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -226,7 +270,7 @@ def _clip(adapter, wrapped, feature: str, nudge: int = 0) -> float:
     if clip is None:
         return math.nan
     norm_type, max_norm = clip
-    return float(adapter.clip_grad_norm(wrapped, max_norm * (1 + nudge * 2.0 ** -23), norm_type))
+    return float(adapter.clip_grad_norm(wrapped, max_norm * (1 + nudge * 2.0**-23), norm_type))
 
 
 def _nudge_grads(optimizer, nudge: int) -> None:
@@ -238,7 +282,7 @@ def _nudge_grads(optimizer, nudge: int) -> None:
             for group in opt.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
-                        p.grad.mul_(1 + nudge * 2.0 ** -23)
+                        p.grad.mul_(1 + nudge * 2.0**-23)
 
 
 def _marker(timeline: UnitTimeline, mem: PeakMemory | None):
@@ -250,6 +294,7 @@ def _marker(timeline: UnitTimeline, mem: PeakMemory | None):
         if phase in ("forward", "eval"):
             mem.next_forward()
         return timeline.mark(phase, value)
+
     return mark
 
 
@@ -259,17 +304,26 @@ def _param_bytes(model, units) -> dict:
     nbytes = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
     params = list(model.parameters())
     total = nbytes(params)
-    elements = {"param_elements": sum(p.numel() for p in params),
-                "trainable_elements": sum(p.numel() for p in params if p.requires_grad)}
+    elements = {
+        "param_elements": sum(p.numel() for p in params),
+        "trainable_elements": sum(p.numel() for p in params if p.requires_grad),
+    }
     per_unit = [nbytes(u.parameters()) for u in units]
     # one dim-0 row of every tensor: the most per-parameter dim-0 sharding pads per rank
     row_bytes = sum((p.numel() // p.shape[0] if p.dim() else 1) * p.element_size() for p in params if p.numel())
     root = total - sum(per_unit)
-    return {"param_bytes": total, "trainable_bytes": nbytes(p for p in params if p.requires_grad),
-            "largest_unit_bytes": max(per_unit + [root]),
-            "largest_child_bytes": max(per_unit + [0]), "root_bytes": root,
-            "row_bytes": row_bytes, "param_tensors": len(params), "buffer_bytes": nbytes(model.buffers()),
-            "batch_stats": batch_stat_layers(model), **elements}
+    return {
+        "param_bytes": total,
+        "trainable_bytes": nbytes(p for p in params if p.requires_grad),
+        "largest_unit_bytes": max(per_unit + [root]),
+        "largest_child_bytes": max(per_unit + [0]),
+        "root_bytes": root,
+        "row_bytes": row_bytes,
+        "param_tensors": len(params),
+        "buffer_bytes": nbytes(model.buffers()),
+        "batch_stats": batch_stat_layers(model),
+        **elements,
+    }
 
 
 def batch_stat_layers(model) -> str:
@@ -277,8 +331,12 @@ def batch_stat_layers(model) -> str:
     (BatchNorm; SyncBatchNorm's statistics span the ranks), comma-separated: with split data they see a
     rank's slice, not the full batch (harness/core/policy.py BATCH_STATS_SPLIT)."""
     from torch.nn.modules.batchnorm import _BatchNorm
-    return ",".join(name for name, m in model.named_modules()
-                    if isinstance(m, _BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm))
+
+    return ",".join(
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, _BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)
+    )
 
 
 def _snapshot(adapter, wrapped, path: Path, rank: int) -> None:
@@ -290,8 +348,16 @@ def _snapshot(adapter, wrapped, path: Path, rank: int) -> None:
 def _optimizer_grads(optimizer, mine: bool) -> torch.Tensor:
     """The gradient values this rank's optimizer applied (fp32, CPU, flat); none where `mine` is
     False (an unsharded implementation's other ranks hold copies of rank 0's)."""
-    grads = [local_tensor(p.grad).detach().reshape(-1).to("cpu", torch.float32)
-             for g in optimizer.param_groups for p in g["params"] if p.grad is not None] if mine else []
+    grads = (
+        [
+            local_tensor(p.grad).detach().reshape(-1).to("cpu", torch.float32)
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if p.grad is not None
+        ]
+        if mine
+        else []
+    )
     return torch.cat(grads) if grads else torch.zeros(0)
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.measure.comm import DTENSOR, COLLECTIVE_NAMESPACES, classify, plain_copy, reduction_input, tensor_digest
+from harness.measure.comm import COLLECTIVE_NAMESPACES, DTENSOR, classify, plain_copy, reduction_input, tensor_digest
 from harness.measure.layout import rows_held
 from harness.measure.memory import local_tensor
 from harness.train.params_file import load_params
@@ -49,8 +49,19 @@ TAG = "harness_localize_module"  # the key of a node's metadata that names the m
 PREP = "harness_localize_prep"  # ... set where it only prepares parameters: its forward read parameters alone
 # ops whose output is memory not yet written, not a value, or autograd's bookkeeping (the same values as
 # their input, made where autograd saves a tensor, which activation checkpointing changes): never compared
-UNWRITTEN = {"detach", "alias", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_", "resize_",
-             "record_stream", "_local_scalar_dense"}
+UNWRITTEN = {
+    "detach",
+    "alias",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "set_",
+    "resize_",
+    "record_stream",
+    "_local_scalar_dense",
+}
 # wrapper modules' attribute names: a wrapped model's parameter names without them are the plain model's
 WRAPPER_PARTS = {"module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
 
@@ -132,6 +143,7 @@ class StepTracer(TorchDispatchMode):
 
     def marking(self, mark):
         """The step's `mark(phase, value)` that also tells this tracer where the step is."""
+
         def both(phase: str, value=None):
             if phase == "forward":
                 if self.pass_grads and self.pass_ >= 0:  # (a yardstick's: summed slices, not divided yet)
@@ -143,6 +155,7 @@ class StepTracer(TorchDispatchMode):
                 self._tag_prepared()
                 self.phase = "backward"
             return mark(phase, value)
+
         return both
 
     def end_backward(self, wrapped, divide_by: int = 1) -> None:
@@ -189,8 +202,10 @@ class StepTracer(TorchDispatchMode):
         from torch.utils.checkpoint import set_checkpoint_early_stop
 
         nn_hooks = torch.nn.modules.module
-        self._hooks = [nn_hooks.register_module_forward_pre_hook(self._pre),
-                       nn_hooks.register_module_forward_hook(self._post)]
+        self._hooks = [
+            nn_hooks.register_module_forward_pre_hook(self._pre),
+            nn_hooks.register_module_forward_hook(self._post),
+        ]
         # a recomputation that stops early (once the saved tensors it needs are back) leaves its modules'
         # forward hooks unrun; the whole recomputation runs the same ops to the same values
         self._early_stop = set_checkpoint_early_stop(False)
@@ -320,9 +335,20 @@ class StepTracer(TorchDispatchMode):
         if phase not in COMPARED or any(id(t) in self._buffer_ids for t in tensors):
             return
         digest = "|".join(tensor_digest(t) for t in tensors)
-        self.ops.append({"i": i, "step": self.step, "pass": self.pass_, "phase": phase, "module": module,
-                         "op": kind[1], "shape": [list(t.shape) for t in tensors],
-                         "dtype": str(tensors[0].dtype).removeprefix("torch."), "digest": digest, "prep": prep})
+        self.ops.append(
+            {
+                "i": i,
+                "step": self.step,
+                "pass": self.pass_,
+                "phase": phase,
+                "module": module,
+                "op": kind[1],
+                "shape": [list(t.shape) for t in tensors],
+                "dtype": str(tensors[0].dtype).removeprefix("torch."),
+                "digest": digest,
+                "prep": prep,
+            }
+        )
         if len(tensors) == 1:
             t = tensors[0]
             size = t.numel() * t.element_size()
@@ -347,10 +373,21 @@ class StepTracer(TorchDispatchMode):
         phase, module = self._where() if self.phase is not None else ("after backward", "(outside modules)")
         i = self._seen
         self._seen += 1
-        self.ops.append({"i": i, "step": self.step, "pass": self.pass_, "phase": phase,
-                         "module": module, "op": f"{kind} ({func._overloadpacket.__name__})", "collective": kind,
-                         "shape": [list(t.shape) for t in sent], "dtype": "",
-                         "digest": None, "sent": "|".join(tensor_digest(t) for t in sent) if sent else None})
+        self.ops.append(
+            {
+                "i": i,
+                "step": self.step,
+                "pass": self.pass_,
+                "phase": phase,
+                "module": module,
+                "op": f"{kind} ({func._overloadpacket.__name__})",
+                "collective": kind,
+                "shape": [list(t.shape) for t in sent],
+                "dtype": "",
+                "digest": None,
+                "sent": "|".join(tensor_digest(t) for t in sent) if sent else None,
+            }
+        )
 
     def _keep_state(self, what: str, wrapped, grads: bool) -> None:
         params = list(wrapped.named_parameters())
@@ -373,5 +410,15 @@ class StepTracer(TorchDispatchMode):
         return ".".join(p for p in name.split(".") if p not in WRAPPER_PARTS)
 
     def save(self, path: Path) -> None:
-        torch.save({"ops": self.ops, "values": self.values, "state": self.state, "forced": self.forced,
-                    "units": self.units, "kept_bytes": self.kept_bytes, "keep_bytes": self.keep_bytes}, path)
+        torch.save(
+            {
+                "ops": self.ops,
+                "values": self.values,
+                "state": self.state,
+                "forced": self.forced,
+                "units": self.units,
+                "kept_bytes": self.kept_bytes,
+                "keep_bytes": self.keep_bytes,
+            },
+            path,
+        )

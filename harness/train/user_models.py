@@ -42,8 +42,10 @@ def load_user_model(name: str):
             raise ModelError(f"model {name!r}: calling {attr}() failed: {one_line(exc)}") from exc
     missing = [m for m in MEMBERS if not callable(getattr(obj, m, None))]
     if missing:
-        raise ModelError(f"model {name!r}: {type(obj).__name__} has no {', '.join(m + '()' for m in missing)} "
-                         f"(a model needs {', '.join(MEMBERS)}; see harness/train/user_models.py)")
+        raise ModelError(
+            f"model {name!r}: {type(obj).__name__} has no {', '.join(m + '()' for m in missing)} "
+            f"(a model needs {', '.join(MEMBERS)}; see harness/train/user_models.py)"
+        )
     return ModelSpec(name, obj.build, obj.make_batch, obj.loss, obj.units)
 
 
@@ -64,8 +66,10 @@ def check_built(name: str, model: object, units: object) -> None:
     inside = {id(m) for m in model.modules()}
     strangers = [type(u).__name__ for u in units if id(u) not in inside or u is model]
     if strangers:
-        raise ModelError(f"model {name!r}: units(model) returned {', '.join(strangers)}, which are not submodules "
-                         f"of the model (the root is sharded last by the harness itself)")
+        raise ModelError(
+            f"model {name!r}: units(model) returned {', '.join(strangers)}, which are not submodules "
+            f"of the model (the root is sharded last by the harness itself)"
+        )
 
 
 def check_batch(name: str, batch: object, global_batch: int) -> None:
@@ -76,8 +80,10 @@ def check_batch(name: str, batch: object, global_batch: int) -> None:
         raise ModelError(f"model {name!r}: make_batch returned {type(batch).__name__}, not (inputs, targets) tensors")
     sizes = [int(t.shape[0]) if t.dim() else 0 for t in batch]
     if sizes != [global_batch, global_batch]:
-        raise ModelError(f"model {name!r}: make_batch({global_batch}, ...) returned {sizes[0]} inputs and "
-                         f"{sizes[1]} targets; both must hold {global_batch} samples (dim 0)")
+        raise ModelError(
+            f"model {name!r}: make_batch({global_batch}, ...) returned {sizes[0]} inputs and "
+            f"{sizes[1]} targets; both must hold {global_batch} samples (dim 0)"
+        )
 
 
 # A mean loss read two ways, over the whole batch and as the size-weighted mean of the losses of its two
@@ -112,10 +118,12 @@ def check_loss_is_a_mean(name: str, model, loss, batch) -> None:
         return
     ratio = gap[1]
     cause = " (a sum over the samples: reduction='sum'?)" if abs(ratio - 2) <= 0.01 else ""
-    raise ModelError(f"model {name!r}: loss(outputs, targets) is not the mean over the batch: the loss of a batch of "
-                     f"{int(batch[0].shape[0])} is {ratio:.3f}x the mean of its two halves' losses{cause}; split data "
-                     f"averages the ranks' mean losses, so the loss must be the mean (relative tolerance "
-                     f"{LOSS_MEAN_RTOL:g})")
+    raise ModelError(
+        f"model {name!r}: loss(outputs, targets) is not the mean over the batch: the loss of a batch of "
+        f"{int(batch[0].shape[0])} is {ratio:.3f}x the mean of its two halves' losses{cause}; split data "
+        f"averages the ranks' mean losses, so the loss must be the mean (relative tolerance "
+        f"{LOSS_MEAN_RTOL:g})"
+    )
 
 
 def mean_loss_gap(name: str, model, loss, batch) -> tuple[float, float] | None:
@@ -149,8 +157,10 @@ def mean_loss_gap(name: str, model, loss, batch) -> tuple[float, float] | None:
 def _scalar_loss(name: str, loss, model, x, y) -> float:
     value = _calling(name, "loss(model(inputs), targets)", lambda: loss(model(x), y))
     if not (hasattr(value, "numel") and value.numel() == 1):
-        raise ModelError(f"model {name!r}: loss(model(inputs), targets) returned {type(value).__name__}"
-                         f"{' of shape ' + str(tuple(value.shape)) if hasattr(value, 'shape') else ''}, not a scalar")
+        raise ModelError(
+            f"model {name!r}: loss(model(inputs), targets) returned {type(value).__name__}"
+            f"{' of shape ' + str(tuple(value.shape)) if hasattr(value, 'shape') else ''}, not a scalar"
+        )
     return float(value)
 
 

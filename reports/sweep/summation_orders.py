@@ -95,8 +95,10 @@ def relu_sides(x):
             models[h](x)
         hook.remove()
     a, b = (seen[h].reshape(-1, seen[h].shape[-1]) for h in ("full", "rank"))
-    return [(int(u), int(t), f"{float(a[t, u]):.3g}", f"{float(b[t, u]):.3g}")
-            for t, u in ((a > 0) != (b > 0)).nonzero().tolist()]
+    return [
+        (int(u), int(t), f"{float(a[t, u]):.3g}", f"{float(b[t, u]):.3g}")
+        for t, u in ((a > 0) != (b > 0)).nonzero().tolist()
+    ]
 
 
 models = {h: build() for h in ("full",) + HOWS}
@@ -114,18 +116,30 @@ for step in range(1, STEPS + 1):
             p.grad = summed(parts, n, how) if n in parts[0][0] else None
     kinks = relu_sides(x)
     if kinks:
-        print(f"step {step}: the full batch's and the rank order's ReLU inputs in layers.0 on either side of 0: {kinks}")
+        print(
+            f"step {step}: the full batch's and the rank order's ReLU inputs in layers.0 on either side of 0: {kinks}"
+        )
     for opt in optimizers.values():
         opt.step()
     if step in (1, 5, 10):
         full = dict(models["full"].named_parameters())
-        worst = {h: max((float((p - full[n]).detach().abs().max()), n) for n, p in models[h].named_parameters()
-                        if "in_proj_bias" not in n) for h in HOWS}
+        worst = {
+            h: max(
+                (float((p - full[n]).detach().abs().max()), n)
+                for n, p in models[h].named_parameters()
+                if "in_proj_bias" not in n
+            )
+            for h in HOWS
+        }
         print(step, " | ".join(f"{h} {d:.3g} {n}" for h, (d, n) in worst.items()))
 name = "layers.0.linear1.weight"
 if name in history[0]:
-    diff = (dict(models["rank"].named_parameters())[name] - dict(models["full"].named_parameters())[name]).detach().abs()
+    diff = (
+        (dict(models["rank"].named_parameters())[name] - dict(models["full"].named_parameters())[name]).detach().abs()
+    )
     row = int(diff.max(1).values.argmax())
-    print(f"{name}: row {row} moved {float(diff[row].max()):.3g} (next rows: "
-          f"{[round(float(v), 7) for v in diff.max(1).values.topk(4).values[1:]]}); its full-batch gradient, largest "
-          f"|element| per step: {[f'{float(h[name][row].abs().max()):.2g}' for h in history]}")
+    print(
+        f"{name}: row {row} moved {float(diff[row].max()):.3g} (next rows: "
+        f"{[round(float(v), 7) for v in diff.max(1).values.topk(4).values[1:]]}); its full-batch gradient, largest "
+        f"|element| per step: {[f'{float(h[name][row].abs().max()):.2g}' for h in history]}"
+    )

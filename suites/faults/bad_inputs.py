@@ -29,8 +29,20 @@ from suites.faults import warm_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLE = Path(__file__).with_name("bad_inputs.md")
-TINY = ["--world-sizes", "1", "--impl", "fsdp_impl", "--models", "mlp", "--data-modes", "replicated",
-        "--optimizers", "adamw", "--steps", "2"]
+TINY = [
+    "--world-sizes",
+    "1",
+    "--impl",
+    "fsdp_impl",
+    "--models",
+    "mlp",
+    "--data-modes",
+    "replicated",
+    "--optimizers",
+    "adamw",
+    "--steps",
+    "2",
+]
 CLI_USAGE_EXIT, PYTEST_USAGE_EXIT = 2, 4  # argparse's exit code; pytest's ExitCode.USAGE_ERROR
 BROKEN_MODULE = "fsdp_harness_broken_adapter"  # written into a temp dir on PYTHONPATH: raises on import
 
@@ -93,102 +105,236 @@ CASES: tuple[Case, ...] = (
     Case("empty world sizes", ("--world-sizes", ""), "expected a comma-separated list"),
     Case("empty item in world sizes", ("--world-sizes", "1,,2"), "expected a comma-separated list"),
     Case("duplicate world sizes", ("--world-sizes", "1,2,2"), "duplicate value(s) 2"),
-    Case("more ranks than GPUs with NCCL", ("--backend", "nccl", "--world-sizes", "1024"),
-         "1024 ranks need 1024 GPUs with --backend nccl", pytest=True, varies=True),
-    Case("more ranks than the machine's memory holds", ("--world-sizes", "1,100000"),
-         "ranks fit this machine's memory", pytest=True, varies=True),
+    Case(
+        "more ranks than GPUs with NCCL",
+        ("--backend", "nccl", "--world-sizes", "1024"),
+        "1024 ranks need 1024 GPUs with --backend nccl",
+        pytest=True,
+        varies=True,
+    ),
+    Case(
+        "more ranks than the machine's memory holds",
+        ("--world-sizes", "1,100000"),
+        "ranks fit this machine's memory",
+        pytest=True,
+        varies=True,
+    ),
     Case("unknown implementation", ("--impl", "fsdp_imp"), "unknown adapter 'fsdp_imp'", pytest=True),
     Case("unknown model", ("--models", "resnet"), "unknown 'resnet'; choose from"),
-    Case("unknown Hugging Face model", ("--models", "hf:gpt3"),
-         "unknown Hugging Face model 'hf:gpt3'; valid: hf:gpt2, hf:llama", pytest=True),
-    Case("user model module that is not there", ("--models", "no_such_pkg.models:spec"),
-         "model 'no_such_pkg.models:spec': module 'no_such_pkg.models' could not be imported", pytest=True),
-    Case("user model object that is not in the module", ("--models", "suites.faults.bad_inputs:no_such_model"),
-         "has no attribute 'no_such_model'"),
-    Case("user model factory that raises", ("--models", "suites.faults.bad_inputs:raising_model"),
-         "calling raising_model() failed: RuntimeError: no weights here"),
-    Case("user model factory returning the wrong thing", ("--models", "suites.faults.bad_inputs:half_model"),
-         "has no make_batch(), loss() (a model needs build, make_batch, loss, units", pytest=True),
-    Case("user model whose loss is a sum over the batch", ("--models", "suites.faults.bad_models:sum_loss"),
-         "is not the mean over the batch: the loss of a batch of 16 is 2.000x the mean of its two halves' losses "
-         "(a sum over the samples: reduction='sum'?)", pytest=True),
-    Case("user model whose build() returns no module", ("--models", "suites.faults.bad_models:build_returns_none"),
-         "build() returned NoneType, not an nn.Module", pytest=True),
-    Case("user model whose units are not submodules", ("--models", "suites.faults.bad_models:units_not_submodules"),
-         "units(model) returned Linear, which are not submodules of the model"),
-    Case("user model whose batch has the wrong size", ("--models", "suites.faults.bad_models:batch_one_short"),
-         "make_batch(16, ...) returned 15 inputs and 15 targets; both must hold 16 samples"),
-    Case("user model whose forward raises on its own batch", ("--models", "suites.faults.bad_models:forward_raises"),
-         "loss(model(inputs), targets) raised RuntimeError: "),
+    Case(
+        "unknown Hugging Face model",
+        ("--models", "hf:gpt3"),
+        "unknown Hugging Face model 'hf:gpt3'; valid: hf:gpt2, hf:llama",
+        pytest=True,
+    ),
+    Case(
+        "user model module that is not there",
+        ("--models", "no_such_pkg.models:spec"),
+        "model 'no_such_pkg.models:spec': module 'no_such_pkg.models' could not be imported",
+        pytest=True,
+    ),
+    Case(
+        "user model object that is not in the module",
+        ("--models", "suites.faults.bad_inputs:no_such_model"),
+        "has no attribute 'no_such_model'",
+    ),
+    Case(
+        "user model factory that raises",
+        ("--models", "suites.faults.bad_inputs:raising_model"),
+        "calling raising_model() failed: RuntimeError: no weights here",
+    ),
+    Case(
+        "user model factory returning the wrong thing",
+        ("--models", "suites.faults.bad_inputs:half_model"),
+        "has no make_batch(), loss() (a model needs build, make_batch, loss, units",
+        pytest=True,
+    ),
+    Case(
+        "user model whose loss is a sum over the batch",
+        ("--models", "suites.faults.bad_models:sum_loss"),
+        "is not the mean over the batch: the loss of a batch of 16 is 2.000x the mean of its two halves' losses "
+        "(a sum over the samples: reduction='sum'?)",
+        pytest=True,
+    ),
+    Case(
+        "user model whose build() returns no module",
+        ("--models", "suites.faults.bad_models:build_returns_none"),
+        "build() returned NoneType, not an nn.Module",
+        pytest=True,
+    ),
+    Case(
+        "user model whose units are not submodules",
+        ("--models", "suites.faults.bad_models:units_not_submodules"),
+        "units(model) returned Linear, which are not submodules of the model",
+    ),
+    Case(
+        "user model whose batch has the wrong size",
+        ("--models", "suites.faults.bad_models:batch_one_short"),
+        "make_batch(16, ...) returned 15 inputs and 15 targets; both must hold 16 samples",
+    ),
+    Case(
+        "user model whose forward raises on its own batch",
+        ("--models", "suites.faults.bad_models:forward_raises"),
+        "loss(model(inputs), targets) raised RuntimeError: ",
+    ),
     Case("unknown data mode", ("--data-modes", "sharded"), "unknown 'sharded'; choose from"),
     Case("unknown optimizer", ("--optimizers", "lamb"), "unknown 'lamb'; choose from"),
-    Case("user optimizer module that is not there", ("--optimizers", "no_such_pkg.optim:lion"),
-         "optimizer 'no_such_pkg.optim:lion': module 'no_such_pkg.optim' could not be imported", pytest=True),
-    Case("user optimizer that is not callable", ("--optimizers", "suites.faults.bad_inputs:half_adapter"),
-         "half_adapter is a HalfAdapter, not a callable factory(params, lr=lr)"),
-    Case("user optimizer factory that raises", ("--optimizers", "suites.faults.bad_inputs:raising_optimizer"),
-         "factory(params, lr=0.01) raised RuntimeError: no optimizer here"),
-    Case("user optimizer factory returning the wrong thing",
-         ("--optimizers", "suites.faults.bad_inputs:optimizer_returning_none"),
-         "factory(params, lr=0.01) returned NoneType, not a torch.optim.Optimizer", pytest=True),
-    Case("user optimizer that cannot step", ("--optimizers", "suites.faults.bad_inputs:optimizer_whose_step_raises"),
-         "step() raised RuntimeError: stuck"),
-    Case("unknown feature", ("--features", "accumulate"), "unknown feature 'accumulate'; choose from plain, accum, no_sync, clip, clip_inf, ac"),
-    Case("features that cannot be composed", ("--features", "accum+no_sync"), "accum+no_sync cannot be composed: two micro-batch schemes"),
-    Case("adapter module that is not there", ("--impl", "no_such_pkg.adapters:Mine"),
-         "module 'no_such_pkg.adapters' could not be imported", pytest=True),
-    Case("adapter module that raises on import", ("--impl", f"{BROKEN_MODULE}:adapter"),
-         f"module '{BROKEN_MODULE}' could not be imported: RuntimeError: broken on purpose"),
-    Case("adapter object that is not in the module", ("--impl", "suites.faults.bad_inputs:no_such_adapter"),
-         "has no attribute 'no_such_adapter'"),
-    Case("adapter lacking the protocol", ("--impl", "suites.faults.bad_inputs:half_adapter"),
-         "has no full_params() method", pytest=True),
-    Case("report path under a regular file", ("--report", "{tmp}/a_file/r.md"), "is not a directory",
-         pytest=True),
+    Case(
+        "user optimizer module that is not there",
+        ("--optimizers", "no_such_pkg.optim:lion"),
+        "optimizer 'no_such_pkg.optim:lion': module 'no_such_pkg.optim' could not be imported",
+        pytest=True,
+    ),
+    Case(
+        "user optimizer that is not callable",
+        ("--optimizers", "suites.faults.bad_inputs:half_adapter"),
+        "half_adapter is a HalfAdapter, not a callable factory(params, lr=lr)",
+    ),
+    Case(
+        "user optimizer factory that raises",
+        ("--optimizers", "suites.faults.bad_inputs:raising_optimizer"),
+        "factory(params, lr=0.01) raised RuntimeError: no optimizer here",
+    ),
+    Case(
+        "user optimizer factory returning the wrong thing",
+        ("--optimizers", "suites.faults.bad_inputs:optimizer_returning_none"),
+        "factory(params, lr=0.01) returned NoneType, not a torch.optim.Optimizer",
+        pytest=True,
+    ),
+    Case(
+        "user optimizer that cannot step",
+        ("--optimizers", "suites.faults.bad_inputs:optimizer_whose_step_raises"),
+        "step() raised RuntimeError: stuck",
+    ),
+    Case(
+        "unknown feature",
+        ("--features", "accumulate"),
+        "unknown feature 'accumulate'; choose from plain, accum, no_sync, clip, clip_inf, ac",
+    ),
+    Case(
+        "features that cannot be composed",
+        ("--features", "accum+no_sync"),
+        "accum+no_sync cannot be composed: two micro-batch schemes",
+    ),
+    Case(
+        "adapter module that is not there",
+        ("--impl", "no_such_pkg.adapters:Mine"),
+        "module 'no_such_pkg.adapters' could not be imported",
+        pytest=True,
+    ),
+    Case(
+        "adapter module that raises on import",
+        ("--impl", f"{BROKEN_MODULE}:adapter"),
+        f"module '{BROKEN_MODULE}' could not be imported: RuntimeError: broken on purpose",
+    ),
+    Case(
+        "adapter object that is not in the module",
+        ("--impl", "suites.faults.bad_inputs:no_such_adapter"),
+        "has no attribute 'no_such_adapter'",
+    ),
+    Case(
+        "adapter lacking the protocol",
+        ("--impl", "suites.faults.bad_inputs:half_adapter"),
+        "has no full_params() method",
+        pytest=True,
+    ),
+    Case("report path under a regular file", ("--report", "{tmp}/a_file/r.md"), "is not a directory", pytest=True),
     Case("report path in /proc", ("--report", "/proc/fsdp-harness/r.md"), "cannot write"),
-    Case("report path too long for the file system", ("--report", "a" * 300 + "/r.md"),
-         "cannot use the report path", pytest=True),
+    Case(
+        "report path too long for the file system",
+        ("--report", "a" * 300 + "/r.md"),
+        "cannot use the report path",
+        pytest=True,
+    ),
     Case("report path not markdown", ("--report", "{tmp}/r.txt"), "must be a markdown file path ending in .md"),
     Case("zero steps", ("--steps", "0"), "--steps: must be >= 2 (got 0)"),
     Case("one step", ("--steps", "1"), "--steps: must be >= 2 (got 1): memory is measured on step 2", pytest=True),
-    Case("more steps than the temp dir has room for", ("--steps", "1000000000"),
-         "--steps 1000000000: the run keeps every step's parameter snapshot", pytest=True, varies=True,
-         env=(("TMPDIR", "{tmp}"),)),
-    Case("TMPDIR that cannot take a file", (), "TMPDIR /proc/fsdp-harness is not writable: No such file or directory",
-         pytest=True, env=(("TMPDIR", "/proc/fsdp-harness"),)),
-    Case("torchrun variables left over from another job", (),
-         "TORCHELASTIC_RUN_ID=old-job and RANK=1 are set, but TORCHELASTIC_USE_AGENT_STORE, which torchrun's agent "
-         "sets with them, is not", env=(("TORCHELASTIC_RUN_ID", "old-job"), ("RANK", "1"), ("WORLD_SIZE", "2"),
-                                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1"))),
-    Case("zero scenario timeout", ("--scenario-timeout", "0"),
-         "--scenario-timeout: must be a finite number of seconds > 0 and at most 2147483 (24 days), got 0"),
+    Case(
+        "more steps than the temp dir has room for",
+        ("--steps", "1000000000"),
+        "--steps 1000000000: the run keeps every step's parameter snapshot",
+        pytest=True,
+        varies=True,
+        env=(("TMPDIR", "{tmp}"),),
+    ),
+    Case(
+        "TMPDIR that cannot take a file",
+        (),
+        "TMPDIR /proc/fsdp-harness is not writable: No such file or directory",
+        pytest=True,
+        env=(("TMPDIR", "/proc/fsdp-harness"),),
+    ),
+    Case(
+        "torchrun variables left over from another job",
+        (),
+        "TORCHELASTIC_RUN_ID=old-job and RANK=1 are set, but TORCHELASTIC_USE_AGENT_STORE, which torchrun's agent "
+        "sets with them, is not",
+        env=(
+            ("TORCHELASTIC_RUN_ID", "old-job"),
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "1"),
+        ),
+    ),
+    Case(
+        "zero scenario timeout",
+        ("--scenario-timeout", "0"),
+        "--scenario-timeout: must be a finite number of seconds > 0 and at most 2147483 (24 days), got 0",
+    ),
     Case("infinite scenario timeout", ("--scenario-timeout", "inf"), "--scenario-timeout: must be a finite number"),
     Case("NaN scenario timeout", ("--scenario-timeout", "nan"), "--scenario-timeout: must be a finite number"),
     Case("scenario timeout longer than a wait can be", ("--scenario-timeout", "1e9"), "at most 2147483"),
-    Case("scenario timeout too short to start a world", ("--scenario-timeout", "0.001"),
-         "--scenario-timeout: must be at least 1 s, got 0.001", pytest=True),
+    Case(
+        "scenario timeout too short to start a world",
+        ("--scenario-timeout", "0.001"),
+        "--scenario-timeout: must be at least 1 s, got 0.001",
+        pytest=True,
+    ),
     Case("scenario timeout as text", ("--scenario-timeout", "soon"), "'soon' is not a number"),
     Case("infinite learning rate", ("--lr", "inf"), "--lr: must be a finite number > 0, got inf"),
     Case("NaN learning rate", ("--lr", "nan"), "--lr: must be a finite number > 0, got nan"),
     Case("seeds as text", ("--seeds", "a"), "--seeds: expected integers"),
-    Case("seed too large for torch", ("--seeds", "99999999999999999999"),
-         "--seeds: seed 99999999999999999999 is out of range: seeds are integers from -9223372036854775808 to "
-         "9223372036854775807"),
-    Case("baseline to save given as a path", ("--save-baseline", "../x"),
-         "--save-baseline: '../x' is not a baseline name", pytest=True),
+    Case(
+        "seed too large for torch",
+        ("--seeds", "99999999999999999999"),
+        "--seeds: seed 99999999999999999999 is out of range: seeds are integers from -9223372036854775808 to "
+        "9223372036854775807",
+    ),
+    Case(
+        "baseline to save given as a path",
+        ("--save-baseline", "../x"),
+        "--save-baseline: '../x' is not a baseline name",
+        pytest=True,
+    ),
     Case("baseline to save named '..'", ("--save-baseline", ".."), "--save-baseline: '..' is not a baseline name"),
-    Case("conflicting pair: split data, batch not divisible",
-         ("--world-sizes", "1,2", "--data-modes", "split", "--global-batch", "3"),
-         "needs the global batch (3) divisible by every world size", pytest=True),
-    Case("conflicting pair: micro-batches that do not divide the local batch",
-         ("--world-sizes", "1,2", "--data-modes", "split", "--features", "accum", "--global-batch", "6"),
-         "--features accum splits each rank's batch into 2 micro-batches; at world size(s) [2]", pytest=True),
-    Case("conflicting pair: hybrid sharding at an odd world size", ("--world-sizes", "1,3", "--features", "hsdp"),
-         "--features hsdp runs 2 replicas of W/2 ranks each, so a world size above 1 must divide by 2; [3]",
-         pytest=True),
-    Case("conflicting pair: --gate without --baseline", ("--gate", "loss:1e-7"), "--gate needs --baseline", pytest=True),
-    Case("conflicting pair: --gate-strict without --baseline", ("--gate-strict",), "--gate-strict needs --baseline",
-         pytest=True),
+    Case(
+        "conflicting pair: split data, batch not divisible",
+        ("--world-sizes", "1,2", "--data-modes", "split", "--global-batch", "3"),
+        "needs the global batch (3) divisible by every world size",
+        pytest=True,
+    ),
+    Case(
+        "conflicting pair: micro-batches that do not divide the local batch",
+        ("--world-sizes", "1,2", "--data-modes", "split", "--features", "accum", "--global-batch", "6"),
+        "--features accum splits each rank's batch into 2 micro-batches; at world size(s) [2]",
+        pytest=True,
+    ),
+    Case(
+        "conflicting pair: hybrid sharding at an odd world size",
+        ("--world-sizes", "1,3", "--features", "hsdp"),
+        "--features hsdp runs 2 replicas of W/2 ranks each, so a world size above 1 must divide by 2; [3]",
+        pytest=True,
+    ),
+    Case(
+        "conflicting pair: --gate without --baseline", ("--gate", "loss:1e-7"), "--gate needs --baseline", pytest=True
+    ),
+    Case(
+        "conflicting pair: --gate-strict without --baseline",
+        ("--gate-strict",),
+        "--gate-strict needs --baseline",
+        pytest=True,
+    ),
 )
 
 
@@ -220,12 +366,23 @@ def command(case: Case, mode: str, tmp: Path) -> list[str]:
     ``--impl`` imports torch), then the tiny matrix's options that the case does not set."""
     args = [a.replace("{tmp}", str(tmp)) for a in case.args]
     rest = [*TINY, "--report", str(tmp / "report.md")]
-    pairs = [rest[i:i + 2] for i in range(0, len(rest), 2)]
+    pairs = [rest[i : i + 2] for i in range(0, len(rest), 2)]
     rest = [tok for pair in pairs if pair[0] not in case.args for tok in pair]
     if mode == "cli":
         return [sys.executable, "-m", "harness", "run", *args, *rest, "--quiet"]
-    return [sys.executable, "-m", "pytest", "suites/test_equivalence.py", "-q", "-p", "no:cacheprovider",
-            "-p", "no:xdist", *args, *rest]
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "suites/test_equivalence.py",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:xdist",
+        *args,
+        *rest,
+    ]
 
 
 def _pythonpath(tmp: str) -> str:
@@ -249,11 +406,16 @@ def _outcome(case: Case, mode: str, rc: int | None, output: str, tmp: str) -> Ou
 def probe(case: Case, mode: str, timeout_s: float = 180.0) -> Outcome:
     """The case in a fresh process."""
     with _probe_dir() as tmp:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _pythonpath(tmp),
-               **{k: v.replace("{tmp}", tmp) for k, v in case.env}}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": _pythonpath(tmp),
+            **{k: v.replace("{tmp}", tmp) for k, v in case.env},
+        }
         try:
-            proc = subprocess.run(command(case, mode, Path(tmp)), cwd=ROOT, env=env, capture_output=True,
-                                  text=True, timeout=timeout_s)
+            proc = subprocess.run(
+                command(case, mode, Path(tmp)), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
+            )
             rc, output = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as exc:
             rc = None
@@ -272,12 +434,21 @@ def probe_forked(jobs: list[tuple[Case, str]], workers: int, timeout_s: float = 
         specs = []
         for i, ((case, mode), tmp) in enumerate(zip(jobs, tmps)):
             _python, _m, module, *args = command(case, mode, Path(tmp))
-            specs.append({"module": module, "args": args, "pythonpath": _pythonpath(tmp),
-                          "stdout": str(outs / f"{i}.out"), "stderr": str(outs / f"{i}.err")})
+            specs.append(
+                {
+                    "module": module,
+                    "args": args,
+                    "pythonpath": _pythonpath(tmp),
+                    "stdout": str(outs / f"{i}.out"),
+                    "stderr": str(outs / f"{i}.err"),
+                }
+            )
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _pythonpath("")}
         codes = warm_cli.run(specs, env, ROOT, workers, timeout_s)
-        return [_outcome(case, mode, rc, _read(spec["stdout"]) + _read(spec["stderr"]), tmp)
-                for (case, mode), tmp, spec, rc in zip(jobs, tmps, specs, codes)]
+        return [
+            _outcome(case, mode, rc, _read(spec["stdout"]) + _read(spec["stderr"]), tmp)
+            for (case, mode), tmp, spec, rc in zip(jobs, tmps, specs, codes)
+        ]
 
 
 def _read(path: str) -> str:
@@ -304,18 +475,24 @@ def render(outcomes: list[Outcome]) -> str:
         return text.replace("|", "\\|").replace("\n", " ")
 
     by = {(o.case, o.mode): o for o in outcomes}
-    out = ["# Bad input: what the harness answers", "",
-           "Generated by `python -m suites.faults.bad_inputs` (do not edit by hand); checked by",
-           "`suites/faults/test_bad_inputs.py`. Each case completes its options from a tiny valid matrix",
-           f"(`{' '.join(TINY)}`). CLI: `python -m harness run ...`; pytest:",
-           "`python -m pytest suites/test_equivalence.py ...`. Expected: exit 2 (CLI) / 4 (pytest usage",
-           "error), one error line, no traceback.", "",
-           "| bad input | options | CLI exit | CLI message | pytest exit | pytest message |",
-           "|---|---|---|---|---|---|"]
+    out = [
+        "# Bad input: what the harness answers",
+        "",
+        "Generated by `python -m suites.faults.bad_inputs` (do not edit by hand); checked by",
+        "`suites/faults/test_bad_inputs.py`. Each case completes its options from a tiny valid matrix",
+        f"(`{' '.join(TINY)}`). CLI: `python -m harness run ...`; pytest:",
+        "`python -m pytest suites/test_equivalence.py ...`. Expected: exit 2 (CLI) / 4 (pytest usage",
+        "error), one error line, no traceback.",
+        "",
+        "| bad input | options | CLI exit | CLI message | pytest exit | pytest message |",
+        "|---|---|---|---|---|---|",
+    ]
     for case in dict.fromkeys(o.case for o in outcomes):
         cli, pyt = by.get((case, "cli")), by.get((case, "pytest"))
-        row = [case.what, "`" + " ".join([f"{k}={v}" for k, v in case.env] + [a if a else "''" for a in case.args])
-               + "`"]
+        row = [
+            case.what,
+            "`" + " ".join([f"{k}={v}" for k, v in case.env] + [a if a else "''" for a in case.args]) + "`",
+        ]
         for o in (cli, pyt):
             if o is None:
                 row += ["—", "not tried"]
@@ -330,8 +507,9 @@ def stable(table: str) -> str:
     """The table as it reads on any machine: in the rows of cases whose line names this machine's
     figures (`Case.varies`), every number becomes N."""
     varying = tuple(f"| {case.what} |" for case in CASES if case.varies)
-    return "\n".join(re.sub(r"\d+(\.\d+)?", "N", line) if line.startswith(varying) else line
-                     for line in table.splitlines())
+    return "\n".join(
+        re.sub(r"\d+(\.\d+)?", "N", line) if line.startswith(varying) else line for line in table.splitlines()
+    )
 
 
 def main() -> int:

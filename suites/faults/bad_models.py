@@ -20,5 +20,6 @@ sum_loss = _changed(loss=lambda out, y: F.cross_entropy(out, y, reduction="sum")
 build_returns_none = _changed(build=lambda: None)
 units_not_submodules = _changed(units=lambda model: [nn.Linear(2, 2)])
 batch_one_short = _changed(make_batch=lambda n, step, seed: example.make_batch(n - 1, step, seed))
-forward_raises = _changed(make_batch=lambda n, step, seed: (example.make_batch(n, step, seed)[0][:, :1],
-                                                            example.make_batch(n, step, seed)[1]))
+forward_raises = _changed(
+    make_batch=lambda n, step, seed: (example.make_batch(n, step, seed)[0][:, :1], example.make_batch(n, step, seed)[1])
+)

@@ -157,6 +157,8 @@ crash_rank1 = FaultAdapter("crash", rank=1)
 hang_rank1 = FaultAdapter("hang", rank=1)
 forward_rank0 = FaultAdapter("forward", rank=0)  # at world size 1 (see scenario_after_fault)
 forward_rank1_step3 = FaultAdapter("forward", rank=1, step=3)  # after the measured step (see test_torchrun)
+
+
 class DiskFullAdapter(FsdpImplAdapter):
     """fsdp_impl on a temp dir that fills up: from wrap() on, every torch.save in the rank fails as on a
     full disk (ENOSPC), so rank 0's first parameter snapshot cannot be written."""
@@ -197,6 +199,7 @@ def warm_up(ctx, payload) -> int:
     """A World task: import what a scenario imports, so that a short timeout measures the fault."""
     import fsdp_impl  # noqa: F401
     import harness.train.task  # noqa: F401
+
     return ctx.rank
 
 
@@ -230,12 +233,20 @@ def torchrun_main(argv: list[str] | None = None) -> int:
     res = run_matrix_under_torchrun(scenarios, timeout_s=ns.timeout)
     if res is not None:
         sc = res.tables["scenarios"]
-        ns.out.write_text(json.dumps({
-            "status": dict(zip(sc.scenario, sc.status)), "error": dict(zip(sc.scenario, sc.error)),
-            "verdicts": [v.as_dict() for v in res.verdicts], "groups_built": res.worlds_started,
-            "steps": res.tables["steps"][["scenario", "step", "loss", "grad_norm", "max_diff_ref",
-                                          "max_diff_ws1"]].to_dict("records"),
-        }, default=str))
+        ns.out.write_text(
+            json.dumps(
+                {
+                    "status": dict(zip(sc.scenario, sc.status)),
+                    "error": dict(zip(sc.scenario, sc.error)),
+                    "verdicts": [v.as_dict() for v in res.verdicts],
+                    "groups_built": res.worlds_started,
+                    "steps": res.tables["steps"][
+                        ["scenario", "step", "loss", "grad_norm", "max_diff_ref", "max_diff_ws1"]
+                    ].to_dict("records"),
+                },
+                default=str,
+            )
+        )
     return 0
 
 

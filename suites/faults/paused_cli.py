@@ -33,6 +33,7 @@ def main(argv: list[str]) -> int:
     os.environ[MARKER] = marker
     setattr(module, name, pause)
     from harness.cli import main as cli
+
     return cli(args)
 
 

@@ -18,8 +18,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1",
-       "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+}
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -64,10 +67,12 @@ def wait_session_empty(sid: int, within_s: float) -> list[int]:
 
 # Run as `python -c RESET_SIGNALS cmd...`: reset the dispositions, then become cmd (same pid). A
 # wrapper rather than a preexec_fn, which is not safe while the test process has threads.
-RESET_SIGNALS = ("import os, signal, sys\n"
-                 "for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):\n"
-                 "    signal.signal(s, signal.SIG_DFL)\n"
-                 "os.execvp(sys.argv[1], sys.argv[1:])\n")
+RESET_SIGNALS = (
+    "import os, signal, sys\n"
+    "for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):\n"
+    "    signal.signal(s, signal.SIG_DFL)\n"
+    "os.execvp(sys.argv[1], sys.argv[1:])\n"
+)
 
 
 def default_signals(cmd: list[str]) -> list[str]:
@@ -77,8 +82,15 @@ def default_signals(cmd: list[str]) -> list[str]:
 
 
 def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(default_signals(cmd), cwd=ROOT, env=ENV if env is None else env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        default_signals(cmd),
+        cwd=ROOT,
+        env=ENV if env is None else env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def kill_session(proc: subprocess.Popen) -> None:

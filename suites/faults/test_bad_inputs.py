@@ -44,13 +44,16 @@ def test_the_committed_bad_input_table_is_what_the_cli_prints_now(bad_input_outc
     this machine's figures aside): a message that changed, or a case added, makes it stale."""
     now = bad_inputs.render(list(bad_input_outcomes.values()))
     committed = bad_inputs.TABLE.read_text(encoding="utf-8")
-    assert bad_inputs.stable(committed) == bad_inputs.stable(now), \
+    assert bad_inputs.stable(committed) == bad_inputs.stable(now), (
         "suites/faults/bad_inputs.md is stale: rerun python -m suites.faults.bad_inputs"
+    )
 
 
 # one case each way that gets past argparse and imports torch: the part a fork skips
-FRESH_TWINS = [("user model whose loss is a sum over the batch", "cli"),
-               ("user optimizer factory returning the wrong thing", "pytest")]
+FRESH_TWINS = [
+    ("user model whose loss is a sum over the batch", "cli"),
+    ("user optimizer factory returning the wrong thing", "pytest"),
+]
 
 
 @pytest.mark.parametrize("what, mode", FRESH_TWINS, ids=[m for _, m in FRESH_TWINS])

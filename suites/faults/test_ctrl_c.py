@@ -34,8 +34,20 @@ from suites.faults.scenarios import FA
 pytestmark = pytest.mark.ci
 
 # two scenarios (the reference's and fsdp_impl's) in one world of 1 rank
-SMALL = ["--world-sizes", "1", "--models", "mlp", "--impl", "fsdp_impl", "--data-modes", "replicated",
-         "--optimizers", "adamw", "--steps", "2"]
+SMALL = [
+    "--world-sizes",
+    "1",
+    "--models",
+    "mlp",
+    "--impl",
+    "fsdp_impl",
+    "--data-modes",
+    "replicated",
+    "--optimizers",
+    "adamw",
+    "--steps",
+    "2",
+]
 CLI = [sys.executable, "-m", "harness", "run"]
 
 
@@ -112,9 +124,27 @@ def test_ctrl_c_of_the_cli_exits_non_zero_with_one_line_and_no_orphans(tmp_path)
     The CI tier runs it once, from test_launch_context.py (launched as a background job with SIGINT
     and SIGHUP ignored and stdin closed): run here as well, it is the same run from a friendlier parent."""
     report = tmp_path / "out" / "r.md"
-    proc = start([*CLI, "--world-sizes", "1,2", "--models", "mlp", "--impl", f"{FA}:hang_rank1",
-                  "--data-modes", "replicated", "--optimizers", "adamw", "--steps", "3", "--scenario-timeout", "600",
-                  "--report", str(report)])
+    proc = start(
+        [
+            *CLI,
+            "--world-sizes",
+            "1,2",
+            "--models",
+            "mlp",
+            "--impl",
+            f"{FA}:hang_rank1",
+            "--data-modes",
+            "replicated",
+            "--optimizers",
+            "adamw",
+            "--steps",
+            "3",
+            "--scenario-timeout",
+            "600",
+            "--report",
+            str(report),
+        ]
+    )
     try:
         # the forkserver and the 2 workers of the world of 2 (the world of 1 had 1)
         _poll(proc, lambda: len(_forkservers(proc, _ignores_sigint)) >= 3, every_s=0.2)
@@ -132,8 +162,9 @@ def test_ctrl_c_while_the_report_is_written(tmp_path):
     try:
         _poll(proc, lambda: list(report.parent.glob(".fsdp-harness-out-*")))
         os.kill(proc.pid, signal.SIGSTOP)
-        assert list(report.parent.glob(".fsdp-harness-out-*")) and not (report.parent / "r_tables").exists(), \
+        assert list(report.parent.glob(".fsdp-harness-out-*")) and not (report.parent / "r_tables").exists(), (
             "the report was written before the run could be frozen"
+        )
         _ctrl_c(proc, frozen=proc.pid)
         _assert_interrupted(proc, report)
     finally:
@@ -152,8 +183,9 @@ def test_ctrl_c_during_the_gate(tmp_path):
 def _start_paused(tmp_path: Path, target: str, *args: str) -> tuple[subprocess.Popen, Path]:
     """The CLI run paused at ``target`` (suites/faults/paused_cli.py), once it is there; its report."""
     report, marker = tmp_path / "out" / "r.md", tmp_path / "paused"
-    proc = start([sys.executable, "-m", "suites.faults.paused_cli", target, str(marker), "run", *args,
-                  "--report", str(report)])
+    proc = start(
+        [sys.executable, "-m", "suites.faults.paused_cli", target, str(marker), "run", *args, "--report", str(report)]
+    )
     try:
         _poll(proc, marker.exists, every_s=0.1)
     except BaseException:
@@ -201,10 +233,35 @@ def _importing(pid: int) -> bool:
 
 
 def test_ctrl_c_of_a_pytest_xdist_run_leaves_no_orphans(tmp_path):
-    proc = start([sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider",
-                  "suites/test_equivalence.py", "--world-sizes", "1,2", "--models", "mlp",
-                  "--impl", f"{FA}:hang_rank1", "--data-modes", "replicated", "--optimizers", "adamw",
-                  "--steps", "3", "--scenario-timeout", "600", "--report", str(tmp_path / "r.md")])
+    proc = start(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "2",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "suites/test_equivalence.py",
+            "--world-sizes",
+            "1,2",
+            "--models",
+            "mlp",
+            "--impl",
+            f"{FA}:hang_rank1",
+            "--data-modes",
+            "replicated",
+            "--optimizers",
+            "adamw",
+            "--steps",
+            "3",
+            "--scenario-timeout",
+            "600",
+            "--report",
+            str(tmp_path / "r.md"),
+        ]
+    )
     try:
         # the matrix runs once, in one xdist worker: its forkserver and the hanging world of 2
         _poll(proc, lambda: len(_forkservers(proc, _ignores_sigint)) >= 3, within_s=180, every_s=0.2)

@@ -21,8 +21,17 @@ from suites.faults.scenarios import FA
 pytestmark = pytest.mark.ci
 
 
-SMALL = ["--models", "mlp", "--data-modes", "replicated", "--optimizers", "sgd", "--steps", "2",
-         "--no-plots"]  # what these runs hold is no plot's business: each costs 0.1 to 0.2 CPU s
+SMALL = [
+    "--models",
+    "mlp",
+    "--data-modes",
+    "replicated",
+    "--optimizers",
+    "sgd",
+    "--steps",
+    "2",
+    "--no-plots",
+]  # what these runs hold is no plot's business: each costs 0.1 to 0.2 CPU s
 
 
 def test_a_plain_run_goes_on_in_a_shell_with_stale_torchrun_variables_and_a_deep_temp_dir(tmp_path):
@@ -35,9 +44,22 @@ def test_a_plain_run_goes_on_in_a_shell_with_stale_torchrun_variables_and_a_deep
     tmpdir = tmp_path / ("t" * 80)
     tmpdir.mkdir()
     assert len(str(tmpdir)) + len("/pymp-XXXXXXXX/listener-XXXXXXXX") > 107
-    proc = start([sys.executable, "-m", "harness", "run", "--world-sizes", "1,2", "--impl", "fsdp_impl", *SMALL,
-                  "--report", str(tmp_path / "r.md")],
-                 env={**ENV, **stale, "TMPDIR": str(tmpdir), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    proc = start(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "run",
+            "--world-sizes",
+            "1,2",
+            "--impl",
+            "fsdp_impl",
+            *SMALL,
+            "--report",
+            str(tmp_path / "r.md"),
+        ],
+        env={**ENV, **stale, "TMPDIR": str(tmpdir), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")},
+    )
     try:
         out, err = proc.communicate(timeout=120)  # ~6 s on 2 cores
         assert proc.returncode == 0, out + err
@@ -50,7 +72,7 @@ def test_a_plain_run_goes_on_in_a_shell_with_stale_torchrun_variables_and_a_deep
         kill_session(proc)
 
 
-def first_progress_line(proc: subprocess.Popen, lines: "queue.Queue[str | None]", within_s: float) -> str:
+def first_progress_line(proc: subprocess.Popen, lines: queue.Queue[str | None], within_s: float) -> str:
     """Read the CLI's stderr until its first progress line ("[  1/4] <scenario> <secs>s"); fail with
     what it printed if it exits or stays silent first."""
     seen = []
@@ -68,8 +90,9 @@ def first_progress_line(proc: subprocess.Popen, lines: "queue.Queue[str | None]"
     pytest.fail(f"no progress line within {within_s:.0f} s; it printed:\n" + "".join(seen))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGHUP, marks=pytest.mark.slow)],
-                         ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, pytest.param(signal.SIGHUP, marks=pytest.mark.slow)], ids=["SIGTERM", "SIGHUP"]
+)
 def test_sigterm_or_sighup_of_the_cli_unwinds_like_ctrl_c(tmp_path, sig):
     """`kill PID` (or a closed terminal) mid-run: the run ends at once, its worlds' workers die and
     its temp dirs (snapshots, FileStores, the forkserver's socket dir) are removed. The CI tier runs
@@ -77,14 +100,28 @@ def test_sigterm_or_sighup_of_the_cli_unwinds_like_ctrl_c(tmp_path, sig):
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     # world of 1: progress lines; then rank 1 of the world of 2 hangs, so the run is certainly mid-way
-    cmd = [sys.executable, "-m", "harness", "run", "--world-sizes", "1,2", "--impl", f"{FA}:hang_rank1", *SMALL,
-           "--scenario-timeout", "600", "--report", str(tmp_path / "r.md")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "harness",
+        "run",
+        "--world-sizes",
+        "1,2",
+        "--impl",
+        f"{FA}:hang_rank1",
+        *SMALL,
+        "--scenario-timeout",
+        "600",
+        "--report",
+        str(tmp_path / "r.md"),
+    ]
     # torch's own per-user cache dir (created in TMPDIR by default, and kept by every run) goes elsewhere
     proc = start(cmd, env={**ENV, "TMPDIR": str(tmpdir), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
     try:
         lines: queue.Queue[str | None] = queue.Queue()
-        reader = threading.Thread(target=lambda: [lines.put(line) for line in itertools.chain(proc.stderr, [None])],
-                                  daemon=True)
+        reader = threading.Thread(
+            target=lambda: [lines.put(line) for line in itertools.chain(proc.stderr, [None])], daemon=True
+        )
         reader.start()
         first_progress_line(proc, lines, within_s=120)
         assert any(tmpdir.iterdir())  # the run's temp dirs exist before the signal
@@ -101,21 +138,38 @@ def test_sigterm_or_sighup_of_the_cli_unwinds_like_ctrl_c(tmp_path, sig):
 
 
 def test_a_termination_handler_the_program_installed_is_kept():
-    code = ("import signal\n"
-            "from harness.execute.world import WorldPool\n"
-            "mine = lambda *_: None\n"
-            "signal.signal(signal.SIGTERM, mine)\n"
-            "WorldPool()\n"
-            "print(signal.getsignal(signal.SIGTERM) is mine, signal.getsignal(signal.SIGHUP) is signal.SIG_DFL)\n")
-    out = subprocess.run(default_signals([sys.executable, "-c", code]), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    code = (
+        "import signal\n"
+        "from harness.execute.world import WorldPool\n"
+        "mine = lambda *_: None\n"
+        "signal.signal(signal.SIGTERM, mine)\n"
+        "WorldPool()\n"
+        "print(signal.getsignal(signal.SIGTERM) is mine, signal.getsignal(signal.SIGHUP) is signal.SIG_DFL)\n"
+    )
+    out = subprocess.run(
+        default_signals([sys.executable, "-c", code]), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60
+    )
     assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr
 
 
 def test_a_temp_dir_that_fills_up_during_the_run_is_one_line_not_scenario_failures(tmp_path):
     """Every torch.save of the ranks fails as on a full disk: the run ends with one line naming the temp
     dir (exit 1), not a failing scenario with a traceback each; no worker survives."""
-    proc = start([sys.executable, "-m", "harness", "run", "--world-sizes", "1,2", "--impl", f"{FA}:disk_full", *SMALL,
-                  "--no-report"], env=ENV)
+    proc = start(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "run",
+            "--world-sizes",
+            "1,2",
+            "--impl",
+            f"{FA}:disk_full",
+            *SMALL,
+            "--no-report",
+        ],
+        env=ENV,
+    )
     try:
         out, err = proc.communicate(timeout=120)
         errors = [line for line in err.splitlines() if line.startswith("error: ")]
@@ -128,13 +182,19 @@ def test_a_temp_dir_that_fills_up_during_the_run_is_one_line_not_scenario_failur
 
 def _unused_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-LEFT_OVER = {"TORCHELASTIC_RUN_ID": "old-job", "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-             "TORCHELASTIC_USE_AGENT_STORE": "True"}
+LEFT_OVER = {
+    "TORCHELASTIC_RUN_ID": "old-job",
+    "RANK": "1",
+    "WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "TORCHELASTIC_USE_AGENT_STORE": "True",
+}
 
 
 @pytest.mark.parametrize("partial", [False, True], ids=["all_of_torchruns_variables", "without_the_agents_own"])
@@ -144,8 +204,10 @@ def test_torchrun_variables_left_over_from_another_job_are_explained_within_seco
     if partial:
         del env["TORCHELASTIC_USE_AGENT_STORE"]
     t0 = time.monotonic()
-    proc = start([sys.executable, "-m", "harness", "run", "--world-sizes", "1,2", "--impl", "fsdp_impl", *SMALL,
-                  "--no-report"], env=env)
+    proc = start(
+        [sys.executable, "-m", "harness", "run", "--world-sizes", "1,2", "--impl", "fsdp_impl", *SMALL, "--no-report"],
+        env=env,
+    )
     try:
         out, err = proc.communicate(timeout=90)
         errors = [line for line in err.splitlines() if line.startswith("error: ")]
@@ -159,10 +221,26 @@ def test_torchrun_variables_left_over_from_another_job_are_explained_within_seco
 
 def test_ctrl_c_ends_the_wait_for_a_torchrun_store_that_is_not_there():
     env = {**ENV, **LEFT_OVER, "MASTER_PORT": str(_unused_port())}
-    proc = start([sys.executable, "-m", "harness", "run", "--world-sizes", "1,2", "--impl", "fsdp_impl", *SMALL,
-                  "--no-report", "--scenario-timeout", "600"], env=env)
+    proc = start(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "run",
+            "--world-sizes",
+            "1,2",
+            "--impl",
+            "fsdp_impl",
+            *SMALL,
+            "--no-report",
+            "--scenario-timeout",
+            "600",
+        ],
+        env=env,
+    )
     try:
         import select
+
         ready, _, _ = select.select([proc.stderr], [], [], 60)
         assert ready, "no line within 60 s: it waits in silence"
         said = proc.stderr.readline()  # the first line it prints is that it waits, and for what
@@ -177,12 +255,15 @@ def test_ctrl_c_ends_the_wait_for_a_torchrun_store_that_is_not_there():
 def test_a_hangup_or_ctrl_c_ignored_at_start_stays_ignored():
     """Under `nohup` (SIGHUP) or as a script's background job (SIGINT too) the run ignores what its
     user's shell asked it to ignore: the harness installs its handlers only over default actions."""
-    code = ("import signal\n"
-            "from harness.execute.world import WorldPool\n"
-            "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
-            "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-            "WorldPool()\n"
-            "print(*(signal.getsignal(s) is signal.SIG_IGN for s in (signal.SIGHUP, signal.SIGINT)))\n")
-    out = subprocess.run(default_signals([sys.executable, "-c", code]), cwd=ROOT, env=ENV, capture_output=True,
-                         text=True, timeout=60)
+    code = (
+        "import signal\n"
+        "from harness.execute.world import WorldPool\n"
+        "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "WorldPool()\n"
+        "print(*(signal.getsignal(s) is signal.SIG_IGN for s in (signal.SIGHUP, signal.SIGINT)))\n"
+    )
+    out = subprocess.run(
+        default_signals([sys.executable, "-c", code]), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60
+    )
     assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr

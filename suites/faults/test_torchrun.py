@@ -24,8 +24,15 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 def test_under_torchrun_the_matrix_runs_fails_faults_and_goes_on(tmp_path, kept_worlds):
     """run_matrix_under_torchrun in a real 2-rank torchrun job (--standalone: no fixed port)."""
     out = tmp_path / "out.json"
-    specs = ["reference@1", "fsdp_impl@1", "fsdp_impl@2", "forward_rank1_step3@2",
-             "suites.unit.example_adapter:adapter@1", "suites.unit.example_adapter:adapter@2", "hang_rank1@2"]
+    specs = [
+        "reference@1",
+        "fsdp_impl@1",
+        "fsdp_impl@2",
+        "forward_rank1_step3@2",
+        "suites.unit.example_adapter:adapter@1",
+        "suites.unit.example_adapter:adapter@2",
+        "hang_rank1@2",
+    ]
     proc = start([*TORCHRUN, "-m", FA, str(out), "4", *specs])
     try:
         stdout, stderr = proc.communicate(timeout=300)
@@ -36,8 +43,10 @@ def test_under_torchrun_the_matrix_runs_fails_faults_and_goes_on(tmp_path, kept_
         status, error = got["status"], got["error"]
         fwd, hang = scenario("forward_rank1_step3").id, scenario("hang_rank1").id
         example = "suites.unit.example_adapter.adapter-mlp-ws2-replicated-adamw"
-        assert [status[s] for s in ("reference-mlp-ws1-replicated-adamw", "fsdp_impl-mlp-ws2-replicated-adamw",
-                                    fwd, example, hang)] == ["ok", "ok", "error", "ok", "error"]
+        assert [
+            status[s]
+            for s in ("reference-mlp-ws1-replicated-adamw", "fsdp_impl-mlp-ws2-replicated-adamw", fwd, example, hang)
+        ] == ["ok", "ok", "error", "ok", "error"]
         # a raising rank: named, with its traceback; rank 0 only waited for it
         assert error[fwd].startswith(f"rank 1 of torchrun ranks 0..1 (job of 2) failed in {fwd}:")
         assert "raise_in_forward" in error[fwd]
@@ -77,24 +86,35 @@ def test_under_torchrun_a_scenario_larger_than_the_job_is_one_clear_error(monkey
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     with pytest.raises(TorchrunUsageError) as info:  # raised before any rendezvous
         run_matrix_under_torchrun([scenario("fsdp_impl", 1), scenario("fsdp_impl", 4)], timeout_s=5)
-    assert str(info.value) == ("--world-sizes: 4 need more ranks than torchrun started (2); "
-                               "launch at least 4 (e.g. --nproc_per_node=4) or drop them")
+    assert str(info.value) == (
+        "--world-sizes: 4 need more ranks than torchrun started (2); "
+        "launch at least 4 (e.g. --nproc_per_node=4) or drop them"
+    )
 
 
-@pytest.mark.parametrize("bad, error", [
-    (["--world-sizes", "1,2,4"], "error: --world-sizes: 4 need more ranks than torchrun started (2); launch at least "
-                                 "4 (e.g. --nproc_per_node=4) or drop them"),
-    # an argparse error, said the same way (the slow tier's: the case above already holds the once-by-rank-0 rule)
-    pytest.param(["--world-sizes", "1,x"], "python -m harness run: error: argument --world-sizes: ",
-                 marks=pytest.mark.slow),
-], ids=["larger-than-the-job", "not-a-number"])
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        (
+            ["--world-sizes", "1,2,4"],
+            "error: --world-sizes: 4 need more ranks than torchrun started (2); launch at least "
+            "4 (e.g. --nproc_per_node=4) or drop them",
+        ),
+        # an argparse error, said the same way (the slow tier's: the case above already holds the once-by-rank-0 rule)
+        pytest.param(
+            ["--world-sizes", "1,x"], "python -m harness run: error: argument --world-sizes: ", marks=pytest.mark.slow
+        ),
+    ],
+    ids=["larger-than-the-job", "not-a-number"],
+)
 def test_under_torchrun_a_usage_error_is_said_once_by_rank_0_before_anything_runs(tmp_path, bad, error):
     """Every rank meets it; rank 0 alone says it and exits 2 (EXIT_USAGE), the other ranks wait
     silently until torchrun stops them. What torchrun itself prints of a failed job (its log lines,
     its ChildFailedError traceback and summary, its own exit status 1) is not the harness's to change."""
     report = tmp_path / "r.md"
-    proc = start([*TORCHRUN, "-m", "harness", "run", *bad, "--impl", "fsdp_impl", "--models", "mlp",
-                  "--report", str(report)])
+    proc = start(
+        [*TORCHRUN, "-m", "harness", "run", *bad, "--impl", "fsdp_impl", "--models", "mlp", "--report", str(report)]
+    )
     try:
         stdout, stderr = proc.communicate(timeout=120)
         ours = [line for line in stderr.splitlines() if "error:" in line and "Error" not in line]
@@ -113,17 +133,41 @@ def test_torchrun_cli_smoke_writes_one_report_from_rank_0(tmp_path):
     """Also the features that make groups (hsdp: every rank of the job makes them, in one order) and
     that order runs (ckpt: resumed runs after their savers)."""
     report = tmp_path / "r.md"
-    proc = start([*TORCHRUN, "-m", "harness", "run", "--world-sizes", "1,2", "--impl", "fsdp_impl",
-                  "--models", "mlp", "--optimizers", "adamw", "--steps", "3", "--features", "plain,hsdp,ckpt",
-                  "--report", str(report), "--no-plots"])
+    proc = start(
+        [
+            *TORCHRUN,
+            "-m",
+            "harness",
+            "run",
+            "--world-sizes",
+            "1,2",
+            "--impl",
+            "fsdp_impl",
+            "--models",
+            "mlp",
+            "--optimizers",
+            "adamw",
+            "--steps",
+            "3",
+            "--features",
+            "plain,hsdp,ckpt",
+            "--report",
+            str(report),
+            "--no-plots",
+        ]
+    )
     try:
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stdout + stderr
         assert report.exists()
-        ran = {row["scenario"]: row["status"] for row in
-               csv.DictReader((tmp_path / "r_tables" / "scenarios.csv").open())}
-        for sid in ("fsdp_impl-mlp-ws2-replicated-adamw", "fsdp_impl-mlp-ws2-split-adamw-hsdp",
-                    "fsdp_impl-mlp-ws1-split-adamw-ckpt-from2"):
+        ran = {
+            row["scenario"]: row["status"] for row in csv.DictReader((tmp_path / "r_tables" / "scenarios.csv").open())
+        }
+        for sid in (
+            "fsdp_impl-mlp-ws2-replicated-adamw",
+            "fsdp_impl-mlp-ws2-split-adamw-hsdp",
+            "fsdp_impl-mlp-ws1-split-adamw-ckpt-from2",
+        ):
             assert ran.get(sid) == "ok", (sid, ran)
         # one job, one run: the summary comes from rank 0 only
         assert len(re.findall(r"^PASS: \d+ passed, \d+ failed", stderr, flags=re.M)) == 1, stderr

@@ -29,9 +29,15 @@ def run(jobs: list[dict], env: dict, cwd: Path, workers: int, timeout_s: float) 
     ``stderr`` (files the run writes to). Its exit status (as subprocess gives it; None if it
     ran past ``timeout_s`` and was killed), in ``jobs``' order."""
     spec = json.dumps({"jobs": jobs, "workers": workers, "timeout_s": timeout_s})
-    proc = subprocess.run([sys.executable, "-c", "from suites.faults.warm_cli import serve; serve()"],
-                          input=spec, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout_s * (len(jobs) + 1))
+    proc = subprocess.run(
+        [sys.executable, "-c", "from suites.faults.warm_cli import serve; serve()"],
+        input=spec,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s * (len(jobs) + 1),
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"the warm CLI server failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}")
     done = dict(json.loads(line) for line in proc.stdout.splitlines())
@@ -112,7 +118,7 @@ def _become(job: dict) -> None:
     # sys.path as the interpreter builds it for `python -m`: the working directory, then PYTHONPATH,
     # then what the server has after its own PYTHONPATH (the standard library, site-packages)
     inherited = os.environ.get("PYTHONPATH", "")
-    rest = sys.path[1 + len(inherited.split(os.pathsep)) if inherited else 1:]
+    rest = sys.path[1 + len(inherited.split(os.pathsep)) if inherited else 1 :]
     os.environ["PYTHONPATH"] = job["pythonpath"]
     sys.path[:] = [os.getcwd(), *job["pythonpath"].split(os.pathsep), *rest]
     main = sys.modules["__main__"].__dict__  # a fresh __main__: only the interpreter's own names

@@ -42,6 +42,7 @@ class BackwardRegatherNudged(MutantAdapter):
                 flat = weight.data.view(-1)
                 flat[0] = torch.nextafter(flat[0], torch.tensor(math.inf, dtype=flat.dtype))
             return out
+
         return pre_backward
 
 

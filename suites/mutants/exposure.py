@@ -25,12 +25,15 @@ _SINGLE = tuple(f for f in FEATURES if f != "eval")
 # mutant -> (what exposes it, the counterparts: changes to its catalogue cells, one Mutant each)
 ONLY_THERE: dict[str, tuple[str, tuple[dict, ...]]] = {
     "held_in_param_dtype": ("the composition no_sync+bf16", ({"features": ("no_sync",)}, {"features": ("bf16",)})),
-    "no_grad_forward_unsharded": ("the eval pass (a no_grad forward between steps)",
-                                  ({"features": _SINGLE},)),
-    "tail_before_last_dropped": ("tied_vocab33 at W = 8 (a short chunk on a rank before the last)",
-                                 ({"world_sizes": (1, 2, 4)}, {"models": ("mlp", "tinylm", "tinylm_tied")})),
-    "shard_normalised": ("a per-matrix optimizer (harness.train.optim:normalised_sgd)",
-                         ({"optimizers": ("adamw", "sgd")},)),
+    "no_grad_forward_unsharded": ("the eval pass (a no_grad forward between steps)", ({"features": _SINGLE},)),
+    "tail_before_last_dropped": (
+        "tied_vocab33 at W = 8 (a short chunk on a rank before the last)",
+        ({"world_sizes": (1, 2, 4)}, {"models": ("mlp", "tinylm", "tinylm_tied")}),
+    ),
+    "shard_normalised": (
+        "a per-matrix optimizer (harness.train.optim:normalised_sgd)",
+        ({"optimizers": ("adamw", "sgd")},),
+    ),
     "gather_read_early": ("jitter (delays where asynchronous work races)", ({"features": ("plain",)},)),
     "offload_stale_host_copy": ("a CPU offload policy (feature offload)", ({"features": ("plain",)},)),
 }
@@ -85,15 +88,25 @@ def section(exposures: list[Exposure], results: dict) -> list[str]:
     for e in exposures:
         r = results.get(e.mutant.name)
         failed = ", ".join(f"{c} ({n})" for c, n in e.failed.items()) or "none"
-        rows.append({"mutant": e.mutant.name, "exposed by": e.exposed_by,
-                     "caught there": "yes" if r is not None and r.caught else "**NO**",
-                     "counterpart cells": "; ".join(cells(c) for c in e.counterparts),
-                     "checks failed in the counterparts": failed,
-                     "only there?": "yes" if not e.failed else "**no**"})
+        rows.append(
+            {
+                "mutant": e.mutant.name,
+                "exposed by": e.exposed_by,
+                "caught there": "yes" if r is not None and r.caught else "**NO**",
+                "counterpart cells": "; ".join(cells(c) for c in e.counterparts),
+                "checks failed in the counterparts": failed,
+                "only there?": "yes" if not e.failed else "**no**",
+            }
+        )
     only = sum(r["only there?"] == "yes" for r in rows)
-    return ["## Exposed only there", "",
-            f"**{only}/{len(rows)} composition and surface mutants are caught only where their surface is** "
-            "(suites/mutants/exposure.py): each also ran in its counterpart cells, the ones it would have "
-            "without the composition, feature, model, world size or optimizer that exposes it, and no check "
-            "may fail there. A mutant that a counterpart catches is listed as such, with what caught it.", "",
-            pd.DataFrame(rows).to_markdown(index=False), ""]
+    return [
+        "## Exposed only there",
+        "",
+        f"**{only}/{len(rows)} composition and surface mutants are caught only where their surface is** "
+        "(suites/mutants/exposure.py): each also ran in its counterpart cells, the ones it would have "
+        "without the composition, feature, model, world size or optimizer that exposes it, and no check "
+        "may fail there. A mutant that a counterpart catches is listed as such, with what caught it.",
+        "",
+        pd.DataFrame(rows).to_markdown(index=False),
+        "",
+    ]

@@ -24,8 +24,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness.core.names import STANDARD_MODELS
-from harness.core.scenario import (DATA_MODES, FEATURES, OPTIMIZERS, REFERENCE_IMPL, TIMING_ONLY, Scenario,
-                                   build_matrix)
+from harness.core.scenario import DATA_MODES, FEATURES, OPTIMIZERS, REFERENCE_IMPL, TIMING_ONLY, Scenario, build_matrix
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
 from harness.options import DEFAULT_MODELS, DEFAULT_WORLD_SIZES
 from harness.tables.build import MODEL_LIMIT
@@ -34,8 +33,18 @@ CORRECT = ("fsdp_impl", "torch_fsdp2", "ddp")
 SEEDS = (0, 1, 2, 3, 4)
 FULL_STEPS = 10
 # the compositions CI runs (suites/test_compositions.py): the everyday pairs, each part a real bug's home
-CI_COMPOSITIONS = ("hsdp+clip", "hsdp+no_sync", "hsdp+ckpt", "accum+clip", "no_sync+clip", "bf16+accum",
-                   "bf16+ckpt", "bf16+clip_inf", "ac+bf16", "ckpt+no_sync")
+CI_COMPOSITIONS = (
+    "hsdp+clip",
+    "hsdp+no_sync",
+    "hsdp+ckpt",
+    "accum+clip",
+    "no_sync+clip",
+    "bf16+accum",
+    "bf16+ckpt",
+    "bf16+clip_inf",
+    "ac+bf16",
+    "ckpt+no_sync",
+)
 
 
 def quick_matrix() -> list[Scenario]:
@@ -51,18 +60,26 @@ def quick_matrix() -> list[Scenario]:
     W <= 2: suites/test_fsdp2_surface.py runs it at 4 ranks."""
     plain = build_matrix(("ddp",), list(DEFAULT_MODELS), [1, 2], DATA_MODES, OPTIMIZERS, steps=3)
     others = [f for f in FEATURES if f not in ("plain", "eval", "reshard2") and f not in TIMING_ONLY]
-    featured = build_matrix(CORRECT, ["mlp", "tinylm_tied"], [1, 2], ("replicated",), ("adamw",), steps=3,
-                            features=others)
-    evaluated = build_matrix(("torch_fsdp2", "ddp"), ["mlp"], [2], ("split",), ("adamw",), steps=3,
-                             features=("eval",))
+    featured = build_matrix(
+        CORRECT, ["mlp", "tinylm_tied"], [1, 2], ("replicated",), ("adamw",), steps=3, features=others
+    )
+    evaluated = build_matrix(("torch_fsdp2", "ddp"), ["mlp"], [2], ("split",), ("adamw",), steps=3, features=("eval",))
     cells = plain + [c for c in featured if c not in plain]
     return cells + [c for c in evaluated if c not in cells]
 
 
 def full_matrix(seed: int, models=DEFAULT_MODELS) -> list[Scenario]:
     """The default matrix for every correct implementation and every feature, under one seed."""
-    return build_matrix(CORRECT, list(models), list(DEFAULT_WORLD_SIZES), DATA_MODES, OPTIMIZERS,
-                        steps=FULL_STEPS, seeds=(seed,), features=FEATURES)
+    return build_matrix(
+        CORRECT,
+        list(models),
+        list(DEFAULT_WORLD_SIZES),
+        DATA_MODES,
+        OPTIMIZERS,
+        steps=FULL_STEPS,
+        seeds=(seed,),
+        features=FEATURES,
+    )
 
 
 # architectures the bounds were not tuned on: harness/train/standard_models.py (nn.MultiheadAttention,
@@ -77,8 +94,16 @@ def composition_matrix(seed: int) -> list[Scenario]:
     README's test command runs them at W 1, 2 (1, 4 for those with hsdp), seed 0 (suites/test_compositions.py)."""
     from harness.core.scenario import check_feature
 
-    return build_matrix(CORRECT, ["mlp"], [1, 2, 4], DATA_MODES, ("adamw",), steps=3, seeds=(seed,),
-                        features=tuple(check_feature(c) for c in CI_COMPOSITIONS))
+    return build_matrix(
+        CORRECT,
+        ["mlp"],
+        [1, 2, 4],
+        DATA_MODES,
+        ("adamw",),
+        steps=3,
+        seeds=(seed,),
+        features=tuple(check_feature(c) for c in CI_COMPOSITIONS),
+    )
 
 
 def standard_matrix(seed: int) -> list[Scenario]:
@@ -127,8 +152,11 @@ class FalseAlarmRun:
 def model_limit_ids(verdicts: list[Verdict], impl_of: dict[str, str]) -> set[int]:
     """id() of each verdict in which the plain model itself fails its scenario (a model limit: no
     implementation involved); `impl_of`: scenario id -> implementation."""
-    return {id(v) for v in verdicts if v.status == FAIL and impl_of.get(v.scenario) == REFERENCE_IMPL
-            and str(v.message).startswith(MODEL_LIMIT)}
+    return {
+        id(v)
+        for v in verdicts
+        if v.status == FAIL and impl_of.get(v.scenario) == REFERENCE_IMPL and str(v.message).startswith(MODEL_LIMIT)
+    }
 
 
 def run_false_alarms(scenarios: list[Scenario], *, seed: int, pool=None, progress=None, journal=None) -> FalseAlarmRun:
@@ -171,12 +199,21 @@ def run_saved(seed: int, models, save_dir: Path, *, pool=None, progress=None, lo
             except JournalMismatch as e:
                 raise SystemExit(str(e)) from None
             if log and len(journal):
-                log(f"seed {seed}, {model}: resuming, {len(journal)} of {len(cells)} scenarios already run "
-                    f"({journal.root})")
+                log(
+                    f"seed {seed}, {model}: resuming, {len(journal)} of {len(cells)} scenarios already run "
+                    f"({journal.root})"
+                )
             run = run_false_alarms(cells, seed=seed, pool=pool, progress=progress, journal=journal)
             got, wall = run.verdicts, wall + run.wall_s
-            saved = {"seed": seed, "model": model, "commit": made_with, **_machine(), "wall_s": run.wall_s,
-                     "scenarios": [c.id for c in cells], "verdicts": [dataclasses.asdict(v) for v in got]}
+            saved = {
+                "seed": seed,
+                "model": model,
+                "commit": made_with,
+                **_machine(),
+                "wall_s": run.wall_s,
+                "scenarios": [c.id for c in cells],
+                "verdicts": [dataclasses.asdict(v) for v in got],
+            }
             path = part_path(save_dir, seed, model)
             part = path.with_name(path.name + ".part")  # written whole, then put in place: a stop leaves no half
             with gzip.open(part, "wt", encoding="utf-8") as f:  # a part's verdicts: 3 MB of JSON, 75 KB gzipped
@@ -188,8 +225,10 @@ def run_saved(seed: int, models, save_dir: Path, *, pool=None, progress=None, lo
             origins.append(_origin(saved))
             if log:
                 done = FalseAlarmRun(seed, cells, got, run.wall_s)
-                log(f"seed {seed}, {model}: {len(done.false_alarms)} false alarm(s), {len(done.model_limits)} "
-                    f"model limit(s), saved to {path}")
+                log(
+                    f"seed {seed}, {model}: {len(done.false_alarms)} false alarm(s), {len(done.model_limits)} "
+                    f"model limit(s), saved to {path}"
+                )
         scenarios += [c for c in cells if c not in scenarios]
         verdicts += got
     return FalseAlarmRun(seed, scenarios, verdicts, wall, origins)
@@ -239,8 +278,15 @@ def run_parts(seeds, models, save_dir: Path, jobs: int, *, log=None, poll_s: flo
                 seed, model = todo.pop(0)
                 out = save_dir / f"log-seed{seed}-{model.replace(':', '_')}.txt"
                 with open(out, "w") as f:
-                    running[(seed, model)] = (subprocess.Popen(part_command(seed, model, save_dir), stdout=f,
-                                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL), out)
+                    running[(seed, model)] = (
+                        subprocess.Popen(
+                            part_command(seed, model, save_dir),
+                            stdout=f,
+                            stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL,
+                        ),
+                        out,
+                    )
                 if log:
                     log(f"seed {seed}, {model}: started ({len(running)} running, {len(todo)} waiting)")
             time.sleep(poll_s)
@@ -262,8 +308,11 @@ def run_parts(seeds, models, save_dir: Path, jobs: int, *, log=None, poll_s: flo
 
 def _origin(saved: dict) -> str:
     """One line on where a saved chunk ran (files saved before the machine was recorded say so)."""
-    where = (f"torch {saved['torch']}, {saved['cpu_kernels']}, {saved['cores']} cores" if "torch" in saved
-             else "machine not recorded")
+    where = (
+        f"torch {saved['torch']}, {saved['cpu_kernels']}, {saved['cores']} cores"
+        if "torch" in saved
+        else "machine not recorded"
+    )
     return f"seed {saved['seed']}, {saved['model']}: commit {saved['commit']}, {where}, {saved['wall_s']:.0f} s"
 
 
@@ -274,18 +323,23 @@ def _machine() -> dict:
 
     import torch
 
-    return {"torch": torch.__version__, "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
-            "cores": os.cpu_count()}
+    return {"torch": torch.__version__, "cpu_kernels": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count()}
 
 
 def _commit() -> str:
     """The code a saved chunk was made with: the commit, '+ changes' when the tree differs from it."""
     here = Path(__file__).parent
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head or "unknown") + (" + changes" if dirty else "")
@@ -298,9 +352,14 @@ def summary(runs: list[FalseAlarmRun]) -> pd.DataFrame:
         impl_of = run.impl_of
         for impl in sorted(set(impl_of.values())):
             mine = [v for v in run.verdicts if impl_of.get(v.scenario) == impl]
-            rows.append({"seed": run.seed, "implementation": impl,
-                         "scenarios": sum(i == impl for i in impl_of.values()),
-                         **{s: sum(v.status == s for v in mine) for s in (PASS, KNOWN, SKIP, FAIL)}})
+            rows.append(
+                {
+                    "seed": run.seed,
+                    "implementation": impl,
+                    "scenarios": sum(i == impl for i in impl_of.values()),
+                    **{s: sum(v.status == s for v in mine) for s in (PASS, KNOWN, SKIP, FAIL)},
+                }
+            )
     return pd.DataFrame(rows, columns=["seed", "implementation", "scenarios", PASS, KNOWN, SKIP, FAIL])
 
 
@@ -318,8 +377,16 @@ def margins(runs: list[FalseAlarmRun]) -> pd.DataFrame:
             r, key = v.measured / v.bound, (v.check, impl_of.get(v.scenario, "?"))
             if r <= 1 and (key not in best or r > best[key][0]):
                 best[key] = (r, v, run.seed)
-    rows = [{"check": c, "implementation": impl, "closest pass": f"{v.measured:.3g} of {v.bound:.3g} ({r:.0%})",
-             "seed": s, "scenario": v.scenario} for (c, impl), (r, v, s) in sorted(best.items())]
+    rows = [
+        {
+            "check": c,
+            "implementation": impl,
+            "closest pass": f"{v.measured:.3g} of {v.bound:.3g} ({r:.0%})",
+            "seed": s,
+            "scenario": v.scenario,
+        }
+        for (c, impl), (r, v, s) in sorted(best.items())
+    ]
     return pd.DataFrame(rows, columns=["check", "implementation", "closest pass", "seed", "scenario"])
 
 
@@ -328,13 +395,17 @@ def known(runs: list[FalseAlarmRun]) -> pd.DataFrame:
     rows = []
     for run in runs:
         impl_of = run.impl_of
-        rows += [{"check": v.check, "implementation": impl_of.get(v.scenario, "?"), "measured": v.measured,
-                  "bound": v.bound} for v in run.verdicts if v.status == KNOWN]
+        rows += [
+            {"check": v.check, "implementation": impl_of.get(v.scenario, "?"), "measured": v.measured, "bound": v.bound}
+            for v in run.verdicts
+            if v.status == KNOWN
+        ]
     if not rows:
         return pd.DataFrame(columns=["check", "implementation", "verdicts", "largest measured", "bound"])
     df = pd.DataFrame(rows)
-    out = df.groupby(["check", "implementation"]).agg(verdicts=("measured", "size"),
-                                                     largest=("measured", "max"), bound=("bound", "max"))
+    out = df.groupby(["check", "implementation"]).agg(
+        verdicts=("measured", "size"), largest=("measured", "max"), bound=("bound", "max")
+    )
     out = out.reset_index().rename(columns={"largest": "largest measured"})
     out["largest measured"] = [f"{x:.3g}" for x in out["largest measured"]]
     out["bound"] = [f"{x:.3g}" for x in out["bound"]]
@@ -344,10 +415,17 @@ def known(runs: list[FalseAlarmRun]) -> pd.DataFrame:
 def _main(argv: list[str]) -> int:
     """python -m suites.mutants.false_alarms SEED MODEL DIR: one part of a saved sweep (run_parts starts these)."""
     seed, model, save_dir = int(argv[0]), argv[1], Path(argv[2])
-    run = run_saved(seed, [model], save_dir, log=print,
-                    progress=lambda i, n, sc, s: print(f"[{i}/{n}] {sc.id} {s:.1f}s", flush=True))
-    print(f"seed {seed}, {model}: {len(run.false_alarms)} false alarm(s), {len(run.model_limits)} model limit(s), "
-          f"{len(run.unjudged)} unjudged")
+    run = run_saved(
+        seed,
+        [model],
+        save_dir,
+        log=print,
+        progress=lambda i, n, sc, s: print(f"[{i}/{n}] {sc.id} {s:.1f}s", flush=True),
+    )
+    print(
+        f"seed {seed}, {model}: {len(run.false_alarms)} false alarm(s), {len(run.model_limits)} model limit(s), "
+        f"{len(run.unjudged)} unjudged"
+    )
     return 0
 
 

@@ -117,10 +117,14 @@ class ClipNormReportedLocal(MutantAdapter):
     def clip_grad_norm(self, wrapped, max_norm, norm_type):
         import torch
         import torch.distributed as dist
+
         from fsdp_impl import clip_grad_norm_
 
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                 for p in wrapped.parameters() if p.grad is not None]
+        grads = [
+            p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            for p in wrapped.parameters()
+            if p.grad is not None
+        ]
         local = float(torch.linalg.vector_norm(torch.cat([g.reshape(-1).float() for g in grads]), norm_type))
         total = float(clip_grad_norm_(wrapped, max_norm, norm_type))
         return total if dist.get_rank() == 0 else local
@@ -133,8 +137,9 @@ class Bf16OptimizerStep(MutantAdapter):
     name = "mutant:bf16_optimizer_step"
 
     def wrap_mixed_precision(self, model, units, *, group, device, param_dtype, reduce_dtype):
-        wrapped = super().wrap_mixed_precision(model, units, group=group, device=device, param_dtype=param_dtype,
-                                               reduce_dtype=reduce_dtype)
+        wrapped = super().wrap_mixed_precision(
+            model, units, group=group, device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype
+        )
         wrapped._mutant_low_precision = param_dtype
         return wrapped
 
@@ -224,7 +229,7 @@ class CkptLastRankShifted(MutantAdapter):
         for _, p in _params(wrapped):
             if p.rank != p.world_size - 1 or not p.local_numel:
                 continue
-            own = p.padded[:p.local_numel]  # this rank's rows, before the padding
+            own = p.padded[: p.local_numel]  # this rank's rows, before the padding
             with torch.no_grad():
                 own.copy_(torch.roll(own.clone(), 1))
         dist.barrier(group=_groups(wrapped)[0][1].group)

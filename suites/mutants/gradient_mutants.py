@@ -114,8 +114,9 @@ class GradsNotCleared(MutantAdapter):
             kept: dict = {}  # id(ShardedParam) -> the gradient it reduced in this backward
 
             def reduce_and_keep(product, g=g, kept=kept):
-                kept.update({id(p): p.unsharded.grad.detach().clone() for p in g.params
-                             if p.unsharded_grad() is not None})
+                kept.update(
+                    {id(p): p.unsharded.grad.detach().clone() for p in g.params if p.unsharded_grad() is not None}
+                )
                 product()
 
             def end_of_backward(product, g=g, kept=kept):
@@ -175,6 +176,7 @@ class GradOverwritten(MutantAdapter):
 
     def mutate(self, wrapped):
         for _, p in _params(wrapped):
+
             def overwrite(product, padded_grad, p=p):
                 p.sharded.grad = None  # forget what earlier micro-batches reduced
                 product(padded_grad)

@@ -38,9 +38,11 @@ class UnitBufferKept(MutantAdapter):
 
     def mutate(self, wrapped):
         for _, g in _groups(wrapped):
+
             def keep_then_reshard(product, *args, g=g, **kwargs):
-                full = [p.unsharded.detach().clone() for p in g.params
-                        if p.unsharded is not None and p.unsharded_nbytes()]
+                full = [
+                    p.unsharded.detach().clone() for p in g.params if p.unsharded is not None and p.unsharded_nbytes()
+                ]
                 if full:
                     g.cache = full
                 product(*args, **kwargs)
@@ -56,8 +58,11 @@ class OptimizerShadowState(MutantAdapter):
 
     def make_optimizer(self, wrapped, *, name, lr):
         opt = super().make_optimizer(wrapped, name=name, lr=lr)
-        opt.shadow = [torch.zeros(p.world_size * p.shard_numel, dtype=p.dtype, device=p.device)
-                      for _, p in _params(wrapped) if p.requires_grad]
+        opt.shadow = [
+            torch.zeros(p.world_size * p.shard_numel, dtype=p.dtype, device=p.device)
+            for _, p in _params(wrapped)
+            if p.requires_grad
+        ]
         return opt
 
 

@@ -62,8 +62,10 @@ def _with_globals(fn: types.FunctionType, **names) -> types.FunctionType:
     """A copy of `fn` that sees `names` instead of the module-level objects of the same name."""
     missing = [n for n in names if n not in fn.__globals__ or n not in _names_used(fn.__code__)]
     if missing:  # the product was refactored: say which hook this mutant can no longer reach
-        raise AdapterError(f"mutant: {fn.__module__}.{fn.__qualname__} no longer refers to {missing}; "
-                           f"update the mutant in suites/mutants/")
+        raise AdapterError(
+            f"mutant: {fn.__module__}.{fn.__qualname__} no longer refers to {missing}; "
+            f"update the mutant in suites/mutants/"
+        )
     g = dict(fn.__globals__)
     g.update(names)
     out = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)

@@ -79,8 +79,9 @@ class LossPerRank(MutantAdapter):
         def per_rank(out, y):
             return loss_fn(out, y) * world  # / L x W = / (L / W)
 
-        return super().invariant_forward_backward(wrapped, per_rank, inputs, targets, micro_batches=micro_batches,
-                                                  replicated=replicated)
+        return super().invariant_forward_backward(
+            wrapped, per_rank, inputs, targets, micro_batches=micro_batches, replicated=replicated
+        )
 
 
 tree_sequential, ranks_in_rank_order, loss_per_rank = TreeSequential, RanksInRankOrder, LossPerRank

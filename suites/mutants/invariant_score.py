@@ -46,12 +46,13 @@ class InvariantMutant:
 
 
 def run_invariant_mutants(pool, world_sizes=(1, 2, 4, 8), steps: int = 3) -> list[InvariantMutant]:
-    from harness.phases import run_matrix
     from harness.invariant.run import run_invariant
+    from harness.phases import run_matrix
 
     specs = {name: f"{MODULE}:{name}" for name in MUTANTS}
-    cells = build_matrix(list(specs.values()), list(MODELS), [w for w in world_sizes if w <= 4], DATA_MODES,
-                         ("adamw",), steps=steps)
+    cells = build_matrix(
+        list(specs.values()), list(MODELS), [w for w in world_sizes if w <= 4], DATA_MODES, ("adamw",), steps=steps
+    )
     matrix = run_matrix(cells, pool=pool)
     out = []
     for name, spec in specs.items():
@@ -64,14 +65,26 @@ def run_invariant_mutants(pool, world_sizes=(1, 2, 4, 8), steps: int = 3) -> lis
 def section(results: list[InvariantMutant]) -> list[str]:
     if not results:
         return []
-    rows = [{"mutant": r.name, "models what": r.what,
-             "caught by the tier": ", ".join(f"{c} ({n})" for c, n in r.failed(r.tier).items()) or "**nothing**",
-             "checks failed in the default matrix": ", ".join(f"{c} ({n})" for c, n in r.failed(r.matrix).items())
-             or "none", "only there?": "yes" if r.caught and r.only_there else "**no**"} for r in results]
+    rows = [
+        {
+            "mutant": r.name,
+            "models what": r.what,
+            "caught by the tier": ", ".join(f"{c} ({n})" for c, n in r.failed(r.tier).items()) or "**nothing**",
+            "checks failed in the default matrix": ", ".join(f"{c} ({n})" for c, n in r.failed(r.matrix).items())
+            or "none",
+            "only there?": "yes" if r.caught and r.only_there else "**no**",
+        }
+        for r in results
+    ]
     ok = sum(r["only there?"] == "yes" for r in rows)
-    return ["## Batch-invariant tier", "",
-            f"**{ok}/{len(rows)} faults of the invariant step are caught by the tier and by nothing in the default "
-            f"matrix** (suites/mutants/invariant_score.py): each runs through the tier ({', '.join(MODELS)}, both "
-            "data modes, AdamW, W up to 8, 3 steps; bound 0) and through the default matrix's cells (the same models "
-            "at W up to 4), where the default step never calls the invariant step.", "",
-            pd.DataFrame(rows).to_markdown(index=False), ""]
+    return [
+        "## Batch-invariant tier",
+        "",
+        f"**{ok}/{len(rows)} faults of the invariant step are caught by the tier and by nothing in the default "
+        f"matrix** (suites/mutants/invariant_score.py): each runs through the tier ({', '.join(MODELS)}, both "
+        "data modes, AdamW, W up to 8, 3 steps; bound 0) and through the default matrix's cells (the same models "
+        "at W up to 4), where the default step never calls the invariant step.",
+        "",
+        pd.DataFrame(rows).to_markdown(index=False),
+        "",
+    ]

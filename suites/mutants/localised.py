@@ -57,7 +57,7 @@ WHERE = {
 # name -> why the localiser names nothing for it
 NOT_LOCALISED = {
     "param_left_out": "the training is right on every rank; the adapter's full_params leaves a parameter out of "
-                      "its report, which the localiser does not read (params_cover_model catches it)",
+    "its report, which the localiser does not read (params_cover_model catches it)",
 }
 # faults whose defect is rounding-sized: named as the reduction's rounding (Point.rounding), not beyond it
 ROUNDING = {"fp32_reduce"}
@@ -75,7 +75,9 @@ def localise_per_sample(m: Mutant, pool, seed: int = 0):
 
     c = PER_SAMPLE_CELL
     payload = {"model": c["model"], "seed": seed, "batch": c["batch"], "step": c["step"], "mode": c["mode"]}
-    return replay(pool, c["world_size"], m.spec, payload, "mutant", truth(c["model"], seed, c["batch"], c["step"]).norms)
+    return replay(
+        pool, c["world_size"], m.spec, payload, "mutant", truth(c["model"], seed, c["batch"], c["step"]).norms
+    )
 
 
 def cell(m: Mutant) -> Scenario:
@@ -85,5 +87,4 @@ def cell(m: Mutant) -> Scenario:
     mode = "replicated" if "replicated" in m.data_modes else "split"
     feature = m.features[0]
     resume = (1 if ws == 2 else 2) if "ckpt" in feature.split("+") else 0
-    return Scenario(m.spec, m.models[0], ws, mode, m.optimizers[0], steps=m.steps, feature=feature,
-                    resume_from=resume)
+    return Scenario(m.spec, m.models[0], ws, mode, m.optimizers[0], steps=m.steps, feature=feature, resume_from=resume)

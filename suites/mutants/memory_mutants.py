@@ -64,8 +64,14 @@ class OptimizerStateUnsharded(MutantAdapter):
             if not p.requires_grad:
                 continue
             lo = p.rank * p.shard_numel
-            state = {k: p.to_dtensor(torch.zeros(p.world_size * p.shard_numel, dtype=p.dtype, device=p.device)
-                                     [lo:lo + p.local_numel].view(p.local_shape)) for k in keys}
+            state = {
+                k: p.to_dtensor(
+                    torch.zeros(p.world_size * p.shard_numel, dtype=p.dtype, device=p.device)[
+                        lo : lo + p.local_numel
+                    ].view(p.local_shape)
+                )
+                for k in keys
+            }
             if name == "adamw":
                 state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
             opt.state[p.sharded] = state

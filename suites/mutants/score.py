@@ -60,8 +60,16 @@ def scenarios_of(m: Mutant, seed: int = 0) -> list[Scenario]:
     """The mutant's own cells (no reference runs)."""
     if m.kind == "per_sample":
         return []
-    cells = build_matrix([m.spec], list(m.models), list(m.world_sizes), list(m.data_modes),
-                         list(m.optimizers), steps=m.steps, seeds=(seed,), features=m.features)
+    cells = build_matrix(
+        [m.spec],
+        list(m.models),
+        list(m.world_sizes),
+        list(m.data_modes),
+        list(m.optimizers),
+        steps=m.steps,
+        seeds=(seed,),
+        features=m.features,
+    )
     return [c for c in cells if c.impl != REFERENCE_IMPL]
 
 
@@ -70,15 +78,23 @@ def control_scenarios(mutants, seed: int = 0, designs_up_to: int | None = None) 
     (those of CONTROL_CELLS in the cells it names). `designs_up_to`: the controls that are other correct
     designs (every one but fsdp_impl itself) only at world sizes up to it (the quick tier's 2: a design the
     checks accept at 1 and 2 ranks is accepted; larger worlds repeat it)."""
-    shapes = sorted({(c.model, c.world_size, c.data_mode, c.optimizer, c.steps, c.feature)
-                     for m in mutants for c in scenarios_of(m, seed)})
+    shapes = sorted(
+        {
+            (c.model, c.world_size, c.data_mode, c.optimizer, c.steps, c.feature)
+            for m in mutants
+            for c in scenarios_of(m, seed)
+        }
+    )
     # in a feature's cells the product itself is the control; the other controls are about init,
     # reduction and optimizer wrappers, which the plain cells already hold
-    return [Scenario(impl, model, ws, mode, opt, steps=steps, seed=seed, feature=feature)
-            for impl, _ in CONTROLS for model, ws, mode, opt, steps, feature in shapes
-            if feature == "plain" or impl == "fsdp_impl"
-            if CONTROL_CELLS.get(impl, lambda *_: True)(model, ws)
-            if impl == "fsdp_impl" or designs_up_to is None or ws <= designs_up_to]
+    return [
+        Scenario(impl, model, ws, mode, opt, steps=steps, seed=seed, feature=feature)
+        for impl, _ in CONTROLS
+        for model, ws, mode, opt, steps, feature in shapes
+        if feature == "plain" or impl == "fsdp_impl"
+        if CONTROL_CELLS.get(impl, lambda *_: True)(model, ws)
+        if impl == "fsdp_impl" or designs_up_to is None or ws <= designs_up_to
+    ]
 
 
 @dataclass
@@ -138,10 +154,22 @@ class CatalogueRun:
         return [v for v in failed if id(v) not in limits], [v for v in failed if id(v) in limits]
 
 
-def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), pool=None,
-                  progress=None, false_alarm_models=fa.DEFAULT_MODELS, localise: bool = False,
-                  exposure: bool = False, composition_seeds=(), sweep_dir: Path | None = None,
-                  sweep_jobs: int = 1, invariant: bool = False, designs_up_to: int | None = None) -> CatalogueRun:
+def run_catalogue(
+    mutants=CATALOGUE,
+    *,
+    seed: int = 0,
+    false_alarm_seeds=(),
+    pool=None,
+    progress=None,
+    false_alarm_models=fa.DEFAULT_MODELS,
+    localise: bool = False,
+    exposure: bool = False,
+    composition_seeds=(),
+    sweep_dir: Path | None = None,
+    sweep_jobs: int = 1,
+    invariant: bool = False,
+    designs_up_to: int | None = None,
+) -> CatalogueRun:
     """Run every mutant (and the controls) in one matrix; then the per-sample mutants; then the
     correct implementations' full matrix on `false_alarm_models` under each of `false_alarm_seeds`;
     `localise`: each numeric mutant localised in its catalogue cell (suites/mutants/localised.py); `exposure`:
@@ -149,8 +177,8 @@ def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), poo
     `composition_seeds`: the CI compositions on the correct implementations under each seed; `sweep_dir`: the
     false-alarm sweep saves each (seed, model) there as it finishes and reads back those already there; `sweep_jobs`:
     that many parts at a time, each in a process of its own (false_alarms.run_parts)."""
-    from harness.phases import run_matrix
     from harness.execute.world import WorldPool
+    from harness.phases import run_matrix
 
     t0 = time.perf_counter()
     mutants = list(mutants)
@@ -176,18 +204,24 @@ def run_catalogue(mutants=CATALOGUE, *, seed: int = 0, false_alarm_seeds=(), poo
         controls += per_sample_controls
         wall_s = time.perf_counter() - t0
         if sweep_dir is None:
-            alarms = [fa.run_false_alarms(fa.full_matrix(s, false_alarm_models), seed=s, pool=pool,
-                                          progress=progress) for s in false_alarm_seeds]
+            alarms = [
+                fa.run_false_alarms(fa.full_matrix(s, false_alarm_models), seed=s, pool=pool, progress=progress)
+                for s in false_alarm_seeds
+            ]
         else:
             say = lambda line: sys.stderr.write(f"[false alarms] {line}\n")  # noqa: E731
             if sweep_jobs > 1:
                 fa.run_parts(false_alarm_seeds, false_alarm_models, sweep_dir, sweep_jobs, log=say)
-            alarms = [fa.run_saved(s, false_alarm_models, sweep_dir, pool=pool, progress=progress, log=say)
-                      for s in false_alarm_seeds]
+            alarms = [
+                fa.run_saved(s, false_alarm_models, sweep_dir, pool=pool, progress=progress, log=say)
+                for s in false_alarm_seeds
+            ]
         located = localise_catalogue({m.name for m in mutants}, pool) if localise else {}
         exposed = run_exposure({m.name for m in mutants}, pool, seed, progress) if exposure else []
-        composed = [fa.run_false_alarms(fa.composition_matrix(s), seed=s, pool=pool, progress=progress)
-                    for s in composition_seeds]
+        composed = [
+            fa.run_false_alarms(fa.composition_matrix(s), seed=s, pool=pool, progress=progress)
+            for s in composition_seeds
+        ]
         tier = run_invariant_mutants(pool) if invariant else []
     finally:
         if own_pool:
@@ -233,8 +267,13 @@ def _run_per_sample(m: Mutant, pool, seed: int) -> tuple[list[Verdict], list[Ver
         t = truth(model, seed, PER_SAMPLE_BATCH, PER_SAMPLE_STEP)
         for ws in m.world_sizes:
             for mode in m.data_modes:
-                payload = {"model": model, "seed": seed, "batch": PER_SAMPLE_BATCH, "step": PER_SAMPLE_STEP,
-                           "mode": mode}
+                payload = {
+                    "model": model,
+                    "seed": seed,
+                    "batch": PER_SAMPLE_BATCH,
+                    "step": PER_SAMPLE_STEP,
+                    "mode": mode,
+                }
                 ranks = pool.get(ws, "gloo").call(m.spec, payload)
                 for variant, out in (("mutant", mutant), ("control", control)):
                     sid = scenario_id(m.name if variant == "mutant" else "fsdp_impl", model, ws, mode)
@@ -244,16 +283,27 @@ def _run_per_sample(m: Mutant, pool, seed: int) -> tuple[list[Verdict], list[Ver
 
 # ---------------------------------------------------------------------------------- the score
 
+
 def score_table(run: CatalogueRun) -> pd.DataFrame:
     """One row per mutant: mutant | models what | expected check | caught by | where | caught?."""
     rows = []
     for r in run.results.values():
         m = r.mutant
         by = ", ".join(f"{c} ({n}/{len(r.scenarios)})" for c, n in r.caught_by.items()) or "nothing"
-        rows.append({"mutant": m.name, "models what": m.what, "cells": cells(m), "expected check": m.expected,
-                     "caught by": by, "where": r.where or "-", "caught?": "yes" if r.caught else "**NO**"})
-    return pd.DataFrame(rows, columns=["mutant", "models what", "cells", "expected check", "caught by", "where",
-                                       "caught?"])
+        rows.append(
+            {
+                "mutant": m.name,
+                "models what": m.what,
+                "cells": cells(m),
+                "expected check": m.expected,
+                "caught by": by,
+                "where": r.where or "-",
+                "caught?": "yes" if r.caught else "**NO**",
+            }
+        )
+    return pd.DataFrame(
+        rows, columns=["mutant", "models what", "cells", "expected check", "caught by", "where", "caught?"]
+    )
 
 
 def _alarm_lines(title: str, runs: list, through: str, note: str, margins: bool) -> list[str]:
@@ -262,54 +312,89 @@ def _alarm_lines(title: str, runs: list, through: str, note: str, margins: bool)
     n_alarms = sum(len(r.false_alarms) for r in runs)
     n_scen = sum(len(r.scenarios) for r in runs)
     limits = [v for r in runs for v in r.model_limits]
-    lines = [f"## {title}", "",
-             f"**{n_alarms} false alarm(s)** in {n_scen} scenarios: {', '.join(fa.CORRECT)} (and the non-sharded "
-             f"reference) through {through}, seeds {', '.join(str(r.seed) for r in runs)} "
-             f"({sum(r.wall_s for r in runs):.0f} s). {note}"
-             + (f" Apart from them, {len(limits)} model limit(s): scenarios the plain model itself cannot run (no "
-                "implementation involved; each run's verdict says so), listed at the end." if limits else ""), "",
-             fa.summary(runs).to_markdown(index=False), ""]
+    lines = [
+        f"## {title}",
+        "",
+        f"**{n_alarms} false alarm(s)** in {n_scen} scenarios: {', '.join(fa.CORRECT)} (and the non-sharded "
+        f"reference) through {through}, seeds {', '.join(str(r.seed) for r in runs)} "
+        f"({sum(r.wall_s for r in runs):.0f} s). {note}"
+        + (
+            f" Apart from them, {len(limits)} model limit(s): scenarios the plain model itself cannot run (no "
+            "implementation involved; each run's verdict says so), listed at the end."
+            if limits
+            else ""
+        ),
+        "",
+        fa.summary(runs).to_markdown(index=False),
+        "",
+    ]
     known = fa.known(runs)
     if len(known):
         lines += ["Documented deviations seen:", "", known.to_markdown(index=False), ""]
     if margins:
-        lines += ["How close the correct implementations came to each bound (the pass nearest its bound):", "",
-                  fa.margins(runs).to_markdown(index=False), ""]
+        lines += [
+            "How close the correct implementations came to each bound (the pass nearest its bound):",
+            "",
+            fa.margins(runs).to_markdown(index=False),
+            "",
+        ]
     origins = [o for r in runs for o in r.origins]
     if origins:
         lines += ["Where each saved part of the sweep ran (`--sweep-dir`):", ""] + [f"- {o}" for o in origins] + [""]
-    return lines + [f"- {v}" for r in runs for v in r.false_alarms] + \
-        ([f"Model limits: {len(limits)}", ""] + [f"- {v.scenario}: {str(v.message).splitlines()[0]}" for v in limits]
-         if limits else [])
+    return (
+        lines
+        + [f"- {v}" for r in runs for v in r.false_alarms]
+        + (
+            [f"Model limits: {len(limits)}", ""] + [f"- {v.scenario}: {str(v.message).splitlines()[0]}" for v in limits]
+            if limits
+            else []
+        )
+    )
 
 
 def _false_alarm_section(runs: list) -> list[str]:
     if not runs:
-        return ["## False alarms", "",
-                "Not run in this report (`--false-alarm-seeds 0,1,2,3,4` adds the full-matrix tier; "
-                "the quick matrix runs in every CI run: suites/mutants/test_false_alarms.py).", ""]
+        return [
+            "## False alarms",
+            "",
+            "Not run in this report (`--false-alarm-seeds 0,1,2,3,4` adds the full-matrix tier; "
+            "the quick matrix runs in every CI run: suites/mutants/test_false_alarms.py).",
+            "",
+        ]
     models = ", ".join(sorted({s.model for r in runs for s in r.scenarios}))
-    return _alarm_lines("False alarms", runs, f"the default matrix on {models}, {fa.FULL_STEPS} steps",
-                        "KNOWN verdicts are documented deviations of that implementation (harness/core/policy.py), "
-                        "held to the same bound and shown with their cause.", margins=True)
+    return _alarm_lines(
+        "False alarms",
+        runs,
+        f"the default matrix on {models}, {fa.FULL_STEPS} steps",
+        "KNOWN verdicts are documented deviations of that implementation (harness/core/policy.py), "
+        "held to the same bound and shown with their cause.",
+        margins=True,
+    )
 
 
 def _composition_alarm_section(runs: list) -> list[str]:
     if not runs:
         return []
-    return _alarm_lines("False alarms of the CI compositions", runs,
-                        f"the CI compositions ({', '.join(fa.CI_COMPOSITIONS)}) on the mlp at W 1, 2, 4, both data "
-                        "modes, AdamW, 3 steps", "`--composition-seeds`; a composition an implementation cannot run "
-                        "(DDP has no hybrid mesh) is its unsupported verdict.", margins=False)
+    return _alarm_lines(
+        "False alarms of the CI compositions",
+        runs,
+        f"the CI compositions ({', '.join(fa.CI_COMPOSITIONS)}) on the mlp at W 1, 2, 4, both data "
+        "modes, AdamW, 3 steps",
+        "`--composition-seeds`; a composition an implementation cannot run "
+        "(DDP has no hybrid mesh) is its unsupported verdict.",
+        margins=False,
+    )
 
 
 def escaped_or_alarmed(run: CatalogueRun) -> bool:
     """True when the harness missed a mutant, failed a control, raised a false alarm, or mislocalised."""
-    return (not all(r.caught for r in run.results.values())
-            or not all(localised_ok(n, f) for n, f in run.localised.items())
-            or bool(run.control_failures()[0])
-            or not all(r.caught and r.only_there for r in run.invariant)
-            or any(r.false_alarms or r.unjudged for r in run.false_alarms + run.composition_alarms))
+    return (
+        not all(r.caught for r in run.results.values())
+        or not all(localised_ok(n, f) for n, f in run.localised.items())
+        or bool(run.control_failures()[0])
+        or not all(r.caught and r.only_there for r in run.invariant)
+        or any(r.false_alarms or r.unjudged for r in run.false_alarms + run.composition_alarms)
+    )
 
 
 def render(run: CatalogueRun, *, full: bool = False) -> str:
@@ -318,30 +403,45 @@ def render(run: CatalogueRun, *, full: bool = False) -> str:
     escaped = [r.mutant.name for r in run.results.values() if not r.caught]
     bad_controls, control_limits = run.control_failures()
     lines = [
-        "# Mutation score", "",
+        "# Mutation score",
+        "",
         f"**{caught}/{n} mutants caught** by the harness's checks ({caught / n:.0%}). Run time {run.wall_s:.0f} s.",
         "",
         "Each mutant is fsdp_impl with one injected fault (suites/mutants/catalog.py), run in the cells "
         "that expose it (`cells`; both data modes and both optimizers unless the mutant says otherwise) "
-        + ("at every default world size and the full 10 steps (`--full-matrix`)" if full else
-           "at small world sizes and 3 steps, as in CI (`--full-matrix` widens them to W 1,2,4,8 and 10 steps)")
+        + (
+            "at every default world size and the full 10 steps (`--full-matrix`)"
+            if full
+            else "at small world sizes and 3 steps, as in CI (`--full-matrix` widens them to W 1,2,4,8 and 10 steps)"
+        )
         + "; `caught by` counts the mutant's scenarios each check failed, `where` is the earliest failure "
-        "of the expected check.", "",
-        table.to_markdown(index=False), "",
+        "of the expected check.",
+        "",
+        table.to_markdown(index=False),
+        "",
     ]
     if escaped:
-        lines += [f"**Escaped: {', '.join(escaped)}.** Sharpen the check or the scenario that should catch "
-                  "it (more steps, a larger learning rate, a model that exposes it), never the mutant.", ""]
-    lines += ["## Controls", "",
-              f"{len({v.scenario for v in run.controls})} unmutated scenarios (the reference and "
-              f"{', '.join(c for c, _ in CONTROLS)}) in the same cells: "
-              + ("no check failed" if not bad_controls else f"{len(bad_controls)} FAILED")
-              + (f" (apart from {len(control_limits)} model limit(s), below)" if control_limits else "")
-              + ("." if not bad_controls else ":")]
+        lines += [
+            f"**Escaped: {', '.join(escaped)}.** Sharpen the check or the scenario that should catch "
+            "it (more steps, a larger learning rate, a model that exposes it), never the mutant.",
+            "",
+        ]
+    lines += [
+        "## Controls",
+        "",
+        f"{len({v.scenario for v in run.controls})} unmutated scenarios (the reference and "
+        f"{', '.join(c for c, _ in CONTROLS)}) in the same cells: "
+        + ("no check failed" if not bad_controls else f"{len(bad_controls)} FAILED")
+        + (f" (apart from {len(control_limits)} model limit(s), below)" if control_limits else "")
+        + ("." if not bad_controls else ":"),
+    ]
     lines += [f"- {v}" for v in bad_controls] + [""]
     if control_limits:
-        lines += ["Model limits: scenarios the plain model itself cannot run (no implementation involved; each "
-                  "run's verdict says so):", ""]
+        lines += [
+            "Model limits: scenarios the plain model itself cannot run (no implementation involved; each "
+            "run's verdict says so):",
+            "",
+        ]
         lines += [f"- {v.scenario}: {str(v.message).splitlines()[0]}" for v in control_limits] + [""]
     lines += exposure_section(run.exposure, run.results)
     lines += invariant_section(run.invariant)
@@ -378,24 +478,44 @@ def _localised_section(located: dict) -> list[str]:
         m = next(m for m in CATALOGUE if m.name == name)
         want = PER_SAMPLE_WHERE.get(name) if m.kind == "per_sample" else WHERE.get(name)
         named = found if isinstance(found, str) else found.short()
-        where = (f"per-sample norms {PER_SAMPLE_CELL['model']} W{PER_SAMPLE_CELL['world_size']} {PER_SAMPLE_CELL['mode']}"
-                 if m.kind == "per_sample" else cell(m).id)
-        rows.append({"mutant": name, "cell": where,
-                     "defect is in": f"{want[0]}, {want[1]}" if want else f"(cannot: {NOT_LOCALISED.get(name, '?')})",
-                     "localiser named": named, "right?": "yes" if localised_ok(name, found) else "**NO**"})
+        where = (
+            f"per-sample norms {PER_SAMPLE_CELL['model']} W{PER_SAMPLE_CELL['world_size']} {PER_SAMPLE_CELL['mode']}"
+            if m.kind == "per_sample"
+            else cell(m).id
+        )
+        rows.append(
+            {
+                "mutant": name,
+                "cell": where,
+                "defect is in": f"{want[0]}, {want[1]}" if want else f"(cannot: {NOT_LOCALISED.get(name, '?')})",
+                "localiser named": named,
+                "right?": "yes" if localised_ok(name, found) else "**NO**",
+            }
+        )
     ok = sum(r["right?"] == "yes" for r in rows)
     exceptions = [n for n in located if n in NOT_LOCALISED]
-    return ["## Localised", "",
-            f"**{ok - len(exceptions)}/{len(rows) - len(exceptions)} numeric and per-sample mutants localised** to the "
-            "phase and module where their defect is (`python -m harness localize`, harness/localize/; a per-sample "
-            "mutant to its side of the exchange and the collective, harness/localize/per_sample.py), each in one cell"
-            + (f"; {len(exceptions)} cannot be, each with its cause ({', '.join(exceptions)}): the localiser "
-               "names nothing beyond rounding there, as it should" if exceptions else "") + ".", "",
-            pd.DataFrame(rows).to_markdown(index=False), ""]
+    return [
+        "## Localised",
+        "",
+        f"**{ok - len(exceptions)}/{len(rows) - len(exceptions)} numeric and per-sample mutants localised** to the "
+        "phase and module where their defect is (`python -m harness localize`, harness/localize/; a per-sample "
+        "mutant to its side of the exchange and the collective, harness/localize/per_sample.py), each in one cell"
+        + (
+            f"; {len(exceptions)} cannot be, each with its cause ({', '.join(exceptions)}): the localiser "
+            "names nothing beyond rounding there, as it should"
+            if exceptions
+            else ""
+        )
+        + ".",
+        "",
+        pd.DataFrame(rows).to_markdown(index=False),
+        "",
+    ]
 
 
 def _model_list(text: str) -> tuple[str, ...]:
     from harness.options import models
+
     return fa.STANDARD if text == "standard" else models(text)
 
 
@@ -403,36 +523,78 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m suites.mutants.score", description=__doc__.splitlines()[0])
     p.add_argument("--only", default="", help="comma list of mutant names (default: all)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"report path (default {DEFAULT_OUT})")
-    p.add_argument("--false-alarm-seeds", type=seed_list, default=(), metavar="S,...",
-                   help="also run fsdp_impl, torch_fsdp2 and ddp through the full default matrix under "
-                        "these seeds (about 4 minutes a seed on 2 cores)")
-    p.add_argument("--false-alarm-models", type=_model_list, default=fa.DEFAULT_MODELS, metavar="M,...",
-                   help="the models of the false-alarm tier: zoo names, or 'standard' for the standard "
-                        f"architectures ({','.join(fa.STANDARD)}); default {','.join(fa.DEFAULT_MODELS)}")
-    p.add_argument("--mutant-models", type=_model_list, default=(), metavar="M,...",
-                   help="run the mutants that run on the mlp on these models instead ('standard': the "
-                        "standard architectures), to show they are caught on models the checks were not "
-                        "tuned on")
-    p.add_argument("--full-matrix", action="store_true",
-                   help="run every mutant at world sizes 1,2,4,8 and 10 steps (about 20 minutes on 2 cores) "
-                        "instead of the small cells the CI suite uses")
-    p.add_argument("--no-localise", action="store_true",
-                   help="skip the second score: each numeric mutant localised in its cell (about a minute)")
-    p.add_argument("--composition-seeds", type=seed_list, default=(), metavar="S,...",
-                   help="also run fsdp_impl, torch_fsdp2 and ddp through the CI compositions under these seeds "
-                        "(about a minute a seed on 2 cores)")
-    p.add_argument("--no-exposure", action="store_true",
-                   help="skip running the composition and surface mutants in their counterpart cells, where each "
-                        "must escape (suites/mutants/exposure.py; about two minutes)")
-    p.add_argument("--sweep-dir", type=Path, default=None, metavar="DIR",
-                   help="save the false-alarm sweep to DIR one (seed, model) at a time as each finishes, and read "
-                        "back what DIR already holds: a sweep of hours can be stopped and resumed")
-    p.add_argument("--sweep-jobs", type=positive_int, default=1, metavar="N",
-                   help="with --sweep-dir: run N (seed, model) parts of the sweep at a time, each in a process of its "
-                        "own (a part's worlds take up to 8 cores: on 16 cores, about 6)")
-    p.add_argument("--no-invariant", action="store_true",
-                   help="skip the faults of the batch-invariant step (suites/mutants/invariant_score.py: the tier, "
-                        "and the default matrix where nothing may catch them; about two minutes)")
+    p.add_argument(
+        "--false-alarm-seeds",
+        type=seed_list,
+        default=(),
+        metavar="S,...",
+        help="also run fsdp_impl, torch_fsdp2 and ddp through the full default matrix under "
+        "these seeds (about 4 minutes a seed on 2 cores)",
+    )
+    p.add_argument(
+        "--false-alarm-models",
+        type=_model_list,
+        default=fa.DEFAULT_MODELS,
+        metavar="M,...",
+        help="the models of the false-alarm tier: zoo names, or 'standard' for the standard "
+        f"architectures ({','.join(fa.STANDARD)}); default {','.join(fa.DEFAULT_MODELS)}",
+    )
+    p.add_argument(
+        "--mutant-models",
+        type=_model_list,
+        default=(),
+        metavar="M,...",
+        help="run the mutants that run on the mlp on these models instead ('standard': the "
+        "standard architectures), to show they are caught on models the checks were not "
+        "tuned on",
+    )
+    p.add_argument(
+        "--full-matrix",
+        action="store_true",
+        help="run every mutant at world sizes 1,2,4,8 and 10 steps (about 20 minutes on 2 cores) "
+        "instead of the small cells the CI suite uses",
+    )
+    p.add_argument(
+        "--no-localise",
+        action="store_true",
+        help="skip the second score: each numeric mutant localised in its cell (about a minute)",
+    )
+    p.add_argument(
+        "--composition-seeds",
+        type=seed_list,
+        default=(),
+        metavar="S,...",
+        help="also run fsdp_impl, torch_fsdp2 and ddp through the CI compositions under these seeds "
+        "(about a minute a seed on 2 cores)",
+    )
+    p.add_argument(
+        "--no-exposure",
+        action="store_true",
+        help="skip running the composition and surface mutants in their counterpart cells, where each "
+        "must escape (suites/mutants/exposure.py; about two minutes)",
+    )
+    p.add_argument(
+        "--sweep-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="save the false-alarm sweep to DIR one (seed, model) at a time as each finishes, and read "
+        "back what DIR already holds: a sweep of hours can be stopped and resumed",
+    )
+    p.add_argument(
+        "--sweep-jobs",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="with --sweep-dir: run N (seed, model) parts of the sweep at a time, each in a process of its "
+        "own (a part's worlds take up to 8 cores: on 16 cores, about 6)",
+    )
+    p.add_argument(
+        "--no-invariant",
+        action="store_true",
+        help="skip the faults of the batch-invariant step (suites/mutants/invariant_score.py: the tier, "
+        "and the default matrix where nothing may catch them; about two minutes)",
+    )
     p.add_argument("--quiet", action="store_true")
     ns = p.parse_args(argv)
     if ns.sweep_jobs > 1 and ns.sweep_dir is None:
@@ -443,19 +605,33 @@ def main(argv=None) -> int:
         p.error(f"unknown mutant(s) {', '.join(unknown)}; known: {', '.join(m.name for m in CATALOGUE)}")
     mutants = [widened(m) if ns.full_matrix else m for m in CATALOGUE if not names or m.name in names]
     mutants = [on_models(m, ns.mutant_models) for m in mutants] if ns.mutant_models else mutants
-    progress = None if ns.quiet else (
-        lambda i, n, sc, s: sys.stderr.write(f"[mutants] {i:>3}/{n} {sc.id:<64} {s:5.1f}s\n"))
-    run = run_catalogue(mutants, false_alarm_seeds=ns.false_alarm_seeds, progress=progress,
-                        false_alarm_models=ns.false_alarm_models, localise=not ns.no_localise,
-                        exposure=not ns.no_exposure, composition_seeds=ns.composition_seeds,
-                        sweep_dir=ns.sweep_dir, sweep_jobs=ns.sweep_jobs, invariant=not ns.no_invariant)
+    progress = (
+        None if ns.quiet else (lambda i, n, sc, s: sys.stderr.write(f"[mutants] {i:>3}/{n} {sc.id:<64} {s:5.1f}s\n"))
+    )
+    run = run_catalogue(
+        mutants,
+        false_alarm_seeds=ns.false_alarm_seeds,
+        progress=progress,
+        false_alarm_models=ns.false_alarm_models,
+        localise=not ns.no_localise,
+        exposure=not ns.no_exposure,
+        composition_seeds=ns.composition_seeds,
+        sweep_dir=ns.sweep_dir,
+        sweep_jobs=ns.sweep_jobs,
+        invariant=not ns.no_invariant,
+    )
     path = write_text_atomic(ns.out, render(run, full=ns.full_matrix))
     caught = sum(r.caught for r in run.results.values())
     alarms = sum(len(r.false_alarms) for r in run.false_alarms)
-    sys.stderr.write(f"{caught}/{len(run.results)} mutants caught"
-                     + (f"; {alarms} false alarm(s) over seeds {','.join(map(str, ns.false_alarm_seeds))}"
-                        if ns.false_alarm_seeds else "")
-                     + f"; report: {path}\n")
+    sys.stderr.write(
+        f"{caught}/{len(run.results)} mutants caught"
+        + (
+            f"; {alarms} false alarm(s) over seeds {','.join(map(str, ns.false_alarm_seeds))}"
+            if ns.false_alarm_seeds
+            else ""
+        )
+        + f"; report: {path}\n"
+    )
     return 1 if escaped_or_alarmed(run) else 0
 
 

@@ -13,6 +13,7 @@ from suites.mutants.injection import MutantAdapter, _around, _collectives, _grou
 
 # --------------------------------------------------------------------------- layout and padding
 
+
 class WrongShardOffset(MutantAdapter):
     """Shards filled at a wrong offset: rank r's rows of each parameter start at r x floor(R / W)
     instead of r x ceil(R / W) (R = the parameter's rows, dim 0), so a rank past the first holds
@@ -61,7 +62,7 @@ class PaddingNotZeroed(MutantAdapter):
                 for p in reducing["params"]:
                     for r in range(g.world_size):
                         own = min(max(p.rows - r * p.chunk, 0), p.chunk)  # rows rank r holds; the rest pad
-                        buf[r, offset + own * p.row_numel:offset + p.shard_numel] = self.JUNK
+                        buf[r, offset + own * p.row_numel : offset + p.shard_numel] = self.JUNK
                     offset += p.shard_numel
                 return mean(buf.view(-1), group, reduce_dtype)
 
@@ -112,7 +113,7 @@ class PaddingInView(MutantAdapter):
                     sent = rows[r].clone()
                     padded_at = packed_at = 0
                     for p in g.params:
-                        rows[r, padded_at:padded_at + p.shard_numel] = sent[packed_at:packed_at + p.shard_numel]
+                        rows[r, padded_at : padded_at + p.shard_numel] = sent[packed_at : packed_at + p.shard_numel]
                         padded_at += p.shard_numel
                         packed_at += min(max(p.rows - r * p.chunk, 0), p.chunk) * p.row_numel
                 return done
@@ -138,6 +139,7 @@ class TailBeforeLastDropped(MutantAdapter):
 
 
 # ---------------------------------------------------------------------------- units and ranks
+
 
 class NestedDuplication(MutantAdapter):
     """A parameter in two units: the root's fully_shard does not see that the blocks' parameters

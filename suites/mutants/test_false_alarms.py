@@ -56,14 +56,16 @@ def _synthetic_run():
     from suites.mutants.false_alarms import FalseAlarmRun
 
     a, b = Scenario("fsdp_impl", "mlp", 2, "replicated", "adamw"), Scenario("ddp", "mlp", 8, "replicated", "sgd")
-    verdicts = [Verdict("cross_ws_replicated", a.id, PASS, 1e-8, 3e-8),
-                Verdict("cross_ws_replicated", b.id, KNOWN, 6e-8, 3e-8),
-                Verdict("grad_norm_matches", a.id, PASS, 2e-9, 1e-6),
-                Verdict("grad_norm_matches", a.id, PASS, 5e-7, 1e-6),
-                Verdict("grad_norm_matches", b.id, PASS, 9e-7, 1e-6),
-                Verdict("converges", a.id, PASS, -0.1, 0.0),
-                Verdict("comm_volume", b.id, SKIP, None, None),
-                Verdict("memory_sharding", b.id, FAIL, 2.0, 1.04)]
+    verdicts = [
+        Verdict("cross_ws_replicated", a.id, PASS, 1e-8, 3e-8),
+        Verdict("cross_ws_replicated", b.id, KNOWN, 6e-8, 3e-8),
+        Verdict("grad_norm_matches", a.id, PASS, 2e-9, 1e-6),
+        Verdict("grad_norm_matches", a.id, PASS, 5e-7, 1e-6),
+        Verdict("grad_norm_matches", b.id, PASS, 9e-7, 1e-6),
+        Verdict("converges", a.id, PASS, -0.1, 0.0),
+        Verdict("comm_volume", b.id, SKIP, None, None),
+        Verdict("memory_sharding", b.id, FAIL, 2.0, 1.04),
+    ]
     return FalseAlarmRun(3, [a, b], verdicts, 1.0)
 
 
@@ -80,8 +82,11 @@ def test_false_alarm_tables_count_and_rank_the_verdicts():
     assert m.loc[("grad_norm_matches", "ddp"), "closest pass"] == "9e-07 of 1e-06 (90%)"
     assert m.loc[("grad_norm_matches", "fsdp_impl"), "closest pass"] == "5e-07 of 1e-06 (50%)"
     assert m.loc[("cross_ws_replicated", "fsdp_impl"), "closest pass"].startswith("1e-08 of 3e-08")
-    assert set(m.index) == {("grad_norm_matches", "ddp"), ("grad_norm_matches", "fsdp_impl"),
-                            ("cross_ws_replicated", "fsdp_impl")}
+    assert set(m.index) == {
+        ("grad_norm_matches", "ddp"),
+        ("grad_norm_matches", "fsdp_impl"),
+        ("cross_ws_replicated", "fsdp_impl"),
+    }
     k = known([run])
     assert k[["check", "implementation", "verdicts"]].values.tolist() == [["cross_ws_replicated", "ddp", 1]]
 
@@ -97,9 +102,11 @@ def test_the_plain_model_failing_a_scenario_is_a_model_limit_not_a_false_alarm()
     ref = Scenario("reference", "bn_mlp", 1, "replicated", "adamw", feature="bf16")
     impl = Scenario("fsdp_impl", "bn_mlp", 2, "replicated", "adamw", feature="bf16")
     _, said = model_limit(ref, "error", "Traceback ...\nRuntimeError: expected scalar type BFloat16", {})
-    verdicts = [Verdict("completed", ref.id, FAIL, None, None, message=said),
-                Verdict("converges", ref.id, FAIL, None, None, message="the loss rose"),
-                Verdict("completed", impl.id, FAIL, None, None, message=said)]  # an implementation's run: an alarm
+    verdicts = [
+        Verdict("completed", ref.id, FAIL, None, None, message=said),
+        Verdict("converges", ref.id, FAIL, None, None, message="the loss rose"),
+        Verdict("completed", impl.id, FAIL, None, None, message=said),
+    ]  # an implementation's run: an alarm
     run = FalseAlarmRun(0, [ref, impl], verdicts, 1.0)
     assert [(v.scenario, v.check) for v in run.model_limits] == [(ref.id, "completed")]
     assert [(v.scenario, v.check) for v in run.false_alarms] == [(ref.id, "converges"), (impl.id, "completed")]
@@ -119,8 +126,18 @@ def test_a_saved_sweep_resumes_where_it_stopped_and_refuses_another_matrix(tmp_p
 
     def fake_run(scenarios, *, seed, pool=None, progress=None, journal=None):
         ran.append(scenarios[0].model)
-        verdicts = [Verdict("cross_ws_replicated", c.id, FAIL if c.world_size == 2 else PASS, 1.5e-7 * c.world_size,
-                            3e-8, step=1, param="fc.weight") for c in scenarios]
+        verdicts = [
+            Verdict(
+                "cross_ws_replicated",
+                c.id,
+                FAIL if c.world_size == 2 else PASS,
+                1.5e-7 * c.world_size,
+                3e-8,
+                step=1,
+                param="fc.weight",
+            )
+            for c in scenarios
+        ]
         return fa.FalseAlarmRun(seed, scenarios, verdicts, 2.0)
 
     monkeypatch.setattr(fa, "full_matrix", cells)
@@ -164,18 +181,27 @@ def test_a_saved_sweep_runs_its_missing_parts_n_at_a_time_and_names_a_failing_on
 
     # a stand-in part: marks itself running, waits (up to 5 s) to see a second part running, saves a file where
     # the real one would be (or fails)
-    code = ("import sys, time, pathlib; seed, model, d = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3]); "
-            "print('part', seed, model); sys.exit(3) if model == 'broken' else None\n"
-            "mark = d / f'running-{seed}-{model}'; mark.touch(); end = time.time() + 5; peak = 0\n"
-            "while peak < 2 and time.time() < end:\n"
-            "    peak = max(peak, len(list(d.glob('running-*')))); time.sleep(0.02)\n"
-            "(d / f'peak-{seed}-{model}').write_text(str(peak)); mark.unlink()\n"
-            "(d / f'seed{seed}-{model}.json.gz').write_text('{}')")
-    monkeypatch.setattr(fa, "part_command", lambda seed, model, d: [sys.executable, "-c", code, str(seed), model, str(d)])
-    for saved in ("seed0-a.json.gz", "seed1-c.json"):  # saved before (gzipped, or as the first sweeps did): not run again
+    code = (
+        "import sys, time, pathlib; seed, model, d = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3]); "
+        "print('part', seed, model); sys.exit(3) if model == 'broken' else None\n"
+        "mark = d / f'running-{seed}-{model}'; mark.touch(); end = time.time() + 5; peak = 0\n"
+        "while peak < 2 and time.time() < end:\n"
+        "    peak = max(peak, len(list(d.glob('running-*')))); time.sleep(0.02)\n"
+        "(d / f'peak-{seed}-{model}').write_text(str(peak)); mark.unlink()\n"
+        "(d / f'seed{seed}-{model}.json.gz').write_text('{}')"
+    )
+    monkeypatch.setattr(
+        fa, "part_command", lambda seed, model, d: [sys.executable, "-c", code, str(seed), model, str(d)]
+    )
+    for saved in (
+        "seed0-a.json.gz",
+        "seed1-c.json",
+    ):  # saved before (gzipped, or as the first sweeps did): not run again
         (tmp_path / saved).write_text("{}")
     fa.run_parts([0, 1], ["a", "b", "c"], tmp_path, jobs=2, poll_s=0.05)
-    assert {p.name.split(".")[0] for p in tmp_path.glob("seed*.json*")} == {f"seed{s}-{m}" for s in (0, 1) for m in "abc"}
+    assert {p.name.split(".")[0] for p in tmp_path.glob("seed*.json*")} == {
+        f"seed{s}-{m}" for s in (0, 1) for m in "abc"
+    }
     assert sorted(p.name for p in tmp_path.glob("peak-*")) == ["peak-0-b", "peak-0-c", "peak-1-a", "peak-1-b"]
     # two at a time, no more (the last part may find itself alone: which part ends first is the scheduler's)
     peaks = [int(p.read_text()) for p in sorted(tmp_path.glob("peak-*"))]

@@ -15,8 +15,15 @@ from harness.localize.replay import replay, scenario_of_id
 from suites.mutants.catalog import CATALOGUE
 from suites.mutants.localised import NOT_LOCALISED, ROUNDING, WHERE, cell
 
-QUICK = {"grad_summed", "wrong_shard_offset", "stale_shard", "clip_local_norm", "bf16_optimizer_step",
-         "ckpt_last_rank_shifted", "last_rank_negated"}
+QUICK = {
+    "grad_summed",
+    "wrong_shard_offset",
+    "stale_shard",
+    "clip_local_norm",
+    "bf16_optimizer_step",
+    "ckpt_last_rank_shifted",
+    "last_rank_negated",
+}
 NUMERIC = [m for m in CATALOGUE if m.kind == "numeric"]
 
 
@@ -32,12 +39,18 @@ def _localise(sc: Scenario, pool):
 
 def test_every_numeric_mutant_says_where_its_defect_is_or_why_not():
     names = {m.name for m in NUMERIC}
-    assert names == set(WHERE) | set(NOT_LOCALISED), (names ^ (set(WHERE) | set(NOT_LOCALISED)))
+    assert names == set(WHERE) | set(NOT_LOCALISED), names ^ (set(WHERE) | set(NOT_LOCALISED))
     assert not set(WHERE) & set(NOT_LOCALISED)
 
 
-@pytest.mark.parametrize("m", [pytest.param(m, id=m.name, marks=[] if m.name in QUICK else [pytest.mark.slow])
-                               for m in NUMERIC if m.name in WHERE])
+@pytest.mark.parametrize(
+    "m",
+    [
+        pytest.param(m, id=m.name, marks=[] if m.name in QUICK else [pytest.mark.slow])
+        for m in NUMERIC
+        if m.name in WHERE
+    ],
+)
 def test_the_localiser_names_the_mutants_phase_and_module(m, pool):
     found = _localise(cell(m), pool)
     assert found.point is not None, "\n".join(found.lines())
@@ -47,8 +60,9 @@ def test_the_localiser_names_the_mutants_phase_and_module(m, pool):
         assert found.point.ranks == [cell(m).world_size - 1], "\n".join(found.lines())
 
 
-@pytest.mark.parametrize("m", [pytest.param(m, id=m.name, marks=pytest.mark.slow) for m in NUMERIC
-                               if m.name in NOT_LOCALISED])
+@pytest.mark.parametrize(
+    "m", [pytest.param(m, id=m.name, marks=pytest.mark.slow) for m in NUMERIC if m.name in NOT_LOCALISED]
+)
 def test_a_mutant_the_localiser_cannot_name_shows_no_divergence(m, pool):
     assert not _localise(cell(m), pool).diverged
 
@@ -64,9 +78,14 @@ def test_a_per_sample_mutant_is_localised_to_the_exchange_and_its_collective(poo
     assert found.where == where and kind in found.collective, found.short()
 
 
-@pytest.mark.parametrize("variant,mode,where", [("fsdp_impl", "split", "nothing"),
-                                                ("allreduce_partial", "split", "computation"),
-                                                ("allreduce_partial", "replicated", "nothing")])
+@pytest.mark.parametrize(
+    "variant,mode,where",
+    [
+        ("fsdp_impl", "split", "nothing"),
+        ("allreduce_partial", "split", "computation"),
+        ("allreduce_partial", "replicated", "nothing"),
+    ],
+)
 def test_per_sample_norms_are_localised_to_the_right_side_of_the_exchange(pool, variant, mode, where):
     """The product's norms: nothing to localise. Norms summed from parameter-shard partials (the known-bad
     aggregation of harness.per_sample.tasks): with split data no rank ever held its own samples' whole norms,
@@ -87,8 +106,7 @@ def test_a_failing_per_sample_verdict_of_a_run_gets_where_it_diverged_appended(p
     from harness.per_sample.tasks import truth
 
     v = Verdict("per_sample_norms", "fsdp_impl-mlp-ws2-split", FAIL, 1.0, 1e-5, message="max relative error 1")
-    out = _localised(v, pool, 2, {"model": "mlp", "seed": 0, "batch": 8, "mode": "split"},
-                     truth("mlp", 0, 8).norms)
+    out = _localised(v, pool, 2, {"model": "mlp", "seed": 0, "batch": 8, "mode": "split"}, truth("mlp", 0, 8).norms)
     assert out.message.startswith("max relative error 1. Where it diverged: "), out.message
     assert "every rank's norms match the truth" in out.message, out.message
 
@@ -133,20 +151,25 @@ def test_a_fault_inside_a_backward_op_is_named_at_that_op(pool):
     """The last rank's backward re-gather hands layers.1 its weight one ulp off in one element
     (suites/mutants/backward_probe.py): the first op that differs is that unit's backward mm, on that rank
     alone (the reduction after it would only say that the gradients came out an ulp off)."""
-    found = _localise(Scenario("suites.mutants.backward_probe:backward_regather_nudged", "mlp", 2, "replicated",
-                               "adamw", steps=2), pool)
+    found = _localise(
+        Scenario("suites.mutants.backward_probe:backward_regather_nudged", "mlp", 2, "replicated", "adamw", steps=2),
+        pool,
+    )
     p = found.point
     assert p is not None and not p.rounding, "\n".join(found.lines())
     assert (p.step, p.phase, p.module, p.ranks) == (1, "backward", "layers.1", [1]), "\n".join(found.lines())
     assert p.op.startswith("aten.mm (call 1 of that op in layers.1)"), "\n".join(found.lines())
 
 
-@pytest.mark.parametrize("impl,model,ws,mode,feature", [  # the two costlier cells: the CI tier's (--ci)
-    pytest.param("fsdp_impl", "tinylm_tied", 2, "replicated", "plain", marks=pytest.mark.ci),
-    pytest.param("fsdp_impl", "mlp", 4, "split", "accum+clip", marks=pytest.mark.ci),
-    ("torch_fsdp2", "mlp", 2, "split", "bf16"),
-    ("ddp", "mlp", 2, "replicated", "ac"),
-])
+@pytest.mark.parametrize(
+    "impl,model,ws,mode,feature",
+    [  # the two costlier cells: the CI tier's (--ci)
+        pytest.param("fsdp_impl", "tinylm_tied", 2, "replicated", "plain", marks=pytest.mark.ci),
+        pytest.param("fsdp_impl", "mlp", 4, "split", "accum+clip", marks=pytest.mark.ci),
+        ("torch_fsdp2", "mlp", 2, "split", "bf16"),
+        ("ddp", "mlp", 2, "replicated", "ac"),
+    ],
+)
 def test_correct_implementations_part_from_the_yardstick_by_rounding_at_most(impl, model, ws, mode, feature, pool):
     found = _localise(Scenario(impl, model, ws, mode, "adamw", steps=3, feature=feature), pool)
     assert not found.diverged, "\n".join(found.lines())
@@ -165,7 +188,7 @@ def test_a_split_run_at_4_ranks_parts_by_the_order_of_summation_alone(pool):
 
 @pytest.mark.slow
 def test_fsdp2_at_8_ranks_parts_by_its_fp32_reduction_alone(pool):
-    """The README's worked example: FSDP2 sums 8 equal gradients in fp32 (replicated data), an ulp or two
+    """The worked example of docs/localiser.md: FSDP2 sums 8 equal gradients in fp32 (replicated data), an ulp or two
     off the plain gradient; fsdp_impl sums in fp64 and rounds once."""
     found = _localise(Scenario("torch_fsdp2", "mlp", 8, "replicated", "adamw", steps=2), pool)
     assert found.point is not None and found.point.rounding and found.point.phase == "gradient reduction"
@@ -173,9 +196,11 @@ def test_fsdp2_at_8_ranks_parts_by_its_fp32_reduction_alone(pool):
 
 
 def test_ids_name_the_scenario_they_were_made_from():
-    for sc in (Scenario("fsdp_impl", "mlp", 4, "split", "adamw", feature="accum+clip", seed=3),
-               Scenario("suites.mutants.catalog:grad_summed", "hf:gpt2", 2, "replicated", "sgd"),
-               Scenario("torch_fsdp2", "tinylm", 2, "replicated", "adamw", feature="ckpt", resume_from=4)):
+    for sc in (
+        Scenario("fsdp_impl", "mlp", 4, "split", "adamw", feature="accum+clip", seed=3),
+        Scenario("suites.mutants.catalog:grad_summed", "hf:gpt2", 2, "replicated", "sgd"),
+        Scenario("torch_fsdp2", "tinylm", 2, "replicated", "adamw", feature="ckpt", resume_from=4),
+    ):
         assert scenario_of_id(sc.id, steps=sc.steps) == sc
     with pytest.raises(ValueError, match="not a scenario id"):
         scenario_of_id("fsdp_impl-mlp")
@@ -190,8 +215,14 @@ def test_a_failing_run_localises_its_first_failing_scenarios_into_the_report(tmp
     from harness import options as opt
     from harness.session import Session, SessionOptions
 
-    matrix = opt.MatrixOptions(impls=("suites.mutants.catalog:stale_shard",), models=("mlp",), world_sizes=(1, 2),
-                               data_modes=("replicated",), optimizers=("adamw",), steps=3)
+    matrix = opt.MatrixOptions(
+        impls=("suites.mutants.catalog:stale_shard",),
+        models=("mlp",),
+        world_sizes=(1, 2),
+        data_modes=("replicated",),
+        optimizers=("adamw",),
+        steps=3,
+    )
     session = Session(SessionOptions(matrix, tmp_path / "v.md", localize=1), say=lambda line: None)
     res = session.run()
     loc = res.tables["localised"]
@@ -219,8 +250,16 @@ def _correct_cells() -> list[Scenario]:
             for model in ("mlp", "tinylm_tied"):
                 for ws in (2, 4):
                     for mode in ("replicated", "split"):
-                        sc = Scenario(impl, model, ws, mode, "adamw", steps=3, feature=feature,
-                                      resume_from=(6 - ws if feature == "ckpt" else 0))
+                        sc = Scenario(
+                            impl,
+                            model,
+                            ws,
+                            mode,
+                            "adamw",
+                            steps=3,
+                            feature=feature,
+                            resume_from=(6 - ws if feature == "ckpt" else 0),
+                        )
                         if not unsupported(sc):
                             cells.append(sc)
     return cells

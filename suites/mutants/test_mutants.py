@@ -22,18 +22,42 @@ from suites.mutants.catalog import CATALOGUE, Mutant
 from suites.mutants.score import run_catalogue
 
 ISSUE_FAULTS = {  # the faults the catalogue must hold at the least, by catalogue name
-    "grad_summed", "averaged_twice", "wrong_shard_offset", "padding_not_zeroed", "padding_in_view",
-    "nested_duplication", "reshard_skipped", "optimizer_state_unsharded", "meta_init_rng_order",
-    "per_sample_norms_allreduced", "grads_not_cleared", "stale_shard", "tied_reduced_twice",
-    "frozen_updated", "bf16_reduce", "param_left_out", "unit_buffer_kept", "optimizer_shadow_state",
-    "prefetch_thread_gather", "fp32_reduce", "tie_broken", "grad_overwritten",
-    "sync_ignored", "sync_never_restored", "accum_averaged", "clip_local_norm",
-    "bf16_optimizer_step", "ac_reduced_twice", "replicas_not_averaged", "ckpt_last_rank_shifted",
-    "ckpt_optimizer_state_shifted", "ckpt_step_restarted", "shard_normalised",
+    "grad_summed",
+    "averaged_twice",
+    "wrong_shard_offset",
+    "padding_not_zeroed",
+    "padding_in_view",
+    "nested_duplication",
+    "reshard_skipped",
+    "optimizer_state_unsharded",
+    "meta_init_rng_order",
+    "per_sample_norms_allreduced",
+    "grads_not_cleared",
+    "stale_shard",
+    "tied_reduced_twice",
+    "frozen_updated",
+    "bf16_reduce",
+    "param_left_out",
+    "unit_buffer_kept",
+    "optimizer_shadow_state",
+    "prefetch_thread_gather",
+    "fp32_reduce",
+    "tie_broken",
+    "grad_overwritten",
+    "sync_ignored",
+    "sync_never_restored",
+    "accum_averaged",
+    "clip_local_norm",
+    "bf16_optimizer_step",
+    "ac_reduced_twice",
+    "replicas_not_averaged",
+    "ckpt_last_rank_shifted",
+    "ckpt_optimizer_state_shifted",
+    "ckpt_step_restarted",
+    "shard_normalised",
 }
 HARNESS_CHECKS = {c.name for c in all_checks()}
-NUMERIC_NAMES = {"finite", "ws1_exact", "cross_ws_replicated", "split_matches_full_batch", "converges",
-                 "rows_trained"}
+NUMERIC_NAMES = {"finite", "ws1_exact", "cross_ws_replicated", "split_matches_full_batch", "converges", "rows_trained"}
 
 
 def _marks(m: Mutant):
@@ -70,8 +94,9 @@ def catalogue_run(request, pool):
     slow = request.config.getoption("--slow", default=False)
     # the other correct designs among the controls (meta-device init, owner reductions, a delegating optimizer)
     # at W 1, 2 in the quick tier; fsdp_impl itself in every cell
-    return run_catalogue([m if slow else quick(m) for m in CATALOGUE if slow or not m.slow], pool=pool,
-                         designs_up_to=None if slow else 2)
+    return run_catalogue(
+        [m if slow else quick(m) for m in CATALOGUE if slow or not m.slow], pool=pool, designs_up_to=None if slow else 2
+    )
 
 
 def _result(run, m: Mutant):
@@ -84,8 +109,10 @@ def _result(run, m: Mutant):
 def test_mutant_is_caught(catalogue_run, mutant: Mutant):
     r = _result(catalogue_run, mutant)
     assert r.scenarios, f"{mutant.name} ran no scenario"
-    assert r.caught, (f"{mutant.name} ESCAPED: {mutant.expected} did not fail in any of {len(r.scenarios)} "
-                      f"scenarios; failed checks: {r.caught_by or 'none'}")
+    assert r.caught, (
+        f"{mutant.name} ESCAPED: {mutant.expected} did not fail in any of {len(r.scenarios)} "
+        f"scenarios; failed checks: {r.caught_by or 'none'}"
+    )
     hits = [v for v in r.failed if v.check == mutant.expected]
     if mutant.kind == "numeric":
         names = _param_names(mutant.models)
@@ -95,18 +122,23 @@ def test_mutant_is_caught(catalogue_run, mutant: Mutant):
             assert lo <= v.step <= hi, f"{v.scenario}: first divergence at step {v.step}, expected in [{lo}, {hi}]"
             # grad_norm_matches and grads_match_ws1 hold a quantity over all parameters: its place is that quantity;
             # jitter_invariant may find the loss first
-            assert v.param in names | {"gradient norm", "gradient values", "loss"}, \
+            assert v.param in names | {"gradient norm", "gradient values", "loss"}, (
                 f"{v.scenario}: {v.param!r} is not a parameter of {mutant.models}"
+            )
             if mutant.one_rank:  # a fault in one rank's path is named with that rank (the last)
                 w = int(v.scenario.split("-ws")[1].split("-")[0])
-                assert v.rank == w - 1 and (f"only rank {w - 1}'s rows" in v.message or  # its rows, or its input
-                                            f"rank {w - 1} put a different gradient" in v.message), str(v)
+                assert v.rank == w - 1 and (
+                    f"only rank {w - 1}'s rows" in v.message  # its rows, or its input
+                    or f"rank {w - 1} put a different gradient" in v.message
+                ), str(v)
     elif mutant.kind == "per_sample":
         assert all(v.sample is not None and v.rank is not None for v in hits), [str(v) for v in hits]
     else:
         assert all(v.where for v in hits), f"{mutant.name}: a {mutant.kind} verdict without a where"
         numeric = [str(v) for v in r.failed if v.check in NUMERIC_NAMES]
-        assert not numeric, f"a {mutant.kind}-only fault changed the numbers (not what it models):\n" + "\n".join(numeric)
+        assert not numeric, f"a {mutant.kind}-only fault changed the numbers (not what it models):\n" + "\n".join(
+            numeric
+        )
 
 
 def test_controls_pass(catalogue_run):
@@ -146,8 +178,10 @@ def test_frozen_mutant_is_a_real_fault(pool, optimizer):
     payload = {"seed": 0, "optimizer": optimizer, "lr": 1e-2, "steps": 2, "batch": 16}
     world = pool.get(2, "gloo")
     control = world.call("suites.mutants.gradient_mutants:frozen_probe_task", {**payload, "impl": "fsdp_impl"})[0]
-    mutant = world.call("suites.mutants.gradient_mutants:frozen_probe_task",
-                       {**payload, "impl": "suites.mutants.catalog:frozen_updated"})[0]
+    mutant = world.call(
+        "suites.mutants.gradient_mutants:frozen_probe_task",
+        {**payload, "impl": "suites.mutants.catalog:frozen_updated"},
+    )[0]
     assert control == {"layers.0.weight": 0.0, "layers.0.bias": 0.0}
     assert min(mutant.values()) > 0, mutant
 
@@ -208,12 +242,22 @@ def test_an_optimizer_stepping_shards_is_seen_only_by_a_per_matrix_optimizer(poo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(
-        reason="on an oversubscribed machine (8 ranks on 2 cores) gloo's comm thread runs only once the reader "
-               "yields, so reading before the wait already breaks the calm run: measured 24 of 29 calm runs",
-        strict=False) if n == "gather_read_early" else ())
-    for n in sorted(__import__("suites.mutants.exposure", fromlist=["ONLY_THERE"]).ONLY_THERE)])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            n,
+            marks=pytest.mark.xfail(
+                reason="on an oversubscribed machine (8 ranks on 2 cores) gloo's comm thread runs only once the reader "
+                "yields, so reading before the wait already breaks the calm run: measured 24 of 29 calm runs",
+                strict=False,
+            )
+            if n == "gather_read_early"
+            else (),
+        )
+        for n in sorted(__import__("suites.mutants.exposure", fromlist=["ONLY_THERE"]).ONLY_THERE)
+    ],
+)
 def test_a_composition_or_surface_mutant_escapes_every_check_in_its_counterpart_cells(pool, name):
     """Issue 25: a mutant counts as exposed by a composition or a surface only if the cells it would have
     without it (each part alone, every other feature, the other models, world sizes or optimizers) catch

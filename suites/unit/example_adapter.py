@@ -34,8 +34,7 @@ class AllReduceAdapter(Adapter):
                 p.grad.div_(world)  # each rank's loss is its local mean: average, not sum
 
     def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
-        return {name: p.detach().to("cpu", torch.float32, copy=True)
-                for name, p in wrapped.named_parameters()}
+        return {name: p.detach().to("cpu", torch.float32, copy=True) for name, p in wrapped.named_parameters()}
 
 
 adapter = AllReduceAdapter()

@@ -38,21 +38,24 @@ def test_unknown_name_lists_the_valid_ones():
 
 
 def test_module_that_does_not_import_says_which_and_why(tmp_path, monkeypatch):
-    assert "module 'no_such_pkg.mod' could not be imported: ModuleNotFoundError" in _error(
-        "no_such_pkg.mod:adapter")
+    assert "module 'no_such_pkg.mod' could not be imported: ModuleNotFoundError" in _error("no_such_pkg.mod:adapter")
     _module(tmp_path, monkeypatch, "broken_adapter", "raise RuntimeError('boom at import')\n")
-    assert "'broken_adapter' could not be imported: RuntimeError: boom at import" in _error(
-        "broken_adapter:x")
+    assert "'broken_adapter' could not be imported: RuntimeError: boom at import" in _error("broken_adapter:x")
 
 
 def test_missing_object_and_missing_method_are_named(tmp_path, monkeypatch):
-    mod = _module(tmp_path, monkeypatch, "half_adapter", """
+    mod = _module(
+        tmp_path,
+        monkeypatch,
+        "half_adapter",
+        """
         from harness.adapters.base import Adapter
         class NoFull(Adapter):
             def wrap(self, model, units, *, group, device): return model
         class Duck:
             def full_params(self, wrapped): return {}
-    """)
+    """,
+    )
     assert f"module '{mod}' has no attribute 'missing'" in _error(f"{mod}:missing")
     assert "has no full_params() method" in _error(f"{mod}:NoFull")
     assert "has no wrap() method" in _error(f"{mod}:Duck")
@@ -62,12 +65,17 @@ def test_user_adapter_forms(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
     instance, cls = load_adapter(f"{EXAMPLE}:adapter"), load_adapter(f"{EXAMPLE}:AllReduceAdapter")
     assert type(instance) is type(cls) and instance.name == "example_allreduce"
-    mod = _module(tmp_path, monkeypatch, "duck_adapter", """
+    mod = _module(
+        tmp_path,
+        monkeypatch,
+        "duck_adapter",
+        """
         class Duck:
             def wrap(self, model, units, *, group, device): return model
             def full_params(self, wrapped): return dict(wrapped.named_parameters())
         def make(): return Duck()
-    """)
+    """,
+    )
     duck = load_adapter(f"{mod}:make")
     assert duck.sharded and duck.name == f"{mod}:make"
     model = get_model_spec("mlp").build()
@@ -114,15 +122,19 @@ def test_cs336_adapter(tmp_path, monkeypatch):
     _module(tmp_path, monkeypatch, "cs336_partial", "def get_fsdp(module): return module\n")
     assert "has no fsdp_on_after_backward()" in _error("cs336:cs336_partial")
     assert "unknown compute dtype 'int8'" in _error(f"cs336:{mod}@int8")
-    old_style = CS336_SOURCE.replace("def get_fsdp(module, compute_dtype=None):\n        return Wrapper(module, compute_dtype)",
-                                     "def get_fsdp(module):\n        return Wrapper(module, None)")
+    old_style = CS336_SOURCE.replace(
+        "def get_fsdp(module, compute_dtype=None):\n        return Wrapper(module, compute_dtype)",
+        "def get_fsdp(module):\n        return Wrapper(module, None)",
+    )
     assert old_style != CS336_SOURCE
     _module(tmp_path, monkeypatch, "cs336_old", old_style)
     old = load_adapter("cs336:cs336_old@bf16")  # a get_fsdp without a compute_dtype parameter
     with pytest.raises(AdapterError, match="takes no compute_dtype"):
         old.wrap(get_model_spec("mlp").build(), [], group=None, device="cpu")
-    assert load_adapter("cs336:cs336_old").wrap(get_model_spec("mlp").build(), [], group=None,
-                                               device="cpu").compute_dtype is None
+    assert (
+        load_adapter("cs336:cs336_old").wrap(get_model_spec("mlp").build(), [], group=None, device="cpu").compute_dtype
+        is None
+    )
     adapter = load_adapter(f"cs336:{mod}@bf16")
     model = get_model_spec("mlp").build()
     wrapped = adapter.wrap(model, [], group=None, device="cpu")
@@ -137,8 +149,7 @@ def test_cs336_adapter(tmp_path, monkeypatch):
 def world1(tmp_path):
     """A gloo world of one rank in this process, destroyed afterwards."""
     assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
-                            rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()
 
@@ -163,9 +174,15 @@ def _train(impl: str, model_name: str, group, steps: int = 3, optimizer: str = "
 
 
 W1_CASES = [
-    ("torch_fsdp2", "mlp"), ("torch_fsdp2_fp64reduce", "mlp"), ("torch_fsdp1", "mlp"),
-    ("ddp", "mlp"), (f"{EXAMPLE}:adapter", "mlp"), ("torch_fsdp2", "tinylm_tied"),
-    ("torch_fsdp2", "tinylm"), ("torch_fsdp1", "tinylm_tied"), ("fsdp_impl", "mlp"),
+    ("torch_fsdp2", "mlp"),
+    ("torch_fsdp2_fp64reduce", "mlp"),
+    ("torch_fsdp1", "mlp"),
+    ("ddp", "mlp"),
+    (f"{EXAMPLE}:adapter", "mlp"),
+    ("torch_fsdp2", "tinylm_tied"),
+    ("torch_fsdp2", "tinylm"),
+    ("torch_fsdp1", "tinylm_tied"),
+    ("fsdp_impl", "mlp"),
 ]
 
 

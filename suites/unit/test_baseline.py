@@ -67,15 +67,17 @@ def test_round_trip_holds_the_synthetic_figures(tables, saved):
     assert [(v.status, v.scenario) for v in verdicts if v.check == "gate:step_time"] == [("skip", "")]  # off
 
 
-@pytest.mark.parametrize("name, sid, column, fn, step, field, spec_within", [
-    ("scenarios", SPLIT2, "peak_bytes", lambda b: b * 1.10, None, "peak_mem", "peak_mem:11%"),
-    ("steps", SPLIT2, "loss", lambda x: x + 5e-7, 3, "loss", "loss:1e-6"),
-    ("comm", SPLIT2, "bytes", lambda b: b + 1, None, "comm_bytes", "comm_bytes:2"),  # 2 collectives, +1 each
-    ("scenarios", SPLIT2, "max_diff_ref", lambda x: x * 2, None, "max_diff", "max_diff:100%"),
-    ("scenarios", SPLIT2, "step_time_s", lambda x: x * 3, None, "step_time", None),
-])
-def test_gate_fails_naming_the_field_and_passes_within(tables, saved, name, sid, column, fn, step, field,
-                                                       spec_within):
+@pytest.mark.parametrize(
+    "name, sid, column, fn, step, field, spec_within",
+    [
+        ("scenarios", SPLIT2, "peak_bytes", lambda b: b * 1.10, None, "peak_mem", "peak_mem:11%"),
+        ("steps", SPLIT2, "loss", lambda x: x + 5e-7, 3, "loss", "loss:1e-6"),
+        ("comm", SPLIT2, "bytes", lambda b: b + 1, None, "comm_bytes", "comm_bytes:2"),  # 2 collectives, +1 each
+        ("scenarios", SPLIT2, "max_diff_ref", lambda x: x * 2, None, "max_diff", "max_diff:100%"),
+        ("scenarios", SPLIT2, "step_time_s", lambda x: x * 3, None, "step_time", None),
+    ],
+)
+def test_gate_fails_naming_the_field_and_passes_within(tables, saved, name, sid, column, fn, step, field, spec_within):
     changed = _edit(tables, name, sid, column, fn, step)
     tol = parse_gate(f"{field}:50%") if field == "step_time" else None
     bad = _fails(compare(changed, load_baseline(saved), tol))
@@ -105,7 +107,9 @@ def test_missing_and_new_scenarios_are_reported(tables, saved):
     verdicts = compare(subset, load_baseline(saved))
     assert not _fails(verdicts)  # a run of part of the matrix is gated on what it ran
     missing = [v for v in verdicts if v.scenario == gone]
-    assert [(v.check, v.status) for v in missing] == [("gate:scenario", "skip")] and "not in this run" in missing[0].message
+    assert [(v.check, v.status) for v in missing] == [("gate:scenario", "skip")] and "not in this run" in missing[
+        0
+    ].message
     small = save_baseline(subset, syn.ENV, "small", saved.parent.parent)
     new = [v for v in compare(tables, load_baseline(small)) if v.scenario == gone]
     assert [(v.check, v.status) for v in new] == [("gate:scenario", "skip")] and "not in baseline" in new[0].message
@@ -113,8 +117,13 @@ def test_missing_and_new_scenarios_are_reported(tables, saved):
     bad = _fails(compare(errored, load_baseline(saved)))
     assert [(v.check, v.scenario) for v in bad] == [("gate:scenario", SPLIT2)] and "errored" in bad[0].message
     # gated before, not run now: the implementation lost a capability its feature needs
-    lost = _edit(_edit(tables, "scenarios", SPLIT2, "status", lambda _: "unsupported"), "scenarios", SPLIT2, "error",
-                 lambda _: "adapter 'x' has no set_gradient_sync() method")
+    lost = _edit(
+        _edit(tables, "scenarios", SPLIT2, "status", lambda _: "unsupported"),
+        "scenarios",
+        SPLIT2,
+        "error",
+        lambda _: "adapter 'x' has no set_gradient_sync() method",
+    )
     [v] = _fails(compare(lost, load_baseline(saved)))
     assert v.scenario == SPLIT2 and "is unsupported in this run" in v.message
 
@@ -122,8 +131,12 @@ def test_missing_and_new_scenarios_are_reported(tables, saved):
 def test_one_rank_moves_nothing_and_that_is_measured_not_missing(tables, saved):
     """A run of world size 1 alone has an empty comm table (one rank calls no collective): its
     traffic is 0, measured, and held against the baseline's 0 like any other figure."""
-    ws1 = {k: v[v["scenario"].isin([syn.sid(1, m) for m in ("replicated", "split")] + [syn.REF_ID])]
-           if "scenario" in v else v for k, v in tables.items()}
+    ws1 = {
+        k: v[v["scenario"].isin([syn.sid(1, m) for m in ("replicated", "split")] + [syn.REF_ID])]
+        if "scenario" in v
+        else v
+        for k, v in tables.items()
+    }
     assert not len(ws1["comm"])
     current = summarize(ws1)
     assert {(current[s]["comm_bytes"], current[s]["comm_calls"]) for s in current} == {(0, 0)}
@@ -140,16 +153,26 @@ def test_a_baseline_records_the_configuration_of_its_run(tables, saved):
     doc = json.loads(saved.read_text())
     sc = syn.scenario(2, "split")
     assert doc["configuration"] == {
-        "impls": [syn.IMPL], "models": [syn.MODEL], "world_sizes": [1, 2, 4], "data_modes": ["replicated", "split"],
-        "optimizers": [syn.OPT], "features": ["plain"], "seeds": [sc.seed], "lr": sc.lr, "steps": sc.steps,
-        "global_batch": sc.global_batch, "backend": syn.ENV["backend"]}
+        "impls": [syn.IMPL],
+        "models": [syn.MODEL],
+        "world_sizes": [1, 2, 4],
+        "data_modes": ["replicated", "split"],
+        "optimizers": [syn.OPT],
+        "features": ["plain"],
+        "seeds": [sc.seed],
+        "lr": sc.lr,
+        "steps": sc.steps,
+        "global_batch": sc.global_batch,
+        "backend": syn.ENV["backend"],
+    }
     assert load_baseline(saved).configuration == doc["configuration"]
 
 
 def _configured(tables: dict, column: str, value) -> dict:
     """`tables` as a run whose every scenario had `column` = value."""
     return _edit(tables, "scenarios", SPLIT2, column, lambda _: value) | {
-        "scenarios": tables["scenarios"].assign(**{column: value})}
+        "scenarios": tables["scenarios"].assign(**{column: value})
+    }
 
 
 def test_another_learning_rate_is_a_configuration_difference_not_a_regression(tables, saved):
@@ -180,8 +203,10 @@ def test_other_steps_or_batch_compare_nothing_of_the_same_ids(tables, saved, col
 
 
 def test_fewer_world_sizes_only_narrow_what_is_compared(tables, saved):
-    part = {k: v[~v["scenario"].isin([syn.sid(4, "replicated"), syn.sid(4, "split")])] if "scenario" in v else v
-            for k, v in tables.items()}
+    part = {
+        k: v[~v["scenario"].isin([syn.sid(4, "replicated"), syn.sid(4, "split")])] if "scenario" in v else v
+        for k, v in tables.items()
+    }
     verdicts = compare(part, load_baseline(saved), env=syn.ENV)
     assert not _fails(verdicts)
     [note] = [v for v in verdicts if v.check == "gate:configuration"]
@@ -203,8 +228,9 @@ def test_a_baseline_saved_before_configurations_were_recorded_still_gates_and_sa
 
 
 def test_a_run_that_did_not_record_a_setting_is_told_so(tables, saved):
-    verdicts = compare({**tables, "scenarios": tables["scenarios"].drop(columns="global_batch")},
-                       load_baseline(saved), env=syn.ENV)
+    verdicts = compare(
+        {**tables, "scenarios": tables["scenarios"].drop(columns="global_batch")}, load_baseline(saved), env=syn.ENV
+    )
     assert not _fails(verdicts)
     [note] = [v for v in verdicts if v.check == "gate:configuration"]
     assert note.where == "global_batch" and "this run does not record global_batch" in note.message
@@ -215,8 +241,14 @@ def test_the_committed_baselines_record_the_configuration_their_scenarios_show(p
     base = load_baseline(path)
     cfg, entries = base.configuration, [e for e in base.scenarios.values() if e["impl"] != "reference"]
     assert cfg is not None, f"{path} records no configuration"
-    for field, key in (("impls", "impl"), ("models", "model"), ("world_sizes", "world_size"),
-                       ("data_modes", "data_mode"), ("optimizers", "optimizer"), ("seeds", "seed")):
+    for field, key in (
+        ("impls", "impl"),
+        ("models", "model"),
+        ("world_sizes", "world_size"),
+        ("data_modes", "data_mode"),
+        ("optimizers", "optimizer"),
+        ("seeds", "seed"),
+    ):
         assert cfg[field] == sorted({e[key] for e in entries}), field
     assert {len(e["loss"]) for e in entries} == {cfg["steps"]} and cfg["backend"] == base.env["backend"]
 
@@ -237,8 +269,10 @@ def test_compare_table_side_by_side(tables, saved):
     assert (df["status"] == "fail").sum() == 1
 
 
-@pytest.mark.parametrize("case", ["loss moved, other kernels", "loss moved, same kernels", "scenario missing",
-                                  "new scenario", "comm changed"])
+@pytest.mark.parametrize(
+    "case",
+    ["loss moved, other kernels", "loss moved, same kernels", "scenario missing", "new scenario", "comm changed"],
+)
 def test_compare_and_the_gate_give_the_same_answer(tables, saved, case):
     """`python -m harness compare` and `--baseline` are two views of one comparison: the same
     statuses for the same tables, environment and baseline (they differed on the env rule)."""
@@ -272,8 +306,13 @@ def test_a_kind_without_its_own_file_gates_memory_not_losses(tables, tmp_path):
     here = {**syn.ENV, "cpu_capability": "AVX512"}
     base = load_baseline("default", tmp_path, kind=machine_kind(here))
     assert base.wanted_kind == machine_kind(here) and base.path.name == f"{machine_kind(avx2)}.json"
-    moved = _edit(_edit(tables, "steps", SPLIT2, "loss", lambda x: x + 1e-3, 2), "scenarios", SPLIT2, "peak_bytes",
-                  lambda b: b * 2)
+    moved = _edit(
+        _edit(tables, "steps", SPLIT2, "loss", lambda x: x + 1e-3, 2),
+        "scenarios",
+        SPLIT2,
+        "peak_bytes",
+        lambda b: b * 2,
+    )
     verdicts = compare(moved, base, env=here)
     assert [(v.check, v.scenario) for v in _fails(verdicts)] == [("gate:peak_mem", SPLIT2)]
     note = [v for v in verdicts if v.check == "gate:loss" and v.scenario == ""]
@@ -333,14 +372,20 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda d, s: d / "nope.json", "baseline not found"),
-    (lambda d, s: _write(s, s.read_text()[:200]), "not valid JSON"),
-    (lambda d, s: _write(s, json.dumps({**json.loads(s.read_text()), "version": 2})), "has version 2"),
-    (lambda d, s: _write(s, json.dumps({"scenarios": {}})), "not a baseline file"),
-    (lambda d, s: _write(s, s.read_text().replace('"loss": [', '"loss": ["x", ', 1)), "loss is not a list of numbers"),
-    (lambda d, s: _write(s, s.read_text().replace('"peak_mem"', '"peak_memory"', 1)), "lacks ['peak_mem']"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d, s: d / "nope.json", "baseline not found"),
+        (lambda d, s: _write(s, s.read_text()[:200]), "not valid JSON"),
+        (lambda d, s: _write(s, json.dumps({**json.loads(s.read_text()), "version": 2})), "has version 2"),
+        (lambda d, s: _write(s, json.dumps({"scenarios": {}})), "not a baseline file"),
+        (
+            lambda d, s: _write(s, s.read_text().replace('"loss": [', '"loss": ["x", ', 1)),
+            "loss is not a list of numbers",
+        ),
+        (lambda d, s: _write(s, s.read_text().replace('"peak_mem"', '"peak_memory"', 1)), "lacks ['peak_mem']"),
+    ],
+)
 def test_unusable_baselines_raise_one_clear_line(saved, make, message):
     path = make(saved.parent, saved)
     with pytest.raises(BaselineError) as err:
@@ -365,11 +410,19 @@ def test_parse_gate_values_and_defaults():
     assert Tolerance(0.5, relative=True).fails(1e-12, 0.0)  # a relative bound on 0 allows nothing
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("lossy:1e-7", "unknown gate field 'lossy'"), ("loss:abc", "'abc' is not a number"), ("loss:-1", "'-1'"),
-    ("loss", "must be FIELD:TOLERANCE"), ("loss:1,loss:2", "given twice"), ("peak_mem:5%%", "'5%%'"),
-    ("loss:nan", "'nan'"), ("loss:", "must be FIELD:TOLERANCE"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("lossy:1e-7", "unknown gate field 'lossy'"),
+        ("loss:abc", "'abc' is not a number"),
+        ("loss:-1", "'-1'"),
+        ("loss", "must be FIELD:TOLERANCE"),
+        ("loss:1,loss:2", "given twice"),
+        ("peak_mem:5%%", "'5%%'"),
+        ("loss:nan", "'nan'"),
+        ("loss:", "must be FIELD:TOLERANCE"),
+    ],
+)
 def test_parse_gate_rejects_bad_specs(spec, words):
     with pytest.raises(ValueError, match="gate") as err:
         parse_gate(spec)
@@ -396,8 +449,9 @@ def test_save_baseline_is_atomic_and_validates_name(tables, saved, monkeypatch):
 
 
 def test_loss_gate_points_at_the_first_step_that_crossed(tables, saved):
-    changed = _edit(_edit(tables, "steps", SPLIT2, "loss", lambda x: x + 5e-7, 3), "steps", SPLIT2, "loss",
-                    lambda x: x + 5e-6, 4)
+    changed = _edit(
+        _edit(tables, "steps", SPLIT2, "loss", lambda x: x + 5e-7, 3), "steps", SPLIT2, "loss", lambda x: x + 5e-6, 4
+    )
     bad = _fails(compare(changed, load_baseline(saved)))
     assert [(v.check, v.step) for v in bad] == [("gate:loss", 3)]
     assert bad[0].measured == pytest.approx(5e-7, rel=1e-6) and bad[0].bound == 1e-7
@@ -410,9 +464,10 @@ def test_peak_mem_tolerance_has_an_absolute_floor():
     assert not tol.fails(base + 2236, base, two_sided=False)
     assert tol.fails(base + 4097, base, two_sided=False)
     assert parse_gate("peak_mem:5%min4096")["peak_mem"] == tol and str(tol) == "5%min4096"
-    # '5%' alone keeps the floor: the README's --gate example must not fail a rerun on the gloo race
+    # '5%' alone keeps the floor: the --gate example of docs/report.md must not fail a rerun on the gloo race
     assert parse_gate("peak_mem:5%")["peak_mem"] == tol and not parse_gate("peak_mem:5%")["peak_mem"].fails(
-        base + 2236, base, two_sided=False)
+        base + 2236, base, two_sided=False
+    )
     assert parse_gate("peak_mem:5%min0")["peak_mem"].floor == 0
     for bad in ("loss:1e-7min3", "peak_mem:5%min-1", "peak_mem:5%minx"):
         with pytest.raises(ValueError, match="gate"):
@@ -424,20 +479,27 @@ def test_other_cpu_kernels_skip_loss_and_diffs_but_gate_the_rest(tables, tmp_pat
     saved = save_baseline(tables, there, "avx512", tmp_path)
     changed = _edit(tables, "steps", SPLIT2, "loss", lambda x: x + 5e-7, 3)
     changed = _edit(changed, "scenarios", SPLIT2, "peak_bytes", lambda b: b * 2)
-    for here, named in (({**there, "cpu_capability": "AVX2"}, "AVX2"),
-                        ({**there, "cpu": "AMD EPYC (family 25, model 1)"}, "AMD EPYC"),
-                        ({**there, "torch": "2.11.0"}, "2.11.0"),
-                        ({k: v for k, v in there.items() if k != "cpu"}, "not recorded")):
+    for here, named in (
+        ({**there, "cpu_capability": "AVX2"}, "AVX2"),
+        ({**there, "cpu": "AMD EPYC (family 25, model 1)"}, "AMD EPYC"),
+        ({**there, "torch": "2.11.0"}, "2.11.0"),
+        ({k: v for k, v in there.items() if k != "cpu"}, "not recorded"),
+    ):
         verdicts = compare(changed, load_baseline(saved), env=here)
         assert [(v.check, v.scenario) for v in _fails(verdicts)] == [("gate:peak_mem", SPLIT2)], named
         skipped = [v for v in verdicts if v.check in ("gate:loss", "gate:max_diff")]
-        assert [(v.check, v.status, v.scenario) for v in skipped] == [("gate:loss", "skip", ""),
-                                                                      ("gate:max_diff", "skip", "")]
+        assert [(v.check, v.status, v.scenario) for v in skipped] == [
+            ("gate:loss", "skip", ""),
+            ("gate:max_diff", "skip", ""),
+        ]
         assert named in skipped[0].message
     # the same kernels: losses compared as before, also on another generation of the same named CPU
     for here in (there, {**there, "cpu": "Intel Xeon (family 6, model 207)"}):
-        assert ("gate:loss", SPLIT2) in [(v.check, v.scenario)
-                                         for v in _fails(compare(changed, load_baseline(saved), env=here))], here
+        assert ("gate:loss", SPLIT2) in [
+            (v.check, v.scenario) for v in _fails(compare(changed, load_baseline(saved), env=here))
+        ], here
     # a baseline that recorded no kernel facts cannot prove they match: not compared
     old = save_baseline(tables, syn.ENV, "old", tmp_path)
-    assert ("gate:loss", SPLIT2) not in [(v.check, v.scenario) for v in _fails(compare(changed, load_baseline(old), env=there))]
+    assert ("gate:loss", SPLIT2) not in [
+        (v.check, v.scenario) for v in _fails(compare(changed, load_baseline(old), env=there))
+    ]

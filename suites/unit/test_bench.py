@@ -17,8 +17,18 @@ pytestmark = pytest.mark.ci
 MODELS = ("mlp", "tinylm")
 WORLD_SIZES = (1, 2)
 VARIANTS = tuple(label for label in bench.IMPLS if label != bench.FSDP2)
-ARGV = ["--world-sizes", ",".join(map(str, WORLD_SIZES)), "--model", ",".join(MODELS),
-        "--steps", "1", "--warmup", "1", "--global-batch", "4"]
+ARGV = [
+    "--world-sizes",
+    ",".join(map(str, WORLD_SIZES)),
+    "--model",
+    ",".join(MODELS),
+    "--steps",
+    "1",
+    "--warmup",
+    "1",
+    "--global-batch",
+    "4",
+]
 
 
 def _number(cell: str) -> float:
@@ -74,7 +84,10 @@ def test_benchmark_prints_one_complete_table_per_model(capsys):
             assert all(math.isfinite(v["final_loss"]) for v in res.values())
             for variant in VARIANTS:
                 assert tables[model][(w, variant)][2] == f"{res[variant]['ms']:.2f}"
-                assert _number(tables[model][(w, variant)][bench.COLUMNS.index("fsdp2 peak bytes")]) == res[bench.FSDP2]["peak"]
+                assert (
+                    _number(tables[model][(w, variant)][bench.COLUMNS.index("fsdp2 peak bytes")])
+                    == res[bench.FSDP2]["peak"]
+                )
 
 
 GOOD = """# machine: Some CPU (AVX2), 2 CPUs usable, torch 2.0, python 3.11
@@ -93,18 +106,22 @@ GOOD = """# machine: Some CPU (AVX2), 2 CPUs usable, torch 2.0, python 3.11
 """
 
 
-@pytest.mark.parametrize("broken", [
-    lambda t: t.replace("| 2 | fsdp_impl[reduce fp32] | 2.00 | 4.00 | 0.50 | 0.40-0.60 | 0.70 | 100 | 200 | 0.50 |\n",
-                        ""),  # a row gone
-    lambda t: t.replace("| 1 | fsdp_impl | 2.00 | 4.00 | 0.50 |", "| 1 | fsdp_impl | 2.00 | 0.00 | inf |"),
-    lambda t: t.replace("| 2 | fsdp_impl | 2.00 | 4.00 | 0.50 |", "| 2 | fsdp_impl | 2.00 | 4.00 | nan |"),
-    lambda t: t.replace("| 1 | fsdp_impl | 2.00 | 4.00 | 0.50 |", "| 1 | fsdp_impl | 2.00 | 4.00 | 0.70 |"),
-    lambda t: t.replace(" | fsdp2 peak bytes", ""),  # a column gone
-    lambda t: t.replace("| 0.40-0.60 | 0.70 | 100 |", "| 0.52-0.60 | 0.70 | 100 |", 1),  # ratio outside the range
-    lambda t: t.replace("| 0.40-0.60 | 0.70 | 100 |", "| 0.40-0.60 | inf | 100 |", 1),
-    lambda t: t.replace("# machine:", "#"),
-    lambda t: t.replace("## mlp: 1,000 parameters", "## mlp"),
-])
+@pytest.mark.parametrize(
+    "broken",
+    [
+        lambda t: t.replace(
+            "| 2 | fsdp_impl[reduce fp32] | 2.00 | 4.00 | 0.50 | 0.40-0.60 | 0.70 | 100 | 200 | 0.50 |\n", ""
+        ),  # a row gone
+        lambda t: t.replace("| 1 | fsdp_impl | 2.00 | 4.00 | 0.50 |", "| 1 | fsdp_impl | 2.00 | 0.00 | inf |"),
+        lambda t: t.replace("| 2 | fsdp_impl | 2.00 | 4.00 | 0.50 |", "| 2 | fsdp_impl | 2.00 | 4.00 | nan |"),
+        lambda t: t.replace("| 1 | fsdp_impl | 2.00 | 4.00 | 0.50 |", "| 1 | fsdp_impl | 2.00 | 4.00 | 0.70 |"),
+        lambda t: t.replace(" | fsdp2 peak bytes", ""),  # a column gone
+        lambda t: t.replace("| 0.40-0.60 | 0.70 | 100 |", "| 0.52-0.60 | 0.70 | 100 |", 1),  # ratio outside the range
+        lambda t: t.replace("| 0.40-0.60 | 0.70 | 100 |", "| 0.40-0.60 | inf | 100 |", 1),
+        lambda t: t.replace("# machine:", "#"),
+        lambda t: t.replace("## mlp: 1,000 parameters", "## mlp"),
+    ],
+)
 def test_the_output_check_can_fail(broken):
     """check_output accepts a well-formed table and rejects each kind of damage to it."""
     check_output(GOOD, models=("mlp",))
@@ -117,11 +134,30 @@ def test_harness_cost_prints_bare_and_harnessed_seconds_per_world_size():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "harness.bench.harness_cost", "--world-sizes", "1,2", "--impl",
-                          "fsdp_impl", "--models", "mlp", "--optimizers", "sgd", "--steps", "2"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness.bench.harness_cost",
+            "--world-sizes",
+            "1,2",
+            "--impl",
+            "fsdp_impl",
+            "--models",
+            "mlp",
+            "--optimizers",
+            "sgd",
+            "--steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
-    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["1"], ["2"], ["all"])}
+    rows = {
+        line.split()[0]: line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["1"], ["2"], ["all"])
+    }
     assert set(rows) == {"1", "2", "all"}, out.stdout
     for row in rows.values():
         bare, harnessed = float(row[1]), float(row[2])

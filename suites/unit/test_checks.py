@@ -8,11 +8,10 @@ import pandas as pd
 import pytest
 
 from harness import options
-from harness.checks import norms
+from harness.checks import norms, registry
 from harness.checks import numeric as checks
-from harness.checks import registry
-from harness.checks.common import Check
 from harness.checks import resources as resource_checks
+from harness.checks.common import Check
 from harness.core.policy import Bounds
 from harness.core.scenario import Scenario
 from suites.unit.synthetic_tables import LOSSES, P_BYTES, ZERO, frame
@@ -42,23 +41,36 @@ def test_ws1_exact_catches_a_tiny_param_diff():
 @pytest.mark.parametrize("diff,status", [(2.9e-8, "pass"), (3e-8, "fail"), (math.nan, "fail")])
 def test_cross_ws_bound_is_strict_and_nan_fails(diff, status):
     sc = _sc("fsdp_impl", 4)
-    v = by(checks.cross_ws_replicated(make([(sc.at_world_size(1), LOSSES, ZERO, ZERO),
-                                            (sc, LOSSES, ZERO, [0.0, diff, 0.0])])), "cross_ws_replicated")[sc.id]
+    v = by(
+        checks.cross_ws_replicated(
+            make([(sc.at_world_size(1), LOSSES, ZERO, ZERO), (sc, LOSSES, ZERO, [0.0, diff, 0.0])])
+        ),
+        "cross_ws_replicated",
+    )[sc.id]
     assert v.status == status
     if status == "fail":
         assert (v.step, v.param) == (2, "fc2.weight")
 
 
-@pytest.mark.parametrize("off,rank,phrase", [({3}, 3, "only rank 3's rows of fc2.weight crossed it"),
-                                              ({1, 2}, None, "only ranks 1, 2's rows"),
-                                              ({0, 1, 2, 3}, None, "every rank's rows of fc2.weight crossed it")])
+@pytest.mark.parametrize(
+    "off,rank,phrase",
+    [
+        ({3}, 3, "only rank 3's rows of fc2.weight crossed it"),
+        ({1, 2}, None, "only ranks 1, 2's rows"),
+        ({0, 1, 2, 3}, None, "every rank's rows of fc2.weight crossed it"),
+    ],
+)
 def test_a_crossing_names_the_ranks_whose_rows_crossed(off, rank, phrase):
     """The rank_diffs table (each rank's own rows of a parameter against world size 1) says which ranks
     hold the rows that crossed: one rank is named in the verdict's rank field, several in the message."""
     sc = _sc("fsdp_impl", 4)
     t = make([(sc.at_world_size(1), LOSSES, ZERO, ZERO), (sc, LOSSES, ZERO, [0.0, 1e-6, 1e-6])])
-    t["rank_diffs"] = pd.DataFrame([dict(scenario=sc.id, step=2, param="fc2.weight", rank=r,
-                                         diff_ref=0.0, diff_ws1=1e-6 if r in off else 0.0) for r in range(4)])
+    t["rank_diffs"] = pd.DataFrame(
+        [
+            dict(scenario=sc.id, step=2, param="fc2.weight", rank=r, diff_ref=0.0, diff_ws1=1e-6 if r in off else 0.0)
+            for r in range(4)
+        ]
+    )
     v = by(checks.cross_ws_replicated(t), "cross_ws_replicated")[sc.id]
     assert v.status == "fail" and v.rank == rank and phrase in v.message
     del t["rank_diffs"]  # an implementation that does not lay parameters out by rows: no rank is named
@@ -74,8 +86,11 @@ def test_cross_ws_without_its_world_size_1_run_fails_and_says_so():
 
 def test_known_deviation_only_where_documented():
     diff = [0.0, 4e-7, 5e-7]
-    cells = [(_sc("torch_fsdp2", 8), LOSSES, ZERO, diff), (_sc("torch_fsdp2", 2), LOSSES, ZERO, diff),
-             (_sc("fsdp_impl", 8), LOSSES, ZERO, diff)]
+    cells = [
+        (_sc("torch_fsdp2", 8), LOSSES, ZERO, diff),
+        (_sc("torch_fsdp2", 2), LOSSES, ZERO, diff),
+        (_sc("fsdp_impl", 8), LOSSES, ZERO, diff),
+    ]
     ws1 = [(_sc(i, 1), LOSSES, ZERO, ZERO) for i in ("torch_fsdp2", "fsdp_impl")]
     v = by(checks.cross_ws_replicated(make(ws1 + cells)), "cross_ws_replicated")
     assert v[cells[0][0].id].status == "known" and "Known deviation" in v[cells[0][0].id].message
@@ -84,8 +99,9 @@ def test_known_deviation_only_where_documented():
     assert v[cells[2][0].id].status == "fail"
 
 
-@pytest.mark.parametrize("impl,backend,status", [("ddp", "nccl", "known"), ("ddp", "gloo", "fail"),
-                                                  ("fsdp_impl", "nccl", "fail")])
+@pytest.mark.parametrize(
+    "impl,backend,status", [("ddp", "nccl", "known"), ("ddp", "gloo", "fail"), ("fsdp_impl", "nccl", "fail")]
+)
 def test_a_deviation_of_one_backend_is_known_there_only(impl, backend, status):
     """DDP's bucket-view gradients round the CUDA norm otherwise under L2 clipping (policy
     _DDP_BUCKET_VIEW_NORM_CUDA): known over NCCL, while on the CPU DDP stays held bit for bit, and no other
@@ -93,8 +109,9 @@ def test_a_deviation_of_one_backend_is_known_there_only(impl, backend, status):
     import dataclasses
 
     sc = dataclasses.replace(_sc(impl, 1), feature="clip", backend=backend)
-    v = by(checks.ws1_exact(make([(sc.reference(), LOSSES, ZERO, ZERO), (sc, LOSSES, [0, 1e-9, 0], ZERO)])),
-           "ws1_exact")[sc.id]
+    v = by(
+        checks.ws1_exact(make([(sc.reference(), LOSSES, ZERO, ZERO), (sc, LOSSES, [0, 1e-9, 0], ZERO)])), "ws1_exact"
+    )[sc.id]
     assert v.status == status, v.message
     assert v.measured > 0 and v.bound == 0
 
@@ -139,8 +156,10 @@ def _set_grad_norm(t, sid, value):
     return t
 
 
-@pytest.mark.parametrize("norm,status", [(1.0 + 9e-7, "pass"), (1.0 + 2e-6, "fail"), (1.0 - 2e-6, "fail"),
-                                         (math.nan, "fail"), (math.inf, "fail")])
+@pytest.mark.parametrize(
+    "norm,status",
+    [(1.0 + 9e-7, "pass"), (1.0 + 2e-6, "fail"), (1.0 - 2e-6, "fail"), (math.nan, "fail"), (math.inf, "fail")],
+)
 def test_grad_norm_matches_holds_step_one_against_the_reference(norm, status):
     sc = _sc("fsdp_impl", 4, mode="split")
     t = _set_grad_norm(make([(sc.reference(), LOSSES, ZERO, ZERO), (sc, LOSSES, ZERO, ZERO)]), sc.id, norm)
@@ -150,10 +169,16 @@ def test_grad_norm_matches_holds_step_one_against_the_reference(norm, status):
         assert (v.step, v.param) == (1, "gradient norm")
 
 
-@pytest.mark.parametrize("factor,named", [(4.0, "= W at W = 4 (a sum over the ranks instead of a mean?)"),
-                                           (0.25, "= 1/W at W = 4"), (2.0, "= sqrt(W) at W = 4"),
-                                           (0.5, "= 1/sqrt(W) at W = 4 (a norm taken over the rank's own shard"),
-                                           (3.0, None)])
+@pytest.mark.parametrize(
+    "factor,named",
+    [
+        (4.0, "= W at W = 4 (a sum over the ranks instead of a mean?)"),
+        (0.25, "= 1/W at W = 4"),
+        (2.0, "= sqrt(W) at W = 4"),
+        (0.5, "= 1/sqrt(W) at W = 4 (a norm taken over the rank's own shard"),
+        (3.0, None),
+    ],
+)
 def test_a_norm_off_by_a_factor_of_the_world_size_names_it(factor, named):
     sc = _sc("fsdp_impl", 4, mode="split")
     t = _set_grad_norm(make([(sc.reference(), LOSSES, ZERO, ZERO), (sc, LOSSES, ZERO, ZERO)]), sc.id, factor)
@@ -173,8 +198,9 @@ def test_peak_params_bound_catches_a_whole_extra_copy_of_the_parameters():
     t = make([(sc, LOSSES, ZERO, ZERO)])
     # shards P/4 + two child units (P/4 each) + the root's P/4 = 1.0 P, plus padding
     for held, status in ((P_BYTES, "pass"), (P_BYTES // 4 + P_BYTES, "fail")):
-        t["memory"] = pd.DataFrame([(sc.id, 0, "params", held), (sc.id, 1, "params", 100)],
-                                   columns=["scenario", "rank", "category", "bytes"])
+        t["memory"] = pd.DataFrame(
+            [(sc.id, 0, "params", held), (sc.id, 1, "params", 100)], columns=["scenario", "rank", "category", "bytes"]
+        )
         [v] = resource_checks.peak_params_bound(t)
         assert v.status == status, v
         assert v.measured == held
@@ -190,7 +216,9 @@ def test_a_resource_bound_missed_where_policy_documents_it_is_known_and_elsewher
     for impl in ("torch_fsdp2", "fsdp_impl"):
         sc = _sc(impl, 4)
         t = make([(sc, LOSSES, ZERO, ZERO)])
-        t["memory"] = pd.DataFrame([(sc.id, 0, "params", 2 * P_BYTES)], columns=["scenario", "rank", "category", "bytes"])
+        t["memory"] = pd.DataFrame(
+            [(sc.id, 0, "params", 2 * P_BYTES)], columns=["scenario", "rank", "category", "bytes"]
+        )
         [verdicts[impl]] = resource_checks.peak_params_bound(t)
     assert verdicts["torch_fsdp2"].status == "known" and "Known deviation" in verdicts["torch_fsdp2"].message
     assert verdicts["fsdp_impl"].status == "fail"
@@ -210,8 +238,10 @@ def test_peak_memory_bound_counts_the_bf16_compute_copy_where_no_unit_is_gathere
     t["scenarios"]["feature"], t["scenarios"]["sharded"] = "bf16", False
     ideal = 3 * P_BYTES  # params, grads, SGD momentum
     for peak, status in ((ideal + P_BYTES // 2, "pass"), (int(1.1 * (ideal + P_BYTES // 2)) + 4096, "fail")):
-        t["memory"] = pd.DataFrame([(sc.id, 0, "peak", peak), (sc.id, 0, "activations", 0), (sc.id, 0, "other", 0)],
-                                   columns=["scenario", "rank", "category", "bytes"])
+        t["memory"] = pd.DataFrame(
+            [(sc.id, 0, "peak", peak), (sc.id, 0, "activations", 0), (sc.id, 0, "other", 0)],
+            columns=["scenario", "rank", "category", "bytes"],
+        )
         [v] = resource_checks.peak_memory_bound(t)
         assert v.status == status and "bf16 compute copies" in v.message
     t["scenarios"]["feature"] = "plain"  # fp32: no copy, a smaller bound
@@ -220,9 +250,13 @@ def test_peak_memory_bound_counts_the_bf16_compute_copy_where_no_unit_is_gathere
 
 def _with_memory(t, sid, ws, opt_factor, optimizer_state=None, other=0):
     per = P_BYTES // ws
-    rows = [(sid, 0, "state_params", per), (sid, 0, "state_grads", per),
-            (sid, 0, "state_optimizer_state", optimizer_state if optimizer_state is not None else opt_factor * per),
-            (sid, 0, "state_buffers", 0), (sid, 0, "state_other", other)]
+    rows = [
+        (sid, 0, "state_params", per),
+        (sid, 0, "state_grads", per),
+        (sid, 0, "state_optimizer_state", optimizer_state if optimizer_state is not None else opt_factor * per),
+        (sid, 0, "state_buffers", 0),
+        (sid, 0, "state_other", other),
+    ]
     t["memory"] = pd.DataFrame(rows, columns=["scenario", "rank", "category", "bytes"])
     return t
 
@@ -299,8 +333,10 @@ P_EL = P_BYTES // 4  # float32 parameters
 def _comm(sid, *rows):
     """rows: (collective, dtype, elements[, ranks of its group, default 4]); bytes follow from the element type."""
     width = {"float32": 4, "float64": 8, "bfloat16": 2}
-    return pd.DataFrame([(sid, r[0], r[1], r[3] if len(r) > 3 else 4, 1, r[2], r[2] * width[r[1]]) for r in rows],
-                        columns=frame("comm", []).columns)
+    return pd.DataFrame(
+        [(sid, r[0], r[1], r[3] if len(r) > 3 else 4, 1, r[2], r[2] * width[r[1]]) for r in rows],
+        columns=frame("comm", []).columns,
+    )
 
 
 def test_comm_volume_under_reshard2_holds_the_gathers_over_all_ranks_to_forwards():
@@ -310,8 +346,9 @@ def test_comm_volume_under_reshard2_holds_the_gathers_over_all_ranks_to_forwards
     sc = _sc("fsdp_impl", 4)
     t = make([(sc, LOSSES, ZERO, ZERO)])
     t["scenarios"]["feature"] = "reshard2"
-    t["comm"] = _comm(sc.id, ("all_gather", "float32", P_EL, 4), ("all_gather", "float32", P_EL, 2),
-                      ("all_to_all", "float32", P_EL))
+    t["comm"] = _comm(
+        sc.id, ("all_gather", "float32", P_EL, 4), ("all_gather", "float32", P_EL, 2), ("all_to_all", "float32", P_EL)
+    )
     assert resource_checks.comm_volume(t)[0].status == "pass"
     t["comm"] = _comm(sc.id, ("all_gather", "float32", 2 * P_EL, 4), ("all_to_all", "float32", P_EL))
     v = resource_checks.comm_volume(t)[0]
@@ -408,14 +445,16 @@ def test_split_needs_divisible_global_batch():
 
 # ------------------------------------------------------------------ run_checks: no silent pass
 
+
 def _full_tables():
     from . import synthetic_tables as syn
+
     t = syn.make_tables(fail=False)
     return {k: v for k, v in t.items() if k != "verdicts"}
 
 
 def _expected_applicable(sc_row) -> set[str]:
-    """Which checks apply to a scenarios-table row, written from the README's check table."""
+    """Which checks apply to a scenarios-table row, written from the check table of docs/checks.md."""
     if sc_row["status"] != "ok":
         return {"completed"}
     names = {"completed", "finite", "memory_sharding", "peak_memory_bound"}
@@ -425,8 +464,9 @@ def _expected_applicable(sc_row) -> set[str]:
             names.add("ws1_exact")
     if sc_row["world_size"] > 1:
         names.add("ranks_agree")
-        names |= {"replicated": {"cross_ws_replicated", "grads_match_ws1"},
-                  "split": {"split_matches_full_batch"}}[sc_row["data_mode"]]
+        names |= {"replicated": {"cross_ws_replicated", "grads_match_ws1"}, "split": {"split_matches_full_batch"}}[
+            sc_row["data_mode"]
+        ]
         if sc_row["sharded"]:
             names |= {"peak_params_bound", "comm_volume", "units_gathered"}
     return names
@@ -440,10 +480,15 @@ def test_every_check_gives_a_verdict_for_every_scenario_it_applies_to():
         assert got == _expected_applicable(row), row["scenario"]
 
 
-@pytest.mark.parametrize("table, column, check", [("comm", "bytes", "comm_volume"),
-                                                  ("steps", "grad_norm", "grad_norm_matches"),
-                                                  ("memory", "category", "memory_sharding"),
-                                                  ("params", None, "finite")])
+@pytest.mark.parametrize(
+    "table, column, check",
+    [
+        ("comm", "bytes", "comm_volume"),
+        ("steps", "grad_norm", "grad_norm_matches"),
+        ("memory", "category", "memory_sharding"),
+        ("params", None, "finite"),
+    ],
+)
 def test_a_removed_table_or_column_fails_the_run_naming_it(table, column, check):
     t = _full_tables()
     if column is None:
@@ -479,6 +524,7 @@ def test_a_skip_is_never_a_check_that_could_not_run():
 def test_a_check_that_raises_fails_the_scenarios_it_applies_to_and_the_run_goes_on():
     """Any exception inside a check (not only a missing key) is a FAIL naming it, per scenario;
     the other checks still give their verdicts."""
+
     def broken(tables, bounds):
         raise ValueError("cannot convert float NaN to integer")
 

@@ -34,8 +34,9 @@ def _plain_names() -> list[str]:
 
 
 @pytest.mark.parametrize("ws", [1, 2])
-@pytest.mark.parametrize("name, problem", [("leaves_one_out", "missing"), ("reshapes", "shape (1,"),
-                                           ("renames", "missing")])
+@pytest.mark.parametrize(
+    "name, problem", [("leaves_one_out", "missing"), ("reshapes", "shape (1,"), ("renames", "missing")]
+)
 def test_a_misreported_parameter_fails_naming_it_at_step_1(result, name, problem, ws):
     assert DROPPED in _plain_names()
     [v] = _coverage(result, name, ws)

@@ -31,9 +31,12 @@ def compare(ctx, impl: str) -> dict:
     named = list(model.named_parameters())
     got = full_tensors(named)
     one_by_one = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in named}
-    return {"names": list(got), "order": [n for n, _ in named],
-            "same": {n: torch.equal(got[n], one_by_one[n]) and got[n].dtype == one_by_one[n].dtype for n in got},
-            "plain": {n: torch.equal(got[n], plain[n]) for n in got}}
+    return {
+        "names": list(got),
+        "order": [n for n, _ in named],
+        "same": {n: torch.equal(got[n], one_by_one[n]) and got[n].dtype == one_by_one[n].dtype for n in got},
+        "plain": {n: torch.equal(got[n], plain[n]) for n in got},
+    }
 
 
 @pytest.mark.parametrize("impl", ["fsdp2", "fsdp_impl"])

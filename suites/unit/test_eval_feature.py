@@ -3,7 +3,7 @@
 held: its loss against the yardstick's or the plain model's at the run's own parameters (eval_matches) and
 every unit resharded after it (units_gathered), on hand-made tables; the plain model's eval loss at a run's
 snapshots (harness/train/plain_eval.py) on real runs. The runs themselves: suites/mutants
-(no_grad_forward_unsharded) and the README."""
+(no_grad_forward_unsharded) and docs/features.md."""
 
 from __future__ import annotations
 
@@ -75,7 +75,9 @@ def _tables(sc: Scenario, mine: list[float], plain: list[float] | None = None):
     t["scenarios"]["feature"] = sc.feature
     steps = t["steps"]
     steps["eval_loss"] = [(mine if s == sc.id else EVAL)[k - 1] for s, k in zip(steps.scenario, steps.step)]
-    steps["eval_loss_plain"] = [(plain or EVAL if s == sc.id else EVAL)[k - 1] for s, k in zip(steps.scenario, steps.step)]
+    steps["eval_loss_plain"] = [
+        (plain or EVAL if s == sc.id else EVAL)[k - 1] for s, k in zip(steps.scenario, steps.step)
+    ]
     return t
 
 
@@ -136,8 +138,10 @@ def test_the_plain_eval_at_a_reference_runs_snapshots_is_its_own_eval_loss_bit_f
     run recorded: the two evaluate the same function of the same parameters on the same samples."""
     from harness.phases import run_matrix
 
-    runs = [Scenario("reference", "bn_mlp", 1, "replicated", "sgd", steps=3, feature="eval", micro_batches=4),
-            Scenario("reference", "mlp", 1, "replicated", "adamw", steps=3, feature="bf16+eval", micro_batches=2)]
+    runs = [
+        Scenario("reference", "bn_mlp", 1, "replicated", "sgd", steps=3, feature="eval", micro_batches=4),
+        Scenario("reference", "mlp", 1, "replicated", "adamw", steps=3, feature="bf16+eval", micro_batches=2),
+    ]
     steps = run_matrix(runs, pool=kept_worlds).tables["steps"]
     assert len(steps) == 6 and steps.eval_loss.notna().all()
     assert (steps.eval_loss == steps.eval_loss_plain).all(), steps[["scenario", "step", "eval_loss", "eval_loss_plain"]]
@@ -154,9 +158,20 @@ def test_a_missing_yardstick_or_no_eval_loss_is_a_failure_that_says_so():
 def _timeline(sc, phases, seen=None, **units):
     """A gathered table: `phases` (those `seen`, when given) on two ranks, one unit at most in forward,
     backward and eval unless `units` says otherwise."""
-    rows = [dict(scenario=sc.id, rank=r, phase=p, moments=5, which="x", root=False,
-                 units=units.get(p, 1 if p in ("forward", "backward", "eval") else 0))
-            for r in (0, 1) for p in phases if seen is None or p in seen]
+    rows = [
+        dict(
+            scenario=sc.id,
+            rank=r,
+            phase=p,
+            moments=5,
+            which="x",
+            root=False,
+            units=units.get(p, 1 if p in ("forward", "backward", "eval") else 0),
+        )
+        for r in (0, 1)
+        for p in phases
+        if seen is None or p in seen
+    ]
     return frame("gathered", rows)
 
 
@@ -175,8 +190,10 @@ def test_a_unit_left_gathered_after_the_eval_forward_fails_units_gathered_the_ro
     assert v.status == "fail" and "eval, after_eval" in v.message
 
 
-@pytest.mark.parametrize("impl, also, status", [("fsdp_impl", {}, "fail"), ("torch_fsdp2", {}, "known"),
-                                                ("torch_fsdp2", {"after_eval": 1}, "fail")])
+@pytest.mark.parametrize(
+    "impl, also, status",
+    [("fsdp_impl", {}, "fail"), ("torch_fsdp2", {}, "known"), ("torch_fsdp2", {"after_eval": 1}, "fail")],
+)
 def test_the_root_kept_after_the_eval_forward_is_fsdp2s_documented_deviation_and_only_that(impl, also, status):
     """FSDP2 keeps its root unsharded after a forward (pytorch #149029, #155319): KNOWN for it when that is
     the only problem, a failure for anyone else and for FSDP2 with a child unit left gathered too."""
@@ -195,25 +212,36 @@ def test_the_eval_forward_is_one_more_gather_of_the_parameters_and_no_more():
     t = _tables(sc, EVAL)
     p = int(t["scenarios"].param_elements.iloc[0])
     for gathers, status in ((3 * p, "pass"), (4 * p, "fail")):
-        t["comm"] = frame("comm", [
-            dict(scenario=s, collective=c, dtype="torch.float32", calls=1, elements=n, bytes=4 * n)
-            for s in t["scenarios"].scenario for c, n in (("all_gather", gathers), ("reduce_scatter", p))])
+        t["comm"] = frame(
+            "comm",
+            [
+                dict(scenario=s, collective=c, dtype="torch.float32", calls=1, elements=n, bytes=4 * n)
+                for s in t["scenarios"].scenario
+                for c, n in (("all_gather", gathers), ("reduce_scatter", p))
+            ],
+        )
         for col, value in (("sharded", True), ("trainable_elements", p)):
             t["scenarios"][col] = value
-        t["memory"] = pd.DataFrame([dict(scenario=s, rank=0, category="peak", bytes=1)
-                                    for s in t["scenarios"].scenario])
+        t["memory"] = pd.DataFrame(
+            [dict(scenario=s, rank=0, category="peak", bytes=1) for s in t["scenarios"].scenario]
+        )
         [v] = [v for v in resources.comm_volume(t) if v.scenario == sc.id]
         assert v.status == status, v
         assert "2P + P (the eval forward)" in v.message
 
 
-@pytest.mark.parametrize("impl, extra, grads_over, status", [
-    ("torch_fsdp2", "root", False, "known"),  # the root's own parameters, gathered: FSDP2's documented deviation
-    ("torch_fsdp2", "root+1", False, "fail"),  # more than the root could be
-    ("torch_fsdp2", "root", True, "fail"),  # and something else over too
-    ("fsdp_impl", "root", False, "fail")])  # anyone else
+@pytest.mark.parametrize(
+    "impl, extra, grads_over, status",
+    [
+        ("torch_fsdp2", "root", False, "known"),  # the root's own parameters, gathered: FSDP2's documented deviation
+        ("torch_fsdp2", "root+1", False, "fail"),  # more than the root could be
+        ("torch_fsdp2", "root", True, "fail"),  # and something else over too
+        ("fsdp_impl", "root", False, "fail"),
+    ],
+)  # anyone else
 def test_state_held_after_the_eval_pass_is_known_for_fsdp2_only_where_its_root_is_the_whole_excess(
-        impl, extra, grads_over, status):
+    impl, extra, grads_over, status
+):
     sc = Scenario(impl, "mlp", 2, "replicated", "adamw", steps=3, feature="eval")
     t = _tables(sc, EVAL)
     row = t["scenarios"][t["scenarios"].scenario == sc.id].iloc[0]
@@ -222,11 +250,18 @@ def test_state_held_after_the_eval_pass_is_known_for_fsdp2_only_where_its_root_i
     # the most the shard may hold (1% and the padding allowance), plus the root in full (plus one byte)
     limit = p // 2 * (1 + Bounds().memory_sharding_slack) + resources.shard_padding(row)
     params = int(limit) + root + (1 if extra == "root+1" else 0)
-    cats = {"state_params": params, "state_grads": p // 2 * (3 if grads_over else 1),
-            "state_optimizer_state": p, "state_other": 0, "state_buffers": 0}
-    t["memory"] = pd.DataFrame([dict(scenario=sc.id, rank=r, category=c, bytes=b) for r in (0, 1)
-                                for c, b in cats.items()])
+    cats = {
+        "state_params": params,
+        "state_grads": p // 2 * (3 if grads_over else 1),
+        "state_optimizer_state": p,
+        "state_other": 0,
+        "state_buffers": 0,
+    }
+    t["memory"] = pd.DataFrame(
+        [dict(scenario=sc.id, rank=r, category=c, bytes=b) for r in (0, 1) for c, b in cats.items()]
+    )
     [v] = [v for v in resources.memory_sharding(t) if v.scenario == sc.id]
     assert v.status == status, v
     assert ("root's own parameters kept gathered after the eval forward" in v.message) == (
-        extra == "root" and not grads_over)
+        extra == "root" and not grads_over
+    )

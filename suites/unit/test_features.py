@@ -23,19 +23,28 @@ def test_a_feature_is_compared_with_the_plain_model_doing_the_same():
     refs = {c.id for c in cells if c.impl == "reference"}
     # each with its noise probe: the same step on the two ranks' slices (split data at W = 2); with the
     # feature's own micro-batches 4 gradients are summed, so a second probe sums them in reverse order
-    assert refs == {"reference-mlp-ws1-replicated-sgd", "reference-mlp-ws1-replicated-sgd-accum",
-                    "reference-mlp-ws1-replicated-sgd-micro2", "reference-mlp-ws1-replicated-sgd-accum-micro2",
-                    "reference-mlp-ws1-replicated-sgd-accum-micro2rev"}
+    assert refs == {
+        "reference-mlp-ws1-replicated-sgd",
+        "reference-mlp-ws1-replicated-sgd-accum",
+        "reference-mlp-ws1-replicated-sgd-micro2",
+        "reference-mlp-ws1-replicated-sgd-accum-micro2",
+        "reference-mlp-ws1-replicated-sgd-accum-micro2rev",
+    }
     accum = next(c for c in cells if c.feature == "accum" and c.world_size == 2)
-    assert {d.id for d in accum.dependencies()} == {"reference-mlp-ws1-replicated-sgd-accum",
-                                                   "reference-mlp-ws1-replicated-sgd-accum-micro2",
-                                                   "reference-mlp-ws1-replicated-sgd-accum-micro2rev",
-                                                   "fsdp_impl-mlp-ws1-split-sgd-accum"}
+    assert {d.id for d in accum.dependencies()} == {
+        "reference-mlp-ws1-replicated-sgd-accum",
+        "reference-mlp-ws1-replicated-sgd-accum-micro2",
+        "reference-mlp-ws1-replicated-sgd-accum-micro2rev",
+        "fsdp_impl-mlp-ws1-split-sgd-accum",
+    }
     # beyond two ranks a second probe sums the slices in reverse order; replicated data has none
     at4 = Scenario("fsdp_impl", "mlp", 4, "split", "sgd", feature="ckpt", resume_from=8)
     assert [p.id for p in at4.noise_probes()] == [
-        "reference-mlp-ws1-replicated-sgd-micro4", "reference-mlp-ws1-replicated-sgd-micro4rev",
-        "reference-mlp-ws1-replicated-sgd-micro8", "reference-mlp-ws1-replicated-sgd-micro8rev"]
+        "reference-mlp-ws1-replicated-sgd-micro4",
+        "reference-mlp-ws1-replicated-sgd-micro4rev",
+        "reference-mlp-ws1-replicated-sgd-micro8",
+        "reference-mlp-ws1-replicated-sgd-micro8rev",
+    ]
     assert at4.replace(data_mode="replicated").noise_probes() == []
     # bf16 is compared with the rank-order micro-batch run itself: only the reversed probe is left to run
     bf16 = at4.replace(feature="bf16", resume_from=0)
@@ -44,8 +53,9 @@ def test_a_feature_is_compared_with_the_plain_model_doing_the_same():
 
 
 def test_a_row_stored_before_features_existed_reads_as_plain():
-    row = pd.Series({"impl": "fsdp_impl", "model": "mlp", "world_size": 2, "data_mode": "split",
-                     "optimizer": "adamw", "seed": 0})
+    row = pd.Series(
+        {"impl": "fsdp_impl", "model": "mlp", "world_size": 2, "data_mode": "split", "optimizer": "adamw", "seed": 0}
+    )
     assert Scenario.of_row(row).feature == "plain"
     assert Scenario.of_row(pd.Series({**row.to_dict(), "feature": "accum"})).feature == "accum"
 
@@ -78,14 +88,47 @@ def test_accumulated_micro_batches_give_the_whole_batch_gradient_up_to_rounding(
 def _comm_tables(feature: str, passes: int):
     p = 1000
     sc = Scenario("fsdp_impl", "mlp", 2, "replicated", "adamw", feature=feature)
-    scen = pd.DataFrame([{"scenario": sc.id, "impl": sc.impl, "model": sc.model, "world_size": 2,
-                          "data_mode": "replicated", "optimizer": "adamw", "seed": 0, "feature": feature,
-                          "status": "ok", "sharded": True, "param_bytes": 4 * p, "row_bytes": 0, "param_tensors": 1,
-                          "param_elements": p, "trainable_elements": p}])
-    comm = pd.DataFrame([{"scenario": sc.id, "collective": "all_gather", "dtype": "float32", "calls": 2 * passes,
-                          "elements": 2 * p * passes, "bytes": 8 * p * passes},
-                         {"scenario": sc.id, "collective": "reduce_scatter", "dtype": "float32", "calls": passes,
-                          "elements": p * passes, "bytes": 4 * p * passes}])
+    scen = pd.DataFrame(
+        [
+            {
+                "scenario": sc.id,
+                "impl": sc.impl,
+                "model": sc.model,
+                "world_size": 2,
+                "data_mode": "replicated",
+                "optimizer": "adamw",
+                "seed": 0,
+                "feature": feature,
+                "status": "ok",
+                "sharded": True,
+                "param_bytes": 4 * p,
+                "row_bytes": 0,
+                "param_tensors": 1,
+                "param_elements": p,
+                "trainable_elements": p,
+            }
+        ]
+    )
+    comm = pd.DataFrame(
+        [
+            {
+                "scenario": sc.id,
+                "collective": "all_gather",
+                "dtype": "float32",
+                "calls": 2 * passes,
+                "elements": 2 * p * passes,
+                "bytes": 8 * p * passes,
+            },
+            {
+                "scenario": sc.id,
+                "collective": "reduce_scatter",
+                "dtype": "float32",
+                "calls": passes,
+                "elements": p * passes,
+                "bytes": 4 * p * passes,
+            },
+        ]
+    )
     return {"scenarios": scen, "comm": comm}
 
 
@@ -127,7 +170,7 @@ def test_a_scenario_that_fails_as_the_plain_model_fails_is_the_models_limit_not_
 
     sc = Scenario("fsdp_impl", "bn_mlp", 2, "replicated", "adamw", feature="bf16")
     ref = sc.reference()
-    boom = "Traceback (most recent call last):\n  File \"m.py\", line 1\nRuntimeError: expected scalar type BFloat16 but found Float\n"
+    boom = 'Traceback (most recent call last):\n  File "m.py", line 1\nRuntimeError: expected scalar type BFloat16 but found Float\n'
     other = "Traceback (most recent call last):\nRuntimeError: shard offset out of range\n"
     tables = build_tables([ref, sc], {ref.id: {"error": boom}, sc.id: {"error": boom}})
     status = dict(zip(tables["scenarios"].scenario, tables["scenarios"].status))
@@ -139,7 +182,11 @@ def test_a_scenario_that_fails_as_the_plain_model_fails_is_the_models_limit_not_
     out = outcome(tables["scenarios"], pd.DataFrame(columns=["scenario", "check", "status", "message"]))
     assert out.word == "NOT RUN" and out.impls[0].unsupported == 1
     # raised on one rank of a larger world, the others reporting they failed too
-    multi = "rank 0 of World(8) failed:\n" + boom + "rank 7 failed too: RuntimeError: expected scalar type BFloat16 but found Float\n"
+    multi = (
+        "rank 0 of World(8) failed:\n"
+        + boom
+        + "rank 7 failed too: RuntimeError: expected scalar type BFloat16 but found Float\n"
+    )
     tables = build_tables([ref, sc], {ref.id: {"error": boom}, sc.id: {"error": multi}})
     assert dict(zip(tables["scenarios"].scenario, tables["scenarios"].status))[sc.id] == "unsupported"
     # another error than the plain model's is the implementation's own failure
@@ -172,8 +219,21 @@ def _clip_tables(ref_norms, norms, feature="clip"):
     cells.insert(0, cells[0].reference())
     scen, steps = [], []
     for sc, values in zip(cells, (ref_norms, norms)):
-        scen.append(dict(scenario=sc.id, impl=sc.impl, model=sc.model, world_size=sc.world_size, data_mode=sc.data_mode,
-                         optimizer=sc.optimizer, seed=0, feature=feature, status="ok", steps=sc.steps, lr=sc.lr))
+        scen.append(
+            dict(
+                scenario=sc.id,
+                impl=sc.impl,
+                model=sc.model,
+                world_size=sc.world_size,
+                data_mode=sc.data_mode,
+                optimizer=sc.optimizer,
+                seed=0,
+                feature=feature,
+                status="ok",
+                steps=sc.steps,
+                lr=sc.lr,
+            )
+        )
         steps += [dict(scenario=sc.id, step=k + 1, loss=1.0, clip_norm=v) for k, v in enumerate(values)]
     return {"scenarios": frame("scenarios", scen), "steps": frame("steps", steps)}, cells[1].id
 
@@ -183,7 +243,7 @@ def test_clip_acts_requires_clipping_to_act_and_the_global_norm():
 
     tables, sid = _clip_tables([0.5, 0.4, 0.3], [0.5, 0.4, 0.3])
     assert {v.scenario: v.status for v in clip_acts(tables)}[sid] == "pass"
-    tables, sid = _clip_tables([0.5, 0.4, 0.3], [0.5 / 2 ** 0.5, 0.4, 0.3])  # one rank's shard: off by sqrt(2)
+    tables, sid = _clip_tables([0.5, 0.4, 0.3], [0.5 / 2**0.5, 0.4, 0.3])  # one rank's shard: off by sqrt(2)
     v = {v.scenario: v for v in clip_acts(tables)}[sid]
     assert v.status == "fail" and v.step == 1 and v.param == "gradient norm"
     tables, sid = _clip_tables([0.5, 0.05, 0.3], [0.5, 0.05, 0.3])  # below max_norm 0.1 at step 2: never tested
@@ -226,14 +286,33 @@ def test_fsdp2_infinity_norm_on_an_empty_shard_is_the_one_documented_crash():
     empty; the same error from another implementation or feature, or another error, stays a FAIL."""
     from harness.checks.numeric import completed
 
-    error = ("rank 3 failed: RuntimeError: _foreach_norm cannot compute the infinity norm on an empty tensor "
-             "because the operation does not have an identity")
+    error = (
+        "rank 3 failed: RuntimeError: _foreach_norm cannot compute the infinity norm on an empty tensor "
+        "because the operation does not have an identity"
+    )
     rows = []
-    for impl, feature, text in (("torch_fsdp2", "clip_inf", error), ("fsdp_impl", "clip_inf", error),
-                                ("torch_fsdp2", "clip", error), ("torch_fsdp2", "clip_inf", "RuntimeError: other")):
+    for impl, feature, text in (
+        ("torch_fsdp2", "clip_inf", error),
+        ("fsdp_impl", "clip_inf", error),
+        ("torch_fsdp2", "clip", error),
+        ("torch_fsdp2", "clip_inf", "RuntimeError: other"),
+    ):
         sc = Scenario(impl, "mlp", 8, "replicated", "adamw", feature=feature)
-        rows.append(dict(scenario=sc.id, impl=impl, model="mlp", world_size=8, data_mode="replicated",
-                         optimizer="adamw", seed=0, feature=feature, status="error", error=text, failed_rank=3))
+        rows.append(
+            dict(
+                scenario=sc.id,
+                impl=impl,
+                model="mlp",
+                world_size=8,
+                data_mode="replicated",
+                optimizer="adamw",
+                seed=0,
+                feature=feature,
+                status="error",
+                error=text,
+                failed_rank=3,
+            )
+        )
     statuses = [v.status for v in completed({"scenarios": pd.DataFrame(rows)})]
     assert statuses == ["known", "fail", "fail", "fail"]
 
@@ -245,11 +324,28 @@ def test_the_features_option_reaches_the_matrix_and_refuses_a_bad_name():
 
     parser = argparse.ArgumentParser()
     options.add_matrix_arguments(parser.add_argument)
-    ns = parser.parse_args(["--world-sizes", "2", "--impl", "fsdp_impl", "--models", "mlp", "--data-modes", "split",
-                            "--optimizers", "sgd", "--features", "plain,no_sync"])
+    ns = parser.parse_args(
+        [
+            "--world-sizes",
+            "2",
+            "--impl",
+            "fsdp_impl",
+            "--models",
+            "mlp",
+            "--data-modes",
+            "split",
+            "--optimizers",
+            "sgd",
+            "--features",
+            "plain,no_sync",
+        ]
+    )
     ids = {s.id for s in options.matrix_from(ns).scenarios()}
-    assert {"fsdp_impl-mlp-ws2-split-sgd", "fsdp_impl-mlp-ws2-split-sgd-no_sync",
-            "reference-mlp-ws1-replicated-sgd-no_sync"} <= ids
+    assert {
+        "fsdp_impl-mlp-ws2-split-sgd",
+        "fsdp_impl-mlp-ws2-split-sgd-no_sync",
+        "reference-mlp-ws1-replicated-sgd-no_sync",
+    } <= ids
     with pytest.raises(argparse.ArgumentTypeError, match="unknown feature 'zero'; choose from plain, accum"):
         options.features("plain,zero")
     assert options.matrix_from(parser.parse_args([])).features == ("plain",)  # the default keeps today's step

@@ -49,8 +49,9 @@ PARENT = textwrap.dedent("""
 
 def _run_parent(mode: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", PARENT, mode], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)  # a server that kept its alive pipe would never end: no output
+    proc = subprocess.run(
+        [sys.executable, "-c", PARENT, mode], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )  # a server that kept its alive pipe would never end: no output
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -82,11 +83,14 @@ def test_the_cli_process_stays_single_threaded_through_its_imports_unless_the_us
     """numpy's OpenBLAS starts a thread pool at import where OMP_NUM_THREADS is unset (2 threads on 2
     cores), which would leave every CLI run the executed server; `python -m harness` asks for one thread
     first, and keeps a value the user set."""
-    code = ("import harness.__main__, os, harness.cli, numpy, torch\n"
-            "from harness.execute.forked_server import single_threaded\n"
-            "print(single_threaded(), os.environ['OMP_NUM_THREADS'])")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                                                             "MKL_NUM_THREADS")}
+    code = (
+        "import harness.__main__, os, harness.cli, numpy, torch\n"
+        "from harness.execute.forked_server import single_threaded\n"
+        "print(single_threaded(), os.environ['OMP_NUM_THREADS'])"
+    )
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+    }
     env["PYTHONPATH"] = str(ROOT)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["True", "1"], out.stdout + out.stderr

@@ -45,9 +45,21 @@ def assert_same_run(got: list, ref: list) -> None:
 
 # ------------------------------------------------------------------- the harness's FSDP2 adapter
 
-@pytest.mark.parametrize("feature, n", [  # 4 ranks: the CI tier's (--ci), but reshard2, which needs them
-    ("plain", 1), ("plain", 2), pytest.param("plain", 4, marks=pytest.mark.ci), ("hsdp", 2),
-    pytest.param("hsdp", 4, marks=pytest.mark.ci), ("bf16", 2), ("reshard2", 4), ("shard1", 2), ("offload", 2)])
+
+@pytest.mark.parametrize(
+    "feature, n",
+    [  # 4 ranks: the CI tier's (--ci), but reshard2, which needs them
+        ("plain", 1),
+        ("plain", 2),
+        pytest.param("plain", 4, marks=pytest.mark.ci),
+        ("hsdp", 2),
+        pytest.param("hsdp", 4, marks=pytest.mark.ci),
+        ("bf16", 2),
+        ("reshard2", 4),
+        ("shard1", 2),
+        ("offload", 2),
+    ],
+)
 def test_the_fsdp2_adapter_on_fsdp_impl_is_bitwise_the_fsdp_impl_adapter(world, feature, n):
     """harness/adapters/torch_fsdp2.py, code written for FSDP2 (a mesh made from the group, a 2-D
     (replicate, shard) mesh under hsdp, FSDP2's MixedPrecisionPolicy and OffloadPolicy objects, an int
@@ -65,9 +77,18 @@ def test_the_fsdp2_adapter_on_fsdp_impl_is_bitwise_the_fsdp_impl_adapter(world, 
 
 # --------------------------------------------------------------- a loop written for FSDP2
 
-@pytest.mark.parametrize("mesh", [  # 4 ranks: the CI tier's (--ci)
-    [1], [2], pytest.param([4], marks=pytest.mark.ci), [2, 1], pytest.param([2, 2], marks=pytest.mark.ci)],
-    ids=["1", "2", "4", "2x1", "2x2"])
+
+@pytest.mark.parametrize(
+    "mesh",
+    [  # 4 ranks: the CI tier's (--ci)
+        [1],
+        [2],
+        pytest.param([4], marks=pytest.mark.ci),
+        [2, 1],
+        pytest.param([2, 2], marks=pytest.mark.ci),
+    ],
+    ids=["1", "2", "4", "2x1", "2x2"],
+)
 def test_a_loop_written_for_fsdp2_is_bitwise_fsdp_impl_called_its_own_way(world, mesh):
     """fully_shard(block, mesh=init_device_mesh(...)) (2-D: ("replicate", "shard"), FSDP2's HSDP), the
     root at FSDP2's default reshard_after_forward, ``model.set_requires_gradient_sync`` for accumulation,
@@ -102,6 +123,7 @@ def test_the_loop_is_fsdp2_code_fsdp2_runs_it_alike_at_one_rank(world):
 
 
 # ----------------------------------------------------------------------- the module methods
+
 
 @pytest.fixture(scope="module")
 def method_runs(world):
@@ -153,6 +175,7 @@ def test_set_requires_gradient_sync_recurse_false_is_this_unit_only(world):
 
 
 # ------------------------------------------------------------------------------ refusals
+
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_fsdp2_forms_fsdp_impl_cannot_honour_are_refused_clearly(world, n):

@@ -45,8 +45,7 @@ def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
 def save_runs(world, tmp_path, payload: dict, sizes) -> dict[int, list]:
     """Per world size: the run that saved after step AT (to tmp_path/ws<n>) and went on to TOTAL,
     its full parameters after every step (index 0: initial)."""
-    return {n: run(world, n, "save_run", {**payload, "path": str(tmp_path / f"ws{n}")})[0]["params"]
-            for n in sizes}
+    return {n: run(world, n, "save_run", {**payload, "path": str(tmp_path / f"ws{n}")})[0]["params"] for n in sizes}
 
 
 # ------------------------------------------------------------------------- resuming, bitwise
@@ -59,9 +58,14 @@ def save_runs(world, tmp_path, payload: dict, sizes) -> dict[int, list]:
 DEFAULT_PAIRS = {("tinylm_tied", "adamw"): pytest.mark.ci, ("mlp_frozen", "sgd"): pytest.mark.ci}
 
 
-@pytest.mark.parametrize("model, optimizer", [
-    pytest.param(m, o, id=f"{m}-{o}", marks=DEFAULT_PAIRS.get((m, o), pytest.mark.slow))
-    for m in MODELS for o in OPTIMIZERS])
+@pytest.mark.parametrize(
+    "model, optimizer",
+    [
+        pytest.param(m, o, id=f"{m}-{o}", marks=DEFAULT_PAIRS.get((m, o), pytest.mark.slow))
+        for m in MODELS
+        for o in OPTIMIZERS
+    ],
+)
 def test_resumed_at_any_world_size_is_bitwise_the_uninterrupted_run(world, tmp_path, model, optimizer):
     lr, keys = OPTIMIZERS[optimizer]
     payload = {**MODELS[model], "optimizer": optimizer, "lr": lr, "at": AT, "total": TOTAL}
@@ -83,9 +87,15 @@ def test_resumed_at_any_world_size_is_bitwise_the_uninterrupted_run(world, tmp_p
                 assert rank_result[i]["state_shapes_ok"], f"{pair}: rank {r}'s optimizer state is not its rows"
 
 
-@pytest.mark.parametrize("save, load", [  # the load at 8 ranks: the CI tier's (--ci)
-    ((4, 2), (2, 1)), ((2, 1), (4, 2)), pytest.param((4, 2), (8, 4), marks=pytest.mark.ci)],
-    ids=["2x2->2", "2->2x2", "2x2->2x4"])
+@pytest.mark.parametrize(
+    "save, load",
+    [  # the load at 8 ranks: the CI tier's (--ci)
+        ((4, 2), (2, 1)),
+        ((2, 1), (4, 2)),
+        pytest.param((4, 2), (8, 4), marks=pytest.mark.ci),
+    ],
+    ids=["2x2->2", "2->2x2", "2x2->2x4"],
+)
 def test_hybrid_sharded_checkpoints_resume_anywhere(world, tmp_path, save, load):
     """HSDP: the replicas write the same rows once (DCP keeps one copy); a load at any mesh, hybrid
     or not, is bitwise the uninterrupted run (replicated data trains bitwise alike on every mesh)."""
@@ -102,8 +112,15 @@ def test_hybrid_sharded_checkpoints_resume_anywhere(world, tmp_path, save, load)
 
 def test_parameters_outside_every_unit_are_saved_whole(world, tmp_path):
     """The last layer in no unit (no root unit either): a plain tensor on every rank, saved once."""
-    payload = {"model": "mlp", "batch": 8, "plain_tail": True, "optimizer": "adamw", "lr": 0.02,
-               "at": AT, "total": TOTAL}
+    payload = {
+        "model": "mlp",
+        "batch": 8,
+        "plain_tail": True,
+        "optimizer": "adamw",
+        "lr": 0.02,
+        "at": AT,
+        "total": TOTAL,
+    }
     refs = save_runs(world, tmp_path, payload, [2, 3])
     for wl, ws in ((3, 2), (2, 3)):
         got = run(world, wl, "load_run", {**payload, "sources": [str(tmp_path / f"ws{ws}")]})[0][0]
@@ -143,7 +160,11 @@ def test_a_rank_reads_only_the_saved_files_its_rows_overlap(world, tmp_path):
         want = set()
         for rows in MLP_SIZES[1:]:  # each layer's weight and bias have its output size as rows
             lo, hi = row_range(rows, 2, r)
-            want |= {f"__{k}_0.distcp" for k in range(8) if max(lo, row_range(rows, 8, k)[0]) < min(hi, row_range(rows, 8, k)[1])}
+            want |= {
+                f"__{k}_0.distcp"
+                for k in range(8)
+                if max(lo, row_range(rows, 8, k)[0]) < min(hi, row_range(rows, 8, k)[1])
+            }
         assert want <= set(opened[r]), f"rank {r}: {opened[r]}"
         assert len(opened[r]) <= len(want) + 1 < 8, f"rank {r}: {opened[r]}"
 
@@ -163,6 +184,7 @@ def test_torch_dcp_with_get_and_set_state_dict_resumes_at_another_world_size(wor
 
 # ---------------------------------------------------------------------------------- refusals
 
+
 def test_a_checkpoint_that_does_not_fit_is_refused_in_one_line(world, tmp_path):
     base = {**MODELS["mlp"], "optimizer": "adamw", "lr": 0.02, "at": 1, "total": 1}
     for name, extra in (("good", {}), ("no_opt", {"with_optimizer": False})):
@@ -171,10 +193,16 @@ def test_a_checkpoint_that_does_not_fit_is_refused_in_one_line(world, tmp_path):
     os.remove(tmp_path / "missing" / "__1_0.distcp")
     (tmp_path / "empty").mkdir()
     cases = [
-        ({"model": "tinylm_tied"}, "good", ["a different model", "only in the checkpoint: 'layers.0.bias'",
-                                            "only here: 'blocks.0."]),
-        ({"sizes": [13, 37, 31, 7]}, "good",
-         ["a different model", "'layers.1.weight' is (31, 37) float32 here but (29, 37) float32 in the checkpoint"]),
+        (
+            {"model": "tinylm_tied"},
+            "good",
+            ["a different model", "only in the checkpoint: 'layers.0.bias'", "only here: 'blocks.0."],
+        ),
+        (
+            {"sizes": [13, 37, 31, 7]},
+            "good",
+            ["a different model", "'layers.1.weight' is (31, 37) float32 here but (29, 37) float32 in the checkpoint"],
+        ),
         ({"optimizer": "sgd"}, "good", ["AdamW", "SGD"]),
         ({}, "no_opt", ["holds no optimizer state", "optimizer=None"]),
         ({}, "missing", ["saved by 2 ranks", "is missing '__1_0.distcp'"]),
@@ -199,8 +227,9 @@ def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(world, tmp_path):
     (tmp_path / "ckpt" / "__1_0.distcp").mkdir(parents=True)
     messages = run(world, 2, "save_error", {**MODELS["mlp"], "path": str(tmp_path / "ckpt")})
     assert messages[0] == messages[1], messages
-    assert messages[0].startswith(f"save_sharded: cannot write the checkpoint at {tmp_path / 'ckpt'}: rank 1: "
-                                  f"IsADirectoryError: ")
+    assert messages[0].startswith(
+        f"save_sharded: cannot write the checkpoint at {tmp_path / 'ckpt'}: rank 1: IsADirectoryError: "
+    )
     assert "\n" not in messages[0] and "Traceback" not in messages[0]
     assert "fsdp_impl.json" not in os.listdir(tmp_path / "ckpt")
 

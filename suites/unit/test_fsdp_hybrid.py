@@ -33,6 +33,7 @@ MESH_IDS = [f"{r}x{s}" for r, s in MESHES]
 
 # ----------------------------------------------------------------------------------- fixtures
 
+
 @pytest.fixture(scope="module")
 def plain(world):
     """plain(payload) -> the PLAIN model trained at world size 1 (cached per payload)."""
@@ -69,12 +70,23 @@ def payload(model: str, **kw) -> dict:
 
 # ----------------------------------------------------------------------------- training
 
+
 # the mlp on every mesh (2x4, 8 ranks, with --ci); the tied model (its tie in the root unit) on the 2x2 mesh, its
 # other meshes repeating the mlp's with --slow
-@pytest.mark.parametrize("model, replicas, shards", [
-    pytest.param(model, r, s, id=f"{i}-{model}", marks=pytest.mark.slow if model != "mlp" and i != "2x2" else
-                 pytest.mark.ci if i == "2x4" else ())
-    for (r, s), i in zip(MESHES, MESH_IDS) for model in ("mlp", "tinylm_tied")])
+@pytest.mark.parametrize(
+    "model, replicas, shards",
+    [
+        pytest.param(
+            model,
+            r,
+            s,
+            id=f"{i}-{model}",
+            marks=pytest.mark.slow if model != "mlp" and i != "2x2" else pytest.mark.ci if i == "2x4" else (),
+        )
+        for (r, s), i in zip(MESHES, MESH_IDS)
+        for model in ("mlp", "tinylm_tied")
+    ],
+)
 def test_replicated_data_is_bitwise_world_size_one(world, plain, model, replicas, shards):
     ref = plain(payload(model))
     results = run(world, replicas, shards, "train", {**payload(model), "replicas": replicas})
@@ -86,8 +98,10 @@ def test_replicated_data_is_bitwise_world_size_one(world, plain, model, replicas
         assert got["calls"] == [{"flat": 0, "hybrid": got["reducing_units"]}] * 3, f"rank {rank}"
         # each rank holds its 1/S of every parameter's rows (by its position in its shard group)
         i = rank % shards
-        assert all(held == max(0, min(math.ceil(rows / shards), rows - i * math.ceil(rows / shards)))
-                   for rows, _, held in got["layouts"]), got["layouts"]
+        assert all(
+            held == max(0, min(math.ceil(rows / shards), rows - i * math.ceil(rows / shards)))
+            for rows, _, held in got["layouts"]
+        ), got["layouts"]
         assert got["numel_local"] == sum(row * held for _, row, held in got["layouts"])
     # the S ranks of a replica hold every parameter element once
     params = ref["params"][0]
@@ -96,8 +110,15 @@ def test_replicated_data_is_bitwise_world_size_one(world, plain, model, replicas
     assert max_diff(ref["params"][-1], ref["params"][0]) > 1e-4  # training moved the weights
 
 
-@pytest.mark.parametrize("replicas, shards", [  # 2x4 repeats 2x2 and 4x2 at 8 ranks: the CI tier's (--ci)
-    (2, 2), pytest.param(2, 4, marks=pytest.mark.ci), (4, 2)], ids=["2x2", "2x4", "4x2"])
+@pytest.mark.parametrize(
+    "replicas, shards",
+    [  # 2x4 repeats 2x2 and 4x2 at 8 ranks: the CI tier's (--ci)
+        (2, 2),
+        pytest.param(2, 4, marks=pytest.mark.ci),
+        (4, 2),
+    ],
+    ids=["2x2", "2x4", "4x2"],
+)
 def test_split_data_is_the_full_batch_mean(world, plain, replicas, shards):
     """SGD (the update is linear in the gradient, so a wrong scale shows): within SPLIT_BOUND of the
     full batch at W = 1 at every step, and bitwise the flat fsdp_impl at the same world size."""
@@ -160,6 +181,7 @@ def test_accumulation_with_sync_off_reduces_once(world, plain, model):
 
 # ------------------------------------------------------------------------ clipping, buffers, init
 
+
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 @pytest.mark.parametrize("replicas, shards", [(2, 1), (2, 2), (2, 4)], ids=["2x1", "2x2", "2x4"])
 def test_clip_grad_norm_is_the_global_norm(world, replicas, shards, norm_type):
@@ -196,13 +218,15 @@ def test_meta_init_is_bitwise_eager(world):
 
 # ------------------------------------------------------------------------------- groups
 
+
 def test_group_size_not_divisible_by_replicas_is_refused(world):
     for msg in run(world, 2, 2, "bad_replicas", 3):
         assert "4 ranks cannot be split into replicas=3" in msg and "positive divisor of 4" in msg
 
 
-@pytest.mark.parametrize("case, says", [("same_group", "share only this rank"),
-                                        ("crossed", "must hold the same shard")])
+@pytest.mark.parametrize(
+    "case, says", [("same_group", "share only this rank"), ("crossed", "must hold the same shard")]
+)
 def test_groups_not_in_the_hybrid_layout_are_refused(world, case, says):
     """Every rank raises (none is left waiting in a collective)."""
     for rank, msg in enumerate(run(world, 2, 2, "bad_layout", case)):

@@ -24,6 +24,7 @@ SPLIT_BOUND = 1e-6  # split data vs full batch, 5 SGD steps at lr 0.05: fp32 rou
 
 # ----------------------------------------------------------------------------------- fixtures
 
+
 @pytest.fixture(scope="module")
 def plain(world):
     """plain(payload) -> rank 0's result of training the PLAIN model (cached per payload)."""
@@ -50,6 +51,7 @@ MLP = {"model": "mlp", "batch": 8, "lr": 0.05}
 
 
 # ----------------------------------------------------------------------------- shard layout
+
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_each_rank_holds_exactly_its_rows_as_a_dtensor(world, n):
@@ -90,7 +92,9 @@ def test_uneven_rows_leave_a_rank_empty(world):
     for r, got in enumerate(results):
         for q in got["params"]:
             start, end = row_range(eager[q["name"]].shape[0], 8, r)
-            assert q["local_shape"] == (end - start, *eager[q["name"]].shape[1:]) and q["shape"] == eager[q["name"]].shape
+            assert (
+                q["local_shape"] == (end - start, *eager[q["name"]].shape[1:]) and q["shape"] == eager[q["name"]].shape
+            )
     assert sum(got["numel_local"] for got in results) == sum(v.size for v in eager.values())
 
 
@@ -127,6 +131,7 @@ def test_tied_weight_is_stored_once(world):
 
 
 # ----------------------------------------------------------------------- numerics vs plain
+
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_world_size_one_is_bitwise_equal_to_plain(world, plain, optimizer):
@@ -242,6 +247,7 @@ def test_a_dropped_model_leaves_nothing_alive(world, n):
 
 # ------------------------------------------------------------------ state dicts and meta init
 
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_full_state_dict_round_trip(world, n):
     results = run(world, n, "state_dicts_and_meta_init:state_dict_round_trip", {"model": "tinylm_tied", "batch": 4})
@@ -267,6 +273,7 @@ def test_meta_init_is_bitwise_identical_to_eager(world, n, model):
 
 # --------------------------------------------------------------------------- mixed precision
 
+
 def test_bf16_params_train_with_fp32_master_shards(world, plain):
     payload = {**MLP, "optimizer": "adamw", "lr": 0.02, "steps": 5}
     fp32_ref = plain(payload)
@@ -282,11 +289,14 @@ def test_bf16_params_train_with_fp32_master_shards(world, plain):
         assert got["padding_max"] == 0.0
 
 
-@pytest.mark.parametrize("mp, expected", [
-    ({}, ("torch.float32", "torch.float64")),
-    ({"reduce_dtype": "float32"}, ("torch.float32", "torch.float32")),
-    ({"param_dtype": "bfloat16", "reduce_dtype": "float64"}, ("torch.bfloat16", "torch.float64")),
-])
+@pytest.mark.parametrize(
+    "mp, expected",
+    [
+        ({}, ("torch.float32", "torch.float64")),
+        ({"reduce_dtype": "float32"}, ("torch.float32", "torch.float32")),
+        ({"param_dtype": "bfloat16", "reduce_dtype": "float64"}, ("torch.bfloat16", "torch.float64")),
+    ],
+)
 def test_reduce_dtype_is_honoured(world, mp, expected):
     for got in run(world, 2, "training:mixed_precision", {**MLP, "steps": 1, "mp": mp}):
         assert got["reduce_calls"] == [expected]
@@ -301,6 +311,7 @@ def test_fp32_reduce_still_matches_plain_with_replicated_data(world, plain):
 
 
 # ------------------------------------------------------------------------ training modes
+
 
 def test_reshard_after_forward_controls_what_stays_gathered(world):
     p = {"model": "tinylm", "batch": 4}
@@ -427,8 +438,9 @@ def test_clip_grad_norm_clips_by_the_global_norm(world, n, norm_type, via):
     gradients match torch's clipping of the plain model; bitwise at one rank, and for the infinity
     norm (a maximum) at any world size. fsdp_impl.clip_grad_norm_ (one all-reduce) and torch's own
     clip_grad_norm_ on the DTensor gradients alike."""
-    got = run(world, n, "training:clipped", {"model": "tinylm_tied", "max_norm": 0.05, "norm_type": norm_type,
-                                             "via": via})
+    got = run(
+        world, n, "training:clipped", {"model": "tinylm_tied", "max_norm": 0.05, "norm_type": norm_type, "via": via}
+    )
     norms = {g["fsdp"][0] for g in got}
     assert len(norms) == 1, norms  # every rank reports the same global norm
     (norm, grads), (plain_norm, plain_grads) = got[0]["fsdp"], got[0]["plain"]

@@ -16,8 +16,9 @@ SIZES = (1, 2, 4, 8)
 def _same(a: dict, b: dict, what: str) -> None:
     assert a["losses"] == b["losses"], f"{what}: losses {a['losses']} != {b['losses']}"
     for k in a["params"]:
-        assert np.array_equal(a["params"][k], b["params"][k]), \
+        assert np.array_equal(a["params"][k], b["params"][k]), (
             f"{what}: {k} max diff {np.max(np.abs(a['params'][k] - b['params'][k]))}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +34,16 @@ def reference(world):
     return get
 
 
-@pytest.mark.parametrize("optimizer, model", [  # the other two pairs: the CI tier's (--ci)
-    ("sgd", "mlp"), pytest.param("sgd", "tinylm_tied", marks=pytest.mark.ci),
-    pytest.param("adamw", "mlp", marks=pytest.mark.ci), ("adamw", "tinylm_tied")],
-    ids=["sgd-mlp", "sgd-tinylm_tied", "adamw-mlp", "adamw-tinylm_tied"])
+@pytest.mark.parametrize(
+    "optimizer, model",
+    [  # the other two pairs: the CI tier's (--ci)
+        ("sgd", "mlp"),
+        pytest.param("sgd", "tinylm_tied", marks=pytest.mark.ci),
+        pytest.param("adamw", "mlp", marks=pytest.mark.ci),
+        ("adamw", "tinylm_tied"),
+    ],
+    ids=["sgd-mlp", "sgd-tinylm_tied", "adamw-mlp", "adamw-tinylm_tied"],
+)
 def test_every_world_size_is_bitwise_the_tree_reference(world, reference, model, optimizer):
     p = {"model": model, "optimizer": optimizer, "micro": 8}
     want = reference(**p)
@@ -73,8 +80,14 @@ def test_the_invariant_l2_clip_keeps_every_world_size_bitwise(world, reference):
             _same(r, want, f"W={w} rank {rank}")
 
 
-@pytest.mark.parametrize("saved,resumed", [  # the two with 8 ranks: the CI tier's (--ci)
-    pytest.param(2, 8, marks=pytest.mark.ci), pytest.param(8, 1, marks=pytest.mark.ci), (4, 2)])
+@pytest.mark.parametrize(
+    "saved,resumed",
+    [  # the two with 8 ranks: the CI tier's (--ci)
+        pytest.param(2, 8, marks=pytest.mark.ci),
+        pytest.param(8, 1, marks=pytest.mark.ci),
+        (4, 2),
+    ],
+)
 def test_a_run_resumed_at_another_world_size_is_bitwise_the_uninterrupted_run(world, tmp_path, saved, resumed):
     """Parameters and optimizer state are element-wise, and a checkpoint moves them whole: 2 steps at one world
     size, saved, 2 more at another, is every step's loss and the final parameters of 4 uninterrupted steps."""
@@ -83,8 +96,11 @@ def test_a_run_resumed_at_another_world_size_is_bitwise_the_uninterrupted_run(wo
     path = str(tmp_path / "ckpt")
     first = world(saved).call(f"{TASKS}:train_part", {**p, "first": 1, "last": 2, "save": path})[0]
     second = world(resumed).call(f"{TASKS}:train_part", {**p, "first": 3, "last": 4, "load": path})[0]
-    _same({"losses": first["losses"] + second["losses"], "params": second["params"]}, whole,
-          f"saved at {saved}, resumed at {resumed}")
+    _same(
+        {"losses": first["losses"] + second["losses"], "params": second["params"]},
+        whole,
+        f"saved at {saved}, resumed at {resumed}",
+    )
 
 
 def test_replicated_data_is_the_tree_reference_at_every_world_size(world, reference):
@@ -101,7 +117,8 @@ def test_the_default_mode_is_not_invariant_with_split_data(world):
     p = {"model": "tinylm_tied", "micro": 8, "invariant": False}
     one, four = world(1).call(f"{TASKS}:train", p)[0], world(4).call(f"{TASKS}:train", p)[0]
     assert one["losses"] != four["losses"] or any(
-        not np.array_equal(one["params"][k], four["params"][k]) for k in one["params"])
+        not np.array_equal(one["params"][k], four["params"][k]) for k in one["params"]
+    )
 
 
 def test_micro_batches_that_do_not_make_a_tree_are_refused(world):

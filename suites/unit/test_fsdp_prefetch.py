@@ -23,8 +23,8 @@ def _index(events: list, kind: str, unit: str, **match) -> int:
 def test_the_next_unit_is_gathered_while_this_one_computes(world, n):
     for got in world(n).call(f"{TASKS}:events", {"model": "tinylm", "batch": 8, "steps": 3}):
         for step, events in enumerate(got["steps"], 1):
-            forward = events[:_index(events, "backward", "<root>")]
-            backward = events[len(forward):]
+            forward = events[: _index(events, "backward", "<root>")]
+            backward = events[len(forward) :]
             if step == 1:  # the first forward records the order: no prefetching before its end
                 assert not [e for e in forward if e[0] == "gather" and e[2]], forward
             for a, b in zip(ORDER, ORDER[1:]) if step > 1 else ():  # b's gather issued before a computes

@@ -19,6 +19,7 @@ from fsdp_impl.sharding import chunk_rows, local_rows, padded_rows, row_range
 
 # ------------------------------------------------------------------------ brute-force model
 
+
 def brute_owners(rows: int, world: int) -> tuple[list[int], int]:
     """(owner rank of every row, rows per padded chunk): the smallest equal chunk that covers all
     rows, chunks handed out in rank order."""
@@ -29,6 +30,7 @@ def brute_owners(rows: int, world: int) -> tuple[list[int], int]:
 
 
 # --------------------------------------------------------------------------------- by hand
+
 
 def test_ten_rows_on_three_ranks():
     assert chunk_rows(10, 3) == 4  # ceil(10 / 3)
@@ -45,9 +47,20 @@ def test_a_rank_may_hold_no_row():
     assert [local_rows(9, 8, r) for r in range(8)] == [2, 2, 2, 2, 1, 0, 0, 0]
 
 
-@pytest.mark.parametrize("rows, world, chunk", [
-    (12, 3, 4), (13, 4, 4), (16, 4, 4), (17, 4, 5), (1, 8, 1), (7, 8, 1), (9, 8, 2), (5, 1, 5), (0, 4, 0),
-])
+@pytest.mark.parametrize(
+    "rows, world, chunk",
+    [
+        (12, 3, 4),
+        (13, 4, 4),
+        (16, 4, 4),
+        (17, 4, 5),
+        (1, 8, 1),
+        (7, 8, 1),
+        (9, 8, 2),
+        (5, 1, 5),
+        (0, 4, 0),
+    ],
+)
 def test_chunk_is_ceil_and_padding_below_world_size(rows, world, chunk):
     assert chunk_rows(rows, world) == chunk
     assert padded_rows(rows, world) == chunk * world
@@ -66,6 +79,7 @@ def test_rank_outside_the_world_is_rejected():
 
 
 # ------------------------------------------------------------------- against brute force
+
 
 def _random_cases(n: int) -> list[tuple[int, int]]:
     rng = random.Random(20240617)
@@ -96,9 +110,16 @@ def test_dtensor_shard0_holds_the_same_rows(rows, world):
             assert offset == start, f"rank {r}"
 
 
-@pytest.mark.parametrize("shapes, world", [
-    ([(7, 3), (5,)], 4), ([(37, 13), (37,)], 3), ([(61, 32), (8, 4, 2)], 8), ([(1,), (2, 2)], 2), ([(9, 2)], 1),
-])
+@pytest.mark.parametrize(
+    "shapes, world",
+    [
+        ([(7, 3), (5,)], 4),
+        ([(37, 13), (37,)], 3),
+        ([(61, 32), (8, 4, 2)], 8),
+        ([(1,), (2, 2)], 2),
+        ([(9, 2)], 1),
+    ],
+)
 def test_chunk_cat_sends_each_rank_its_rows(shapes, world):
     """The reduction's send buffer (torch._chunk_cat, as group.py builds it): row r of it holds, for
     every parameter in order, rank r's rows followed by zero rows up to the chunk."""
@@ -125,7 +146,7 @@ def test_a_reduction_at_world_size_one_skips_only_casts_that_change_no_value():
         assert holds_exactly(wide, narrow), (wide, narrow)
     for wide, narrow in [(f32, f64), (bf16, f32), (f16, f32), (bf16, f16), (f16, bf16)]:
         assert not holds_exactly(wide, narrow), (wide, narrow)
-    x = torch.tensor([1 + 2 ** -20, 3e38, 1e-40], dtype=f32)  # rounds in bf16; overflows fp16; subnormal
+    x = torch.tensor([1 + 2**-20, 3e38, 1e-40], dtype=f32)  # rounds in bf16; overflows fp16; subnormal
     for wide in (f64, f32):
         assert torch.equal(x.to(wide).to(f32), x)
     assert not torch.equal(x.to(bf16).to(f32), x) and not torch.equal(x.to(f16).to(f32), x)

@@ -16,7 +16,6 @@ import torch
 from harness import options as opt
 from harness.gate.baseline import save_baseline
 from harness.report import markdown as report
-from harness.report import plots
 from harness.tables.store import OutputError, load_tables, save_tables, write_text_atomic
 
 from . import synthetic_tables as syn
@@ -31,6 +30,7 @@ def _refused(parse, text: str) -> str:
 
 
 # -- numbers ---------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("text", ["inf", "-inf", "nan", "1e309", "0", "-1"])
 def test_lr_and_bounds_must_be_finite_and_positive(text):
@@ -64,6 +64,7 @@ def test_the_longest_scenario_timeout_is_one_a_worker_wait_accepts():
 
 # -- paths -----------------------------------------------------------------------------------------
 
+
 def test_a_report_path_too_long_for_the_file_system_is_one_line(tmp_path):
     name_max = os.pathconf(tmp_path, "PC_NAME_MAX")
     message = _refused(opt.report_path, str(tmp_path / ("a" * (name_max + 1)) / "r.md"))
@@ -72,6 +73,7 @@ def test_a_report_path_too_long_for_the_file_system_is_one_line(tmp_path):
 
 
 # -- features and world sizes ----------------------------------------------------------------------
+
 
 def test_hsdp_needs_world_sizes_that_divide_into_its_replicas():
     from harness.core.scenario import HSDP_REPLICAS, hsdp_mesh
@@ -87,8 +89,10 @@ def test_hsdp_needs_world_sizes_that_divide_into_its_replicas():
 
 # -- seeds -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text", ["99999999999999999999", "9223372036854775808", "-9223372036854775809",
-                                  "0,18446744073709551615"])
+
+@pytest.mark.parametrize(
+    "text", ["99999999999999999999", "9223372036854775808", "-9223372036854775809", "0,18446744073709551615"]
+)
 def test_seeds_outside_64_bit_signed_are_refused_naming_the_range(text):
     message = _refused(opt.seeds, text)
     assert "-9223372036854775808 to 9223372036854775807" in message
@@ -110,6 +114,7 @@ def test_the_seed_range_is_what_torch_and_the_stored_tables_take(tmp_path):
 
 
 # -- steps -----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("text", ["1", "0", "-3"])
 def test_steps_must_be_at_least_two(text):
@@ -157,19 +162,23 @@ def test_the_cli_and_plugin_use_the_name_parser_for_save_baseline():
 
 # -- output errors ---------------------------------------------------------------------------------
 
+
 def _os_error(code: int, when=lambda *args: True, real=None):
     """A stand-in for an os / pathlib call that fails with `code` when `when(*args)` holds."""
+
     def call(*args, **kwargs):
         if when(*args):
             raise OSError(code, os.strerror(code), str(args[0]) if args else None)
         return real(*args, **kwargs)
+
     return call
 
 
 def _state(directory: Path) -> dict[str, bytes]:
     """Every file under `directory` (hidden temp and backup entries included) and its bytes."""
-    return {str(p.relative_to(directory)): p.read_bytes() if p.is_file() else b"<dir>"
-            for p in sorted(directory.rglob("*"))}
+    return {
+        str(p.relative_to(directory)): p.read_bytes() if p.is_file() else b"<dir>" for p in sorted(directory.rglob("*"))
+    }
 
 
 def _one_line(err: pytest.ExceptionInfo, path: Path, reason: str) -> None:
@@ -312,15 +321,17 @@ def test_the_torch_free_names_are_the_registries():
 def test_a_usage_error_imports_no_torch():
     import subprocess
     import sys
-    code = ("import sys; from harness.cli import main\n"
-            "try: main(['run', '--impl', 'fsdp_impl', '--models', 'mlp', '--data-modes', 'split',"
-            " '--world-sizes', '1,3'])\n"
-            "except SystemExit: pass\n"
-            "print('torch' in sys.modules)")
+
+    code = (
+        "import sys; from harness.cli import main\n"
+        "try: main(['run', '--impl', 'fsdp_impl', '--models', 'mlp', '--data-modes', 'split',"
+        " '--world-sizes', '1,3'])\n"
+        "except SystemExit: pass\n"
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
     assert "divisible" in out.stderr
-
 
 
 def test_a_pytest_usage_error_imports_neither_torch_nor_pandas():
@@ -329,6 +340,7 @@ def test_a_pytest_usage_error_imports_neither_torch_nor_pandas():
     run and of every pytest run that selects no harness test)."""
     import subprocess
     import sys
+
     code = "import sys, harness.plugin; print(sorted(m for m in ('torch', 'pandas') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
@@ -340,11 +352,15 @@ def test_the_process_that_judges_a_run_imports_no_rank_side_measurement():
     not DTensor or torch's memory tracker (1.3 s of every CLI and pytest start), which only ranks use."""
     import subprocess
     import sys
-    code = ("import sys, harness.session, harness.checks.resources, harness.tables.build, harness.measure\n"
-            "from harness.measure import ideal_state_bytes, ideal_comm_elements\n"
-            "print(sorted(m for m in ('torch.distributed.tensor', 'torch.distributed._tools') if m in sys.modules))")
+
+    code = (
+        "import sys, harness.session, harness.checks.resources, harness.tables.build, harness.measure\n"
+        "from harness.measure import ideal_state_bytes, ideal_comm_elements\n"
+        "print(sorted(m for m in ('torch.distributed.tensor', 'torch.distributed._tools') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
 
 def test_each_output_is_staged_beside_its_destination_so_file_systems_may_differ(tmp_path, monkeypatch):
     """A report on one file system (a tmpfs /tmp) and the baselines on another: os.replace cannot
@@ -353,6 +369,7 @@ def test_each_output_is_staged_beside_its_destination_so_file_systems_may_differ
     import os
 
     from harness.tables import store
+
     real_replace = os.replace
 
     def replace_within_one_folder(src, dst):
@@ -372,6 +389,7 @@ def test_each_output_is_staged_beside_its_destination_so_file_systems_may_differ
 
 def test_a_failed_baseline_write_leaves_no_new_empty_folder(tmp_path, monkeypatch):
     from harness.tables import store
+
     monkeypatch.chdir(tmp_path)
 
     def refuse(src, dst):

@@ -28,10 +28,15 @@ def test_jitter_composes_and_is_compared_with_the_same_run_without_it():
     assert sc.factor_twin().feature == "plain"
     # the plain model drops it too: delays change nothing in one process
     assert Scenario("reference", "mlp", 1, "replicated", "adamw", feature="jitter").reference().feature == "plain"
-    ids = {s.id for s in build_matrix(["fsdp_impl"], ["mlp"], [2], ["replicated"], ["adamw"], steps=3,
-                                      features=("jitter",))}
-    assert {"fsdp_impl-mlp-ws2-replicated-adamw-jitter", "fsdp_impl-mlp-ws2-replicated-adamw",
-            "fsdp_impl-mlp-ws1-replicated-adamw"} <= ids
+    ids = {
+        s.id
+        for s in build_matrix(["fsdp_impl"], ["mlp"], [2], ["replicated"], ["adamw"], steps=3, features=("jitter",))
+    }
+    assert {
+        "fsdp_impl-mlp-ws2-replicated-adamw-jitter",
+        "fsdp_impl-mlp-ws2-replicated-adamw",
+        "fsdp_impl-mlp-ws1-replicated-adamw",
+    } <= ids
     assert "fsdp_impl-mlp-ws1-replicated-adamw-jitter" not in ids
 
 
@@ -86,15 +91,39 @@ def test_bitwise_difference_names_the_first_element_and_tells_signed_zeros_apart
 def _tables(losses, calm_losses, calm_step=math.nan, delays=5):
     sc = Scenario("fsdp_impl", "mlp", 2, "replicated", "adamw", steps=3, feature="jitter")
     calm = sc.calm()
-    ids = dict(impl="fsdp_impl", model="mlp", world_size=2, data_mode="replicated", optimizer="adamw", seed=0,
-               status="ok", steps=3)
-    scen = pd.DataFrame([{**ids, "scenario": sc.id, "feature": "jitter", "calm_step": calm_step,
-                          "calm_param": "layers.1.weight" if calm_step == calm_step else "",
-                          "calm_element": "(0, 1): 0.5 vs 0.25; 1 of 8 elements differ", "calm_compared": 4},
-                         {**ids, "scenario": calm.id, "feature": "plain"}], columns=columns("scenarios"))
-    steps = pd.DataFrame([{"scenario": s, "step": k + 1, "loss": loss, "jitter_delays": d, "jitter_s": 0.01 * d}
-                          for s, ls, d in ((sc.id, losses, delays), (calm.id, calm_losses, 0))
-                          for k, loss in enumerate(ls)], columns=columns("steps"))
+    ids = dict(
+        impl="fsdp_impl",
+        model="mlp",
+        world_size=2,
+        data_mode="replicated",
+        optimizer="adamw",
+        seed=0,
+        status="ok",
+        steps=3,
+    )
+    scen = pd.DataFrame(
+        [
+            {
+                **ids,
+                "scenario": sc.id,
+                "feature": "jitter",
+                "calm_step": calm_step,
+                "calm_param": "layers.1.weight" if calm_step == calm_step else "",
+                "calm_element": "(0, 1): 0.5 vs 0.25; 1 of 8 elements differ",
+                "calm_compared": 4,
+            },
+            {**ids, "scenario": calm.id, "feature": "plain"},
+        ],
+        columns=columns("scenarios"),
+    )
+    steps = pd.DataFrame(
+        [
+            {"scenario": s, "step": k + 1, "loss": loss, "jitter_delays": d, "jitter_s": 0.01 * d}
+            for s, ls, d in ((sc.id, losses, delays), (calm.id, calm_losses, 0))
+            for k, loss in enumerate(ls)
+        ],
+        columns=columns("steps"),
+    )
     return {"scenarios": scen, "steps": steps}, sc, calm
 
 

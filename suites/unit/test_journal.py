@@ -7,8 +7,8 @@ import pytest
 
 from harness.core.scenario import Scenario, build_matrix
 from harness.execute.executor import execute
-from harness.phases import run_matrix
 from harness.execute.journal import Journal, JournalMismatch
+from harness.phases import run_matrix
 
 
 class CountingPool:
@@ -65,6 +65,7 @@ def test_a_real_matrix_read_back_from_its_journal_gives_the_same_verdicts(tmp_pa
             raise AssertionError(f"{sc.id} ran again")
 
     again = run_matrix(cells, pool=NoWorlds(), journal=Journal(tmp_path / "j", "abc123"))
-    assert [(v.scenario, v.check, v.status, v.measured) for v in again.verdicts] == \
-        [(v.scenario, v.check, v.status, v.measured) for v in first.verdicts]
+    assert [(v.scenario, v.check, v.status, v.measured) for v in again.verdicts] == [
+        (v.scenario, v.check, v.status, v.measured) for v in first.verdicts
+    ]
     assert again.wall_s >= 0.5 * first.wall_s  # the time the records took to make is counted (runs dominate)

@@ -28,6 +28,7 @@ def _refused(fn, *args) -> str:
 
 # -- world size ------------------------------------------------------------------------------------
 
+
 def test_the_largest_world_size_is_what_fits_the_machine_memory():
     sizes = {"tinylm": limits.model_size("tinylm")}
     per_rank = limits.RANK_OVERHEAD_BYTES + limits.RANK_MODEL_COPIES * sizes["tinylm"].param_bytes
@@ -40,13 +41,16 @@ def test_the_largest_world_size_is_what_fits_the_machine_memory():
 
 def test_a_larger_model_leaves_room_for_fewer_ranks():
     small, large = limits.model_size("mlp"), limits.model_size("lm_50m")
-    most = lambda s: limits.machine_memory_bytes() // (  # noqa: E731
-        limits.RANK_OVERHEAD_BYTES + limits.RANK_MODEL_COPIES * s.param_bytes)
+
+    def most(s):
+        return limits.machine_memory_bytes() // (limits.RANK_OVERHEAD_BYTES + limits.RANK_MODEL_COPIES * s.param_bytes)
+
     assert most(large) < most(small)
     _refused(limits.check_world_sizes, (most(large) + 1,), {"mlp": small, "lm_50m": large})
 
 
 # -- steps -----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["mlp", "tinylm_tied"])
 def test_the_snapshot_size_is_what_a_snapshot_file_of_the_model_takes(name):
@@ -80,10 +84,12 @@ def test_the_run_files_grow_by_one_snapshot_per_step_and_scenario():
     # split data writes no gradient file; the reference trains on replicated data and writes one
     refs = sum(s.data_mode == "replicated" for s in scenarios)
     assert per_step == len(scenarios) * sizes["mlp"].snapshot_bytes + refs * (
-        sizes["mlp"].trainable_bytes + sizes["mlp"].snapshot_bytes - sizes["mlp"].param_bytes)
+        sizes["mlp"].trainable_bytes + sizes["mlp"].snapshot_bytes - sizes["mlp"].param_bytes
+    )
 
 
 # -- planner ---------------------------------------------------------------------------------------
+
 
 def test_the_planner_stops_at_the_models_largest_dim_0_where_the_state_stops_falling():
     from harness.plan.table import plan_table
@@ -98,6 +104,7 @@ def test_the_planner_stops_at_the_models_largest_dim_0_where_the_state_stops_fal
 
 
 # -- the temp dir ----------------------------------------------------------------------------------
+
 
 def test_a_tmpdir_that_cannot_take_a_file_is_named(monkeypatch, tmp_path):
     a_file = tmp_path / "a_file"
@@ -142,6 +149,7 @@ def test_a_rank_that_hits_a_full_temp_dir_ends_the_call_with_that_error():
 
 # -- preflight -------------------------------------------------------------------------------------
 
+
 def test_allow_large_lifts_the_limits_but_not_the_temp_dir_check(monkeypatch, tmp_path):
     huge = MatrixOptions(impls=("fsdp_impl",), models=("mlp",), world_sizes=(1, 10**6), data_modes=("replicated",))
     assert "ranks fit this machine's memory" in _refused(preflight.check, huge)
@@ -168,8 +176,9 @@ def test_model_sizes_on_meta_without_fills_are_those_of_the_model_built_for_real
     assert size.largest_rows == max(p.shape[0] if p.dim() else 1 for _, p in params)
     with torch.device("meta"), limits._no_fills_on_meta():
         meta = get_model_spec(model).build()
-    assert [(n, p.shape, p.dtype, p.requires_grad) for n, p in meta.named_parameters()] == \
-        [(n, p.shape, p.dtype, p.requires_grad) for n, p in params]
+    assert [(n, p.shape, p.dtype, p.requires_grad) for n, p in meta.named_parameters()] == [
+        (n, p.shape, p.dtype, p.requires_grad) for n, p in params
+    ]
 
 
 @pytest.mark.ci  # a fresh interpreter
@@ -179,7 +188,9 @@ def test_model_sizes_need_no_torch_dynamo_import():
     import subprocess
     import sys
 
-    code = (f"import sys; from harness.limits import model_size\nfor m in {SIZED!r}: model_size(m)\n"
-            "print('torch._dynamo' in sys.modules)")
+    code = (
+        f"import sys; from harness.limits import model_size\nfor m in {SIZED!r}: model_size(m)\n"
+        "print('torch._dynamo' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stdout + out.stderr

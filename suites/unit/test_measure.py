@@ -107,7 +107,6 @@ def _thread_collectives() -> list[dict]:
     import threading
 
     import torch.distributed as dist
-
     import torch.distributed._functional_collectives as funcol
 
     def other_thread() -> None:
@@ -128,8 +127,8 @@ def _thread_collectives() -> list[dict]:
 
 def _solo(group) -> list[dict]:
     """Collectives over a group of one rank (c10d and functional): recorded with ranks 1."""
-    from torch.distributed import _functional_collectives as funcol
     import torch.distributed as dist
+    from torch.distributed import _functional_collectives as funcol
 
     with CommCounter() as cc:
         dist.all_gather_into_tensor(torch.empty(AG_N), torch.ones(AG_N), group=group)
@@ -210,7 +209,8 @@ def test_raw_collectives_counted_with_full_tensor_bytes(world):
 def test_raw_collectives_counted_per_element_type_in_elements_and_bytes(world):
     rows = {(r["collective"], r["dtype"]): (r["calls"], r["elements"], r["bytes"]) for r in world[0]["raw"]}
     assert rows == {
-        ("all_gather", "float64"): (1, W * AG_N, W * AG_N * 8), ("all_gather", "float32"): (1, W * FAG_N, W * FAG_N * 4),
+        ("all_gather", "float64"): (1, W * AG_N, W * AG_N * 8),
+        ("all_gather", "float32"): (1, W * FAG_N, W * FAG_N * 4),
         ("reduce_scatter", "float32"): (2, W * RS_N + W * FRS_N, (W * RS_N + W * FRS_N) * 4),
         ("all_reduce", "int64"): (2, 2 * AR_N, 2 * AR_N * 8),
         ("all_reduce", "float32"): (2, FAR_N + BK_N, (FAR_N + BK_N) * 4),
@@ -230,9 +230,12 @@ def test_collectives_from_another_thread_are_counted_once(world):
     for rank in range(W):
         rows = {(r["collective"], r["dtype"]): (r["calls"], r["elements"]) for r in world[rank]["threads"]}
         assert rows == {
-            ("all_gather", "float64"): (1, W * AG_N), ("reduce", "float32"): (1, RS_N),
-            ("gather", "float32"): (1, W * FAG_N), ("all_reduce", "int64"): (1, AR_N),
-            ("all_reduce", "float32"): (1, FAR_N), ("broadcast", "float32"): (1, BK_N),
+            ("all_gather", "float64"): (1, W * AG_N),
+            ("reduce", "float32"): (1, RS_N),
+            ("gather", "float32"): (1, W * FAG_N),
+            ("all_reduce", "int64"): (1, AR_N),
+            ("all_reduce", "float32"): (1, FAR_N),
+            ("broadcast", "float32"): (1, BK_N),
         }, rank
 
 
@@ -289,8 +292,7 @@ def test_census_ddp_equals_unsharded(world):
 
 def test_ideal_state_bytes():
     assert ideal_state_bytes(800, "adamw", 4) == {"params": 200, "grads": 200, "optimizer_state": 400}
-    assert ideal_state_bytes(800, "sgd", 4, sharded=False) == {"params": 800, "grads": 800,
-                                                               "optimizer_state": 800}
+    assert ideal_state_bytes(800, "sgd", 4, sharded=False) == {"params": 800, "grads": 800, "optimizer_state": 800}
     with pytest.raises(ValueError):
         ideal_state_bytes(800, "lion", 2)
 
@@ -358,8 +360,7 @@ def test_plan_memory_fake_step_gives_peak_that_falls():
     from harness.plan.memory import fsdp2_wrap, plan_memory
 
     widths = (32, 64, 64, 32)
-    rows = plan_memory(lambda: mlp(widths), fsdp2_wrap, [1, 4], "adamw",
-                       make_batch=lambda: torch.randn(2, widths[0]))
+    rows = plan_memory(lambda: mlp(widths), fsdp2_wrap, [1, 4], "adamw", make_batch=lambda: torch.randn(2, widths[0]))
     assert [r["mode"] for r in rows] == ["fake-step", "fake-step"], [r["note"] for r in rows]
     w1, w4 = rows
     assert w1["params"] == full_bytes(widths) and w4["params"] == full_bytes(widths) // 4

@@ -6,11 +6,17 @@ import pytest
 import torch
 from torch import nn
 
+from harness.optimizers import make_optimizer
 from harness.train.data import global_batch, local_slice
 from harness.train.models import MODELS, LMConfig, TransformerLM, get_model_spec, materialize_meta
-from harness.optimizers import make_optimizer
 
-SMALL = ["mlp", "mlp_frozen", "tinylm", "tinylm_tied", "tied_vocab33"]  # gpt2_medium and lm_50m are only ever built on meta here
+SMALL = [
+    "mlp",
+    "mlp_frozen",
+    "tinylm",
+    "tinylm_tied",
+    "tied_vocab33",
+]  # gpt2_medium and lm_50m are only ever built on meta here
 
 
 def _build(name: str, seed: int) -> nn.Module:
@@ -72,7 +78,7 @@ def test_parameter_count_matches_architecture(name):
     if isinstance(model, TransformerLM):
         assert numel == _expected_numel(model.cfg)
     else:
-        assert numel == sum(l.in_features * l.out_features + l.out_features for l in model.layers)
+        assert numel == sum(lin.in_features * lin.out_features + lin.out_features for lin in model.layers)
 
 
 def test_mlp_frozen_is_the_mlp_with_its_first_layer_frozen():
@@ -204,11 +210,14 @@ def test_replicated_slice_is_everything():
     assert torch.equal(lx, x) and torch.equal(ly, y) and torch.equal(idx, torch.arange(12))
 
 
-@pytest.mark.parametrize("args, match", [
-    ((0, 4, "split"), "divisible"),
-    ((0, 2, "shuffled"), "unknown data mode"),
-    ((4, 4, "split"), "outside world size"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((0, 4, "split"), "divisible"),
+        ((0, 2, "shuffled"), "unknown data mode"),
+        ((4, 4, "split"), "outside world size"),
+    ],
+)
 def test_local_slice_rejects_bad_arguments(args, match):
     x, y = global_batch(get_model_spec("mlp"), 6, 0, 0)
     with pytest.raises(ValueError, match=match):

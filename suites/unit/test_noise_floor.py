@@ -16,28 +16,68 @@ TIER = Bounds().split_bound("adamw", RUN.lr, 3)
 NOISY, HEALTHY = "blocks.0.attn.in_proj_bias", "blocks.0.fc.weight"
 
 
-def tables(run_diffs: dict, probe_floor: dict, *, batch_stats: str = "", probes=None, run=RUN,
-           probe_diffs: dict | None = None, from_step: int = 2):
+def tables(
+    run_diffs: dict,
+    probe_floor: dict,
+    *,
+    batch_stats: str = "",
+    probes=None,
+    run=RUN,
+    probe_diffs: dict | None = None,
+    from_step: int = 2,
+):
     """The run, its reference and its probes over 3 steps; `run_diffs` / `probe_floor`: param -> diff_ref
     reached at `from_step` (0 before); `probe_diffs`: param -> the run's diff_probe from then on."""
     probes = run.noise_probes() if probes is None else probes
     cells = [(run.reference(), {}, {}), *[(p, probe_floor, {}) for p in probes], (run, run_diffs, probe_diffs or {})]
     scen, steps, params = [], [], []
     for sc, diffs, dprobe in cells:
-        head = dict(scenario=sc.id, impl=sc.impl, model=sc.model, world_size=sc.world_size, data_mode=sc.data_mode,
-                    optimizer=sc.optimizer, seed=sc.seed, feature=sc.feature, resume_from=sc.resume_from,
-                    micro_batches=sc.micro_batches, reverse_micro=sc.reverse_micro, nudge=sc.nudge)
+        head = dict(
+            scenario=sc.id,
+            impl=sc.impl,
+            model=sc.model,
+            world_size=sc.world_size,
+            data_mode=sc.data_mode,
+            optimizer=sc.optimizer,
+            seed=sc.seed,
+            feature=sc.feature,
+            resume_from=sc.resume_from,
+            micro_batches=sc.micro_batches,
+            reverse_micro=sc.reverse_micro,
+            nudge=sc.nudge,
+        )
         scen.append(dict(head, steps=3, lr=sc.lr, status="ok", error="", batch_stats=batch_stats))
         for k in (1, 2, 3):
             at = {p: (d if k >= from_step else 0.0) for p, d in diffs.items()}
             atp = {p: (d if k >= from_step else 0.0) for p, d in dprobe.items()}
             for p in (NOISY, HEALTHY):
-                params.append(dict(scenario=sc.id, step=k, param=p, numel=4, diff_ref=at.get(p, 0.0),
-                                   diff_ws1=0.0, sum=1.0, diff_probe=atp.get(p, 0.0)))
+                params.append(
+                    dict(
+                        scenario=sc.id,
+                        step=k,
+                        param=p,
+                        numel=4,
+                        diff_ref=at.get(p, 0.0),
+                        diff_ws1=0.0,
+                        sum=1.0,
+                        diff_probe=atp.get(p, 0.0),
+                    )
+                )
             worst = max((NOISY, HEALTHY), key=lambda p: at.get(p, 0.0))
-            steps.append(dict(head, step=k, loss=1.0 / k, grad_norm=1.0, max_diff_ref=at.get(worst, 0.0),
-                              worst_param_ref=worst, max_diff_ws1=0.0, worst_param_ws1=worst,
-                              max_diff_probe=max(atp.values(), default=0.0), worst_param_probe=worst))
+            steps.append(
+                dict(
+                    head,
+                    step=k,
+                    loss=1.0 / k,
+                    grad_norm=1.0,
+                    max_diff_ref=at.get(worst, 0.0),
+                    worst_param_ref=worst,
+                    max_diff_ws1=0.0,
+                    worst_param_ws1=worst,
+                    max_diff_probe=max(atp.values(), default=0.0),
+                    worst_param_probe=worst,
+                )
+            )
     return {"scenarios": frame("scenarios", scen), "steps": frame("steps", steps), "params": frame("params", params)}
 
 
@@ -60,8 +100,13 @@ def test_a_parameter_at_its_noise_floor_is_held_to_it_and_named():
     # SGD has no reach: beyond the factor it fails, named, at the step it crossed
     sgd = RUN.replace(optimizer="sgd")
     sgd_floor = Bounds().split_bound("sgd", sgd.lr, 3) * 20
-    v = next(v for v in checks.split_matches_full_batch(
-        tables({NOISY: (NOISE_FLOOR_FACTOR + 0.1) * sgd_floor}, {NOISY: sgd_floor}, run=sgd)) if v.scenario == sgd.id)
+    v = next(
+        v
+        for v in checks.split_matches_full_batch(
+            tables({NOISY: (NOISE_FLOOR_FACTOR + 0.1) * sgd_floor}, {NOISY: sgd_floor}, run=sgd)
+        )
+        if v.scenario == sgd.id
+    )
     assert v.status == "fail" and (v.step, v.param) == (2, NOISY) and "reach" not in v.message
 
 
@@ -111,8 +156,13 @@ def test_batch_statistics_are_held_to_the_rank_order_probe_with_the_order_floor(
     # at W = 2 (one order of summation only) every step is held: off the probe by more than the tier's bound
     # at step 2 fails
     two = RUN.at_world_size(2)
-    v = next(v for v in checks.split_matches_full_batch(
-        tables({}, {}, batch_stats=layers, run=two, probe_diffs={HEALTHY: 2 * TIER})) if v.scenario == two.id)
+    v = next(
+        v
+        for v in checks.split_matches_full_batch(
+            tables({}, {}, batch_stats=layers, run=two, probe_diffs={HEALTHY: 2 * TIER})
+        )
+        if v.scenario == two.id
+    )
     assert v.status == "fail" and (v.step, v.param) == (2, HEALTHY)
     # beyond 2 ranks only the first step is held (the orders of summation part step by step), and it says so
     v = verdict(tables({}, {}, batch_stats=layers, probe_diffs={HEALTHY: 2 * TIER}))
@@ -123,8 +173,11 @@ def test_batch_statistics_are_held_to_the_rank_order_probe_with_the_order_floor(
     t = tables({}, {}, batch_stats=layers)
     assert {v.status for v in norms.grad_norm_matches(t) if v.scenario == RUN.id} == {"pass"}
     resumed = RUN.replace(feature="ckpt", resume_from=2)
-    v = next(v for v in checks.split_matches_full_batch(tables({}, {}, batch_stats=layers, run=resumed))
-             if v.scenario == resumed.id)
+    v = next(
+        v
+        for v in checks.split_matches_full_batch(tables({}, {}, batch_stats=layers, run=resumed))
+        if v.scenario == resumed.id
+    )
     assert v.status == "skip" and "does not apply" in v.message
 
 
@@ -155,8 +208,7 @@ def test_two_factorisations_hold_a_model_sensitive_parameter_as_split_data_does(
     def verdict_of(factor: dict) -> object:
         t = tables({}, {NOISY: floor}, run=run)
         extra = tables({}, {}, run=twin)  # the twin with its own probes
-        t = {k: pd.concat([t[k], extra[k][~extra[k].scenario.isin(set(t[k].scenario))]], ignore_index=True)
-             for k in t}
+        t = {k: pd.concat([t[k], extra[k][~extra[k].scenario.isin(set(t[k].scenario))]], ignore_index=True) for k in t}
         p = t["params"]
         p["diff_factor"] = [factor.get(q, 0.0) if s == run.id else float("nan") for s, q in zip(p.scenario, p.param)]
         return next(v for v in factorisations_agree(t) if v.scenario == run.id)

@@ -17,9 +17,17 @@ REF = "reference-mlp-ws1-replicated-sgd"
 
 def _cells(*rows: tuple[str, str, str]) -> pd.DataFrame:
     """(scenario, impl, state) rows; state 'ok', 'unsupported' or 'error' as the scenarios table holds it."""
-    return pd.DataFrame([{"scenario": s, "impl": i, "status": "error" if st == "error" else st,
-                          "error": "RuntimeError: boom" if st == "error" else "no method" if st == UNSUPPORTED else ""}
-                         for s, i, st in rows])
+    return pd.DataFrame(
+        [
+            {
+                "scenario": s,
+                "impl": i,
+                "status": "error" if st == "error" else st,
+                "error": "RuntimeError: boom" if st == "error" else "no method" if st == UNSUPPORTED else "",
+            }
+            for s, i, st in rows
+        ]
+    )
 
 
 def _verdicts(*rows: tuple[str, str, str]) -> pd.DataFrame:
@@ -40,21 +48,25 @@ def _case(impl_states: dict[str, list[str]], ref_status: str = PASS, extra=()):
     return _cells(*rows), _verdicts(*verdicts, *extra)
 
 
-@pytest.mark.parametrize("states, ref, word", [
-    ({"fsdp_impl": ["ok", "ok"]}, PASS, PASSED),
-    ({"fsdp_impl": [UNSUPPORTED, UNSUPPORTED]}, PASS, NOT_RUN),  # the passes are the reference's
-    ({"fsdp_impl": ["error", "error"]}, PASS, NOT_RUN),  # nothing ran to its end
-    ({"fsdp_impl": ["ok", "error"]}, PASS, FAILED),
-    ({"fsdp_impl": ["ok", "ok"]}, FAIL, FAILED),  # a broken yardstick is no pass
-    ({"fsdp_impl": ["ok", "ok"], "mine": [UNSUPPORTED]}, PASS, NOT_RUN),  # one of two was not verified
-    ({"fsdp_impl": ["ok", UNSUPPORTED], "mine": ["ok", "error"]}, PASS, FAILED),  # a failure outranks it
-    ({"fsdp_impl": [UNSUPPORTED], "mine": ["error"]}, PASS, NOT_RUN),
-])
+@pytest.mark.parametrize(
+    "states, ref, word",
+    [
+        ({"fsdp_impl": ["ok", "ok"]}, PASS, PASSED),
+        ({"fsdp_impl": [UNSUPPORTED, UNSUPPORTED]}, PASS, NOT_RUN),  # the passes are the reference's
+        ({"fsdp_impl": ["error", "error"]}, PASS, NOT_RUN),  # nothing ran to its end
+        ({"fsdp_impl": ["ok", "error"]}, PASS, FAILED),
+        ({"fsdp_impl": ["ok", "ok"]}, FAIL, FAILED),  # a broken yardstick is no pass
+        ({"fsdp_impl": ["ok", "ok"], "mine": [UNSUPPORTED]}, PASS, NOT_RUN),  # one of two was not verified
+        ({"fsdp_impl": ["ok", UNSUPPORTED], "mine": ["ok", "error"]}, PASS, FAILED),  # a failure outranks it
+        ({"fsdp_impl": [UNSUPPORTED], "mine": ["error"]}, PASS, NOT_RUN),
+    ],
+)
 def test_the_word_counts_only_what_the_implementations_under_test_ran(states, ref, word):
     o = outcome(*_case(states, ref))
     assert o.word == word
     assert [(r.impl, r.ran, r.unsupported, r.errored) for r in o.impls] == [
-        (i, s.count("ok"), s.count(UNSUPPORTED), s.count("error")) for i, s in states.items()]
+        (i, s.count("ok"), s.count(UNSUPPORTED), s.count("error")) for i, s in states.items()
+    ]
     assert o.not_run == [i for i, s in states.items() if "ok" not in s]
 
 
@@ -88,18 +100,32 @@ def _session(states: dict[str, list[str]], extra=()):
     session = Session.__new__(Session)
     session.options = type("O", (), {"report": None})()
     session.report = None
-    session.result = type("R", (), {"verdicts": [Verdict(r.check, r.scenario, r.status, None, None, message=r.message)
-                                                 for r in verdicts.itertuples()],
-                                    "tables": {"scenarios": cells}, "wall_s": 1.0})()
+    session.result = type(
+        "R",
+        (),
+        {
+            "verdicts": [
+                Verdict(r.check, r.scenario, r.status, None, None, message=r.message) for r in verdicts.itertuples()
+            ],
+            "tables": {"scenarios": cells},
+            "wall_s": 1.0,
+        },
+    )()
     return session
 
 
-@pytest.mark.parametrize("states, code, head", [
-    ({"fsdp_impl": ["ok"]}, EXIT_OK, "PASS: 1 passed, 0 failed"),
-    ({"fsdp_impl": ["ok", "error"]}, EXIT_FAILED, "FAIL: 1 passed, 1 failed"),
-    ({"fsdp_impl": [UNSUPPORTED]}, EXIT_NOT_RUN,
-     "NOT RUN: 0 passed, 0 failed, 0 known deviations, 0 skipped, 1 unsupported"),
-])
+@pytest.mark.parametrize(
+    "states, code, head",
+    [
+        ({"fsdp_impl": ["ok"]}, EXIT_OK, "PASS: 1 passed, 0 failed"),
+        ({"fsdp_impl": ["ok", "error"]}, EXIT_FAILED, "FAIL: 1 passed, 1 failed"),
+        (
+            {"fsdp_impl": [UNSUPPORTED]},
+            EXIT_NOT_RUN,
+            "NOT RUN: 0 passed, 0 failed, 0 known deviations, 0 skipped, 1 unsupported",
+        ),
+    ],
+)
 def test_the_summary_line_and_exit_status_follow_the_outcome(states, code, head):
     session = _session(states)
     assert session.exit_status() == code
@@ -118,6 +144,7 @@ def test_the_summary_line_says_when_the_gate_compared_nothing():
 
 def test_the_report_reads_not_run_when_only_the_reference_passed():
     from harness.report.verdicts import _overall
+
     cells, verdicts = _case({"fsdp_impl": [UNSUPPORTED, UNSUPPORTED]})
     line = _overall(verdicts, cells)
     assert line.startswith("**Overall: NOT RUN** — 0 passed / 0 failed"), line

@@ -9,9 +9,14 @@ from harness.train.params_file import load_params, save_params
 
 def test_packed_tensors_come_back_bitwise_with_their_names_shapes_and_dtypes(tmp_path):
     g = torch.Generator().manual_seed(0)
-    tensors = {"a.weight": torch.randn(3, 5, generator=g), "scalar": torch.tensor(2.5),
-               "empty": torch.zeros(0, 4), "half": torch.randn(7, generator=g).to(torch.bfloat16),
-               "strided": torch.randn(4, 6, generator=g).t(), "b.bias": torch.tensor([float("nan"), -0.0, 1e-45])}
+    tensors = {
+        "a.weight": torch.randn(3, 5, generator=g),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "half": torch.randn(7, generator=g).to(torch.bfloat16),
+        "strided": torch.randn(4, 6, generator=g).t(),
+        "b.bias": torch.tensor([float("nan"), -0.0, 1e-45]),
+    }
     save_params(tensors, tmp_path / "p.pt")
     back = load_params(tmp_path / "p.pt")
     assert list(back) == list(tensors)

@@ -44,14 +44,31 @@ def test_a_wrong_optimizer_step_stays_a_failure_and_is_named(kept_worlds):
     assert to_localise(SimpleNamespace(scenarios=[sc], verdicts=[_v(sc.id)]), 2) == [sc]
 
 
-@pytest.mark.parametrize("case,expected", [
-    ("alone", True), ("another failure", False), ("sgd", False), ("beyond the reach", False),
-    ("resumed", False), ("user optimizer", False)])
+@pytest.mark.parametrize(
+    "case,expected",
+    [
+        ("alone", True),
+        ("another failure", False),
+        ("sgd", False),
+        ("beyond the reach", False),
+        ("resumed", False),
+        ("user optimizer", False),
+    ],
+)
 def test_only_a_lone_crossing_within_the_reach_is_replayed(case, expected):
     opt = {"sgd": "sgd", "user optimizer": "harness.train.optim:normalised_sgd"}.get(case, "adamw")
-    sc = Scenario("fsdp_impl", "mlp", 4, "split", opt, steps=3, feature="ckpt" if case == "resumed" else "plain",
-                  resume_from=2 if case == "resumed" else 0)
+    sc = Scenario(
+        "fsdp_impl",
+        "mlp",
+        4,
+        "split",
+        opt,
+        steps=3,
+        feature="ckpt" if case == "resumed" else "plain",
+        resume_from=2 if case == "resumed" else 0,
+    )
     measured = 10.0 if case == "beyond the reach" else 1e-3
-    verdicts = [_v(sc.id, measured=measured)] + ([_v(sc.id, check="grad_norm_matches")]
-                                                 if case == "another failure" else [])
+    verdicts = [_v(sc.id, measured=measured)] + (
+        [_v(sc.id, check="grad_norm_matches")] if case == "another failure" else []
+    )
     assert bool(candidates([sc], verdicts, Bounds())) is expected

@@ -18,9 +18,19 @@ from harness.tables.store import StoreError, load_tables, save_tables
 
 from . import synthetic_tables as syn
 
-SECTIONS = ["# FSDP equivalence verification", "**Overall: FAIL**", "## Verdict summary", "## Failures",
-            "## Known deviations", "## Results per world size", "#### Loss per iteration",
-            "#### Max |param diff| vs reference per step", "## Memory", "## Communication", "## Environment"]
+SECTIONS = [
+    "# FSDP equivalence verification",
+    "**Overall: FAIL**",
+    "## Verdict summary",
+    "## Failures",
+    "## Known deviations",
+    "## Results per world size",
+    "#### Loss per iteration",
+    "#### Max |param diff| vs reference per step",
+    "## Memory",
+    "## Communication",
+    "## Environment",
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +47,7 @@ def rendered(tables, tmp_path_factory) -> tuple[Path, str]:
 def _section(text: str, head: str) -> str:
     start = text.index(head)
     nxt = text.find("\n## ", start + len(head))
-    return text[start:nxt if nxt > 0 else None]
+    return text[start : nxt if nxt > 0 else None]
 
 
 def _row(text: str, first_cell: str) -> list[str]:
@@ -57,14 +67,16 @@ def test_sections_in_order_with_overall_counts(rendered, tables):
 def test_plots_exist_and_are_linked_relatively(rendered):
     path, text = rendered
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
-    expected = {f"verify_plots/{kind}-{syn.IMPL}-{syn.MODEL}-{mode}-{syn.OPT}.png"
-                for kind in ("loss", "diff", "memory") for mode in ("replicated", "split")}
+    expected = {
+        f"verify_plots/{kind}-{syn.IMPL}-{syn.MODEL}-{mode}-{syn.OPT}.png"
+        for kind in ("loss", "diff", "memory")
+        for mode in ("replicated", "split")
+    }
     assert set(links) == expected
     for link in links:
         png = path.parent / link
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", link
     assert sorted(p.name for p in (path.parent / "verify_plots").iterdir()) == sorted(Path(x).name for x in expected)
-
 
 
 def test_no_plots_draws_none_says_where_each_would_be_and_leaves_no_earlier_plot(tmp_path, monkeypatch):
@@ -83,6 +95,7 @@ def test_no_plots_draws_none_says_where_each_would_be_and_leaves_no_earlier_plot
     assert list((tmp_path / "verify_plots").iterdir()) == []
     assert [s for s in SECTIONS if s not in text] == []
 
+
 def test_failure_listed_first_with_its_location(rendered):
     _, text = rendered
     fail_id, known_id = syn.sid(4, "split"), syn.sid(4, "replicated")
@@ -93,8 +106,10 @@ def test_failure_listed_first_with_its_location(rendered):
     failures = _section(text, "## Failures")
     crossed = syn.param_diff(syn.FAIL_STEP, 4, "split", syn.FAIL_PARAM)
     assert fail_id in failures
-    assert f"step {syn.FAIL_STEP}, `{syn.FAIL_PARAM}`, {crossed:.3g} = {crossed / syn.SPLIT_BOUND:.3g}x the bound" \
+    assert (
+        f"step {syn.FAIL_STEP}, `{syn.FAIL_PARAM}`, {crossed:.3g} = {crossed / syn.SPLIT_BOUND:.3g}x the bound"
         in failures
+    )
     assert f"{syn.FAIL_STEP} ← first crossing" in failures
     final = syn.param_diff(5, 4, "split", syn.FAIL_PARAM)
     assert f"measured** {final:.3g} against **bound** {syn.SPLIT_BOUND:.3g}" in failures
@@ -104,7 +119,7 @@ def test_failure_listed_first_with_its_location(rendered):
 
 def test_per_world_size_figures(rendered):
     _, text = rendered
-    split = text[text.index(f"### {syn.IMPL} · {syn.MODEL} · split · {syn.OPT}"):text.index("## Memory")]
+    split = text[text.index(f"### {syn.IMPL} · {syn.MODEL} · split · {syn.OPT}") : text.index("## Memory")]
     row = _row(split, "4")
     m1, m4 = syn.mem(1, "split"), syn.mem(4, "split")
     assert row[1] == format(syn.loss_at(5, 4, "split"), ".10g")
@@ -148,10 +163,16 @@ def test_missing_tables_render_not_measured(tmp_path, fast_plots):
 def test_long_runs_sample_steps_and_pipes_are_escaped(tmp_path, fast_plots):
     tables = syn.make_tables(world_sizes=(1, 2), modes=("split",), steps=40, fail=False)
     v = tables["verdicts"]
-    tables["verdicts"] = pd.concat([v, pd.DataFrame([dict(check="odd|name", scenario="", status="pass", measured=1.0,
-                                                          bound=2.0, where="|w|", message="")])])
+    tables["verdicts"] = pd.concat(
+        [
+            v,
+            pd.DataFrame(
+                [dict(check="odd|name", scenario="", status="pass", measured=1.0, bound=2.0, where="|w|", message="")]
+            ),
+        ]
+    )
     text = report.write_report(tables, {}, tmp_path / "long.md").read_text()
-    loss = text[text.index("#### Loss per iteration"):text.index("#### Max |param diff|")]
+    loss = text[text.index("#### Loss per iteration") : text.index("#### Max |param diff|")]
     rows = [ln for ln in loss.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
     assert len(rows) <= MAX_STEP_ROWS and rows[0].startswith("| 1 ") and rows[-1].startswith("| 40 ")
     assert len(_row(text, "odd\\|name")) == 6
@@ -174,9 +195,13 @@ def test_diff_plot_draws_exact_zeros_on_a_labelled_floor():
 
 
 def test_memory_plot_has_measured_lines_and_ideal_one_over_w():
-    per_ws = pd.DataFrame({"world_size": [1, 2, 4],
-                           "state_bytes": [syn.mem(w, "split")["state_total"] for w in (1, 2, 4)],
-                           "peak_bytes": [syn.mem(w, "split")["peak"] for w in (1, 2, 4)]})
+    per_ws = pd.DataFrame(
+        {
+            "world_size": [1, 2, 4],
+            "state_bytes": [syn.mem(w, "split")["state_total"] for w in (1, 2, 4)],
+            "peak_bytes": [syn.mem(w, "split")["peak"] for w in (1, 2, 4)],
+        }
+    )
     ax = plots.memory_figure(per_ws, "t").axes[0]
     lines = {ln.get_label(): ln for ln in ax.get_lines()}
     state = lines["state (params+grads+optimizer), measured"]
@@ -248,15 +273,18 @@ def _manifest_edit(directory: Path, **changes) -> None:
     path.write_text(json.dumps(doc))
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda d: None, "no saved run"),
-    (lambda d: (d / store.MANIFEST).unlink(), "holds no run.json"),
-    (lambda d: (d / store.MANIFEST).write_text("{not json"), "not valid JSON"),
-    (lambda d: _manifest_edit(d, schema_version=99), "schema version 99"),
-    (lambda d: (d / "steps.csv").unlink(), "steps.csv is missing"),
-    (lambda d: (d / "steps.csv").write_text("scenario,step\nx,1\n"), "has columns"),
-    (lambda d: (d / "comm.csv").write_text((d / "comm.csv").read_text().replace(",4,", ",four,", 1)), "bad values"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: None, "no saved run"),
+        (lambda d: (d / store.MANIFEST).unlink(), "holds no run.json"),
+        (lambda d: (d / store.MANIFEST).write_text("{not json"), "not valid JSON"),
+        (lambda d: _manifest_edit(d, schema_version=99), "schema version 99"),
+        (lambda d: (d / "steps.csv").unlink(), "steps.csv is missing"),
+        (lambda d: (d / "steps.csv").write_text("scenario,step\nx,1\n"), "has columns"),
+        (lambda d: (d / "comm.csv").write_text((d / "comm.csv").read_text().replace(",4,", ",four,", 1)), "bad values"),
+    ],
+)
 def test_store_errors_are_clear(tmp_path, damage, message):
     directory = tmp_path / "run"
     if message != "no saved run":
@@ -284,12 +312,19 @@ def test_a_broken_plot_becomes_a_note(tmp_path, fast_plots, monkeypatch):
 
 def test_failure_of_another_quantity_is_traced_at_its_where_without_a_crossing_claim(tmp_path, fast_plots):
     tables = syn.make_tables(world_sizes=(1, 4), modes=("split",))
-    gate = dict(check="gate:loss", scenario=syn.sid(4, "split"), status="fail", measured=5e-7, bound=1e-7,
-                step=2, message="loss regressed at step 2")
+    gate = dict(
+        check="gate:loss",
+        scenario=syn.sid(4, "split"),
+        status="fail",
+        measured=5e-7,
+        bound=1e-7,
+        step=2,
+        message="loss regressed at step 2",
+    )
     tables["verdicts"] = pd.concat([tables["verdicts"], pd.DataFrame([gate])], ignore_index=True)
     text = report.write_report(tables, {}, tmp_path / "r.md").read_text()
-    gate_part = text[text.index("### FAIL `gate:loss`"):]
-    gate_part = gate_part[:gate_part.index("\n### ") if "\n### " in gate_part else None]
+    gate_part = text[text.index("### FAIL `gate:loss`") :]
+    gate_part = gate_part[: gate_part.index("\n### ") if "\n### " in gate_part else None]
     assert "| 2 ← where" in gate_part and "first crossing" not in gate_part and "x bound" not in gate_part
     assert f"{syn.FAIL_STEP} ← first crossing" in text  # the param-diff failure still gets its crossing
 
@@ -302,14 +337,16 @@ def test_verdict_objects_and_gate_warnings_render(tmp_path, fast_plots):
     tables["verdicts"] = [Verdict(**r) for r in tables["verdicts"].to_dict("records")] + [env_warning]
     text = report.write_report(tables, {}, tmp_path / "r.md").read_text()
     assert "**Overall: PASS**" in text
-    skipped = text[text.index("Skipped checks:"):text.index("## Results per world size")]
+    skipped = text[text.index("Skipped checks:") : text.index("## Results per world size")]
     assert "`gate:env`" in skipped and "torch was '2.12.0'" in skipped
 
 
 def test_many_passes_collapse_per_check_but_failures_stay_listed(tmp_path, fast_plots):
     tables = syn.make_tables(world_sizes=(1, 4), modes=("split",))
-    many = [dict(check="gate:loss", scenario=f"s{i}", status="pass", measured=i * 1e-9, bound=1e-7, where="",
-                 message="") for i in range(45)]
+    many = [
+        dict(check="gate:loss", scenario=f"s{i}", status="pass", measured=i * 1e-9, bound=1e-7, where="", message="")
+        for i in range(45)
+    ]
     tables["verdicts"] = pd.concat([tables["verdicts"], pd.DataFrame(many)], ignore_index=True)
     summary = _section(report.write_report(tables, {}, tmp_path / "r.md").read_text(), "## Verdict summary")
     assert _row(summary, "gate:loss")[1:5] == ["45 scenarios", "PASS", f"{44e-9:.3g}", "1e-07"]
@@ -322,9 +359,15 @@ def test_diff_plot_bounds_come_from_equivalence_checks_only(tmp_path, monkeypatc
     monkeypatch.setattr(plots, "plot_loss", lambda *a, **k: None)
     monkeypatch.setattr(plots, "plot_memory", lambda *a, **k: None)
     tables = syn.make_tables(world_sizes=(1, 4), modes=("split",))
-    others = [dict(check=c, scenario=syn.sid(4, "split"), status="pass", measured=0.0, bound=b, where="", message="")
-              for c, b in (("gate:peak_mem", 5e4), ("grad_norm_matches", 1e-6), ("peak_memory_bound", 3e5),
-                           ("memory_sharding", 1.04))]
+    others = [
+        dict(check=c, scenario=syn.sid(4, "split"), status="pass", measured=0.0, bound=b, where="", message="")
+        for c, b in (
+            ("gate:peak_mem", 5e4),
+            ("grad_norm_matches", 1e-6),
+            ("peak_memory_bound", 3e5),
+            ("memory_sharding", 1.04),
+        )
+    ]
     tables["verdicts"] = pd.concat([tables["verdicts"], pd.DataFrame(others)], ignore_index=True)
     report.write_report(tables, {}, tmp_path / "r.md")
     # the diff plot draws only bounds on |param diff| vs the reference: not grad norm, memory or the gate
@@ -341,25 +384,28 @@ def test_rank_balance_from_state_categories_when_no_state_total(tmp_path, fast_p
     tables["memory"] = mem
     text = report.write_report(tables, {}, tmp_path / "r.md").read_text()
     state2 = syn.mem(2, "split")["state_total"]
-    assert _row(_section(text, "## Memory"), "rank balance (state max/min)")[1:] == \
-        ["1.00", f"{(state2 + 4096) / state2:.2f}"]
+    assert _row(_section(text, "## Memory"), "rank balance (state max/min)")[1:] == [
+        "1.00",
+        f"{(state2 + 4096) / state2:.2f}",
+    ]
 
 
-def test_the_readme_table_of_tables_is_the_schema():
-    """README's table of tables is made from harness/tables/schema.py; a column added in one place
+def test_the_docs_table_of_tables_is_the_schema():
+    """docs/report.md's table of tables is made from harness/tables/schema.py; a column added in one place
     and not the other fails here."""
     from harness.tables import schema
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    assert schema.readme_table() in readme
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "report.md").read_text(encoding="utf-8")
+    assert schema.docs_table() in page
 
 
 def test_built_and_stored_tables_follow_the_schema(tmp_path):
     """build_tables gives every schema column in order; store refuses a table missing a required one."""
     from harness.tables import schema
     from harness.tables.build import build_tables
+
     built = build_tables([], {})
-    assert {name: list(df.columns) for name, df in built.items()} == {
-        name: schema.columns(name) for name in built}
+    assert {name: list(df.columns) for name, df in built.items()} == {name: schema.columns(name) for name in built}
     tables = syn.make_tables(world_sizes=(1,), modes=("replicated",))
     tables["steps"] = tables["steps"].drop(columns=["loss"])
     with pytest.raises(StoreError, match="loss"):

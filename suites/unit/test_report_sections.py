@@ -30,16 +30,20 @@ def _tables(per_sample: bool = True) -> dict:
 
 def _fresh(code: str) -> subprocess.CompletedProcess:
     """`code` in a new interpreter: nothing imported beforehand registers a section."""
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=REPORT_PACKAGE.parent.parent)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPORT_PACKAGE.parent.parent
+    )
 
 
 def _imported_modules(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     froms = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    return names | froms | {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-                            for a in n.names}
+    return (
+        names
+        | froms
+        | {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    )
 
 
 @pytest.mark.ci  # a fresh interpreter
@@ -47,14 +51,18 @@ def test_the_report_package_does_not_import_the_per_sample_package():
     for path in sorted(REPORT_PACKAGE.glob("*.py")):  # module-level and lazy imports alike
         found = {m for m in _imported_modules(path) if m.startswith("harness.per_sample")}
         assert not found, f"{path.name} imports {sorted(found)}"
-    out = _fresh("import sys, harness.report.markdown, harness.report.sections\n"
-                 "print(sorted(m for m in sys.modules if m.startswith('harness.per_sample')))")
+    out = _fresh(
+        "import sys, harness.report.markdown, harness.report.sections\n"
+        "print(sorted(m for m in sys.modules if m.startswith('harness.per_sample')))"
+    )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_importing_the_per_sample_package_registers_its_section_without_a_cycle():
-    out = _fresh("import harness.per_sample\nfrom harness.report.sections import registered_sections\n"
-                 "print(registered_sections())")
+    out = _fresh(
+        "import harness.per_sample\nfrom harness.report.sections import registered_sections\n"
+        "print(registered_sections())"
+    )
     assert out.returncode == 0 and out.stdout.strip() == "('per_sample',)", out.stdout + out.stderr
 
 
@@ -64,8 +72,9 @@ def test_the_per_sample_section_renders_after_communication_when_its_tables_exis
     assert "per_sample" in sections.registered_sections()
     assert text.index("## Communication") < text.index(PER_SAMPLE_HEAD) < text.index("## Environment")
     assert "\n".join(per_sample_section(tables)) in text
-    assert PER_SAMPLE_HEAD not in report.write_report(_tables(per_sample=False), syn.ENV,
-                                                      tmp_path / "s.md").read_text(encoding="utf-8")
+    assert PER_SAMPLE_HEAD not in report.write_report(_tables(per_sample=False), syn.ENV, tmp_path / "s.md").read_text(
+        encoding="utf-8"
+    )
 
 
 def test_registered_sections_render_in_order_and_an_empty_one_adds_nothing(tmp_path, fast_plots, monkeypatch):
@@ -90,15 +99,17 @@ def test_every_entry_point_renders_the_per_sample_section(tmp_path):
     imports the per-sample package, so the section is there whenever the tables hold it."""
     stored = tmp_path / "run_tables"
     save_tables(_tables(), syn.ENV, stored)
-    out = _fresh(f"from harness.cli import main\nmain(['report', {str(stored)!r}, '--report', "
-                 f"{str(tmp_path / 'cli.md')!r}])")
+    out = _fresh(
+        f"from harness.cli import main\nmain(['report', {str(stored)!r}, '--report', {str(tmp_path / 'cli.md')!r}])"
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     session = _fresh(
         "from pathlib import Path\nfrom harness.options import MatrixOptions\n"
         "from harness.phases import RunResult\nfrom harness.session import Session, SessionOptions\n"
         f"from harness.tables.store import load_tables\ntables, env = load_tables(Path({str(stored)!r}))\n"
         f"s = Session(SessionOptions(MatrixOptions(), report=Path({str(tmp_path / 'session.md')!r})))\n"
-        "s.result = RunResult([], tables, [], env, 0.0)\ns.write_outputs()")
+        "s.result = RunResult([], tables, [], env, 0.0)\ns.write_outputs()"
+    )
     assert session.returncode == 0, session.stdout + session.stderr
     for name in ("cli.md", "session.md"):
         text = (tmp_path / name).read_text(encoding="utf-8")

@@ -14,8 +14,14 @@ def _scan(mem: pd.DataFrame, sid: str, *categories: str) -> float:
 
 
 def test_the_index_answers_as_a_scan_and_follows_a_table_changed_in_place():
-    mem = pd.DataFrame({"scenario": ["a", "a", "a", "a", "b"], "rank": [0, 1, 0, 1, 0],
-                        "category": ["peak", "peak", "other", "other", "peak"], "bytes": [10, 30, 5, 1, 7]})
+    mem = pd.DataFrame(
+        {
+            "scenario": ["a", "a", "a", "a", "b"],
+            "rank": [0, 1, 0, 1, 0],
+            "category": ["peak", "peak", "other", "other", "peak"],
+            "bytes": [10, 30, 5, 1, 7],
+        }
+    )
     for sid, cats in (("a", ("peak",)), ("a", ("peak", "other")), ("b", ("peak",)), ("b", ("peak", "other"))):
         got, want = _max_over_ranks(mem, sid, *cats), _scan(mem, sid, *cats)
         assert got == want or (math.isnan(got) and math.isnan(want))

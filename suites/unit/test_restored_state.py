@@ -143,5 +143,7 @@ def test_values_that_are_not_tensors_are_compared_as_values():
     assert got["state_restore_diff"] == 1.0
     assert got["state_restore_where"].startswith("w step on rank 0: 2 after loading, 3 saved")
     got = compare(saved, [_rank({"w": {"step": _rows(W["w"], 0, 5)}})])
-    assert got["state_restore_diff"] == math.inf and "holds a tensor of shape (5, 2) after loading" in \
-        got["state_restore_where"]
+    assert (
+        got["state_restore_diff"] == math.inf
+        and "holds a tensor of shape (5, 2) after loading" in got["state_restore_where"]
+    )

@@ -53,8 +53,9 @@ def test_rows_the_reference_trains_and_the_run_leaves_are_named_with_their_rank(
     snaps = Snaps({REF: trajectory(range(33)), SC.id: trajectory(range(30))})  # rows 30-32 never move
     apart, compared, trained, unheld = rows_apart(SC, snaps, RANKS, REF)
     assert (compared, trained, unheld) == (33 + 4, 33 + 4, 0)
-    assert apart == [{"scenario": SC.id, "param": "embed.weight", "step": 1, "still": "30-32", "extra": "",
-                      "ranks": "6"}]
+    assert apart == [
+        {"scenario": SC.id, "param": "embed.weight", "step": 1, "still": "30-32", "extra": "", "ranks": "6"}
+    ]
 
 
 def test_rows_the_run_alone_moves_are_named_from_the_step_they_move():
@@ -104,8 +105,11 @@ def test_rows_that_moved_no_further_than_the_models_noise_floor_are_counted_not_
     assert unheld == 1 and [(a["param"], a["still"], a["extra"]) for a in apart] == [("hidden.0.0.bias", "0", "5")]
     # rows moved by 1e-8 a step: beyond what rounding moves a parameter of this scale (3e-3: a few ulps are
     # 1e-9), within 2 x the floor of a probe that moved others as far
-    runs = {ref_id: _bias_moving({0: REAL, 1: MID}), probes[0].id: _bias_moving({0: REAL, 2: MID, 3: MID}),
-            SPLIT.id: _bias_moving({0: REAL, 4: MID})}
+    runs = {
+        ref_id: _bias_moving({0: REAL, 1: MID}),
+        probes[0].id: _bias_moving({0: REAL, 2: MID, 3: MID}),
+        SPLIT.id: _bias_moving({0: REAL, 4: MID}),
+    }
     apart, _, _, unheld = rows_apart(SPLIT, Snaps(runs), [], ref_id, probes)
     assert (apart, unheld) == ([], 2)
     apart, _, _, unheld = rows_apart(SPLIT, Snaps(runs), [], ref_id)  # without its probes: no floor
@@ -120,8 +124,11 @@ def test_a_row_a_noise_probe_moves_where_the_plain_model_does_not_is_rounding_ho
     plain model about whether that row moves: it is not held. A row that no probe moves otherwise (a frozen
     row, a row every run trains) still is, however little the run moved it."""
     ref_id, probes = SPLIT.reference().id, SPLIT.noise_probes()
-    runs = {ref_id: _bias_moving({0: REAL}), probes[0].id: _bias_moving({0: REAL, 1: NOISE}),
-            SPLIT.id: _bias_moving({0: REAL, 1: 100 * MID})}  # far beyond 2 x the floor and any rounding drift
+    runs = {
+        ref_id: _bias_moving({0: REAL}),
+        probes[0].id: _bias_moving({0: REAL, 1: NOISE}),
+        SPLIT.id: _bias_moving({0: REAL, 1: 100 * MID}),
+    }  # far beyond 2 x the floor and any rounding drift
     apart, compared, trained, unheld = rows_apart(SPLIT, Snaps(runs), [], ref_id, probes)
     assert (apart, compared, trained, unheld) == ([], 6, 1, 1)
     runs[SPLIT.id] = _bias_moving({0: REAL, 1: 100 * MID, 2: 100 * MID})  # row 2: no probe moves it
@@ -162,8 +169,13 @@ def test_the_verdict_says_how_many_rows_it_left_unheld_and_why():
     t = _tables([])
     t["scenarios"] = t["scenarios"].assign(rows_noise=3.0)
     verdicts = [v for v in run_checks(t) if v.check == "rows_trained"]
-    assert verdicts and all(v.status == PASS and "; 3 rows moved otherwise than in" in v.message
-                            and "model-sensitive rows" in v.message and "noise floor" in v.message for v in verdicts)
+    assert verdicts and all(
+        v.status == PASS
+        and "; 3 rows moved otherwise than in" in v.message
+        and "model-sensitive rows" in v.message
+        and "noise floor" in v.message
+        for v in verdicts
+    )
 
 
 def _tables(apart: list[dict], compared=syn.ROWS):

@@ -33,12 +33,15 @@ class Config:
         return self.options[name]
 
 
-@pytest.mark.parametrize("options, runs", [
-    ({}, {"default"}),
-    ({"ci": True}, {"default", "ci"}),
-    ({"slow": True}, {"default", "ci", "slow", "ci+slow"}),
-    ({"ci": True, "slow": True}, {"default", "ci", "slow", "ci+slow"}),
-])
+@pytest.mark.parametrize(
+    "options, runs",
+    [
+        ({}, {"default"}),
+        ({"ci": True}, {"default", "ci"}),
+        ({"slow": True}, {"default", "ci", "slow", "ci+slow"}),
+        ({"ci": True, "slow": True}, {"default", "ci", "slow", "ci+slow"}),
+    ],
+)
 def test_each_tier_runs_with_its_option_and_slow_runs_every_tier(options, runs):
     items = {"default": Item(), "ci": Item("ci"), "slow": Item("slow"), "ci+slow": Item("ci", "slow")}
     skip_by_tier(Config(**options), list(items.values()))

@@ -38,8 +38,13 @@ def test_a_half_shard_is_not_gathered_and_phases_keep_their_worst_moment():
     model[1].weight = nn.Parameter(torch.zeros(8))  # half the elements (a shard at W = 2)
     model[1].bias = nn.Parameter(torch.zeros(2))
     tl.mark("forward")
-    assert tl.records()[0] | {"moments": 0} == {"phase": "forward", "moments": 0, "units": 1, "which": "0",
-                                                "root": True}
+    assert tl.records()[0] | {"moments": 0} == {
+        "phase": "forward",
+        "moments": 0,
+        "units": 1,
+        "which": "0",
+        "root": True,
+    }
     model[1].weight = nn.Parameter(torch.zeros(4, 4))
     model[1].bias = nn.Parameter(torch.zeros(4))
     tl.sample()
@@ -65,8 +70,19 @@ def _timeline(sc, **units):
     """A gathered table: every phase on two ranks, one unit at most unless `units` says otherwise."""
     from harness.measure.timeline import PHASES
 
-    rows = [dict(scenario=sc.id, rank=r, phase=p, moments=5, units=units.get(p, 1 if p in ("forward", "backward") else 0),
-                 which="x", root=False) for r in (0, 1) for p in PHASES]
+    rows = [
+        dict(
+            scenario=sc.id,
+            rank=r,
+            phase=p,
+            moments=5,
+            units=units.get(p, 1 if p in ("forward", "backward") else 0),
+            which="x",
+            root=False,
+        )
+        for r in (0, 1)
+        for p in PHASES
+    ]
     return frame("gathered", rows)
 
 

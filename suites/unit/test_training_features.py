@@ -25,7 +25,8 @@ def test_a_ckpt_cell_resumes_from_every_other_world_size_and_goes_on_like_the_un
     assert {d.id for d in sc.dependencies()} == {
         "reference-mlp-ws1-replicated-adamw",  # the plain model, uninterrupted
         "fsdp_impl-mlp-ws1-replicated-adamw",  # the implementation at one rank, uninterrupted
-        "fsdp_impl-mlp-ws2-replicated-adamw"}  # the saver
+        "fsdp_impl-mlp-ws2-replicated-adamw",
+    }  # the saver
     assert all(d in cells for d in sc.dependencies())
     one = build_matrix(["fsdp_impl"], ["mlp"], [2], ["split"], ["sgd"], features=("ckpt",))
     assert [c.resume_from for c in one if c.feature == "ckpt"] == [2]  # one world size: saved and loaded there
@@ -43,9 +44,24 @@ def test_bf16_is_compared_with_the_plain_model_in_bf16_which_is_compared_with_fp
     assert split.reference().reference().id == "reference-mlp-ws1-replicated-adamw"
     assert split.ws1().reference().id == "reference-mlp-ws1-replicated-adamw-bf16"  # one rank: the whole batch
     assert {c.id for c in cells if c.impl == "reference"} == {
-        replicated.reference().id, split.reference().id, replicated.reference().reference().id}
-    row = pd.DataFrame([dict(impl="reference", model="mlp", world_size=1, data_mode="replicated",
-                             optimizer="adamw", seed=0, feature="bf16", micro_batches=2)]).iloc[0]
+        replicated.reference().id,
+        split.reference().id,
+        replicated.reference().reference().id,
+    }
+    row = pd.DataFrame(
+        [
+            dict(
+                impl="reference",
+                model="mlp",
+                world_size=1,
+                data_mode="replicated",
+                optimizer="adamw",
+                seed=0,
+                feature="bf16",
+                micro_batches=2,
+            )
+        ]
+    ).iloc[0]
     assert Scenario.of_row(row) == split.reference()  # the column reads back
     assert Scenario.of_row(row.drop("micro_batches")).micro_batches == 1  # a table stored before it existed
 
@@ -59,8 +75,9 @@ def test_the_micro_batch_reference_takes_the_slices_the_ranks_take_in_rank_order
     x, y = torch.arange(8.0).reshape(8, 1), torch.arange(8)
     for w in (2, 4):
         got = rank_slices(x, y, w)
-        assert [m[0].flatten().tolist() for m in got] == [local_slice(x, y, r, w, "split")[0].flatten().tolist()
-                                                           for r in range(w)]
+        assert [m[0].flatten().tolist() for m in got] == [
+            local_slice(x, y, r, w, "split")[0].flatten().tolist() for r in range(w)
+        ]
     seen = []
 
     class Spec:
@@ -98,15 +115,30 @@ def _with(tables, **columns_by_id):
 def _resumed_tables(restore_diff, state_diff=0.0, where=""):
     loader = Scenario("fsdp_impl", "mlp", 1, "split", "adamw", steps=3, feature="ckpt", resume_from=2)
     t = check_tables([(loader.reference(), LOSSES, ZERO, ZERO), (loader, LOSSES, ZERO, ZERO)])
-    return _with(t, feature={loader.id: "ckpt"}, resume_from={loader.id: 2},
-                 restore_diff={loader.id: restore_diff}, state_restore_diff={loader.id: state_diff},
-                 state_restore_param={loader.id: "layers.0.weight" if state_diff else ""},
-                 state_restore_rank={loader.id: 0 if state_diff else math.nan},
-                 state_restore_where={loader.id: where}, state_restored={loader.id: "exp_avg of 1 parameters"}), loader
+    return _with(
+        t,
+        feature={loader.id: "ckpt"},
+        resume_from={loader.id: 2},
+        restore_diff={loader.id: restore_diff},
+        state_restore_diff={loader.id: state_diff},
+        state_restore_param={loader.id: "layers.0.weight" if state_diff else ""},
+        state_restore_rank={loader.id: 0 if state_diff else math.nan},
+        state_restore_where={loader.id: where},
+        state_restored={loader.id: "exp_avg of 1 parameters"},
+    ), loader
 
 
-@pytest.mark.parametrize("diff, state, status", [(0.0, 0.0, "pass"), (1e-7, 0.0, "fail"), (math.nan, 0.0, "fail"),
-                                                 (0.0, 1.0, "fail"), (0.0, math.inf, "fail"), (0.0, math.nan, "fail")])
+@pytest.mark.parametrize(
+    "diff, state, status",
+    [
+        (0.0, 0.0, "pass"),
+        (1e-7, 0.0, "fail"),
+        (math.nan, 0.0, "fail"),
+        (0.0, 1.0, "fail"),
+        (0.0, math.inf, "fail"),
+        (0.0, math.nan, "fail"),
+    ],
+)
 def test_ckpt_restored_holds_the_loaded_parameters_and_optimizer_state_bitwise_to_the_saved_ones(diff, state, status):
     tables, loader = _resumed_tables(diff, state, where="layers.0.weight step on rank 0: 0 after loading, 1 saved")
     [v] = feature_checks.ckpt_restored(tables)
@@ -133,8 +165,9 @@ def _bf16_tables(drift, diff):
     bf16 model summing its two ranks' micro-batches."""
     sc = Scenario("torch_fsdp2", "mlp", 2, "split", "sgd", steps=3, feature="bf16")
     bf16_ref, fp32_ref = sc.reference(), sc.reference().reference()
-    t = check_tables([(fp32_ref, LOSSES, ZERO, ZERO), (bf16_ref, LOSSES, [drift] * 3, ZERO),
-                      (sc, LOSSES, [diff] * 3, ZERO)])
+    t = check_tables(
+        [(fp32_ref, LOSSES, ZERO, ZERO), (bf16_ref, LOSSES, [drift] * 3, ZERO), (sc, LOSSES, [diff] * 3, ZERO)]
+    )
     return _with(t, feature={bf16_ref.id: "bf16", sc.id: "bf16"}, micro_batches={bf16_ref.id: 2}), sc
 
 
@@ -159,11 +192,14 @@ def test_two_factorisations_of_the_global_batch_must_agree_within_the_split_boun
     sc = Scenario("fsdp_impl", "mlp", 1, "split", "sgd", steps=3, feature="no_sync")
     twin = sc.factor_twin()
     assert (twin.world_size, twin.feature) == (2, "plain")
-    tables = _with(check_tables([(sc.reference(), LOSSES, ZERO, ZERO), (sc, LOSSES, ZERO, ZERO),
-                                 (twin, LOSSES, ZERO, ZERO)]), feature={sc.id: "no_sync", twin.id: "plain"})
+    tables = _with(
+        check_tables([(sc.reference(), LOSSES, ZERO, ZERO), (sc, LOSSES, ZERO, ZERO), (twin, LOSSES, ZERO, ZERO)]),
+        feature={sc.id: "no_sync", twin.id: "plain"},
+    )
     params = tables["params"]
-    params["diff_factor"] = [(diff if p == "fc2.weight" else 0.0) if s == sc.id else math.nan
-                             for s, p in zip(params.scenario, params.param)]
+    params["diff_factor"] = [
+        (diff if p == "fc2.weight" else 0.0) if s == sc.id else math.nan for s, p in zip(params.scenario, params.param)
+    ]
     [v] = feature_checks.factorisations_agree(tables)
     assert v.scenario == sc.id and v.status == status  # the split bound for SGD, 3 steps: 3e-6
     if status == "fail":
@@ -224,8 +260,9 @@ def test_split_bf16_and_resumed_runs_hold_and_a_checkpoint_never_loaded_fails_wh
     assert len(norms) == 3 and all(v.status == "pass" for v in norms)
     # one rank x 2 micro-batches against 2 ranks x 1, for each implementation; at 2 ranks the partner (4) is not run
     factored = {v.scenario: v for v in res.verdicts if v.check == "factorisations_agree"}
-    assert {s for s, v in factored.items() if v.status == "pass"} == {c.id for c in cells if c.feature == "no_sync"
-                                                            and c.world_size == 1 and c.impl != "reference"}
+    assert {s for s, v in factored.items() if v.status == "pass"} == {
+        c.id for c in cells if c.feature == "no_sync" and c.world_size == 1 and c.impl != "reference"
+    }
     assert all(v.status == "skip" and "not in this run" in v.message for v in factored.values() if v.status != "pass")
 
 
@@ -249,24 +286,47 @@ def test_fsdp2_reducing_in_bf16_is_caught_by_split_data_against_the_micro_batch_
     itself, let it pass)."""
     from harness.phases import run_matrix
 
-    cells = build_matrix([f"{__name__}:ReduceDtypeNone"], ["tinylm"], [1, 2], ["replicated", "split"], ["adamw"],
-                         steps=3, features=("bf16",))
+    cells = build_matrix(
+        [f"{__name__}:ReduceDtypeNone"],
+        ["tinylm"],
+        [1, 2],
+        ["replicated", "split"],
+        ["adamw"],
+        steps=3,
+        features=("bf16",),
+    )
     failed = {(v.check, v.scenario.split("-", 2)[-1]) for v in run_matrix(cells, pool=kept_worlds).failed}
-    assert failed == {("split_matches_full_batch", "ws2-split-adamw-bf16"),
-                      ("grad_norm_matches", "ws2-split-adamw-bf16")}
+    assert failed == {
+        ("split_matches_full_batch", "ws2-split-adamw-bf16"),
+        ("grad_norm_matches", "ws2-split-adamw-bf16"),
+    }
 
 
 def test_the_report_groups_resumed_runs_by_the_world_size_their_checkpoint_came_from():
     from harness.report.groups import _cells, _group_reference, _groups, _label
 
     cells = build_matrix(["fsdp_impl"], ["mlp"], [1, 2, 4], ["replicated"], ["adamw"], features=("ckpt",))
-    rows = [dict(scenario=c.id, impl=c.impl, model=c.model, world_size=c.world_size, data_mode=c.data_mode,
-                 optimizer=c.optimizer, seed=c.seed, feature=c.feature, resume_from=c.resume_from) for c in cells]
+    rows = [
+        dict(
+            scenario=c.id,
+            impl=c.impl,
+            model=c.model,
+            world_size=c.world_size,
+            data_mode=c.data_mode,
+            optimizer=c.optimizer,
+            seed=c.seed,
+            feature=c.feature,
+            resume_from=c.resume_from,
+        )
+        for c in cells
+    ]
     groups = {_label(k): sorted(g.world_size) for k, g in _groups(_cells({"scenarios": pd.DataFrame(rows)}))}
-    assert groups == {"fsdp_impl · mlp · replicated · adamw": [1, 2, 4],
-                      "fsdp_impl · mlp · replicated · adamw · ckpt from 1": [2, 4],
-                      "fsdp_impl · mlp · replicated · adamw · ckpt from 2": [1, 4],
-                      "fsdp_impl · mlp · replicated · adamw · ckpt from 4": [1, 2]}
+    assert groups == {
+        "fsdp_impl · mlp · replicated · adamw": [1, 2, 4],
+        "fsdp_impl · mlp · replicated · adamw · ckpt from 1": [2, 4],
+        "fsdp_impl · mlp · replicated · adamw · ckpt from 2": [1, 4],
+        "fsdp_impl · mlp · replicated · adamw · ckpt from 4": [1, 2],
+    }
     key = ("fsdp_impl", "mlp", "replicated", "adamw", "ckpt from 2", 0)
     assert _group_reference(pd.DataFrame(rows), key) == "reference-mlp-ws1-replicated-adamw"
 
@@ -275,7 +335,9 @@ def test_the_report_names_each_world_sizes_micro_batch_reference_under_bf16_spli
     from harness.report.groups import _references_per_ws
 
     split = ("fsdp_impl", "mlp", "split", "adamw", "bf16", 0)
-    assert _references_per_ws(split, [1, 2, 4]) == {2: "reference-mlp-ws1-replicated-adamw-bf16-micro2",
-                                                    4: "reference-mlp-ws1-replicated-adamw-bf16-micro4"}
+    assert _references_per_ws(split, [1, 2, 4]) == {
+        2: "reference-mlp-ws1-replicated-adamw-bf16-micro2",
+        4: "reference-mlp-ws1-replicated-adamw-bf16-micro4",
+    }
     assert _references_per_ws(("fsdp_impl", "mlp", "replicated", "adamw", "bf16", 0), [1, 2, 4]) == {}
     assert _references_per_ws(("fsdp_impl", "mlp", "split", "adamw", "plain", 0), [1, 2, 4]) == {}

@@ -12,7 +12,6 @@ import pandas as pd
 import pytest
 import torch
 
-from harness.preflight import checked_matrix
 from harness import options as opt
 from harness.checks import resources as resource_checks
 from harness.core.policy import Bounds, not_exact
@@ -20,6 +19,7 @@ from harness.core.scenario import Scenario, user_optimizer
 from harness.localize.replay import scenario_of_id
 from harness.measure import ideal_state_bytes
 from harness.optimizers import OptimizerError, check_optimizer, make_optimizer
+from harness.preflight import checked_matrix
 from harness.train.optim import NormalisedSGD
 from suites.unit.synthetic_tables import LOSSES, P_BYTES, ZERO
 from suites.unit.synthetic_tables import cell as _sc
@@ -35,23 +35,29 @@ def test_a_user_factory_is_an_optimizer_name_beside_the_built_in_ones():
     assert isinstance(make_optimizer([p], NSGD, 0.1), NormalisedSGD)
 
 
-@pytest.mark.parametrize("name, says", [
-    ("lamb", "unknown 'lamb'; choose from adamw, sgd, or name your own optimizer 'package.module:factory'"),
-    ("no_such_pkg.optim:lion", "module 'no_such_pkg.optim' could not be imported"),
-    ("harness.train.optim:lion", "module 'harness.train.optim' has no attribute 'lion'"),
-    ("harness.optimizers:SGD_MOMENTUM", "SGD_MOMENTUM is a float, not a callable factory(params, lr=lr)"),
-])
+@pytest.mark.parametrize(
+    "name, says",
+    [
+        ("lamb", "unknown 'lamb'; choose from adamw, sgd, or name your own optimizer 'package.module:factory'"),
+        ("no_such_pkg.optim:lion", "module 'no_such_pkg.optim' could not be imported"),
+        ("harness.train.optim:lion", "module 'harness.train.optim' has no attribute 'lion'"),
+        ("harness.optimizers:SGD_MOMENTUM", "SGD_MOMENTUM is a float, not a callable factory(params, lr=lr)"),
+    ],
+)
 def test_a_bad_name_is_one_usage_error_line_at_parse_time(name, says):
     with pytest.raises(argparse.ArgumentTypeError) as err:
         opt.optimizers(name)
     assert says in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("factory, says", [
-    ("raising_optimizer", "factory(params, lr=0.01) raised RuntimeError: no optimizer here"),
-    ("optimizer_returning_none", "returned NoneType, not a torch.optim.Optimizer"),
-    ("optimizer_whose_step_raises", "step() raised RuntimeError: stuck"),
-])
+@pytest.mark.parametrize(
+    "factory, says",
+    [
+        ("raising_optimizer", "factory(params, lr=0.01) raised RuntimeError: no optimizer here"),
+        ("optimizer_returning_none", "returned NoneType, not a torch.optim.Optimizer"),
+        ("optimizer_whose_step_raises", "step() raised RuntimeError: stuck"),
+    ],
+)
 def test_a_factory_that_breaks_the_protocol_is_refused_before_any_world_starts(factory, says):
     name = f"suites.faults.bad_inputs:{factory}"
     with pytest.raises(OptimizerError) as err:
@@ -94,8 +100,11 @@ def test_a_user_optimizers_runs_get_nudged_probes_in_both_data_modes_and_the_bui
     assert [(p.micro_batches, p.nudge) for p in rep.noise_probes()] == [(1, 4)]
     assert all(p.impl == "reference" and p.optimizer == NSGD for p in rep.noise_probes())
     split = Scenario("fsdp_impl", "bn_mlp", 4, "split", NSGD)
-    assert [(p.micro_batches, p.reverse_micro, p.nudge) for p in split.noise_probes()] == \
-        [(4, False, 0), (4, True, 0), (4, False, 4)]
+    assert [(p.micro_batches, p.reverse_micro, p.nudge) for p in split.noise_probes()] == [
+        (4, False, 0),
+        (4, True, 0),
+        (4, False, 4),
+    ]
     for name in ("adamw", "sgd"):
         assert Scenario("fsdp_impl", "bn_mlp", 4, "replicated", name).noise_probes() == []
         assert all(not p.nudge for p in Scenario("fsdp_impl", "bn_mlp", 4, "split", name).noise_probes())
@@ -107,7 +116,7 @@ def test_a_nudged_probe_scales_every_gradient_the_optimizer_reads_by_w_ulps():
     w = torch.nn.Parameter(torch.ones(3))
     w.grad = torch.tensor([1.0, -3.0, 0.5])
     _nudge_grads(torch.optim.SGD([w], lr=0.1), 4)
-    assert torch.equal(w.grad, torch.tensor([1.0, -3.0, 0.5]) * (1 + 4 * 2.0 ** -23))
+    assert torch.equal(w.grad, torch.tensor([1.0, -3.0, 0.5]) * (1 + 4 * 2.0**-23))
 
 
 def test_the_measured_reach_is_twice_the_furthest_travel_of_the_plain_models_runs():
@@ -115,13 +124,36 @@ def test_the_measured_reach_is_twice_the_furthest_travel_of_the_plain_models_run
 
     run = Scenario("fsdp_impl", "bn_mlp", 2, "split", NSGD)
     ref, probes = run.reference(), run.noise_probes()
-    rows = [(ref.id, 1, "b", 0.01), (ref.id, 2, "b", 0.01), (ref.id, 1, "w", 0.001), (ref.id, 2, "w", 0.002),
-            (probes[0].id, 1, "b", 0.01), (probes[0].id, 2, "b", 0.02),  # a probe that travelled further
-            (run.id, 1, "b", 1.0)]  # an implementation's run never sets the reach
-    params = pd.DataFrame([{"scenario": s, "step": k, "param": q, "numel": 3, "diff_ref": 0.0, "diff_ws1": 0.0,
-                            "sum": 0.0, "travel": t} for s, k, q, t in rows])
-    scen = pd.DataFrame([{"scenario": s.id, "impl": s.impl, "micro_batches": s.micro_batches, "nudge": s.nudge}
-                         for s in (ref, *probes, run)])
+    rows = [
+        (ref.id, 1, "b", 0.01),
+        (ref.id, 2, "b", 0.01),
+        (ref.id, 1, "w", 0.001),
+        (ref.id, 2, "w", 0.002),
+        (probes[0].id, 1, "b", 0.01),
+        (probes[0].id, 2, "b", 0.02),  # a probe that travelled further
+        (run.id, 1, "b", 1.0),
+    ]  # an implementation's run never sets the reach
+    params = pd.DataFrame(
+        [
+            {
+                "scenario": s,
+                "step": k,
+                "param": q,
+                "numel": 3,
+                "diff_ref": 0.0,
+                "diff_ws1": 0.0,
+                "sum": 0.0,
+                "travel": t,
+            }
+            for s, k, q, t in rows
+        ]
+    )
+    scen = pd.DataFrame(
+        [
+            {"scenario": s.id, "impl": s.impl, "micro_batches": s.micro_batches, "nudge": s.nudge}
+            for s in (ref, *probes, run)
+        ]
+    )
     reach = measured_reach(probe_maxima({"scenarios": scen, "params": params}), [ref, *probes])
     assert reach == pytest.approx({"b": 2 * 0.03, "w": 2 * 0.003})
     # it lifts a model-sensitive parameter only: a healthy one keeps the tier's bound
@@ -140,9 +172,13 @@ def _memory(*runs):
     rows = []
     for sc, ws, state in runs:
         per = P_BYTES // ws
-        rows += [(sc.id, 0, "state_params", per), (sc.id, 0, "state_grads", per),
-                 (sc.id, 0, "state_optimizer_state", state), (sc.id, 0, "state_buffers", 0),
-                 (sc.id, 0, "state_other", 0)]
+        rows += [
+            (sc.id, 0, "state_params", per),
+            (sc.id, 0, "state_grads", per),
+            (sc.id, 0, "state_optimizer_state", state),
+            (sc.id, 0, "state_buffers", 0),
+            (sc.id, 0, "state_other", 0),
+        ]
     return pd.DataFrame(rows, columns=["scenario", "rank", "category", "bytes"])
 
 
@@ -169,10 +205,17 @@ def test_a_user_optimizers_norm_all_reduce_is_one_element_per_tensor_and_no_more
     sc = _sc("fsdp_impl", 4, opt=NSGD)
     t = make([(sc, LOSSES, ZERO, ZERO)])
     tensors = int(t["scenarios"].param_tensors.iloc[0])
-    rows = lambda n: pd.DataFrame([(sc.id, "all_gather", "float32", 4, 1, 2 * P_EL, 8 * P_EL),  # noqa: E731
-                                   (sc.id, "reduce_scatter", "float32", 4, 1, P_EL, 4 * P_EL),
-                                   (sc.id, "all_reduce", "float32", 4, n, n, 4 * n)],
-                                  columns=t["comm"].columns)
+
+    def rows(n):
+        return pd.DataFrame(
+            [
+                (sc.id, "all_gather", "float32", 4, 1, 2 * P_EL, 8 * P_EL),
+                (sc.id, "reduce_scatter", "float32", 4, 1, P_EL, 4 * P_EL),
+                (sc.id, "all_reduce", "float32", 4, n, n, 4 * n),
+            ],
+            columns=t["comm"].columns,
+        )
+
     t["comm"] = rows(tensors)
     [v] = resource_checks.comm_volume(t)
     assert v.status == "pass" and "optimizer norm's all_reduce" in v.message

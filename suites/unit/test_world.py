@@ -167,8 +167,12 @@ def test_a_keeping_pool_keeps_one_world_per_size_and_closes_them_all():
 def test_two_worlds_run_collectives_at_the_same_time_without_colliding():
     with World(2, timeout_s=60) as a, World(2, timeout_s=60) as b:
         results: dict[str, list] = {}
-        threads = [threading.Thread(target=lambda n=n, w=w, off=off: results.__setitem__(
-            n, w.call(f"{TASKS}:all_reduce_sum", off))) for n, w, off in (("a", a, 10.0), ("b", b, 100.0))]
+        threads = [
+            threading.Thread(
+                target=lambda n=n, w=w, off=off: results.__setitem__(n, w.call(f"{TASKS}:all_reduce_sum", off))
+            )
+            for n, w, off in (("a", a, 10.0), ("b", b, 100.0))
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -214,8 +218,9 @@ def test_no_worker_outlives_a_killed_parent(tmp_path):
     script = tmp_path / "orphan.py"
     script.write_text(ORPHAN_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    parent = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, str(script)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
         assert len(pids) == 2, parent.stderr.read()
@@ -237,5 +242,8 @@ def test_a_world_that_times_out_while_starting_is_reported_hung_not_a_traceback(
         World(1, timeout_s=1e-6)
     assert "--- rank 0 (pid" in str(hung.value)
     stack = hung.value.stacks[0]
-    assert stack == "(no stack: the rank had not started yet)" or "Current thread" in stack \
-        or stack == "(no stack: no answer to SIGUSR1)", stack
+    assert (
+        stack == "(no stack: the rank had not started yet)"
+        or "Current thread" in stack
+        or stack == "(no stack: no answer to SIGUSR1)"
+    ), stack

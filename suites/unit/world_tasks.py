@@ -13,10 +13,17 @@ from harness.execute.world import RankContext
 
 def whoami(ctx: RankContext, payload: object) -> dict:
     """The rank's view of itself, plus the payload echoed back."""
-    return {"rank": ctx.rank, "world_size": ctx.world_size, "pid": os.getpid(),
-            "device": str(ctx.device), "backend": ctx.backend, "payload": payload,
-            "threads": torch.get_num_threads(), "omp_env": os.environ.get("OMP_NUM_THREADS"),
-            "deterministic": torch.are_deterministic_algorithms_enabled()}
+    return {
+        "rank": ctx.rank,
+        "world_size": ctx.world_size,
+        "pid": os.getpid(),
+        "device": str(ctx.device),
+        "backend": ctx.backend,
+        "payload": payload,
+        "threads": torch.get_num_threads(),
+        "omp_env": os.environ.get("OMP_NUM_THREADS"),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+    }
 
 
 def all_reduce_sum(ctx: RankContext, offset: float) -> list[float]:
@@ -71,4 +78,5 @@ def temp_dir_full(ctx: RankContext, payload: object) -> None:
 def gc_state(ctx: RankContext, _payload: object) -> dict:
     """What the collector holds in this worker: frozen objects, and those it would walk."""
     import gc
+
     return {"frozen": gc.get_freeze_count(), "walked": len(gc.get_objects())}

@@ -16,8 +16,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdp_impl import fully_shard, load_sharded, save_sharded
-from harness.train.models import MLP, get_model_spec
 from harness.optimizers import make_optimizer
+from harness.train.models import MLP, get_model_spec
 from suites.unit.fsdp_worlds.common import build as build_sharded
 from suites.unit.fsdp_worlds.common import local_batch, named_full, padding_max, patched
 from suites.unit.fsdp_worlds.hybrid import shard_hybrid
@@ -98,15 +98,20 @@ def load_run(ctx, p: dict) -> list[dict]:
         params_only = p.get("params_only", False)
         opt = make_optimizer(model.parameters(), p["optimizer"], (1 if params_only else 7) * p["lr"])
         load_sharded(model, None if params_only else opt, path)
-        got = {"loaded": named_full(model, True), "padding_max": padding_max(model, ctx),
-               "state_shapes_ok": _state_shapes_ok(model, opt),
-               "lrs": [g["lr"] for g in opt.param_groups],
-               "state_keys": sorted({k for s in opt.state.values() for k in s}), "params": []}
+        got = {
+            "loaded": named_full(model, True),
+            "padding_max": padding_max(model, ctx),
+            "state_shapes_ok": _state_shapes_ok(model, opt),
+            "lrs": [g["lr"] for g in opt.param_groups],
+            "state_keys": sorted({k for s in opt.state.values() for k in s}),
+            "params": [],
+        }
         for step in range(p["at"] + 1, p["total"] + 1):
             _step(model, spec, opt, p, step, ctx)
             got["params"].append(named_full(model, True))
-        out.append(got if ctx.rank == 0 else {"padding_max": got["padding_max"],
-                                               "state_shapes_ok": got["state_shapes_ok"]})
+        out.append(
+            got if ctx.rank == 0 else {"padding_max": got["padding_max"], "state_shapes_ok": got["state_shapes_ok"]}
+        )
     return out
 
 
@@ -119,8 +124,11 @@ def load_error(ctx, p: dict) -> dict:
     try:
         load_sharded(model, opt, p["path"])
     except ValueError as exc:
-        untouched = all(torch.equal(a, q) for a, q in zip(before, model.parameters())) and not opt.state \
+        untouched = (
+            all(torch.equal(a, q) for a, q in zip(before, model.parameters()))
+            and not opt.state
             and opt.param_groups[0]["lr"] == 0.01
+        )
         return {"message": str(exc), "untouched": untouched}
     return {"message": "", "untouched": False}
 

@@ -6,7 +6,8 @@ the padding rows of the sharded parameters.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,21 +34,31 @@ def named_full(model: nn.Module, wrapped: bool) -> dict[str, np.ndarray]:
     return {k: to_numpy(v) for k, v in params.items()}
 
 
-def shard_model(model: nn.Module, unit_list: list[nn.Module], group, *, reshard: bool = True,
-                mp: dict | None = None, dim1: bool = False) -> nn.Module:
+def shard_model(
+    model: nn.Module,
+    unit_list: list[nn.Module],
+    group,
+    *,
+    reshard: bool = True,
+    mp: dict | None = None,
+    dim1: bool = False,
+) -> nn.Module:
     """fully_shard on each unit, then the root; `dim1`: Shard(1) wherever dim 1 divides over the group."""
     from harness.train.features import dim1_placement
 
     place = dim1_placement(torch.distributed.get_world_size(group)) if dim1 else None
     policy = None
     if mp is not None:
-        policy = MixedPrecisionPolicy(param_dtype=DTYPES[mp.get("param_dtype")],
-                                      reduce_dtype=DTYPES[mp.get("reduce_dtype")])
+        policy = MixedPrecisionPolicy(
+            param_dtype=DTYPES[mp.get("param_dtype")], reduce_dtype=DTYPES[mp.get("reduce_dtype")]
+        )
     for unit in unit_list:
-        fully_shard(unit, process_group=group, reshard_after_forward=reshard, mp_policy=policy,
-                    shard_placement_fn=place)
-    return fully_shard(model, process_group=group, reshard_after_forward=reshard, mp_policy=policy,
-                       shard_placement_fn=place)
+        fully_shard(
+            unit, process_group=group, reshard_after_forward=reshard, mp_policy=policy, shard_placement_fn=place
+        )
+    return fully_shard(
+        model, process_group=group, reshard_after_forward=reshard, mp_policy=policy, shard_placement_fn=place
+    )
 
 
 def build(p: dict, ctx) -> tuple[nn.Module, Any]:
@@ -70,7 +81,7 @@ def padding_max(model: nn.Module, ctx=None) -> float:
     worst = 0.0
     for _, state in units(model):
         for p in state.params.params:
-            tail = p.padded[p.local_numel:]
+            tail = p.padded[p.local_numel :]
             if tail.numel():
                 worst = max(worst, float(tail.detach().abs().max()))
     return worst
@@ -87,17 +98,17 @@ def full_grads(model: nn.Module) -> dict[str, np.ndarray]:
                 continue
             local = g._local_tensor.reshape(-1)
             padded = torch.zeros(p.shard_numel, dtype=local.dtype)
-            padded[:local.numel()] = local
+            padded[: local.numel()] = local
             full = torch.empty(p.world_size * p.shard_numel, dtype=local.dtype)
             dist.all_gather_into_tensor(full, padded, group=state.params.group)
-            out[f"{prefix}.{p.fqn}" if prefix else p.fqn] = to_numpy(full[:p.shape.numel()].view(p.shape))
+            out[f"{prefix}.{p.fqn}" if prefix else p.fqn] = to_numpy(full[: p.shape.numel()].view(p.shape))
     return out
 
 
 def local_batch(spec, p: dict, step: int, ctx) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = spec.make_batch(p.get("batch", 8), step, p.get("seed", 0))
     if p.get("data_mode", "replicated") == "split" and p.get("wrap", True):
-        x, y = x[ctx.rank::ctx.world_size], y[ctx.rank::ctx.world_size]
+        x, y = x[ctx.rank :: ctx.world_size], y[ctx.rank :: ctx.world_size]
     return x, y
 
 

@@ -22,13 +22,13 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_impl
 import fsdp_impl.group as fsdp_group
-from fsdp_impl.state import units
 from fsdp_impl.param import ShardState
+from fsdp_impl.state import units
 from harness.adapters.fsdp_impl import FsdpImplAdapter
 from harness.adapters.torch_fsdp2 import TorchFSDP2Adapter
+from harness.optimizers import make_optimizer
 from harness.train.features import wrap_for
 from harness.train.models import get_model_spec
-from harness.optimizers import make_optimizer
 from suites.unit.fsdp_worlds.common import local_batch, named_full, patched
 from suites.unit.fsdp_worlds.hybrid import groups as hybrid_groups
 
@@ -62,6 +62,7 @@ def _norm(total) -> float:
 
 # -------------------------------------------------------------------------------------- tasks
 
+
 def adapter_run(ctx, p: dict) -> dict:
     """``steps`` steps through an adapter (``impl``: "fsdp_impl", or "fsdp2_code": the FSDP2 adapter with
     fsdp_impl's fully_shard) wrapped for ``feature``: two micro-batches per step (the adapter's gradient
@@ -75,8 +76,13 @@ def adapter_run(ctx, p: dict) -> dict:
     with swap:
         wrapped = wrap_for(p.get("feature", "plain"), adapter, model, spec.units(model), ctx=ctx)
         opt = make_optimizer(wrapped.parameters(), "adamw", 0.01)
-        out = {"losses": [], "norms": [], "params": [], "cls": type(wrapped).__name__,
-               "is_unit": isinstance(wrapped, fsdp_impl.FSDPModule)}
+        out = {
+            "losses": [],
+            "norms": [],
+            "params": [],
+            "cls": type(wrapped).__name__,
+            "is_unit": isinstance(wrapped, fsdp_impl.FSDPModule),
+        }
         for step in range(1, p.get("steps", 3) + 1):
             x, y = local_batch(spec, p, step, ctx)
             for j, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2))):
@@ -123,6 +129,7 @@ def loop(ctx, p: dict) -> dict:
 
         def sync(flag):
             fsdp_impl.set_requires_gradient_sync(model, flag)
+
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     out = {"losses": [], "norms": [], "params": [], "cls": type(model).__name__}
     for step in range(1, p.get("steps", 3) + 1):
@@ -151,8 +158,10 @@ def full_params(model: nn.Module, way: str) -> dict:
 
 def _unit_states(model: nn.Module) -> dict[str, str]:
     """unit -> SHARDED, UNSHARDED, or GATHERING (an asynchronous all-gather issued, not completed)."""
-    return {prefix or "<root>": "GATHERING" if state.params.gathering else state.params.state.name
-            for prefix, state in units(model)}
+    return {
+        prefix or "<root>": "GATHERING" if state.params.gathering else state.params.state.name
+        for prefix, state in units(model)
+    }
 
 
 def sync_flags(ctx, p: dict) -> dict:
@@ -186,8 +195,8 @@ def methods(ctx, p: dict) -> dict:
     use = p["use"]
     if use == "prefetch":  # each block prefetches the next in forward, the one before in backward
         for i, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
-            block.set_modules_to_backward_prefetch(blocks[i - 1:i] if i else [])
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 2])
+            block.set_modules_to_backward_prefetch(blocks[i - 1 : i] if i else [])
     gathers: list = []
     issued = fsdp_group.ParamGroup.unshard
 
@@ -198,9 +207,11 @@ def methods(ctx, p: dict) -> dict:
 
     seen: dict = {}
     if use in ("prefetch", "none"):  # the units gathered as each block's forward begins (after fsdp_impl's hook)
+
         def look(i):
             def hook(module, args):
                 seen.setdefault(f"fwd{i}", _unit_states(model))
+
             return hook
 
         for i, block in enumerate(blocks):
@@ -249,15 +260,18 @@ def errors(ctx, p: dict) -> dict[str, str]:
     lin = nn.Linear(4, 4)
     cases = {
         "mesh_and_process_group": lambda: fsdp_impl.fully_shard(nn.Linear(4, 4), mesh=mesh, process_group=ctx.group),
-        "mesh_and_replicate_group": lambda: fsdp_impl.fully_shard(nn.Linear(4, 4), mesh=mesh,
-                                                                  replicate_group=ctx.group),
+        "mesh_and_replicate_group": lambda: fsdp_impl.fully_shard(
+            nn.Linear(4, 4), mesh=mesh, replicate_group=ctx.group
+        ),
         "ignored_params": lambda: fsdp_impl.fully_shard(lin, mesh=mesh, ignored_params={lin.weight}),
         "dp_mesh_dims": lambda: fsdp_impl.fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=object()),
         "module_list": lambda: fsdp_impl.fully_shard([nn.Linear(4, 4), nn.Linear(4, 4)], mesh=mesh),
-        "output_dtype": lambda: fsdp_impl.fully_shard(nn.Linear(4, 4), mesh=mesh,
-                                                      mp_policy=TorchPolicy(output_dtype=torch.float32)),
+        "output_dtype": lambda: fsdp_impl.fully_shard(
+            nn.Linear(4, 4), mesh=mesh, mp_policy=TorchPolicy(output_dtype=torch.float32)
+        ),
         "cast_forward_inputs": lambda: fsdp_impl.fully_shard(
-            nn.Linear(4, 4), mesh=mesh, mp_policy=TorchPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False)),
+            nn.Linear(4, 4), mesh=mesh, mp_policy=TorchPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=False)
+        ),
         "offload_policy": lambda: fsdp_impl.fully_shard(nn.Linear(4, 4), mesh=mesh, offload_policy="cpu"),
         "mesh_3d": lambda: fsdp_impl.fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 1, ctx.world_size))),
         "mesh_not_a_mesh": lambda: fsdp_impl.fully_shard(nn.Linear(4, 4), mesh=ctx.group),

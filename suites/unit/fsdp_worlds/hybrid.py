@@ -17,10 +17,10 @@ from torch import nn
 
 import fsdp_impl.group as fsdp_group
 from fsdp_impl import clip_grad_norm_, fully_shard, hybrid_groups, materialize_meta, set_requires_gradient_sync
-from fsdp_impl.state import units
 from fsdp_impl.collectives import hybrid_reduce_mean
-from harness.train.models import get_model_spec
+from fsdp_impl.state import units
 from harness.optimizers import make_optimizer
+from harness.train.models import get_model_spec
 from suites.unit.fsdp_worlds.common import full_grads, local_batch, named_full, patched, to_numpy
 from suites.unit.fsdp_worlds.wrapping import WithBuffer
 
@@ -64,8 +64,10 @@ def counting_reductions():
         counts["hybrid"] += 1
         return hybrid(*a)
 
-    with patched(fsdp_group, "reduce_scatter_mean", count_flat), \
-            patched(fsdp_group, "hybrid_reduce_mean", count_hybrid):
+    with (
+        patched(fsdp_group, "reduce_scatter_mean", count_flat),
+        patched(fsdp_group, "hybrid_reduce_mean", count_hybrid),
+    ):
         yield counts
 
 
@@ -76,6 +78,7 @@ def local_shards(model: nn.Module) -> np.ndarray:
 
 
 # -------------------------------------------------------------------------------------- tasks
+
 
 def train(ctx, p: dict) -> dict:
     """``steps`` steps of ``optimizer``, each over ``micro`` micro-batches (gradient sync off for all
@@ -121,11 +124,16 @@ def reduction(ctx, p: dict) -> dict:
     n = p["numel"]
     own = torch.randn(n, generator=torch.Generator().manual_seed(100 + ctx.rank)) * p.get("scale", 1.0)
     same = torch.randn(n, generator=torch.Generator().manual_seed(7))
-    return {"own": to_numpy(own), "same": to_numpy(same),
-            "mean_own": to_numpy(hybrid_reduce_mean(own, shard, rep, torch.float64).float()),
-            "mean_same": to_numpy(hybrid_reduce_mean(same, shard, rep, torch.float64).float()),
-            "shard_rank": dist.get_rank(shard), "shard_size": dist.get_world_size(shard),
-            "shard_ranks": dist.get_process_group_ranks(shard), "replicate_ranks": dist.get_process_group_ranks(rep)}
+    return {
+        "own": to_numpy(own),
+        "same": to_numpy(same),
+        "mean_own": to_numpy(hybrid_reduce_mean(own, shard, rep, torch.float64).float()),
+        "mean_same": to_numpy(hybrid_reduce_mean(same, shard, rep, torch.float64).float()),
+        "shard_rank": dist.get_rank(shard),
+        "shard_size": dist.get_world_size(shard),
+        "shard_ranks": dist.get_process_group_ranks(shard),
+        "replicate_ranks": dist.get_process_group_ranks(rep),
+    }
 
 
 def clipped(ctx, p: dict) -> dict:
@@ -185,8 +193,11 @@ def subgroup(ctx, p: dict) -> dict:
         _GROUPS[key] = hybrid_groups(p["replicas"], evens if ctx.rank % 2 == 0 else odds)
     shard, rep = _GROUPS[key]
     g = torch.full((5,), float(ctx.rank))
-    return {"shard_ranks": dist.get_process_group_ranks(shard), "replicate_ranks": dist.get_process_group_ranks(rep),
-            "mean": to_numpy(hybrid_reduce_mean(g, shard, rep, torch.float64).float())}
+    return {
+        "shard_ranks": dist.get_process_group_ranks(shard),
+        "replicate_ranks": dist.get_process_group_ranks(rep),
+        "mean": to_numpy(hybrid_reduce_mean(g, shard, rep, torch.float64).float()),
+    }
 
 
 def meta_init(ctx, p: dict) -> dict:

@@ -11,8 +11,8 @@ from torch import nn
 from fsdp_impl import clip_grad_norm_
 from fsdp_impl.invariant import invariant_forward_backward
 from harness.adapters.reference import tree_sum as tree
-from harness.train.models import get_model_spec
 from harness.optimizers import make_optimizer
+from harness.train.models import get_model_spec
 from suites.unit.fsdp_worlds.common import named_full, shard_model
 
 
@@ -23,7 +23,7 @@ def plain_tree_step(model: nn.Module, loss_fn, x, y, micro: int) -> torch.Tensor
     grads: dict[nn.Parameter, list] = {q: [] for q in model.parameters()}
     losses = []
     for i in range(micro):
-        loss = loss_fn(model(x[i * size:(i + 1) * size]), y[i * size:(i + 1) * size]) / micro
+        loss = loss_fn(model(x[i * size : (i + 1) * size]), y[i * size : (i + 1) * size]) / micro
         loss.backward()
         losses.append(loss.detach())
         for q in grads:
@@ -43,13 +43,19 @@ def train(ctx, p: dict) -> dict:
     wrap = p.get("wrap", True)
     if p.get("ac"):  # activation checkpointing on every unit, before any wrapping (as the harness applies it)
         from harness.train.features import checkpoint_units
+
         checkpoint_units(spec.units(model))
     plain = model
     if wrap:
-        shard_model(model, spec.units(model), ctx.group,
-                    mp={"param_dtype": "bfloat16", "reduce_dtype": "float32"} if p.get("bf16") else None)
+        shard_model(
+            model,
+            spec.units(model),
+            ctx.group,
+            mp={"param_dtype": "bfloat16", "reduce_dtype": "float32"} if p.get("bf16") else None,
+        )
     elif p.get("bf16"):  # the plain model under the same policy, written out apart from fsdp_impl
         from harness.adapters.reference import MixedPrecision
+
         model = MixedPrecision(model, torch.bfloat16)
     opt = make_optimizer(model.parameters(), p.get("optimizer", "adamw"), 1e-2)
     losses = []
@@ -62,10 +68,9 @@ def train(ctx, p: dict) -> dict:
             replicated = p.get("data_mode") == "replicated"
             if not replicated:
                 n = x.shape[0] // ctx.world_size
-                x, y = x[ctx.rank * n:(ctx.rank + 1) * n], y[ctx.rank * n:(ctx.rank + 1) * n]
+                x, y = x[ctx.rank * n : (ctx.rank + 1) * n], y[ctx.rank * n : (ctx.rank + 1) * n]
             if p.get("invariant", True):
-                loss = invariant_forward_backward(model, loss_fn, x, y, micro_batches=p["micro"],
-                                                  replicated=replicated)
+                loss = invariant_forward_backward(model, loss_fn, x, y, micro_batches=p["micro"], replicated=replicated)
             else:
                 loss = spec.loss(model(x), y)
                 loss.backward()
@@ -74,6 +79,7 @@ def train(ctx, p: dict) -> dict:
                 clip_grad_norm_(model, p["clip2"], 2.0, batch_invariant=True)
             else:
                 from fsdp_impl.clip import row_norm_sq
+
                 grads = [q.grad for q in model.parameters() if q.grad is not None]
                 total = row_norm_sq(grads).sqrt().float()
                 coef = torch.clamp(p["clip2"] / (total + 1e-6), max=1.0)
@@ -105,7 +111,7 @@ def train_part(ctx, p: dict) -> dict:
     for step in range(p["first"], p["last"] + 1):
         x, y = spec.make_batch(p.get("batch", 16), step, p.get("seed", 0))
         n = x.shape[0] // ctx.world_size
-        x, y = x[ctx.rank * n:(ctx.rank + 1) * n], y[ctx.rank * n:(ctx.rank + 1) * n]
+        x, y = x[ctx.rank * n : (ctx.rank + 1) * n], y[ctx.rank * n : (ctx.rank + 1) * n]
         loss = invariant_forward_backward(model, spec.loss, x, y, micro_batches=p["micro"])
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import fsdp_impl.group as fsdp_group
-from fsdp_impl.state import units
 from fsdp_impl.param import ShardState
+from fsdp_impl.state import units
 from harness.optimizers import make_optimizer
 from suites.unit.fsdp_worlds.common import build, local_batch, patched, shard_model
 
@@ -26,8 +26,11 @@ def _names(model: nn.Module) -> dict[int, str]:
 
 def _gathered(model: nn.Module) -> list[str]:
     """Units whose parameters are gathered or being gathered, the root left out."""
-    return sorted(prefix for prefix, state in units(model)
-                  if prefix and (state.params.state is ShardState.UNSHARDED or state.params.gathering))
+    return sorted(
+        prefix
+        for prefix, state in units(model)
+        if prefix and (state.params.state is ShardState.UNSHARDED or state.params.gathering)
+    )
 
 
 def _record(model: nn.Module, events: list) -> None:
@@ -95,7 +98,7 @@ class Chain(nn.Module):
         self.n = 3
 
     def forward(self, x):
-        for block in self.blocks[:self.n]:
+        for block in self.blocks[: self.n]:
             x = torch.tanh(block(x))
         return x
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from fsdp_impl import full_state_dict, load_full_state_dict, materialize_meta
-from harness.train.models import get_model_spec
 from harness.optimizers import make_optimizer
+from harness.train.models import get_model_spec
 from suites.unit.fsdp_worlds.common import build, local_batch, padding_max, shard_model, to_numpy
 
 
@@ -33,12 +33,17 @@ def state_dict_round_trip(ctx, p: dict) -> dict:
     x, _ = local_batch(spec, p, 99, ctx)
     with torch.no_grad():
         out_fresh, out_plain = fresh(x), plain(x)
-    return {"saved": {k: to_numpy(v) for k, v in saved.items()},
-            "before": before,
-            "loaded": {k: to_numpy(v) for k, v in full_state_dict(fresh).items()},
-            "out_fresh": to_numpy(out_fresh), "out_plain": to_numpy(out_plain),
-            "padding_max": padding_max(fresh, ctx), "plain_names": plain_names,
-            "missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys)}
+    return {
+        "saved": {k: to_numpy(v) for k, v in saved.items()},
+        "before": before,
+        "loaded": {k: to_numpy(v) for k, v in full_state_dict(fresh).items()},
+        "out_fresh": to_numpy(out_fresh),
+        "out_plain": to_numpy(out_plain),
+        "padding_max": padding_max(fresh, ctx),
+        "plain_names": plain_names,
+        "missing": list(result.missing_keys),
+        "unexpected": list(result.unexpected_keys),
+    }
 
 
 def meta_init(ctx, p: dict) -> dict:
@@ -56,8 +61,11 @@ def meta_init(ctx, p: dict) -> dict:
     materialize_meta(model, "cpu")
     with torch.no_grad():
         out = to_numpy(model(x))
-    return {"eager": {k: to_numpy(v) for k, v in eager.named_parameters()},
-            "meta": {k: to_numpy(v) for k, v in full_state_dict(model).items()},
-            "eager_out": eager_out, "meta_out": out,
-            "devices": sorted({str(q.device) for q in model.parameters()}),
-            "padding_max": padding_max(model, ctx)}
+    return {
+        "eager": {k: to_numpy(v) for k, v in eager.named_parameters()},
+        "meta": {k: to_numpy(v) for k, v in full_state_dict(model).items()},
+        "eager_out": eager_out,
+        "meta_out": out,
+        "devices": sorted({str(q.device) for q in model.parameters()}),
+        "padding_max": padding_max(model, ctx),
+    }

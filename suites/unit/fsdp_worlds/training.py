@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 import fsdp_impl.group as fsdp_group
 from fsdp_impl import clip_grad_norm_, fully_shard, set_requires_gradient_sync
 from fsdp_impl.state import units
-from harness.train.models import get_model_spec
 from harness.optimizers import make_optimizer
+from harness.train.models import get_model_spec
 from suites.unit.fsdp_worlds.common import (
     build,
     full_grads,
@@ -42,11 +42,13 @@ def _sum_without_mean(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype,
 
 # -------------------------------------------------------------------------------------- tasks
 
+
 def train(ctx, p: dict) -> dict:
     """Train ``steps`` steps; return per-step local losses, the final full parameters (every rank),
     the worst padding value seen after any optimizer step, and the initial full parameters."""
-    bug = patched(fsdp_group, "reduce_scatter_mean", _sum_without_mean) if p.get("sum_bug") \
-        else contextlib.nullcontext()
+    bug = (
+        patched(fsdp_group, "reduce_scatter_mean", _sum_without_mean) if p.get("sum_bug") else contextlib.nullcontext()
+    )
     with bug:
         model, spec = build(p, ctx)
         wrapped = p.get("wrap", True)
@@ -65,9 +67,14 @@ def train(ctx, p: dict) -> dict:
                 worst_pad = max(worst_pad, padding_max(model, ctx))  # after the optimizer step
             opt.zero_grad(set_to_none=True)
             losses.append(float(loss.detach().float()))
-        return {"losses": losses, "params": named_full(model, wrapped), "initial": initial,
-                "padding_max": worst_pad, "grads_after_backward": grads,
-                "dtypes": sorted({str(q.dtype) for q in model.parameters()})}
+        return {
+            "losses": losses,
+            "params": named_full(model, wrapped),
+            "initial": initial,
+            "padding_max": worst_pad,
+            "grads_after_backward": grads,
+            "dtypes": sorted({str(q.dtype) for q in model.parameters()}),
+        }
 
 
 def mixed_precision(ctx, p: dict) -> dict:
@@ -96,12 +103,18 @@ def mixed_precision(ctx, p: dict) -> dict:
             opt.step()
             opt.zero_grad()
             losses.append(float(loss.detach()))
-    return {"reduce_calls": sorted(set(calls)), "out_dtypes": sorted(out_dtypes), "losses": losses,
-            "shard_dtypes": sorted({str(q.dtype) for q in model.parameters()}),
-            "grad_dtypes": grad_dtypes,
-            "opt_state_dtypes": sorted({str(v.dtype) for s in opt.state.values() for v in s.values()
-                                        if torch.is_tensor(v) and v.dim() > 0}),
-            "params": named_full(model, True), "padding_max": padding_max(model, ctx)}
+    return {
+        "reduce_calls": sorted(set(calls)),
+        "out_dtypes": sorted(out_dtypes),
+        "losses": losses,
+        "shard_dtypes": sorted({str(q.dtype) for q in model.parameters()}),
+        "grad_dtypes": grad_dtypes,
+        "opt_state_dtypes": sorted(
+            {str(v.dtype) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0}
+        ),
+        "params": named_full(model, True),
+        "padding_max": padding_max(model, ctx),
+    }
 
 
 def handle_states_after_forward(ctx, p: dict) -> dict:
@@ -112,16 +125,22 @@ def handle_states_after_forward(ctx, p: dict) -> dict:
     x, y = local_batch(spec, p, 1, ctx)
 
     def snapshot():
-        return {prefix or "<root>": [(q.state.name, q.unsharded_nbytes()) for q in state.params.params]
-                for prefix, state in units(model)}
+        return {
+            prefix or "<root>": [(q.state.name, q.unsharded_nbytes()) for q in state.params.params]
+            for prefix, state in units(model)
+        }
 
     loss = spec.loss(model(x), y)
     after_forward = snapshot()
     names = {n for n, _ in model.named_parameters()}
     in_state_dict = sorted({type(v).__name__ for k, v in model.state_dict().items() if k in names})
     loss.backward()  # after state_dict() resharded every unit: backward gathers them again
-    return {"after_forward": after_forward, "after_backward": snapshot(), "state_dict_types": in_state_dict,
-            "grads": sorted({type(q.grad).__name__ for q in model.parameters()})}
+    return {
+        "after_forward": after_forward,
+        "after_backward": snapshot(),
+        "state_dict_types": in_state_dict,
+        "grads": sorted({type(q.grad).__name__ for q in model.parameters()}),
+    }
 
 
 def resharded_to_a_group(ctx, p: dict) -> dict:
@@ -133,18 +152,25 @@ def resharded_to_a_group(ctx, p: dict) -> dict:
     model, spec = build(p, ctx)
     x, y = local_batch(spec, p, 1, ctx)
     loss = spec.loss(model(x), y)
-    after_forward = {prefix or "<root>": {
-        "handles": [(q.state.name, q.unsharded_nbytes()) for q in state.params.params],
-        "kept": sum(t.numel() for t in (state.params._kept or {}).values()),
-        "shard": sum(q.shard_numel for q in state.params.params)} for prefix, state in units(model)}
+    after_forward = {
+        prefix or "<root>": {
+            "handles": [(q.state.name, q.unsharded_nbytes()) for q in state.params.params],
+            "kept": sum(t.numel() for t in (state.params._kept or {}).values()),
+            "shard": sum(q.shard_numel for q in state.params.params),
+        }
+        for prefix, state in units(model)
+    }
     with CommCounter() as cc:
         loss.backward()
     gathers = {}
     for row in cc.summary():
         if row["collective"] == "all_gather":
             gathers[row["ranks"]] = gathers.get(row["ranks"], 0) + row["elements"]
-    return {"after_forward": after_forward, "backward_gathers": gathers,
-            "kept_after_backward": [prefix for prefix, state in units(model) if state.params._kept]}
+    return {
+        "after_forward": after_forward,
+        "backward_gathers": gathers,
+        "kept_after_backward": [prefix for prefix, state in units(model) if state.params._kept],
+    }
 
 
 def placements(ctx, p: dict) -> dict:
@@ -207,10 +233,14 @@ def eval_no_grad(ctx, p: dict) -> dict:
             evals.append(to_numpy(model(x)))
         model.train()
         if p.get("wrap", True):
-            full_bytes_after_eval = max([full_bytes_after_eval] + [
-                q.unsharded_nbytes() for _, st in units(model) for q in st.params.params])
-    return {"evals": evals, "params": named_full(model, p.get("wrap", True)),
-            "full_bytes_after_eval": full_bytes_after_eval}
+            full_bytes_after_eval = max(
+                [full_bytes_after_eval] + [q.unsharded_nbytes() for _, st in units(model) for q in st.params.params]
+            )
+    return {
+        "evals": evals,
+        "params": named_full(model, p.get("wrap", True)),
+        "full_bytes_after_eval": full_bytes_after_eval,
+    }
 
 
 class CallsChildTwice(nn.Module):
@@ -257,7 +287,7 @@ def padding_garbage(ctx, p: dict) -> dict:
         with torch.no_grad():
             for _, state in units(model):
                 for q in state.params.params:
-                    q.padded[q.local_numel:] = 7.0
+                    q.padded[q.local_numel :] = 7.0
                     corrupted += q.padded.numel() - q.local_numel
         x, y = local_batch(spec, p, step, ctx)
         spec.loss(model(x), y).backward()

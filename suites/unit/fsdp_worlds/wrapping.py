@@ -27,20 +27,43 @@ def layout(ctx, p: dict) -> dict:
     model, _ = build(p, ctx)
     out_units = []
     for prefix, state in units(model):
-        out_units.append({"prefix": prefix, "params": [
-            {"fqn": q.fqn, "owners": [o.fqn for o in q.owners], "shape": tuple(q.shape),
-             "requires_grad": q.requires_grad, "local": to_numpy(q.local()), "padded_numel": q.padded.numel(),
-             "padding": to_numpy(q.padded[q.local_numel:])} for q in state.params.params]})
+        out_units.append(
+            {
+                "prefix": prefix,
+                "params": [
+                    {
+                        "fqn": q.fqn,
+                        "owners": [o.fqn for o in q.owners],
+                        "shape": tuple(q.shape),
+                        "requires_grad": q.requires_grad,
+                        "local": to_numpy(q.local()),
+                        "padded_numel": q.padded.numel(),
+                        "padding": to_numpy(q.padded[q.local_numel :]),
+                    }
+                    for q in state.params.params
+                ],
+            }
+        )
     params = []
     for n, q in model.named_parameters():
-        params.append({"name": n, "type": type(q).__name__, "shape": tuple(q.shape),
-                       "placements": [repr(pl) for pl in getattr(q, "placements", ())],
-                       "mesh": q.device_mesh.mesh.tolist() if hasattr(q, "device_mesh") else None,
-                       "local_shape": tuple(q._local_tensor.shape) if hasattr(q, "_local_tensor") else None})
-    return {"units": out_units, "eager": eager, "params": params,
-            "tied_same_object": (model.embed.weight is model.head.weight) if p["model"] == "tinylm_tied" else None,
-            "numel_local": sum(q._local_tensor.numel() for q in model.parameters()),
-            "state_dict": {k: (type(v).__name__, tuple(v.shape)) for k, v in model.state_dict().items()}}
+        params.append(
+            {
+                "name": n,
+                "type": type(q).__name__,
+                "shape": tuple(q.shape),
+                "placements": [repr(pl) for pl in getattr(q, "placements", ())],
+                "mesh": q.device_mesh.mesh.tolist() if hasattr(q, "device_mesh") else None,
+                "local_shape": tuple(q._local_tensor.shape) if hasattr(q, "_local_tensor") else None,
+            }
+        )
+    return {
+        "units": out_units,
+        "eager": eager,
+        "params": params,
+        "tied_same_object": (model.embed.weight is model.head.weight) if p["model"] == "tinylm_tied" else None,
+        "numel_local": sum(q._local_tensor.numel() for q in model.parameters()),
+        "state_dict": {k: (type(v).__name__, tuple(v.shape)) for k, v in model.state_dict().items()},
+    }
 
 
 def shared_across_units(ctx, case: str) -> str:
