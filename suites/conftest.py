@@ -1,11 +1,12 @@
-"""What the suite's files share within one pytest process (one xdist worker): `kept_worlds`, one intra-op
-thread, and the tiers (`--ci`, `--slow`: suites/tiers.py)."""
+"""What the suite's files share within one pytest process (one xdist worker): `kept_worlds`, `world`, one
+intra-op thread, and the tiers (`--ci`, `--slow`: suites/tiers.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from harness.execute.world import World
 from suites.tiers import add_options, skip_by_tier
 
 # The tests that compute in the pytest process itself (models trained in-process, the unit tests of the
@@ -35,3 +36,19 @@ def kept_worlds():
 
     with WorldPool(keep=True) as pool:
         yield pool
+
+
+@pytest.fixture(scope="module")
+def world():
+    """world(n) -> a live World of n ranks, started on first use and kept for the module."""
+    live: dict[int, World] = {}
+
+    def get(n: int) -> World:
+        w = live.get(n)
+        if w is None or w.closed:  # a failed task kills its world; the next test gets a new one
+            w = live[n] = World(n, timeout_s=240)
+        return w
+
+    yield get
+    for w in live.values():
+        w.close()

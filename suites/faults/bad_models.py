@@ -1,6 +1,6 @@
 """User models that break the model protocol (harness/train/user_models.py), one way each: the
-bad-input table (bad_inputs.py) names them on the command line, `suites/test_user_model.py` checks
-them directly. Each is the example model (suites/unit/example_model.py) with one member changed."""
+bad-input table (bad_inputs.py) names them on the command line, `suites/harness/end_to_end/test_user_model.py` checks
+them directly. Each is the example model (suites/harness/unit/example_model.py) with one member changed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import dataclasses
 import torch.nn.functional as F
 from torch import nn
 
-from suites.unit.example_model import spec as example
+from suites.harness.unit.example_model import spec as example
 
 
 def _changed(**members):

@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from reports import bad_inputs as table
 from suites.faults import bad_inputs
 
 # the CI tier (--ci; .ci/run runs it): every bad input through the CLI and pytest, each a process
@@ -40,12 +41,12 @@ def test_bad_input_gets_one_clear_line_and_a_usage_exit(bad_input_outcomes, case
 
 
 def test_the_committed_bad_input_table_is_what_the_cli_prints_now(bad_input_outcomes):
-    """suites/faults/bad_inputs.md, regenerated from this run's probes, reads the same (the numbers of
+    """reports/bad_inputs.md, regenerated from this run's probes, reads the same (the numbers of
     this machine's figures aside): a message that changed, or a case added, makes it stale."""
-    now = bad_inputs.render(list(bad_input_outcomes.values()))
-    committed = bad_inputs.TABLE.read_text(encoding="utf-8")
-    assert bad_inputs.stable(committed) == bad_inputs.stable(now), (
-        "suites/faults/bad_inputs.md is stale: rerun python -m suites.faults.bad_inputs"
+    now = table.render(list(bad_input_outcomes.values()))
+    committed = table.TABLE.read_text(encoding="utf-8")
+    assert table.stable(committed) == table.stable(now), (
+        "reports/bad_inputs.md is stale: rerun python -m reports.bad_inputs"
     )
 
 

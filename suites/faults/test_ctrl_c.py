@@ -243,7 +243,7 @@ def test_ctrl_c_of_a_pytest_xdist_run_leaves_no_orphans(tmp_path):
             "-q",
             "-p",
             "no:cacheprovider",
-            "suites/test_equivalence.py",
+            "suites/harness/end_to_end/test_equivalence.py",
             "--world-sizes",
             "1,2",
             "--models",

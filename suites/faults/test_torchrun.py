@@ -29,8 +29,8 @@ def test_under_torchrun_the_matrix_runs_fails_faults_and_goes_on(tmp_path, kept_
         "fsdp_impl@1",
         "fsdp_impl@2",
         "forward_rank1_step3@2",
-        "suites.unit.example_adapter:adapter@1",
-        "suites.unit.example_adapter:adapter@2",
+        "suites.harness.unit.example_adapter:adapter@1",
+        "suites.harness.unit.example_adapter:adapter@2",
         "hang_rank1@2",
     ]
     proc = start([*TORCHRUN, "-m", FA, str(out), "4", *specs])
@@ -42,7 +42,7 @@ def test_under_torchrun_the_matrix_runs_fails_faults_and_goes_on(tmp_path, kept_
         got = json.loads(out.read_text())
         status, error = got["status"], got["error"]
         fwd, hang = scenario("forward_rank1_step3").id, scenario("hang_rank1").id
-        example = "suites.unit.example_adapter.adapter-mlp-ws2-replicated-adamw"
+        example = "suites.harness.unit.example_adapter.adapter-mlp-ws2-replicated-adamw"
         assert [
             status[s]
             for s in ("reference-mlp-ws1-replicated-adamw", "fsdp_impl-mlp-ws2-replicated-adamw", fwd, example, hang)

@@ -22,7 +22,7 @@ else (``injection.py`` says how). The mutants live beside this module, grouped b
 it; ``CONTROLS`` are unmutated adapters run beside them (a mutant's failure must come from its
 fault, not from the way it is injected). Every adapter is loaded by its name in this module
 (``suites.mutants.catalog:grad_summed``), which is also its scenario id in the reports.
-``suites/mutants/score.py`` runs them all in one matrix.
+``reports/mutation_score.py`` runs them all in one matrix.
 
 A mutant that escapes is a gap in the harness: the answer is a sharper check or scenario, never a
 weaker mutant. ``grad_norm_matches``, ``peak_params_bound``, ``units_gathered`` and the ``mlp_frozen`` model

@@ -62,7 +62,7 @@ def counterparts(m: Mutant) -> list[Mutant]:
 def run_exposure(names: set[str], pool, seed: int = 0, progress=None) -> list[Exposure]:
     """The counterparts of every mutant of `names` that ONLY_THERE lists, in one matrix on `pool`."""
     from harness.phases import run_matrix
-    from suites.mutants.score import scenarios_of
+    from reports.mutation_score import scenarios_of
 
     chosen = [m for m in CATALOGUE if m.name in names and m.name in ONLY_THERE]
     if not chosen:
@@ -80,7 +80,7 @@ def run_exposure(names: set[str], pool, seed: int = 0, progress=None) -> list[Ex
 
 def section(exposures: list[Exposure], results: dict) -> list[str]:
     """The report's "Exposed only there" section; `results`: the catalogue's MutantResult by name."""
-    from suites.mutants.score import cells
+    from reports.mutation_score import cells
 
     if not exposures:
         return []

@@ -32,7 +32,7 @@ from harness.tables.build import MODEL_LIMIT
 CORRECT = ("fsdp_impl", "torch_fsdp2", "ddp")
 SEEDS = (0, 1, 2, 3, 4)
 FULL_STEPS = 10
-# the compositions CI runs (suites/test_compositions.py): the everyday pairs, each part a real bug's home
+# the compositions CI runs (suites/harness/end_to_end/test_compositions.py): the everyday pairs, each part a real bug's home
 CI_COMPOSITIONS = (
     "hsdp+clip",
     "hsdp+no_sync",
@@ -56,8 +56,8 @@ def quick_matrix() -> list[Scenario]:
     gradient, runs in two cells only: FSDP2 and DDP on the mlp at W = 2 with split data (each rank
     evaluates its slice, the loss is all-reduced); fsdp_impl's eval runs as the control beside the
     no_grad_forward_unsharded mutant (replicated data, W = 1, 2). Not jitter, whose delays are seconds of
-    sleep per cell: suites/test_jitter.py runs its cells for all three; not reshard2, the plain step at
-    W <= 2: suites/test_fsdp2_surface.py runs it at 4 ranks."""
+    sleep per cell: suites/harness/end_to_end/test_jitter.py runs its cells for all three; not reshard2, the plain step at
+    W <= 2: suites/harness/end_to_end/test_fsdp2_surface.py runs it at 4 ranks."""
     plain = build_matrix(("ddp",), list(DEFAULT_MODELS), [1, 2], DATA_MODES, OPTIMIZERS, steps=3)
     others = [f for f in FEATURES if f not in ("plain", "eval", "reshard2") and f not in TIMING_ONLY]
     featured = build_matrix(
@@ -91,7 +91,7 @@ STANDARD = STANDARD_MODELS + ("hf:gpt2",)
 def composition_matrix(seed: int) -> list[Scenario]:
     """The CI compositions for fsdp_impl, FSDP2 and DDP under one seed (mlp, W 1, 2, 4, both data modes, AdamW,
     3 steps; a composition DDP cannot run is its unsupported verdict): the cells of the slow five-seed tier. The
-    README's test command runs them at W 1, 2 (1, 4 for those with hsdp), seed 0 (suites/test_compositions.py)."""
+    README's test command runs them at W 1, 2 (1, 4 for those with hsdp), seed 0 (suites/harness/end_to_end/test_compositions.py)."""
     from harness.core.scenario import check_feature
 
     return build_matrix(

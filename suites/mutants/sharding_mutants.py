@@ -128,7 +128,7 @@ class TailBeforeLastDropped(MutantAdapter):
     skips those rows and they never leave their initial value. The assumption fails where a rank before the
     last holds more than none and fewer than c rows, the ranks after it none ((W - 1) x c > R and R not a
     multiple of c): tied_vocab33's 33 rows at W = 8, rows 30-32 on rank 6 of 8. No other zoo parameter has
-    that layout at 2, 4 or 8 ranks (suites/unit/test_models.py)."""
+    that layout at 2, 4 or 8 ranks (suites/harness/unit/test_models.py)."""
 
     name = "mutant:tail_before_last_dropped"
 

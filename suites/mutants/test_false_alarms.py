@@ -3,7 +3,7 @@
 KNOWN verdicts (documented deviations of a real implementation, harness/core/policy.py) are allowed. The
 quick matrix's mlp and AdamW cells run in every CI run (the CI tier, ``--ci``), its other cells with ``--slow``; the full matrix under 5 seeds is the slow tier (``--slow``,
 about 4 minutes a seed on 2 cores), on the zoo's models and on the standard architectures.
-``python -m suites.mutants.score --false-alarm-seeds 0,1,2,3,4``
+``python -m reports.mutation_score --false-alarm-seeds 0,1,2,3,4``
 runs the same tier and writes its table into the mutation score report.
 """
 
@@ -212,7 +212,7 @@ def test_a_saved_sweep_runs_its_missing_parts_n_at_a_time_and_names_a_failing_on
 
 
 def test_sweep_jobs_without_a_sweep_dir_is_a_usage_error(capsys):
-    from suites.mutants.score import main
+    from reports.mutation_score import main
 
     with pytest.raises(SystemExit) as e:
         main(["--sweep-jobs", "4", "--false-alarm-seeds", "0"])

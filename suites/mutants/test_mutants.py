@@ -18,8 +18,8 @@ from harness.adapters import load_adapter
 from harness.checks.registry import all_checks
 from harness.core.verdict import FAIL
 from harness.train.models import MODELS, get_model_spec
+from reports.mutation_score import run_catalogue
 from suites.mutants.catalog import CATALOGUE, Mutant
-from suites.mutants.score import run_catalogue
 
 ISSUE_FAULTS = {  # the faults the catalogue must hold at the least, by catalogue name
     "grad_summed",
@@ -80,7 +80,7 @@ def quick(m: Mutant) -> Mutant:
     W = 1 with the plain model, W = 1 only (a fault on the gradient path acts there, catalog.py).
     Every mutant is caught there by its expected check; its other cells (the SGD ones, the other data
     mode, the larger world sizes) and their controls repeat the catch: they are the slow tier's and
-    the score report's (`python -m suites.mutants.score`)."""
+    the score report's (`python -m reports.mutation_score`)."""
     modes = [d for d in m.data_modes if MODE_OF.get(m.expected, d) == d][:1]
     smallest = [w for w in m.world_sizes if w > 1][:1]
     if m.expected == "ws1_exact" and 1 in m.world_sizes:
@@ -188,7 +188,7 @@ def test_frozen_mutant_is_a_real_fault(pool, optimizer):
 
 def test_full_matrix_widens_world_sizes_and_steps_only():
     from harness.options import DEFAULT_WORLD_SIZES
-    from suites.mutants.score import widened
+    from reports.mutation_score import widened
 
     for m in CATALOGUE:
         w = widened(m)
@@ -200,7 +200,7 @@ def test_full_matrix_widens_world_sizes_and_steps_only():
 
 def test_a_unit_left_gathered_fails_on_every_model_and_world_size(catalogue_run):
     """The skipped reshard is counted in units: caught in every sharded cell, not at 1% on one model."""
-    from suites.mutants.score import scenarios_of
+    from reports.mutation_score import scenarios_of
 
     m = next(m for m in CATALOGUE if m.name == "reshard_skipped")
     r = _result(catalogue_run, m)
@@ -216,7 +216,7 @@ def test_a_unit_left_gathered_after_a_no_grad_forward_is_seen_by_eval_and_by_no_
     every other feature, in both data modes at W = 1, 2, no check fails (only the eval pass runs a forward
     under no_grad); with eval, units_gathered fails at W = 2 (test_mutant_is_caught, the catalogue's cells)."""
     from harness.core.scenario import FEATURES
-    from suites.mutants.score import scenarios_of
+    from reports.mutation_score import scenarios_of
 
     m = next(m for m in CATALOGUE if m.name == "no_grad_forward_unsharded")
     others = tuple(f for f in FEATURES if f != "eval")
