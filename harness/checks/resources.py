@@ -415,7 +415,7 @@ def units_gathered(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                 )
             )
             continue
-        problems, worst, root_after_eval = [], 0, 0
+        problems, worst, root_after_eval, first_rank = [], 0, 0, None
         for r in g.itertuples():
             units_over = int(r.units) - ALLOWED[r.phase]
             root_kept = bool(r.root) and r.phase not in ROOT_FREE
@@ -426,6 +426,8 @@ def units_gathered(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             if root_kept:
                 problems.append(f"{at}: the root's own parameters still gathered")
                 root_after_eval += r.phase == "after_eval"
+            if problems and first_rank is None:
+                first_rank = int(r.rank)
         if problems and root_after_eval == len(problems):  # one cause, named as such (policy: ROOT_AFTER_EVAL)
             problems[0] += f" ({ROOT_AFTER_EVAL}, on {len(problems)} ranks)"
         most = g.groupby("phase").units.max()
@@ -446,6 +448,7 @@ def units_gathered(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                 0,
                 msg if not problems else f"{msg}; {problems[0]}",
                 where="; ".join(problems[:3]),
+                rank=first_rank,
             )
         )
     return out

@@ -138,7 +138,7 @@ def test_a_raising_rank_fails_its_scenario_with_its_rank_and_traceback(fault_run
 
 def test_a_rank_that_dies_is_named_with_its_exit_code(fault_run):
     v = completed_failure(fault_run.result, scenario("crash_rank1").id)
-    assert "rank 1 died (exit code 9)" in v.message
+    assert v.rank == 1 and "died (exit code 9)" in v.message
 
 
 def test_the_failure_leads_with_the_rank_that_died_not_its_peer(fault_run):

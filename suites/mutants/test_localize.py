@@ -226,10 +226,13 @@ def test_a_failing_run_localises_its_first_failing_scenarios_into_the_report(tmp
     session = Session(SessionOptions(matrix, tmp_path / "v.md", localize=1), say=lambda line: None)
     res = session.run()
     loc = res.tables["localised"]
-    assert len(loc) == 1 and (loc.phase.iloc[0], loc.module.iloc[0]) == ("forward", "layers.0"), loc.to_dict("records")
+    assert len(loc) == 1, loc.to_dict("records")
+    assert (loc.step.iloc[0], loc.phase.iloc[0], loc.module.iloc[0]) == (2, "forward", "layers.0"), loc.to_dict(
+        "records"
+    )
     scenario = loc.scenario.iloc[0]
     failing = [v for v in res.verdicts if v.scenario == scenario and not v.passed]
-    assert failing and all("Where it diverged: step 2" in v.message for v in failing if v.check != "memory_sharding")
+    assert failing and all("Where it diverged: " in v.message for v in failing if v.check != "memory_sharding")
     session.write_outputs()
     report = session.report.read_text()
     assert "## Where it diverged" in report and f"### {scenario}" in report
