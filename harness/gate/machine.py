@@ -3,14 +3,14 @@ the numeric kernels may differ.
 
 Numeric kernels (NUMERIC_ENV: torch version, device, ``cpu_capability`` such as AVX2 or AVX512,
 the CPU's name, the GPU): ATen, oneDNN and MKL pick different vectorised kernels and blockings, so
-losses and parameter diffs of the same code differ in the last bits between machines (measured:
-tinylm step-2 loss moves by 4.8e-7, and a split-data max diff doubles, between two CI hosts). Unless
+losses and parameter diffs of the same code differ in the last bits between machines
+(reports/measured_behaviour.md#numerics-across-machines). Unless
 every one of these keys is recorded alike on both sides, ``loss`` and ``max_diff`` are SKIP for
 every scenario, with the reason; memory, traffic and the rest are still gated. The CPU counts by
 its name without the family and model numbers (``cpu_name``): two generations under one name and
-capability run the same kernels (measured: "AMD EPYC" family 25 model 17 and family 26 model 2,
-both AVX512, agree bitwise on all 204 losses and diffs of the default matrix), and MKL chooses its
-code path by vendor, which the name carries.
+capability run the same kernels (two generations of one name and capability agreed bitwise:
+reports/measured_behaviour.md#numerics-across-machines), and MKL chooses its code path by vendor, which
+the name carries.
 """
 
 from __future__ import annotations

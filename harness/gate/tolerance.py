@@ -12,8 +12,9 @@ Gate fields and their default tolerances (override with parse_gate):
 
 Peak memory on gloo is not exactly repeatable: gloo's worker thread drops its reference to a
 collective's buffers after the caller's ``wait()`` returns, so whether one such buffer is still
-alive at the step's peak is a race (measured: +2236 B on the mlp at 2 ranks, in 1 of 8 repeats,
-for fsdp_impl and FSDP2 alike). The peak_mem tolerance has an absolute floor for that reason.
+alive at the step's peak is a race, seen for fsdp_impl and FSDP2 alike
+(reports/measured_behaviour.md#peak-memory-on-gloo). The peak_mem tolerance has an absolute floor for that
+reason.
 """
 
 from __future__ import annotations

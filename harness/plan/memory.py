@@ -14,8 +14,9 @@ implementation under test, and measures what that rank would hold:
     claim a real device but hold no memory), so FSDP2 runs a real forward + backward + optimizer
     step, with its all-gathers through the fake PG. One warm-up step runs first, untracked: in a
     cold process DTensor's sharding propagation allocates full-size fake tensors under the same
-    fake mode the tracker watches, which would add a phantom full-size temporary (measured: +1x
-    params at W=1) to the first step. The measured step gives `PeakMemory` categories as well.
+    fake mode the tracker watches, which would add a phantom full-size temporary
+    (reports/measured_behaviour.md#the-planners-warm-up-step) to the first step. The measured step gives
+    `PeakMemory` categories as well.
     If the implementation cannot run under FakeTensorMode (``.item()``, ``data_ptr``, numpy on
     parameter data), the exception is recorded in ``note`` and the plan falls back to meta-state.
 If ``build_model`` cannot run on meta, it is built on CPU for real (``note`` says so).

@@ -147,10 +147,10 @@ def _probe_rows(snaps, ref_id: str, probes, name: str, first: int, last: int) ->
     """Bool per row: some noise probe (the plain model on the ranks' slices, a correct split computation) took
     the row off its value at `first` at some step up to `last` where the reference never did, or the other way
     round (None without probes). Such a row's gradient is rounding noise ([Note: rows at rounding level]) and
-    whether it moves at all is decided by the last bits of the trajectory: seed 4 of the standard architectures
-    had bn_mlp's first bias, fed to a BatchNorm over two-sample slices (whose tiny variance amplifies rounding),
-    move 8.7e-7 and 3.5e-6 (30 and 120 ulps) in runs resumed at 8 ranks from 2 and from 4, trajectories no probe
-    follows, where the plain model left it exactly and its 8-slice probe moved it by 1e-8 or 4e-9 (and back)."""
+    whether it moves at all is decided by the last bits of the trajectory: a bias fed to a BatchNorm over small
+    slices (whose tiny variance amplifies rounding) may move in a correct run where the plain model leaves it
+    exactly, while a probe moves it too (reports/false_alarm_findings.md#seed-4-rows-moved-by-resumed-runs;
+    its figures: reports/measured_behaviour.md#rows-at-rounding-level)."""
     ref = _touched(snaps, ref_id, name, first, last)
     torn = None
     for probe in probes if ref is not None else ():

@@ -11,9 +11,9 @@ Determinism, so that a sharded run can equal the plain model bit for bit:
 
 * every dropout probability is 0 (the harness never calls ``eval()``);
 * ``attn_implementation="eager"``: attention as plain matmul + softmax, the same kernels on every
-  backend. ``"sdpa"`` was as reproducible on CPU when measured (transformers 5.24, torch 2.13: same
-  logits and gradients on repeat and for a sub-batch), but it differs from eager by ~1.8e-7 and on
-  CUDA may pick the flash / memory-efficient kernels, whose backward is not deterministic;
+  backend. ``"sdpa"`` can be as reproducible on CPU (reports/measured_behaviour.md#hugging-face-models),
+  but it differs from eager in the last bits and on CUDA may pick the flash / memory-efficient kernels,
+  whose backward is not deterministic;
 * ``use_cache=False``: forward returns no key/value cache.
 
 The root returns the logits tensor (the harness calls ``spec.loss(model(x), y)``): `LogitsOnly`
@@ -21,7 +21,8 @@ holds the Hugging Face model as ``.lm``. Units are the decoder blocks, bottom-up
 embedding and head, the position embedding (GPT-2) and the final norm stay in the root. Buffers are
 never sharded: Llama's rotary ``inv_freq`` (in the root in transformers 5; in 4.40 each block's
 attention holds it with cos/sin caches, and each GPT-2 block a causal-mask ``bias``) is the same
-on every rank and was measured bitwise with both versions (4.40.2, 5.24.0). ``build()`` seeds nothing:
+on every rank, bitwise with transformers 4 and 5 (reports/measured_behaviour.md#hugging-face-models).
+``build()`` seeds nothing:
 Hugging Face's own initialization (normal, std 0.02) draws from the global torch RNG the harness
 seeded. Unlike the zoo's models these are not meta-initializable to equal values
 (`materialize_meta` calls torch's ``reset_parameters``, not Hugging Face's init).
