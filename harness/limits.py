@@ -25,9 +25,9 @@ import os
 import shutil
 from dataclasses import dataclass
 
-# Private memory of a world worker after a scenario (tinylm, AdamW, 3 steps, W = 2 and 4, torch 2.13 on
-# CPU): 97 MiB each, from /proc/<pid>/smaps_rollup Private_Dirty; the rest of its 270 MiB resident
-# memory is shared with the forkserver that preloaded torch.
+# Private memory of a world worker after a scenario, from /proc/<pid>/smaps_rollup Private_Dirty (the rest
+# of its resident memory is shared with the forkserver that preloaded torch); measured on CPU:
+# reports/performance.md#other-commands-of-the-docs
 RANK_OVERHEAD_BYTES = 97 * 2**20
 # the plain model built before sharding, its gradients, and AdamW's two moments: what a rank holds at
 # W = 1 (or under an unsharded implementation such as DDP at any W)
@@ -97,8 +97,8 @@ _VALUE_FILLS = frozenset(
 
 def _no_fills_on_meta():
     """A torch function mode in which value fills of a meta tensor return it at once. A meta tensor's fill
-    runs through torch._refs, whose first call imports torch._dynamo: over a second of every CLI and pytest
-    start, in a process that wants only the model's sizes."""
+    runs through torch._refs, whose first call imports torch._dynamo: a cost to every CLI and pytest start
+    (reports/performance.md#imports), in a process that wants only the model's sizes."""
     import torch
     from torch.overrides import TorchFunctionMode
 

@@ -223,8 +223,9 @@ def positive_float(text: str) -> float:
 MAX_TIMEOUT_S = 2147483
 # The timeout also bounds a world's start (harness.execute.world.World): forking W ranks from the
 # forkserver and joining them in one process group. A world of one rank starting and training the
-# smallest scenario (mlp, 2 steps) takes about 0.2 s once the forkserver runs, its first start seconds
-# more; below a second every scenario would read as hung, which tells the user nothing.
+# smallest scenario (mlp, 2 steps) takes a fraction of a second once the forkserver runs, its first start
+# seconds more (reports/performance.md#world-start); below a second every scenario would read as hung, which
+# tells the user nothing.
 MIN_TIMEOUT_S = 1.0
 
 

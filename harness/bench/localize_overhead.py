@@ -6,10 +6,7 @@ Runs the scenario untraced, then traced (every op seen by the tracer on every ra
 values kept up to 32 MiB per rank, the rank's parameters and gradients copied at each phase boundary;
 harness.train.trace), alternating `--repeats` times, and prints the mean step time of each (the steps after
 the measured one: the task's own step_time_s, the slowest rank) and their ratio. A run that is not localised
-is never traced. Measured on 2 shared CPU cores (2026-11-26, three invocations of the command above): 1.48x,
-1.77x, 1.74x; the tracer before its per-op work was cut: 2.09x to 3.54x in the same minutes. With the backward
-compared op by op (about 740 records a rank a step, 270 before), four invocations at a load average of 30 to 45:
-2.28x, 2.13x, 3.95x, 2.38x, against 3.04x, 1.53x, 1.79x, 2.16x, 2.05x for the tracer before, alternated with them.
+is never traced. The ratios it printed, dated, with the machine and its load: reports/performance.md#the-localiser.
 """
 
 from __future__ import annotations

@@ -127,8 +127,8 @@ def judge(
 
 
 def by_scenario(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """A table's rows per scenario, split once (a check that filtered the whole table for each scenario was
-    quadratic in the run: minutes on a sweep of thousands of scenarios)."""
+    """A table's rows per scenario, split once (a check that filters the whole table for each scenario is
+    quadratic in the run's size: reports/performance.md#snapshots-tables-and-checks)."""
     return dict(tuple(table.groupby("scenario", sort=False))) if len(table) else {}
 
 

@@ -29,8 +29,8 @@ from harness.core.scenario import FEATURE_NEEDS, Scenario, ckpt_step, parts
 from harness.execute.worker import root_cause
 from harness.execute.world import RankFailed, WorldError, WorldHung, WorldPool, preload
 
-# what every scenario's workers import: the training task, the built-in adapters and fsdp_impl (a quarter
-# of an 8-rank tinylm scenario's time on 2 cores went to importing them in each new world's workers)
+# what every scenario's workers import: the training task, the built-in adapters and fsdp_impl, preloaded
+# once in the forkserver instead of imported again by each new world's workers (reports/performance.md#world-start)
 preload("harness.train.task", "harness.adapters", "fsdp_impl")
 
 TASK = "harness.train.task:train_scenario"

@@ -2,11 +2,10 @@
 
 multiprocessing starts its forkserver as ``python -c 'from multiprocessing.forkserver import main; ...'``: a
 fresh interpreter that imports the whole preload (torch, torch.distributed, torch._inductor.config, the worker
-module: 3 CPU-seconds on a 2-core EPYC) while the process that starts it (the CLI, a pytest worker) has
-torch and torch.distributed imported already (1.8 of those seconds). Forked from that process, the server
-imports only what its parent lacks, then runs the same ``forkserver.main`` loop; what it forks for each world
-worker is what the executed server would fork. Measured: a world of 2 started and closed by a small script
-costs 3.8 to 4.2 CPU-seconds in all, against 5.1 to 6.2 with the executed server.
+module: seconds of CPU) while the process that starts it (the CLI, a pytest worker) has torch and
+torch.distributed imported already (most of those seconds). Forked from that process, the server imports only
+what its parent lacks, then runs the same ``forkserver.main`` loop; what it forks for each world worker is what
+the executed server would fork. What either costs: reports/performance.md#world-start.
 
 A fork copies one thread. So the fork is made only where this process has a single thread, counted by the
 kernel (an OpenMP pool that torch started, numpy's OpenBLAS pool, a gloo thread, faulthandler's watchdog would

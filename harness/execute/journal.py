@@ -1,10 +1,11 @@
 """A matrix that resumes where it stopped: every scenario's record kept on disk as soon as it is made.
 
-A sweep part of the slow tier (880 scenarios of one model, hours on 2 cores) used to be all or nothing: a
-session that ended mid-part lost it. With a `Journal`, `run_matrix` keeps the ranks' snapshots in the
-journal's folder instead of a temp dir, and each scenario's record beside them when the scenario is done;
-run again on the same folder, the scenarios already recorded are read back instead of run, and tables and
-verdicts are built from the whole as if it had run at once (they only read records and snapshots).
+A sweep part of the slow tier (every feature of one model through the full matrix: a long run,
+reports/performance.md#mutation-score-and-false-alarm-sweeps) must not be all or nothing: a session that ends
+mid-part would lose it. With a `Journal`, `run_matrix` keeps the ranks' snapshots in the journal's folder
+instead of a temp dir, and each scenario's record beside them when the scenario is done; run again on the same
+folder, the scenarios already recorded are read back instead of run, and tables and verdicts are built from
+the whole as if it had run at once (they only read records and snapshots).
 
 What is recorded is what the pool returned: a failed scenario too (its error is a result; rerunning until it
 passes would hide it). A scenario that an interrupt cut short raised out of the pool (Ctrl-C, SIGTERM and SIGHUP

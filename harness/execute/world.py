@@ -491,7 +491,7 @@ def _main_hidden() -> Iterator[None]:
 
     Workers find tasks by module name and never need the parent's ``__main__``; re-running it
     (multiprocessing's default) costs each worker e.g. the import of pytest under the ``pytest``
-    console script: 0.4 s instead of 0.03 s for a world of 2.
+    console script (reports/performance.md#world-start).
     """
     main = sys.modules.get("__main__")
     sys.modules["__main__"] = types.ModuleType("__main__")

@@ -4,7 +4,7 @@
 planner for large world sizes, which builds models and wraps them, is harness.plan's.
 
 The names are loaded on first use: the process that only judges a run needs the ideals, not the rank
-side's torch.distributed imports (over a second of every CLI and pytest start)."""
+side's torch.distributed imports, a cost to every CLI and pytest start (reports/performance.md#imports)."""
 
 from __future__ import annotations
 

@@ -94,9 +94,9 @@ class Census:
 
     ``keep_frozen=True`` (a process that runs one census after another, as a world's rank runs
     scenario after scenario): `close` leaves the frozen objects frozen, and the next such census
-    walks only the objects made since the last one froze (the walk over the whole process, ~0.1 s
-    on 2 cores, is paid once per process, not per scenario). What stays frozen is what was alive
-    when a census began, never a scenario's own objects (made after the freeze, collectable as
+    walks only the objects made since the last one froze (the walk over the whole process,
+    reports/performance.md#the-measured-step, is paid once per process, not per scenario). What stays
+    frozen is what was alive when a census began, never a scenario's own objects (made after the freeze, collectable as
     usual); the tensors among it are held, so that no storage of theirs is freed and its id reused
     by a scenario's. A census that exits on an exception unfreezes everything, so that a failed
     scenario's objects, which the traceback keeps alive, are collectable once it is dropped."""
@@ -191,7 +191,7 @@ class Census:
         category keeps its smallest figure. On a loaded machine the thread may run later still: while
         more than `tolerated` bytes (what a check allows a rank to hold there) read as "other",
         further looks follow after the rest of `SETTLE_S` (1.5 s in all). What is really held is there
-        every time; a correct run's few bytes of bookkeeping cost the one pause of old. `settle=False`
+        every time; a correct run's few bytes of bookkeeping cost only the first pause. `settle=False`
         (no collective ran since the state was made, so no thread holds a buffer of one) skips it."""
         out = self._held_once(model, optimizer, exclude)
         for i, pause in enumerate(SETTLE_S if settle else ()):

@@ -8,8 +8,9 @@ namespaces, registered once per process at the dispatcher's ``BackendSelect`` ke
 (it is in every thread's included set, inference mode included, and below the Python key, so tensor
 subclasses such as DTensor have lowered to plain tensors and dispatch modes have run) before the op's own
 kernel, to which it hands the call on. No Python runs for any other operation: a dispatch mode over every
-operation of a step cost nearly half of a small model's step. A collective that calls another through the
-dispatcher (a functional collective's kernel calls the c10d op) is counted once, as the outer one.
+operation of a step costs a large share of a small model's step (reports/performance.md#the-measured-step). A
+collective that calls another through the dispatcher (a functional collective's kernel calls the c10d op) is
+counted once, as the outer one.
 
 Size: the FULL (unsharded) tensor each collective handles, on this rank, in elements and in bytes,
 per element type (so a reduction in float64 reads as the same elements at twice the bytes):
@@ -331,7 +332,8 @@ def classify(func: Any, args: tuple) -> tuple[str, Size] | None:
 
 # The counting kernels: registered at the first counter's entry, once per process, and kept for its life (a
 # Library unregisters what it holds when it is collected). The c10d namespaces' ops are registered by torch's
-# own libraries when they load, so every one is known then (reading the dispatcher's op names costs about 5 ms).
+# own libraries when they load, so every one is known then (reading the dispatcher's op names is cheap, once:
+# reports/performance.md#imports).
 _LIBRARIES: dict[str, Any] = {}
 _AFTER_BACKEND_SELECT = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
 _INSIDE = threading.local()  # .depth: > 0 while this thread runs a counted collective's kernel

@@ -184,7 +184,8 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # MemTracker's own dispatch, without rebuilding the result's structure to visit its tensors
-        # (tree_map_only) and without a second Python frame per operation: a third of the measured step
+        # (tree_map_only) and without a second Python frame per operation: both cost a large share of the
+        # measured step (reports/performance.md#the-measured-step)
         if DTensor is not None and DTensor in types:
             return NotImplemented  # DTensor lowers to local operations first; those come back here
         kwargs = kwargs or {}

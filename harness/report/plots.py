@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-if TYPE_CHECKING:  # matplotlib loads on the first figure (0.3-0.9 s): a run that writes no report never pays it
+if TYPE_CHECKING:  # matplotlib loads at the first figure, not in a run with no report (reports/performance.md#imports)
     from matplotlib.figure import Figure
 
 MARKERS = "osD^v<>ph*"

@@ -2,11 +2,11 @@
 localiser its forced parameters and gradients), and how the parent reads them back.
 
 A `torch.save` of a dict of tensors read back with `weights_only=True` pays per tensor (a storage
-record, a rebuild, a fake-mode lookup): about 0.5 ms each, so reading a run's snapshots cost more than
-making them (8 ms a tinylm step on 2 cores, where the parent reads each snapshot several times over
-a matrix). Packed, the tensors of one dtype travel as one flat tensor beside their names and shapes,
-and come back as views of it: one storage record per dtype, a few times faster to read. A file of the
-plain form (a dict) is read as it is.
+record, a rebuild, a fake-mode lookup), so reading a run's snapshots costs more than making them, where
+the parent reads each snapshot several times over a matrix (reports/performance.md#snapshots-tables-and-checks).
+Packed, the tensors of one dtype travel as one flat tensor beside their names and shapes, and come back as
+views of it: one storage record per dtype, whatever the number of tensors. A file of the plain form (a dict)
+is read as it is.
 """
 
 from __future__ import annotations

@@ -358,7 +358,8 @@ class StepTracer(TorchDispatchMode):
 
     def _value(self, t: torch.Tensor, digest: str) -> torch.Tensor:
         """A copy of an op's output; where an earlier op's kept output holds the same bytes (a view or reshape of
-        it, a recomputation: a third of a step's outputs and more), that copy, seen in this one's shape."""
+        it, a recomputation: a large share of a step's outputs, reports/performance.md#the-localiser), that
+        copy, seen in this one's shape."""
         key = (digest, t.dtype, t.numel())
         same = self._copies.get(key)
         if same is not None and not torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python):
