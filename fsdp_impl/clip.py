@@ -6,7 +6,7 @@ all-reduce for the whole model, and scales every shard's gradient by the same co
 ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` gives the global norm too: the gradients
 are DTensors, Shard(d) over the shard group's mesh with each rank's rows (no padding) as the local
 tensor, so torch's norms are partial per rank and DTensor reduces them over the mesh, in fp32: equal
-to this one within float32 rounding at W > 1, bitwise at W = 1 (suites/unit/test_fsdp2_api.py).
+to this one within float32 rounding at W > 1, bitwise at W = 1 (suites/fsdp_impl/test_fsdp2_api.py).
 
 At world size 1 it computes exactly what torch's function computes on the unsharded parameters
 (per-parameter norms, then the norm of those), so one rank is bitwise the plain model. At W > 1 a

@@ -26,7 +26,7 @@ cast to it as each micro-batch ends). What it costs: L / W forward/backward pass
 instead of one of global / W samples, and the unsharded gradients held between micro-batches (as with
 gradient accumulation) plus up to log2(L / W) partial sums of them (the tree's pending left operands).
 
-The other features (tested in suites/unit/test_fsdp_invariant.py at W = 1, 2, 4, 8 against the plain model doing
+The other features (tested in suites/fsdp_impl/test_invariant.py at W = 1, 2, 4, 8 against the plain model doing
 the same):
     accumulation / no_sync  are more micro-batches: raise L (the tree spans a step's every micro-batch)
     bf16                    each micro-batch's bf16 gradient is cast to the policy's fp32 reduce dtype as it ends;

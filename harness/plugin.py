@@ -4,7 +4,7 @@ Registered by the `pytest11` entry point and by the root conftest.py. Tests reac
 the `harness_run` fixture; `matrix_options(config)` gives the matrix tests parametrize on. The
 matrix runs lazily, once, on the first test that needs it, and only the part the selected tests
 need: `-k fsdp_impl-mlp-ws2` runs that scenario and the runs it is compared with, and skipped tests
-(the suites' slow and CI tiers, suites/tiers.py) need nothing (suites/test_equivalence.py). At the end the
+(the suites' slow and CI tiers, suites/tiers.py) need nothing (suites/harness/end_to_end/test_equivalence.py). At the end the
 session writes the same report, tables and baseline as `python -m harness run` with the same
 options, and a failed verdict fails the pytest run even where no test asserted on it; so does a run
 that reads NOT RUN (an implementation under test ran no scenario to its end: its tests are all

@@ -2,7 +2,7 @@
 
 `harness.adapters.BUILTINS`, `harness.train.models.MODELS` and `harness.train.standard_models.STANDARD_MODELS`
 are the registries behind these names;
-`suites/unit/test_inputs.py` holds them equal, so a name added there must be added here.
+`suites/harness/unit/test_inputs.py` holds them equal, so a name added there must be added here.
 """
 
 BUILTIN_ADAPTERS = ("reference", "fsdp_impl", "torch_fsdp2", "torch_fsdp2_fp64reduce", "torch_fsdp1", "ddp")

@@ -14,7 +14,7 @@ zero-argument callable that returns one::
     units(model)                         -> list[nn.Module]   submodules to shard as units, bottom-up;
                                                         a tied parameter must live in one unit
 
-`suites/unit/example_model.py` is a complete example (``--models suites.unit.example_model:spec``).
+`suites/harness/unit/example_model.py` is a complete example (``--models suites.harness.unit.example_model:spec``).
 """
 
 from __future__ import annotations

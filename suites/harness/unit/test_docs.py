@@ -43,6 +43,7 @@ PAGES = sorted(
         *(ROOT / "docs").glob("*.md"),
         ROOT / "reports" / "performance.md",
         ROOT / "reports" / "false_alarm_findings.md",
+        ROOT / "reports" / "measured_behaviour.md",
     }
 )
 CODE_DIRS = ("harness", "fsdp_impl", "suites")
