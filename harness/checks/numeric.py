@@ -393,7 +393,10 @@ def converges(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 
 
 def finite(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
-    """No NaN or Inf in any loss or parameter: a NaN must never pass a diff comparison."""
+    """No NaN or Inf in any loss or parameter: a NaN must never pass a diff comparison. A failure names the
+    first step with a non-finite loss or parameter, and for a loss the module whose forward output was first
+    non-finite in the `param` field (the steps table's nonfinite_module, harness/train/nonfinite.py: a module
+    path, '(model)', or 'loss' where the forward was finite and the loss was not)."""
     out = []
     steps, params = by_scenario(tables["steps"]), by_scenario(tables["params"])
     for row in ok_rows(tables["scenarios"]).itertuples():
@@ -404,15 +407,36 @@ def finite(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             continue
         bad_loss = s[~s.loss.map(math.isfinite)]
         bad_param = p[~p["sum"].map(math.isfinite)]
-        step, param = None, ""
+        step, param, msg = None, "", "all losses and parameters finite"
         if len(bad_param):
             step, param = int(bad_param.step.iloc[0]), str(bad_param.param.iloc[0])
+            msg = f"parameter {param} is not finite after step {step} (the loss of every step before it was finite)"
         if len(bad_loss) and (step is None or int(bad_loss.step.iloc[0]) <= step):
-            step, param = int(bad_loss.step.iloc[0]), "loss"
-        passed = step is None
-        msg = "all losses and parameters finite" if passed else "non-finite loss or parameter"
-        out.append(judge("finite", row, passed, None, None, msg, step=step, param=param))
+            first = bad_loss.iloc[0]
+            step, value = int(first.step), float(first.loss)
+            param, msg = _nonfinite_source(str(first.get("nonfinite_module", "") or ""), step, value)
+        out.append(judge("finite", row, step is None, None, None, msg, step=step, param=param))
     return out
+
+
+def _nonfinite_source(module: str, step: int, value: float) -> tuple[str, str]:
+    """(the verdict's `param`, its message) for a loss of `value` at `step`, first non-finite there, whose
+    source the rank found to be `module` (harness/train/nonfinite.py; '' or missing: not looked for)."""
+    from harness.train.nonfinite import LOSS, NOT_REPRODUCED, ROOT
+
+    head = f"the loss of step {step} is {value}"
+    if module == LOSS:
+        return "loss", f"{head}: every module's output was finite, loss(outputs, targets) was not"
+    if module == NOT_REPRODUCED:
+        return "loss", (
+            f"{head}, while the plain model at the run's parameters before that step gives a finite loss on the "
+            "same batch: the non-finite value came from the implementation's step"
+        )
+    if module == ROOT:
+        return ROOT, f"{head}: the model's own forward (no submodule) first output a non-finite value"
+    if module:
+        return module, f"{head}: module {module} was the first whose forward output was non-finite"
+    return "loss", f"{head} (where it first appeared was not recorded)"
 
 
 def params_cover_model(tables, bounds: Bounds = Bounds()) -> list[Verdict]:

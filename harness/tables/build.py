@@ -180,6 +180,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                     "reports_differ": reports_differ(res["ranks"], i),
                     "eval_loss": rec.get("eval_loss", math.nan),
                     "eval_loss_plain": rec.get("eval_loss_plain", math.nan),
+                    "nonfinite_module": rec.get("nonfinite_module", ""),
                 }
             )
             final = {

@@ -46,6 +46,10 @@ class Table:
 #               first replica's rank with the same index after the step (0 when the replicas agree)
 #               jitter_delays, jitter_s (jitter): the delays injected in the step and their seconds, summed
 #               over the ranks (0 without jitter)
+#               nonfinite_module: at the first step whose loss is not finite, the plain model's module whose
+#               forward output was first non-finite at the parameters the run had before it, '(loss)' where
+#               only the loss was, '(not reproduced by the plain model)' where neither was
+#               (harness/train/nonfinite.py); '' at every other step
 #               max_diff_probe (split data at W): max |param diff| vs the noise probe at W, the plain model
 #               summing the W ranks' micro-batches in rank order (Scenario.rank_order_probe), worst_param_probe
 #               where
@@ -117,6 +121,7 @@ TABLES: dict[str, Table] = {
                 "eval_loss_plain",
                 "jitter_delays",
                 "jitter_s",
+                "nonfinite_module",
             ),
             required=SCENARIO_IDS
             + ("step", "loss", "grad_norm", "max_diff_ref", "worst_param_ref", "max_diff_ws1", "worst_param_ws1"),

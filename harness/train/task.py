@@ -32,6 +32,7 @@ from harness.train.data import eval_batch, global_batch, local_slice
 from harness.train.features import checkpoint_units, evaluate, forward_backward, wrap_for
 from harness.train.jitter import Jitter
 from harness.train.models import get_model_spec
+from harness.train.nonfinite import add_first_nonfinite
 from harness.train.params_file import save_params
 from harness.train.plain_eval import add_plain_eval_losses, held_out_cut
 from harness.train.trace import StepTracer
@@ -56,6 +57,8 @@ def train_scenario(ctx, payload: dict) -> dict:
             res = _train(ctx, sc, spec, adapter, census, snap_dir, ckpt, payload.get("trace"))
         if ctx.rank == 0 and has(sc.feature, "eval"):  # after the run: nothing of it is measured
             add_plain_eval_losses(sc, spec, snap_dir, res["steps"], ctx.device)
+        if ctx.rank == 0:  # a non-finite loss: the module that first gave a non-finite output (nothing otherwise)
+            add_first_nonfinite(sc, spec, snap_dir, res["steps"], ctx.device)
         return res
 
 

@@ -20,6 +20,7 @@ zero-argument callable that returns one::
 from __future__ import annotations
 
 import inspect
+import math
 
 from harness.core.loading import one_line, resolve
 
@@ -131,7 +132,8 @@ def mean_loss_gap(name: str, model, loss, batch) -> tuple[float, float] | None:
     its two halves (samples 0::2 and 1::2, as two ranks split it), relative to the halves' mean |loss|.
     Run in eval mode, without gradients: dropout and batch statistics (BatchNorm) make a loss depend on
     the batch it is in beyond its reduction, which is not what this asks. None where there is nothing
-    to compare: a batch of one sample, or halves whose losses are both 0."""
+    to compare: a batch of one sample, halves whose losses are both 0, or a loss that is not finite (a model
+    whose outputs are NaN or Inf breaks no loss protocol: the run's `finite` check names where it appears)."""
     import torch
 
     x, y = batch
@@ -147,6 +149,8 @@ def mean_loss_gap(name: str, model, loss, batch) -> tuple[float, float] | None:
             parts = [_scalar_loss(name, loss, model, hx, hy) for hx, hy in halves]
     finally:
         model.train(was_training)
+    if not all(math.isfinite(v) for v in (whole, *parts)):
+        return None
     mean = sum(int(hx.shape[0]) * v for (hx, _), v in zip(halves, parts)) / n
     scale = sum(abs(v) for v in parts) / 2
     if not scale:
