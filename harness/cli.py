@@ -1,7 +1,8 @@
 """Command line: `python -m harness run|report|compare|plan|localize ...` (also installed as `fsdp-harness`).
 
 `run` exits with the run's outcome (harness.session): 0 PASS, 1 FAIL (a verdict failed or a
-scenario errored), 2 bad input, 3 NOT RUN (an implementation under test ran no scenario to its end);
+scenario errored, an implementation's that raised in every scenario included), 2 bad input, 3 NOT RUN (an
+implementation under test had no scenario it supports);
 130 with the one line "interrupted" when Ctrl-C, SIGTERM or SIGHUP ends it, whatever it was doing.
 """
 
@@ -28,9 +29,9 @@ from harness.session import (
 
 EXIT_STATUSES = (
     f"exit status: {EXIT_OK} PASS (every implementation under test ran, no verdict failed); "
-    f"{EXIT_FAILED} FAIL (a verdict failed or a scenario errored); {EXIT_USAGE} bad input; "
-    f"{EXIT_NOT_RUN} NOT RUN (an implementation under test ran no scenario to its end: every one "
-    f"unsupported or errored); {EXIT_INTERRUPTED} interrupted (Ctrl-C, SIGTERM, SIGHUP)"
+    f"{EXIT_FAILED} FAIL (a verdict failed or a scenario errored, in every scenario too); {EXIT_USAGE} bad input; "
+    f"{EXIT_NOT_RUN} NOT RUN (nothing failed, but an implementation under test ran no scenario: every one "
+    f"unsupported); {EXIT_INTERRUPTED} interrupted (Ctrl-C, SIGTERM, SIGHUP)"
 )
 
 

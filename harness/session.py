@@ -5,8 +5,8 @@
 
 The exit status follows the run's outcome (harness.core.outcome): EXIT_OK when every implementation
 under test ran and no verdict failed; EXIT_FAILED when a verdict failed or a scenario errored;
-EXIT_NOT_RUN when an implementation under test ran no scenario to its end (every one unsupported or
-errored), so that a run which verified nothing is never read as a pass; EXIT_USAGE (the CLI's) for
+EXIT_NOT_RUN when nothing failed but an implementation under test ran no scenario (every one unsupported),
+so that a run which verified nothing is never read as a pass; EXIT_USAGE (the CLI's) for
 bad input; EXIT_INTERRUPTED (the CLI's, 128 + SIGINT as a shell reports it) for a run ended by Ctrl-C,
 SIGTERM or SIGHUP, with the one line "interrupted" and no outputs written.
 

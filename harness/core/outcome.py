@@ -8,13 +8,15 @@ named). The reference's runs (impl "reference") are the yardstick they are compa
 verdicts are counted apart: a run whose passes are all the reference's checked nothing. The word,
 the first rule that holds:
 
-    NOT RUN  no scenario of any implementation under test ran to its end (each was unsupported or
-             errored): nothing that was asked for was measured, whatever else passed
-    FAIL     a verdict failed or a scenario errored: an implementation's, a run-wide one (the gate,
-             the per-sample checks) or the reference's (a broken yardstick is no pass)
-    NOT RUN  nothing failed, but an implementation under test ran no scenario to its end: it was not
-             verified, whatever the others did
+    FAIL     a verdict failed or a scenario errored: an implementation's (one that raised in every
+             scenario included: a crash is no skip), a run-wide one (the gate, the per-sample checks)
+             or the reference's (a broken yardstick is no pass)
+    NOT RUN  nothing failed, but an implementation under test ran no scenario to its end: every one
+             was unsupported (nothing applied to it), so it was not verified, whatever the others did
     PASS     every implementation under test ran scenarios and no verdict failed
+
+An implementation that errored names its first error (the error's own line, as the raising rank
+said it) in the summary, so a run that crashed everywhere says why on its last line.
 
 Tables with neither scenarios nor verdicts read NO VERDICTS. The gate adds what it compared: the count of
 figures held against the baseline, or, when it compared none, its `gate:coverage` verdict's reason
@@ -44,11 +46,12 @@ class ImplRuns:
     ran: int
     unsupported: int
     errored: int
+    first_error: str = ""  # the error line of its first errored scenario ('' where none errored)
 
     def __str__(self) -> str:
-        return f"{self.impl}: {self.ran} ran, {self.unsupported} unsupported" + (
-            f", {self.errored} errored" if self.errored else ""
-        )
+        errored = f", {self.errored} errored" if self.errored else ""
+        named = f" (first: {self.first_error})" if self.errored and self.first_error else ""
+        return f"{self.impl}: {self.ran} ran, {self.unsupported} unsupported{errored}{named}"
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,27 @@ def _cell_state(cells: pd.DataFrame) -> pd.Series:
     )
 
 
+ERROR_LINE_CHARS = 160  # an error's line in the summary, cut beyond this
+
+
+def error_line(text: str) -> str:
+    """The line that says what an error was: after a traceback, its exception line (`RuntimeError: boom`),
+    else the text's first line; cut to ERROR_LINE_CHARS."""
+    lines = [ln for ln in str(text).splitlines() if ln.strip()]
+    line = lines[0] if lines else ""
+    for i, ln in enumerate(lines):
+        if ln.startswith("Traceback (most recent call last)"):
+            line = next((later for later in lines[i + 1 :] if not later[:1].isspace()), line)
+            break
+    line = line.strip()
+    return line if len(line) <= ERROR_LINE_CHARS else line[: ERROR_LINE_CHARS - 3] + "..."
+
+
+def _first_error(cells: pd.DataFrame, state: pd.Series, impl: str) -> str:
+    errors = cells.loc[(cells["impl"] == impl) & (state == "errored")]
+    return error_line(errors["error"].iloc[0]) if len(errors) else ""
+
+
 def _count(verdicts: pd.DataFrame) -> dict[str, int]:
     return {s: int((verdicts["status"] == s).sum()) if len(verdicts) else 0 for s in STATUSES}
 
@@ -114,7 +138,11 @@ def outcome(cells: pd.DataFrame, verdicts: pd.DataFrame) -> Outcome:
     under_test = [i for i in named if i != REFERENCE_IMPL] or named
     yardstick = REFERENCE_IMPL if REFERENCE_IMPL not in under_test else None
     impls = tuple(
-        ImplRuns(i, *(int(((cells["impl"] == i) & (state == s)).sum()) for s in ("ran", "unsupported", "errored")))
+        ImplRuns(
+            i,
+            *(int(((cells["impl"] == i) & (state == s)).sum()) for s in ("ran", "unsupported", "errored")),
+            _first_error(cells, state, i),
+        )
         for i in under_test
     )
     reference_ids = set(cells.loc[cells["impl"] == yardstick, "scenario"])
@@ -125,8 +153,6 @@ def outcome(cells: pd.DataFrame, verdicts: pd.DataFrame) -> Outcome:
     failed = counts[FAIL] or reference[FAIL] or errored
     if not len(verdicts) and not len(cells):
         word = NO_VERDICTS
-    elif not any(r.ran for r in impls):
-        word = NOT_RUN
     elif failed:
         word = FAILED
     elif any(not r.ran for r in impls):

@@ -264,3 +264,36 @@ def test_a_failed_scenario_does_not_poison_the_next_one_in_the_same_process(tmp_
         [out] = world.call(f"{FA}:scenario_after_fault", str(tmp_path))
     assert out["faulty"] == "FaultInjected: injected fault in forward on rank 0 at step 2"
     assert out["next"] == "ok"
+
+
+def test_an_adapter_that_raises_in_every_scenario_fails_the_cli_naming_the_error(tmp_path):
+    """Exit 1 (FAIL), never 3 (NOT RUN, which a CI job may read as 'skipped'), with the error on the last line."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "run",
+            "--world-sizes",
+            "1",
+            "--models",
+            "mlp",
+            "--impl",
+            f"{FA}:forward_rank0",
+            "--optimizers",
+            "adamw",
+            "--steps",
+            "3",
+            "--no-report",
+            "--quiet",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stderr
+    assert last.startswith("FAIL: ") and f"{FA}:forward_rank0: 0 ran, 0 unsupported, 2 errored (first: " in last, last
+    assert f"injected fault in forward on rank 0 at step {FAULT_STEP})" in last, last

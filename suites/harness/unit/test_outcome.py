@@ -53,12 +53,13 @@ def _case(impl_states: dict[str, list[str]], ref_status: str = PASS, extra=()):
     [
         ({"fsdp_impl": ["ok", "ok"]}, PASS, PASSED),
         ({"fsdp_impl": [UNSUPPORTED, UNSUPPORTED]}, PASS, NOT_RUN),  # the passes are the reference's
-        ({"fsdp_impl": ["error", "error"]}, PASS, NOT_RUN),  # nothing ran to its end
+        ({"fsdp_impl": ["error", "error"]}, PASS, FAILED),  # raised in every scenario: a crash is no skip
         ({"fsdp_impl": ["ok", "error"]}, PASS, FAILED),
         ({"fsdp_impl": ["ok", "ok"]}, FAIL, FAILED),  # a broken yardstick is no pass
         ({"fsdp_impl": ["ok", "ok"], "mine": [UNSUPPORTED]}, PASS, NOT_RUN),  # one of two was not verified
         ({"fsdp_impl": ["ok", UNSUPPORTED], "mine": ["ok", "error"]}, PASS, FAILED),  # a failure outranks it
-        ({"fsdp_impl": [UNSUPPORTED], "mine": ["error"]}, PASS, NOT_RUN),
+        ({"fsdp_impl": [UNSUPPORTED], "mine": ["error"]}, PASS, FAILED),
+        ({"fsdp_impl": [UNSUPPORTED, UNSUPPORTED]}, FAIL, FAILED),  # nothing applied, but the yardstick broke
     ],
 )
 def test_the_word_counts_only_what_the_implementations_under_test_ran(states, ref, word):
@@ -149,3 +150,25 @@ def test_the_report_reads_not_run_when_only_the_reference_passed():
     line = _overall(verdicts, cells)
     assert line.startswith("**Overall: NOT RUN** — 0 passed / 0 failed"), line
     assert "fsdp_impl: 0 ran, 2 unsupported" in line and "apart: 1 passed / 0 failed" in line
+
+
+def test_an_implementation_that_raised_in_every_scenario_fails_naming_its_error():
+    """A crash everywhere is a FAIL (exit 1) whose summary names the error, never NOT RUN (exit 3), which a CI job
+    may read as 'skipped'; NOT RUN stays for an implementation to which nothing applied."""
+    error = (
+        "rank 0 of World(1, 'gloo') failed in harness.train.task:train_scenario:\n"
+        "Traceback (most recent call last):\n"
+        '  File "mine/adapter.py", line 4, in wrap\n'
+        "    shard(model)\n"
+        "RuntimeError: my shard() is broken\n"
+        "rank 1 failed too: RuntimeError: my shard() is broken"
+    )
+    cells, verdicts = _case({"mine": ["error", "error"]})
+    cells.loc[cells.impl == "mine", "error"] = error
+    session = _session({"mine": ["error", "error"]})
+    session.result.tables["scenarios"] = cells
+    assert session.exit_status() == EXIT_FAILED
+    line = session.summary_line()
+    assert line.startswith("FAIL: "), line
+    assert "mine: 0 ran, 0 unsupported, 2 errored (first: RuntimeError: my shard() is broken)" in line, line
+    assert _session({"mine": [UNSUPPORTED, UNSUPPORTED]}).exit_status() == EXIT_NOT_RUN
