@@ -12,19 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.core import names
+from harness.core.features import ACCUM_MICRO_BATCHES, HSDP_REPLICAS, RESHARD_RANKS, check_feature, has, passes_per_step
 from harness.core.policy import Bounds
-from harness.core.scenario import (
-    ACCUM_MICRO_BATCHES,
-    DATA_MODES,
-    HSDP_REPLICAS,
-    OPTIMIZERS,
-    RESHARD_RANKS,
-    Scenario,
-    build_matrix,
-    check_feature,
-    has,
-    passes_per_step,
-)
+from harness.core.scenario import DATA_MODES, OPTIMIZERS, Scenario, build_matrix
 from harness.report.runs import KEEP_RUNS
 
 DEFAULT_IMPLS = ("fsdp_impl", "torch_fsdp2")

@@ -4,43 +4,35 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from harness.adapters.base import Adapter, AdapterError, cpu_fp32
+from harness.adapters.base import PLAIN_WRAP, Adapter, AdapterError, WrapOptions, cpu_fp32
 
 
 class FsdpImplAdapter(Adapter):
     name = "fsdp_impl"
     batch_invariant = True  # fsdp_impl.invariant_forward_backward
 
-    def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
-        return self._shard(model, units, device, process_group=group)
+    wrap_settings = frozenset({"mixed_precision", "hybrid", "reshard_after_forward", "shard_placement", "offload"})
 
-    def wrap_mixed_precision(
-        self, model: nn.Module, units: list[nn.Module], *, group, device, param_dtype, reduce_dtype
+    def wrap(
+        self, model: nn.Module, units: list[nn.Module], *, group, device, options: WrapOptions = PLAIN_WRAP
     ) -> nn.Module:
-        from fsdp_impl import MixedPrecisionPolicy
+        """fsdp_impl.fully_shard on every unit, then the root, with every setting at once."""
+        kw = {"process_group": group}
+        if options.param_dtype is not None or options.reduce_dtype is not None:
+            from fsdp_impl import MixedPrecisionPolicy
 
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        return self._shard(model, units, device, process_group=group, mp_policy=policy)
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype)
+        if options.replicate_group is not None:
+            kw |= {"process_group": options.shard_group, "replicate_group": options.replicate_group}
+        if options.reshard_after_forward is not True:
+            kw["reshard_after_forward"] = options.reshard_after_forward
+        if options.shard_placement_fn is not None:
+            kw["shard_placement_fn"] = options.shard_placement_fn
+        if options.offload:
+            from fsdp_impl import CPUOffloadPolicy
 
-    def wrap_hybrid(
-        self, model: nn.Module, units: list[nn.Module], *, group, device, shard_group, replicate_group
-    ) -> nn.Module:
-        return self._shard(model, units, device, process_group=shard_group, replicate_group=replicate_group)
-
-    def wrap_reshard_after_forward(
-        self, model: nn.Module, units: list[nn.Module], *, group, device, reshard_after_forward: int
-    ) -> nn.Module:
-        return self._shard(model, units, device, process_group=group, reshard_after_forward=reshard_after_forward)
-
-    def wrap_shard_placement(
-        self, model: nn.Module, units: list[nn.Module], *, group, device, shard_placement_fn
-    ) -> nn.Module:
-        return self._shard(model, units, device, process_group=group, shard_placement_fn=shard_placement_fn)
-
-    def wrap_offload(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
-        from fsdp_impl import CPUOffloadPolicy
-
-        return self._shard(model, units, device, process_group=group, offload_policy=CPUOffloadPolicy())
+            kw["offload_policy"] = CPUOffloadPolicy()
+        return self._shard(model, units, device, **kw)
 
     def invariant_forward_backward(
         self, wrapped: nn.Module, loss_fn, inputs, targets, *, micro_batches: int, replicated: bool

@@ -6,23 +6,27 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from harness.adapters.base import Adapter, cpu_fp32, torch_clip
+from harness.adapters.base import PLAIN_WRAP, Adapter, WrapOptions, cpu_fp32, torch_clip
 
 
 class ReferenceAdapter(Adapter):
     name = "reference"
     sharded = False
 
-    def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
-        return model.to(device)
+    wrap_settings = frozenset({"mixed_precision", "offload"})  # the others change no number: not asked of it
 
-    def wrap_mixed_precision(
-        self, model: nn.Module, units: list[nn.Module], *, group, device, param_dtype, reduce_dtype
+    def wrap(
+        self, model: nn.Module, units: list[nn.Module], *, group, device, options: WrapOptions = PLAIN_WRAP
     ) -> nn.Module:
-        return MixedPrecision(model.to(device), param_dtype)  # one process: nothing is reduced
-
-    def wrap_offload(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
-        return Offloaded(model.to("cpu"), torch.device(device))
+        """The plain model; under a mixed-precision policy on param_dtype copies per forward (one process:
+        nothing is reduced), with its state in host memory under offload, or both."""
+        device = torch.device(device)
+        module = model.to("cpu" if options.offload else device)
+        if options.offload:
+            module = Offloaded(module, device)
+        if options.param_dtype is not None:
+            module = MixedPrecision(module, options.param_dtype)
+        return module
 
     def invariant_forward_backward(
         self, wrapped: nn.Module, loss_fn, inputs, targets, *, micro_batches: int, replicated: bool = True
@@ -53,8 +57,9 @@ class ReferenceAdapter(Adapter):
         return torch_clip(wrapped.parameters(), max_norm, norm_type)
 
     def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
-        plain = wrapped.module if isinstance(wrapped, (MixedPrecision, Offloaded)) else wrapped
-        return {name: cpu_fp32(p) for name, p in plain.named_parameters()}
+        while isinstance(wrapped, (MixedPrecision, Offloaded)):
+            wrapped = wrapped.module
+        return {name: cpu_fp32(p) for name, p in wrapped.named_parameters()}
 
 
 class MixedPrecision(nn.Module):

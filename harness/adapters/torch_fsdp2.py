@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from harness.adapters.base import Adapter, cpu_fp32, torch_clip
+from harness.adapters.base import PLAIN_WRAP, Adapter, WrapOptions, cpu_fp32, torch_clip
 from harness.adapters.dtensor_gather import full_tensors
 
 
@@ -17,79 +17,57 @@ class TorchFSDP2Adapter(Adapter):
         self.reduce_dtype = reduce_dtype
         self.name = "torch_fsdp2" if reduce_dtype is None else f"torch_fsdp2_{_short(reduce_dtype)}reduce"
 
-    def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
-        from torch.distributed.device_mesh import DeviceMesh
+    wrap_settings = frozenset({"mixed_precision", "hybrid", "reshard_after_forward", "shard_placement", "offload"})
 
-        mesh = DeviceMesh.from_group(group, torch.device(device).type)
-        return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype)
-
-    def wrap_mixed_precision(
-        self, model: nn.Module, units: list[nn.Module], *, group, device, param_dtype, reduce_dtype
+    def wrap(
+        self, model: nn.Module, units: list[nn.Module], *, group, device, options: WrapOptions = PLAIN_WRAP
     ) -> nn.Module:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        mesh = DeviceMesh.from_group(group, torch.device(device).type)
-        return self._shard(model, units, mesh, group, device, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-
-    def wrap_hybrid(
-        self, model: nn.Module, units: list[nn.Module], *, group, device, shard_group, replicate_group
-    ) -> nn.Module:
-        """A 2D (replicate, shard) mesh from the harness's groups: FSDP2 shards over the last dimension,
-        all-reduces across the first (HSDP)."""
+        """fully_shard on every unit and the root, every setting at once: a mixed-precision policy (the adapter's
+        own reduce dtype where the options name none), a 2-D (replicate, shard) mesh made from the harness's
+        groups for HSDP (FSDP2 shards over the last dimension, all-reduces across the first), an integer
+        reshard_after_forward given to every unit and the root (explicitly: the root too is resharded to the
+        smaller group; the shard group's size as True, 1 as False: FSDP2 warns on the int 1), a shard placement,
+        a CPU offload policy (pinned memory only where CUDA is)."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import CPUOffloadPolicy
 
-        size = dist.get_world_size(group)
-        ranks = torch.tensor([dist.get_global_rank(group, i) for i in range(size)])
-        mesh = DeviceMesh.from_group(
-            [replicate_group, shard_group],
-            torch.device(device).type,
-            mesh=ranks.view(dist.get_world_size(replicate_group), -1),
-            mesh_dim_names=("replicate", "shard"),
-        )
-        return self._shard(model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype)
-
-    def wrap_reshard_after_forward(
-        self, model: nn.Module, units: list[nn.Module], *, group, device, reshard_after_forward: int
-    ) -> nn.Module:
-        """FSDP2's integer reshard_after_forward, given to every unit and the root (explicitly: the root too
-        is resharded to the smaller group); the group's size as True, 1 as False (FSDP2 warns on the int 1)."""
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import DeviceMesh
-
-        mesh = DeviceMesh.from_group(group, torch.device(device).type)
-        g = reshard_after_forward
-        g = True if g == dist.get_world_size(group) else False if g == 1 else g
-        return self._shard(
-            model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype, reshard_after_forward=g
-        )
-
-    def wrap_shard_placement(
-        self, model: nn.Module, units: list[nn.Module], *, group, device, shard_placement_fn
-    ) -> nn.Module:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        mesh = DeviceMesh.from_group(group, torch.device(device).type)
+        kind = torch.device(device).type
+        if options.replicate_group is not None:
+            size = dist.get_world_size(group)
+            ranks = torch.tensor([dist.get_global_rank(group, i) for i in range(size)])
+            mesh = DeviceMesh.from_group(
+                [options.replicate_group, options.shard_group],
+                kind,
+                mesh=ranks.view(dist.get_world_size(options.replicate_group), -1),
+                mesh_dim_names=("replicate", "shard"),
+            )
+            shard_ranks = dist.get_world_size(options.shard_group)
+        else:
+            mesh, shard_ranks = DeviceMesh.from_group(group, kind), dist.get_world_size(group)
+        g = options.reshard_after_forward
+        g = None if g is True else True if g == shard_ranks else False if g == 1 else g
         return self._shard(
             model,
             units,
             mesh,
             group,
             device,
-            param_dtype=None,
-            reduce_dtype=self.reduce_dtype,
-            shard_placement_fn=shard_placement_fn,
+            param_dtype=options.param_dtype,
+            reduce_dtype=options.reduce_dtype if options.settings & {"mixed_precision"} else self.reduce_dtype,
+            reshard_after_forward=g,
+            shard_placement_fn=options.shard_placement_fn,
+            offload_policy=CPUOffloadPolicy(pin_memory=kind == "cuda") if options.offload else None,
         )
 
-    def wrap_offload(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import CPUOffloadPolicy
+    def refuses(self, feature: str) -> str | None:
+        """FSDP2 cannot reshard a Shard(1) placement to a smaller group after forward: its post-forward mesh
+        assumes dim 0 (an IndexError in backward, torch 2.13)."""
+        from harness.core.features import has
 
-        mesh = DeviceMesh.from_group(group, torch.device(device).type)
-        policy = CPUOffloadPolicy(pin_memory=torch.device(device).type == "cuda")  # pinning needs CUDA
-        return self._shard(
-            model, units, mesh, group, device, param_dtype=None, reduce_dtype=self.reduce_dtype, offload_policy=policy
-        )
+        if has(feature, "reshard2") and has(feature, "shard1"):
+            return "an integer reshard_after_forward with a Shard(1) placement: its post-forward mesh assumes dim 0"
+        return None
 
     def _shard(
         self,

@@ -11,19 +11,9 @@ import pandas as pd
 
 from harness.checks.common import ROW, Check, by_scenario, first_param_crossing, fmt, judge, not_measured, ok_rows
 from harness.checks.noise_floor import batch_stats_of, holding, probe_maxima
+from harness.core.features import has, passes_per_step, rounded_per_rank, shard_size
 from harness.core.policy import BF16_SPLIT, Bounds, not_exact
-from harness.core.scenario import (
-    REFERENCE_IMPL,
-    Scenario,
-    ckpt_step,
-    feature_of,
-    has,
-    passes_per_step,
-    resume_of,
-    rounded_per_rank,
-    shard_size,
-    widest,
-)
+from harness.core.scenario import REFERENCE_IMPL, Scenario, ckpt_step, feature_of, resume_of, widest
 from harness.core.verdict import SKIP, Verdict
 
 

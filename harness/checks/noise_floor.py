@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from harness.core.features import rounded_per_rank
 from harness.core.policy import NOISE_FLOOR_FACTOR, Bounds, model_sensitive, noise_floor_bound
-from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of, resume_of, rounded_per_rank, user_optimizer
+from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of, resume_of, user_optimizer
 
 SENSITIVITY_COLUMNS = (
     "probe",

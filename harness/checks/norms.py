@@ -15,8 +15,9 @@ import math
 
 from harness.checks.common import ROW, Check, fmt, judge, not_measured, not_reference, ok_rows, reference_id
 from harness.checks.noise_floor import batch_stats_of, split_yardstick
+from harness.core.features import clip_of
 from harness.core.policy import BATCH_STATS_SPLIT, Bounds
-from harness.core.scenario import REFERENCE_IMPL, Scenario, clip_of, widest
+from harness.core.scenario import REFERENCE_IMPL, Scenario, widest
 from harness.core.verdict import Verdict
 
 

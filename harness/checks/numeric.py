@@ -27,8 +27,9 @@ from harness.checks.common import (
     sharded_ws1,
 )
 from harness.checks.noise_floor import batch_stats_of, holding, probe_maxima, resumed_across_sizes, split_yardstick
+from harness.core.features import rounded_per_rank
 from harness.core.policy import BATCH_STATS_SPLIT, BF16_SPLIT, Bounds, not_exact
-from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of, resume_of, rounded_per_rank, widest
+from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of, resume_of, widest
 from harness.core.verdict import PASS, SKIP, UNSUPPORTED, Verdict
 
 

@@ -15,19 +15,17 @@ import math
 import pandas as pd
 
 from harness.checks.common import Check, judge, not_measured, ok_row
-from harness.core.policy import POST_FORWARD_AFTER_EVAL, ROOT_AFTER_EVAL, Bounds
-from harness.core.scenario import (
-    Scenario,
+from harness.core.features import (
     clip_of,
-    feature_of,
     has,
     holds_unsharded_grads,
     passes_per_step,
     post_forward_ranks,
     reductions_per_step,
     shard_size,
-    user_optimizer,
 )
+from harness.core.policy import POST_FORWARD_AFTER_EVAL, ROOT_AFTER_EVAL, Bounds
+from harness.core.scenario import Scenario, feature_of, user_optimizer
 from harness.core.verdict import SKIP, Verdict
 from harness.measure.ideals import ideal_comm_elements, ideal_state_bytes
 from harness.measure.timeline import ALLOWED, ROOT_FREE, expected_phases

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from harness.core.scenario import has, parts, user_optimizer
+from harness.core.features import has, parts
+from harness.core.scenario import user_optimizer
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from typing import Protocol
 
 from harness.adapters import load_adapter
 from harness.adapters.base import AdapterError, missing_capability
-from harness.core.scenario import FEATURE_NEEDS, Scenario, ckpt_step, parts
+from harness.core.features import parts
+from harness.core.scenario import Scenario, ckpt_step
 from harness.execute.worker import root_cause
 from harness.execute.world import RankFailed, WorldError, WorldHung, WorldPool, preload
 
@@ -66,7 +67,7 @@ class ReusedWorlds:
 
 def unsupported(sc: Scenario) -> str | None:
     """Why `sc`'s adapter cannot run its feature, or None (plain scenarios need no look at the adapter)."""
-    if not any(f in FEATURE_NEEDS for f in parts(sc.feature)):
+    if not parts(sc.feature):
         return None
     adapter = _adapter(sc.impl)
     return None if adapter is None else missing_capability(adapter, sc.feature)

@@ -52,7 +52,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from harness.core.scenario import Scenario, has
+from harness.core.features import has
+from harness.core.scenario import Scenario
 from harness.execute.executor import execute
 from harness.execute.launch import (
     TORCHRUN_VARIABLES,

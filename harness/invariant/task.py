@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from harness.adapters import load_adapter
-from harness.core.scenario import CLIP, has
+from harness.core.features import REGISTRY, has
 from harness.train.models import get_model_spec
 
 FEATURES = ("plain", "bf16", "ac", "clip_inf", "ckpt")
@@ -59,7 +59,7 @@ def train_invariant(ctx, p: dict) -> dict:
         )
         adapter.after_backward(wrapped, optimizer)
         if has(feature, "clip_inf"):
-            norm_type, max_norm = CLIP["clip_inf"]
+            norm_type, max_norm = REGISTRY["clip_inf"].clip
             adapter.clip_grad_norm(wrapped, max_norm, norm_type)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

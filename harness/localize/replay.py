@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from harness.core.scenario import OPTIMIZERS, REFERENCE_IMPL, Scenario, ckpt_step, has, passes_per_step
+from harness.core.features import has, passes_per_step
+from harness.core.scenario import OPTIMIZERS, REFERENCE_IMPL, Scenario, ckpt_step
 from harness.localize.compare import Point, localise
 from harness.train.params_file import save_params
 
@@ -218,8 +219,9 @@ def scenario_of_id(
     (an id does not carry them); ValueError (one line) for text that is not such an id."""
     import re
 
+    from harness.core.features import check_feature
     from harness.core.names import BUILTIN_ADAPTERS, HF_PREFIX, MODELS, STANDARD_MODELS
-    from harness.core.scenario import DATA_MODES, OPTIMIZERS, check_feature
+    from harness.core.scenario import DATA_MODES, OPTIMIZERS
 
     tokens = text.strip().split("-")
     at = next((i for i, t in enumerate(tokens) if re.fullmatch(r"ws\d+", t) and i >= 2), None)

@@ -70,7 +70,7 @@ EVAL_PHASES = ("eval", "after_eval")  # only under feature eval
 
 def expected_phases(feature: str) -> tuple[str, ...]:
     """The phases a measured step of `feature` goes through (every one must be seen)."""
-    from harness.core.scenario import has
+    from harness.core.features import has
 
     return PHASES if has(feature, "eval") else tuple(p for p in PHASES if p not in EVAL_PHASES)
 

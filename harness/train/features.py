@@ -9,8 +9,10 @@ from collections.abc import Callable
 
 import torch
 
-from harness.core.scenario import (
+from harness.adapters.base import WrapOptions, call_wrap
+from harness.core.features import (
     check_feature,
+    clip_of,
     has,
     hsdp_mesh,
     passes_per_step,
@@ -23,30 +25,30 @@ from harness.train.data import local_slice
 BF16_POLICY = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
 
 
-def wrap_for(feature: str, adapter, model, units, *, ctx):
-    """The adapter's wrap for the feature: under a mixed-precision policy (bf16), on a hybrid mesh
-    (hsdp), resharding to a smaller group after forward (reshard2), with a placement of its own (shard1), with its
-    state in host memory (offload), else
-    plain ``wrap``. `ctx`: the rank's RankContext (harness.execute.worker)."""
-    group, device = ctx.group, ctx.device
+def wrap_options(feature: str, *, ctx) -> WrapOptions:
+    """Every wrap setting the (composed) feature asks for, at once: a mixed-precision policy (bf16), a hybrid mesh
+    (hsdp), resharding to a smaller group after forward (reshard2), a placement of its own (shard1), the state
+    in host memory (offload); and, for an implementation that drives its own step, the micro-batches of one
+    optimizer step and the clipping. `ctx`: the rank's RankContext (harness.execute.worker)."""
+    kw = {"micro_batches": passes_per_step(feature), "clip": clip_of(feature)}
     if has(feature, "bf16"):
-        return adapter.wrap_mixed_precision(model, units, group=group, device=device, **BF16_POLICY)
+        kw |= BF16_POLICY
     if has(feature, "hsdp"):
-        shard_group, replicate_group = ctx.hybrid or hybrid_groups(group)
-        return adapter.wrap_hybrid(
-            model, units, group=group, device=device, shard_group=shard_group, replicate_group=replicate_group
-        )
+        kw["shard_group"], kw["replicate_group"] = ctx.hybrid or hybrid_groups(ctx.group)
+    shard_ranks = _size(kw.get("shard_group") or ctx.group)
     if has(feature, "shard1"):
-        return adapter.wrap_shard_placement(
-            model, units, group=group, device=device, shard_placement_fn=dim1_placement(_size(group))
-        )
-    if has(feature, "offload"):
-        return adapter.wrap_offload(model, units, group=group, device=device)
+        kw["shard_placement_fn"] = dim1_placement(shard_ranks)
     if has(feature, "reshard2"):
-        return adapter.wrap_reshard_after_forward(
-            model, units, group=group, device=device, reshard_after_forward=post_forward_ranks(feature, _size(group))
-        )
-    return adapter.wrap(model, units, group=group, device=device)
+        kw["reshard_after_forward"] = post_forward_ranks(feature, ctx.world_size)
+    if has(feature, "offload"):
+        kw["offload"] = True
+    return WrapOptions(**kw)
+
+
+def wrap_for(feature: str, adapter, model, units, *, ctx):
+    """The adapter's wrap with every setting the feature asks for (harness.adapters.base.call_wrap: the one
+    composable wrap, or a deprecated one-setting wrap)."""
+    return call_wrap(adapter, model, units, group=ctx.group, device=ctx.device, options=wrap_options(feature, ctx=ctx))
 
 
 def dim1_placement(shard_ranks: int):
@@ -149,6 +151,8 @@ def forward_backward(
     micro: int = 1,
     reverse: bool = False,
     slices_summed: bool = False,
+    backward: Callable[[torch.Tensor], None] | None = None,
+    micro_step: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Forward and backward of one step on this rank's batch; returns the loss of the whole local batch
     (detached). `mark(phase, value)` is told where the step is (harness.measure.timeline);
@@ -158,7 +162,12 @@ def forward_backward(
     loss scaled by 1 / (their count), the gradients summed by autograd; `reverse`: the slices in reverse
     rank order (a noise probe's other order of summation); `slices_summed` (the localiser's yardstick): each
     slice's passes scaled as the rank that takes it scales them (1 / the feature's own micro-batches), so the
-    slices' gradients add up to `micro` times the mean, each computed as that rank computes it."""
+    slices' gradients add up to `micro` times the mean, each computed as that rank computes it.
+
+    An implementation that drives its own step (the adapter's engine hooks, harness.adapters.base): `backward(loss)`
+    runs each micro-batch's backward on its own mean loss (the engine divides by its accumulation), and
+    `micro_step()` follows every backward but the last, as an engine counts its micro-steps (the last one's is the
+    optimizer step, which the caller makes)."""
     check_feature(feature)  # ValueError for an unknown one
     k = passes_per_step(feature)  # clipping and checkpointing act outside this: one pass, as plain
     switched = reductions_per_step(feature) < k  # the reduction runs on the last pass only
@@ -175,10 +184,15 @@ def forward_backward(
         mark("forward")
         out = mark("after_forward", model(xm))
         loss = spec.loss(out.float() if has(feature, "bf16") else out, ym)  # the loss in fp32, as plain
+        mark("backward")
+        if backward is not None:
+            backward(loss)
+            if micro_step is not None and i < len(batches) - 1:
+                micro_step()
         if scale > 1:
             loss = loss / scale
-        mark("backward")
-        loss.backward()
+        if backward is None:
+            loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
     return total
 

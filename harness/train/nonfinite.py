@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from harness.core.scenario import Scenario, has
+from harness.core.features import has
+from harness.core.scenario import Scenario
 
 # torch and the training code load only where a loss was not finite: the checks read these names
 FIELD = "nonfinite_module"

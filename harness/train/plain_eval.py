@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from harness.adapters.reference import MixedPrecision
-from harness.core.scenario import Scenario, ckpt_step, has
+from harness.core.features import has
+from harness.core.scenario import Scenario, ckpt_step
 from harness.train.data import eval_batch
 from harness.train.features import BF16_POLICY, evaluate, rank_slices
 from harness.train.params_file import load_params

@@ -18,8 +18,10 @@ import torch
 import torch.distributed as dist
 
 from harness.adapters import load_adapter
+from harness.adapters.base import declared_settings
+from harness.core.features import clip_of, has, shard_size
 from harness.core.policy import Bounds
-from harness.core.scenario import Scenario, clip_of, has, shard_size
+from harness.core.scenario import Scenario
 from harness.core.scratch import writing_into
 from harness.measure import CommCounter, PeakMemory
 from harness.measure.census import Census
@@ -89,6 +91,7 @@ def _train(
     ckpt.save_after(len(steps), adapter, wrapped, optimizer, steps, write_state)  # a checkpoint of the initial state
     sync = getattr(adapter, "set_gradient_sync", None)  # a capability (harness/adapters/base.py)
     set_sync = (lambda enabled: sync(wrapped, enabled)) if callable(sync) else None
+    engine = Engine(adapter, wrapped, optimizer)  # the adapter's engine hooks, else the harness's own step
     start = len(steps)
     # the ranks whose parts make up one copy of the model: every rank's shard, or one replica's (hsdp)
     first_copy = ctx.rank < shard_size(sc.feature, ctx.world_size)
@@ -142,13 +145,15 @@ def _train(
                     micro=sc.micro_batches,
                     reverse=sc.reverse_micro,
                     slices_summed=summed,
+                    backward=engine.backward,
+                    micro_step=engine.micro_step,
                 )
                 adapter.after_backward(wrapped, optimizer)
                 mark("after_backward")
                 if traced:
                     tracer.end_backward(wrapped, divide_by=sc.micro_batches if summed else 1)
                 grad_sq = _local_grad_sq(wrapped) if first_copy else 0.0  # before clipping: measured by the harness
-                clip_norm = _clip(adapter, wrapped, sc.feature, sc.nudge)
+                clip_norm = math.nan if engine.clips else _clip(adapter, wrapped, sc.feature, sc.nudge)
                 if sc.nudge and clip_of(sc.feature) is None:  # a user optimizer's nudged probe
                     _nudge_grads(optimizer, sc.nudge)
                 if traced and clip_of(sc.feature) is not None:
@@ -158,7 +163,7 @@ def _train(
                 mark("optimizer")
                 if jitter is not None:
                     jitter.pause("optimizer")
-                optimizer.step()
+                engine.step()
                 mark("optimizer")
                 if traced:
                     tracer.end_step(wrapped)
@@ -198,7 +203,7 @@ def _train(
         else:
             loss_value, grad_sq = _global_loss_and_sq(loss, grad_sq, adds_up, ctx)
         eval_loss = _global_eval_loss(eval_losses, sc, ctx) if held_out else math.nan
-        optimizer.zero_grad(set_to_none=True)
+        engine.zero_grad()
         for row in counter.summary():
             tot = comm_totals.setdefault(
                 (row["collective"], row["dtype"], row["ranks"]), {"calls": 0, "elements": 0, "bytes": 0}
@@ -242,6 +247,33 @@ def _train(
         "step_time_s": sum(times) / len(times) if times else math.nan,
         "snapshot_dir": str(snap_dir),
     }
+
+
+class Engine:
+    """The step's backward, optimizer step and zeroing: the adapter's engine hooks where it has them (an
+    implementation that drives its own step, harness/adapters/base.py), else the harness's own (the micro-batch's
+    loss / micro-batches backward, optimizer.step(), optimizer.zero_grad())."""
+
+    def __init__(self, adapter, wrapped, optimizer):
+        self.adapter, self.wrapped, self.optimizer = adapter, wrapped, optimizer
+        hook = lambda name: getattr(adapter, name, None) if callable(getattr(adapter, name, None)) else None  # noqa: E731
+        self._backward, self._step, self._zero_grad = hook("backward"), hook("step"), hook("zero_grad")
+        self.backward = (lambda loss: self._backward(wrapped, loss)) if self._backward else None
+        self.micro_step = (lambda: self._step(wrapped, optimizer)) if self._step else None
+        # an engine that declares the clipping clips inside its step: the harness asks nothing of it
+        self.clips = self._step is not None and "clipping" in declared_settings(adapter)
+
+    def step(self) -> None:
+        if self._step is not None:
+            self._step(self.wrapped, self.optimizer)
+        else:
+            self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        if self._zero_grad is not None:
+            self._zero_grad(self.wrapped, self.optimizer)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
 
 
 def _held_out(sc: Scenario, spec, step: int, ctx) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from harness.core.scenario import FEATURES, REFERENCE_IMPL
+from harness.core.features import FEATURES
+from harness.core.scenario import REFERENCE_IMPL
 from harness.core.verdict import FAIL, Verdict
 from suites.mutants.catalog import CATALOGUE, Mutant
 

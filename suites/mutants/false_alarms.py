@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.core.features import FEATURES, named
 from harness.core.names import STANDARD_MODELS
-from harness.core.scenario import DATA_MODES, FEATURES, OPTIMIZERS, REFERENCE_IMPL, TIMING_ONLY, Scenario, build_matrix
+from harness.core.scenario import DATA_MODES, OPTIMIZERS, REFERENCE_IMPL, Scenario, build_matrix
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, Verdict
 from harness.options import DEFAULT_MODELS, DEFAULT_WORLD_SIZES
 from harness.tables.build import MODEL_LIMIT
@@ -44,6 +45,9 @@ CI_COMPOSITIONS = (
     "bf16+clip_inf",
     "ac+bf16",
     "ckpt+no_sync",
+    "bf16+hsdp",  # the wrap settings at once: one wrap(..., options) with both
+    "hsdp+offload",
+    "bf16+offload",
 )
 
 
@@ -59,7 +63,7 @@ def quick_matrix() -> list[Scenario]:
     sleep per cell: suites/harness/end_to_end/test_jitter.py runs its cells for all three; not reshard2, the plain step at
     W <= 2: suites/harness/end_to_end/test_fsdp2_surface.py runs it at 4 ranks."""
     plain = build_matrix(("ddp",), list(DEFAULT_MODELS), [1, 2], DATA_MODES, OPTIMIZERS, steps=3)
-    others = [f for f in FEATURES if f not in ("plain", "eval", "reshard2") and f not in TIMING_ONLY]
+    others = [f for f in FEATURES if f not in ("plain", "eval", "reshard2") and f not in named("timing_only")]
     featured = build_matrix(
         CORRECT, ["mlp", "tinylm_tied"], [1, 2], ("replicated",), ("adamw",), steps=3, features=others
     )
@@ -92,7 +96,7 @@ def composition_matrix(seed: int) -> list[Scenario]:
     """The CI compositions for fsdp_impl, FSDP2 and DDP under one seed (mlp, W 1, 2, 4, both data modes, AdamW,
     3 steps; a composition DDP cannot run is its unsupported verdict): the cells of the slow five-seed tier. The
     README's test command runs them at W 1, 2 (1, 4 for those with hsdp), seed 0 (suites/harness/end_to_end/test_compositions.py)."""
-    from harness.core.scenario import check_feature
+    from harness.core.features import check_feature
 
     return build_matrix(
         CORRECT,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from harness.adapters.base import PLAIN_WRAP
 from suites.mutants.injection import (
     MutantAdapter,
     ReductionReplaced,
@@ -136,11 +137,9 @@ class Bf16OptimizerStep(MutantAdapter):
 
     name = "mutant:bf16_optimizer_step"
 
-    def wrap_mixed_precision(self, model, units, *, group, device, param_dtype, reduce_dtype):
-        wrapped = super().wrap_mixed_precision(
-            model, units, group=group, device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype
-        )
-        wrapped._mutant_low_precision = param_dtype
+    def wrap(self, model, units, *, group, device, options=PLAIN_WRAP):
+        wrapped = super().wrap(model, units, group=group, device=device, options=options)
+        wrapped._mutant_low_precision = options.param_dtype
         return wrapped
 
     def make_optimizer(self, wrapped, *, name, lr):

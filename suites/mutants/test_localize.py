@@ -244,7 +244,7 @@ def test_a_failing_run_localises_its_first_failing_scenarios_into_the_report(tmp
 def _correct_cells() -> list[Scenario]:
     """Every feature (and the CI compositions) in both data modes at 2 and 4 ranks on the mlp and the tied
     tinylm, AdamW, 3 steps, for fsdp_impl, FSDP2 with an exact (fp64) reduction and DDP where they support it."""
-    from harness.core.scenario import FEATURES
+    from harness.core.features import FEATURES
     from harness.execute.executor import unsupported
 
     cells = []
@@ -275,7 +275,7 @@ def test_correct_implementations_show_no_divergence_over_every_feature(pool):
     as such: the localiser maps parameters held whole or as dim-0 rows, so a run that holds tinylm_tied's
     matrices as dim-1 columns (shard1) is named unmappable at its initial parameters, and nothing after them is
     compared (the mlp's widths are odd: its shard1 cells are the plain step, compared in full)."""
-    from harness.core.scenario import has
+    from harness.core.features import has
 
     cells = _correct_cells()
     diverged, unmapped = [], set()

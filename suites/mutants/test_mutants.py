@@ -215,7 +215,7 @@ def test_a_unit_left_gathered_after_a_no_grad_forward_is_seen_by_eval_and_by_no_
     """no_grad_forward_unsharded (pytorch #149029's class) breaks nothing a training step does: through
     every other feature, in both data modes at W = 1, 2, no check fails (only the eval pass runs a forward
     under no_grad); with eval, units_gathered fails at W = 2 (test_mutant_is_caught, the catalogue's cells)."""
-    from harness.core.scenario import FEATURES
+    from harness.core.features import FEATURES
     from reports.mutation_score import scenarios_of
 
     m = next(m for m in CATALOGUE if m.name == "no_grad_forward_unsharded")

@@ -73,12 +73,15 @@ class OffloadIgnored:
     name = "offload_ignored"
 
     def __new__(cls):
+        from dataclasses import replace
+
+        from harness.adapters.base import PLAIN_WRAP
         from harness.adapters.fsdp_impl import FsdpImplAdapter
 
         class _Ignored(FsdpImplAdapter):
             name = "offload_ignored"
 
-            def wrap_offload(self, model, units, *, group, device):
-                return self.wrap(model, units, group=group, device=device)
+            def wrap(self, model, units, *, group, device, options=PLAIN_WRAP):
+                return super().wrap(model, units, group=group, device=device, options=replace(options, offload=False))
 
         return _Ignored()

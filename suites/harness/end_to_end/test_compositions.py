@@ -14,7 +14,8 @@ import re
 
 import pytest
 
-from harness.core.scenario import EXCLUSIVE, FEATURES, Scenario, build_matrix, check_feature, has, parts
+from harness.core.features import FEATURES, check_feature, conflicting_pairs, has, parts
+from harness.core.scenario import Scenario, build_matrix
 from harness.core.verdict import FAIL, PASS
 from harness.phases import run_matrix
 from suites.mutants.false_alarms import CI_COMPOSITIONS, SEEDS, composition_matrix, run_false_alarms
@@ -23,11 +24,10 @@ IMPLS = ("fsdp_impl", "torch_fsdp2")
 
 
 def every_pair() -> list[str]:
-    """Every pair of features that composes (EXCLUSIVE pairs left out)."""
+    """Every pair of features that composes (the pairs of one scheme left out)."""
     names = [f for f in FEATURES if f != "plain"]
-    return [
-        f"{a}+{b}" for a, b in itertools.combinations(names, 2) if (a, b) not in EXCLUSIVE and (b, a) not in EXCLUSIVE
-    ]
+    conflicts = set(conflicting_pairs())
+    return [f"{a}+{b}" for a, b in itertools.combinations(names, 2) if (a, b) not in conflicts]
 
 
 def _matrix(compositions, world_sizes, steps, modes=("replicated", "split")):
@@ -47,7 +47,7 @@ def _matrix(compositions, world_sizes, steps, modes=("replicated", "split")):
 # average different gradients, hsdp+clip's norm group, hsdp+no_sync's replica agreement, bf16+accum's
 # micro-batch rounding: the bf16_summed mutant is caught there), replicated data, where every check is bitwise
 # against the plain model, for the rest.
-DEFAULT_MODE = {"hsdp+clip": "split", "hsdp+no_sync": "split", "bf16+accum": "split"}
+DEFAULT_MODE = {"hsdp+clip": "split", "hsdp+no_sync": "split", "bf16+accum": "split", "bf16+hsdp": "split"}
 
 
 def _ci_matrix(slow: bool) -> list[Scenario]:

@@ -17,8 +17,9 @@ from harness.adapters import load_adapter
 from harness.adapters.base import missing_capability
 from harness.checks import features as feature_checks
 from harness.checks import resources
+from harness.core.features import check_feature, passes_per_step
 from harness.core.policy import Bounds
-from harness.core.scenario import Scenario, build_matrix, check_feature, passes_per_step
+from harness.core.scenario import Scenario, build_matrix
 from harness.measure.timeline import PHASES, expected_phases
 from harness.train.data import eval_batch, global_batch
 from harness.train.features import evaluate

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from harness.checks import resources
-from harness.core.scenario import ACCUM_MICRO_BATCHES, Scenario, build_matrix
+from harness.core.features import ACCUM_MICRO_BATCHES
+from harness.core.scenario import Scenario, build_matrix
 from harness.train.features import forward_backward, micro_batches
 from harness.train.models import get_model_spec
 

@@ -76,7 +76,7 @@ def test_a_report_path_too_long_for_the_file_system_is_one_line(tmp_path):
 
 
 def test_hsdp_needs_world_sizes_that_divide_into_its_replicas():
-    from harness.core.scenario import HSDP_REPLICAS, hsdp_mesh
+    from harness.core.features import HSDP_REPLICAS, hsdp_mesh
 
     odd = (1, 2, HSDP_REPLICAS + 1)
     with pytest.raises(argparse.ArgumentTypeError, match=rf"\[{HSDP_REPLICAS + 1}\] do not"):

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from harness.checks.features import jitter_invariant
-from harness.core.scenario import Scenario, build_matrix, check_feature
+from harness.core.features import check_feature
+from harness.core.scenario import Scenario, build_matrix
 from harness.tables.build import bitwise_difference
 from harness.tables.schema import columns
 from harness.train.jitter import MAX_DELAY_S, Jitter, delay_of

@@ -4,6 +4,7 @@ and checks on hand-made tables here; a small run through FSDP2 and fsdp_impl at 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pandas as pd
@@ -11,8 +12,9 @@ import pytest
 
 from harness.checks import features as feature_checks
 from harness.checks import numeric
+from harness.core.features import hsdp_mesh
 from harness.core.policy import Bounds
-from harness.core.scenario import Scenario, build_matrix, ckpt_step, hsdp_mesh
+from harness.core.scenario import Scenario, build_matrix, ckpt_step
 from suites.harness.unit.synthetic_tables import LOSSES, ZERO, check_tables
 
 
@@ -275,8 +277,10 @@ class ReduceDtypeNone:
 
         adapter = TorchFSDP2Adapter()
         adapter.name = "reduce_dtype_none"
-        wrap = adapter.wrap_mixed_precision
-        adapter.wrap_mixed_precision = lambda model, units, **kw: wrap(model, units, **{**kw, "reduce_dtype": None})
+        wrap = adapter.wrap
+        adapter.wrap = lambda model, units, *, options, **kw: wrap(
+            model, units, options=dataclasses.replace(options, reduce_dtype=None), **kw
+        )
         return adapter
 
 
