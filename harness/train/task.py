@@ -24,6 +24,7 @@ from harness.core.policy import Bounds
 from harness.core.scenario import Scenario
 from harness.core.scratch import writing_into
 from harness.measure import CommCounter, PeakMemory
+from harness.measure.applied import AppliedGradients
 from harness.measure.census import Census
 from harness.measure.layout import rows_held
 from harness.measure.memory import local_tensor, optimizer_list
@@ -92,6 +93,8 @@ def _train(
     sync = getattr(adapter, "set_gradient_sync", None)  # a capability (harness/adapters/base.py)
     set_sync = (lambda enabled: sync(wrapped, enabled)) if callable(sync) else None
     engine = Engine(adapter, wrapped, optimizer)  # the adapter's engine hooks, else the harness's own step
+    # an engine keeps its reduced gradient in buffers of its own: read where its optimizer applies it
+    applied = AppliedGradients(census.optimizers(optimizer)) if engine.drives else None
     start = len(steps)
     # the ranks whose parts make up one copy of the model: every rank's shard, or one replica's (hsdp)
     first_copy = ctx.rank < shard_size(sc.feature, ctx.world_size)
@@ -165,6 +168,9 @@ def _train(
                     jitter.pause("optimizer")
                 engine.step()
                 mark("optimizer")
+                if applied is not None:
+                    applied_sq, applied_values = applied.take()
+                    grad_sq = applied_sq if first_copy else 0.0
                 if traced:
                     tracer.end_step(wrapped)
             if held_out:  # inside the measured window: the timeline and the peak see it
@@ -178,7 +184,7 @@ def _train(
             held = census.held(
                 wrapped,
                 optimizers,
-                exclude=(*batch, loss),
+                exclude=(*batch, loss, *([applied_values] if applied is not None else [])),
                 settle=bool(counter.summary()),
                 tolerated=Bounds.held_elsewhere_bytes,
             )
@@ -193,8 +199,11 @@ def _train(
         adds_up = adapter.sharded and ctx.world_size > 1  # shards' squared norms add up; copies are all equal
         if sc.data_mode == "replicated":
             loss_value = float(loss.detach())
+            mine = first_copy and (adapter.sharded or ctx.rank == 0)
             grad_sq = _save_grads(
-                _optimizer_grads(optimizer, first_copy and (adapter.sharded or ctx.rank == 0)),
+                (applied_values if mine else torch.zeros(0))
+                if applied is not None
+                else _optimizer_grads(optimizer, mine),
                 grad_sq,
                 adds_up,
                 ctx,
@@ -226,6 +235,8 @@ def _train(
         _snapshot(adapter, wrapped, snap_dir / f"step{step}.pt", ctx.rank)
         ckpt.save_after(step, adapter, wrapped, optimizer, steps, write_state)
 
+    if applied is not None:
+        applied.remove()
     if tracer is not None:
         (snap_dir / "trace").mkdir(parents=True, exist_ok=True)
         tracer.save(snap_dir / "trace" / f"rank{ctx.rank}.pt")
@@ -260,8 +271,9 @@ class Engine:
         self._backward, self._step, self._zero_grad = hook("backward"), hook("step"), hook("zero_grad")
         self.backward = (lambda loss: self._backward(wrapped, loss)) if self._backward else None
         self.micro_step = (lambda: self._step(wrapped, optimizer)) if self._step else None
+        self.drives = self._step is not None
         # an engine that declares the clipping clips inside its step: the harness asks nothing of it
-        self.clips = self._step is not None and "clipping" in declared_settings(adapter)
+        self.clips = self.drives and "clipping" in declared_settings(adapter)
 
     def step(self) -> None:
         if self._step is not None:
