@@ -105,6 +105,13 @@ def _parser() -> argparse.ArgumentParser:
         help="trace the steps up to this one only (default: every step)",
     )
     loc.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    loc.add_argument(
+        "--scenario-timeout",
+        type=opt.timeout_seconds,
+        default=300.0,
+        help="seconds before a replayed run counts as hung (default 300)",
+    )
+    opt.add_allow_large(loc.add_argument)
 
     cmp_ = sub.add_parser(
         "compare",
@@ -153,23 +160,50 @@ def cmd_plan(ns) -> int:
 
         for model in ns.model:
             check_plan_world_sizes(model, ns.world_sizes, model_size(model))
+    from harness.plan.table import PlanError
+
     for model in ns.model:
+        try:
+            table = plan_table(model, ns.impls, ns.world_sizes, ns.optimizer)
+        except PlanError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
         print(f"## {model}: per-rank state, {ns.optimizer}\n")
-        print(format_plan(plan_table(model, ns.impls, ns.world_sizes, ns.optimizer)) + "\n")
+        print(format_plan(table) + "\n")
     return EXIT_OK
 
 
 def cmd_localize(ns) -> int:
-    """The localiser on one scenario (harness.localize)."""
+    """The localiser on one scenario (harness.localize), its id held to what `run` holds its options to
+    (harness.preflight.checked_scenario) before anything starts, and a line saying what it starts."""
+    from harness.core.outcome import error_line
+    from harness.execute.world import WorldError
     from harness.localize.replay import localize, scenario_of_id
+    from harness.preflight import checked_scenario
 
     try:
         sc = scenario_of_id(ns.scenario, steps=ns.steps, lr=ns.lr, global_batch=ns.global_batch, backend=ns.backend)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    found = localize(sc, steps=ns.up_to)
+    if ns.up_to is not None and ns.up_to > ns.steps:
+        raise argparse.ArgumentTypeError(f"--up-to {ns.up_to}: the run has {ns.steps} steps (--steps)")
+    checked_scenario(sc, allow_large=bool(ns.allow_large))
+    last = ns.up_to or ns.steps
+    _stderr(
+        f"localising {sc.id}: it and its yardstick replayed in worlds of up to {sc.world_size} ranks, every op "
+        f"traced, steps 1-{last}"
+    )
+    try:
+        found = localize(sc, steps=ns.up_to, timeout_s=ns.scenario_timeout)
+    except WorldError as e:  # the run under test, or its yardstick, raised or hung: the rank's own line
+        _stderr(f"error: the replay of {sc.id} did not run to its end: {error_line(str(e))}")
+        return EXIT_FAILED
     print("\n".join(found.lines()))
     return EXIT_FAILED if found.diverged else EXIT_OK
+
+
+def _stderr(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def cmd_compare(ns) -> int:

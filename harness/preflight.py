@@ -12,6 +12,11 @@
   unless `--allow-large`.
 
 Each problem is one `argparse.ArgumentTypeError` line: a usage error, never a failure of each scenario.
+
+`checked_scenario(sc)` holds one scenario named by its id (`python -m harness localize ID`) to the same checks:
+its implementation, model and optimizer parsed as `--impl`, `--models` and `--optimizers` parse them, its cell
+validated as a matrix of one (`MatrixOptions.validate`) and then `check`ed, so that every verb answers bad input
+as `run` does, with the same limits.
 """
 
 from __future__ import annotations
@@ -37,6 +42,47 @@ def checked_matrix(ns) -> MatrixOptions:
     """The matrix of parsed options (harness.options.matrix_from), checked here before any world starts."""
     matrix = matrix_from(ns)
     check(matrix)
+    return matrix
+
+
+def checked_scenario(sc, *, allow_large: bool = False) -> MatrixOptions:
+    """The matrix of one scenario named by its id, each name parsed and the whole checked as `run` checks its
+    options (module docstring); a usage error (one line) naming what is wrong."""
+    from harness import options as opt
+    from harness.core.scenario import REFERENCE_IMPL
+
+    if sc.impl == REFERENCE_IMPL:
+        raise argparse.ArgumentTypeError(
+            f"{sc.id} is the plain reference itself: there is nothing to localise it against"
+        )
+    for what, parse, value in (
+        ("implementation", opt.impls, sc.impl),
+        ("model", opt.models, sc.model),
+        ("optimizer", opt.optimizers, sc.optimizer),
+    ):
+        try:
+            parse(value)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"scenario {sc.id}: {what}: {e}") from None
+    matrix = MatrixOptions(
+        impls=(sc.impl,),
+        models=(sc.model,),
+        world_sizes=tuple(sorted({sc.world_size, *([sc.resume_from] if sc.resume_from else [])})),
+        data_modes=(sc.data_mode,),
+        optimizers=(sc.optimizer,),
+        steps=sc.steps,
+        seeds=(sc.seed,),
+        lr=sc.lr,
+        global_batch=sc.global_batch,
+        backend=sc.backend,
+        features=(sc.feature,),
+        allow_large=allow_large,
+    )
+    try:
+        matrix.validate()
+        check(matrix)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"scenario {sc.id}: {e}") from None
     return matrix
 
 

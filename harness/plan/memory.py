@@ -73,10 +73,63 @@ def fsdp2_wrap(
 
     with unset_fake_temporarily():  # the mesh reads its rank tensor (.tolist()): keep it real
         mesh = DeviceMesh.from_group(group, device_type)
-    for unit in units(module):
-        fully_shard(unit, mesh=mesh)
-    fully_shard(module, mesh=mesh)
+    with _chunks_on_demand():
+        for unit in units(module):
+            fully_shard(unit, mesh=mesh)
+        fully_shard(module, mesh=mesh)
     return module
+
+
+# [Note: the planner's chunks on demand] FSDP2 cuts each parameter into W chunks when it shards it
+# (``_chunk_with_empty``: torch.chunk, then an empty tensor for each rank past the last row) and reads two of
+# them: its own rank's and chunk 0 (the padded size). At W far above a parameter's rows that list is almost all
+# empty tensors, one per rank: the planner's time grew with W x the parameter tensors, while the one rank it
+# plans holds the same chunk either way. `_chunks_on_demand` has FSDP2 cut only the chunks it reads, each as
+# torch.chunk would have cut it (the same rows, sizes and strides; suites/harness/unit/test_plan.py holds the
+# plans made both ways equal); where torch no longer has that function, FSDP2 runs as it is.
+
+
+class _Chunks:
+    """torch.chunk(tensor, n, dim) followed by empty chunks up to n, each made when it is read."""
+
+    def __init__(self, tensor, n: int, dim: int):
+        self.tensor, self.n, self.dim = tensor, n, dim
+        rows = tensor.size(dim)
+        self.size = -(-rows // n) if n else 0  # torch.chunk's chunk size: ceil(rows / n)
+        self.cut = -(-rows // self.size) if self.size else 0  # how many chunks torch.chunk returns
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.n))]
+        i = i + self.n if i < 0 else i
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        if i >= self.cut:
+            return self[0].new_empty(0)
+        start = i * self.size
+        return self.tensor.narrow(self.dim, start, min(self.size, self.tensor.size(self.dim) - start))
+
+    def __iter__(self):
+        return (self[i] for i in range(self.n))
+
+
+@contextlib.contextmanager
+def _chunks_on_demand():
+    """FSDP2's chunking made lazy for the planner's wrap (see [Note: the planner's chunks on demand])."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    original = getattr(_fsdp_param, "_chunk_with_empty", None)
+    if original is None:
+        yield
+        return
+    _fsdp_param._chunk_with_empty = lambda tensor, num_chunks, dim: _Chunks(tensor, num_chunks, dim)
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = original
 
 
 @contextlib.contextmanager

@@ -15,6 +15,11 @@ from harness.plan.memory import fsdp2_wrap, plan_memory
 from harness.train.models import get_model_spec
 
 
+class PlanError(ValueError):
+    """An implementation the planner cannot plan (its wrap fails on the meta device, under the fake process
+    group); the message is one line naming it and the error."""
+
+
 def _wrapper(impl: str, units):
     if impl.startswith("torch_fsdp2"):
         # the adapter moves the model to a real device first; on meta the wrap must not
@@ -27,7 +32,16 @@ def plan_table(model: str, impls, world_sizes, optimizer: str = "adamw") -> pd.D
     spec = get_model_spec(model)
     rows = []
     for impl in impls:
-        for r in plan_memory(spec.build, _wrapper(impl, spec.units), list(world_sizes), optimizer):
+        try:
+            planned = plan_memory(spec.build, _wrapper(impl, spec.units), list(world_sizes), optimizer)
+        except Exception as e:  # an implementation's own code on meta tensors may raise anything
+            from harness.core.loading import one_line
+
+            raise PlanError(
+                f"--impl {impl}: the planner cannot plan it: sharding {model} on the meta device under a fake process "
+                f"group raised {one_line(e)}"
+            ) from e
+        for r in planned:
             if r["world_size"] not in world_sizes:
                 continue
             rows.append(

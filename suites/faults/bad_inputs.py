@@ -1,4 +1,5 @@
-"""Bad input for `python -m harness run` and for the pytest plugin, and what each one gets.
+"""Bad input for `python -m harness run`, its other verbs (localize, plan, compare, report) and the pytest plugin,
+and what each one gets.
 
 ``probe_all`` runs every case below as a process of its own (the CLI, and the pytest plugin for the
 cases marked so) and gives each one's exit code and exact error line; ``python -m reports.bad_inputs``
@@ -8,8 +9,8 @@ suites/faults/warm_cli.py), which runs the same entry point with the same argv a
 ``test_bad_inputs.py`` runs the same cases and asserts: exit 2 (CLI) / 4 (pytest's usage error),
 exactly one error line that contains ``expect``, no traceback.
 
-Every case completes its options from a tiny valid matrix, so an input that is NOT rejected
-costs one short run instead of the default matrix.
+Every case of `run` completes its options from a tiny valid matrix, so an input that is NOT rejected
+costs one short run instead of the default matrix; a case of another verb gives its whole command line.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class Case:
     pytest: bool = False  # also try it through `python -m pytest suites/harness/end_to_end/test_equivalence.py`
     env: tuple[tuple[str, str], ...] = ()  # environment variables set for the probe; "{tmp}" as in args
     varies: bool = False  # the line names this machine's figures (memory, free space, GPUs): see stable()
+    verb: str = "run"  # the CLI's verb; other than run, `args` is the whole command after it (no TINY)
 
 
 CASES: tuple[Case, ...] = (
@@ -334,6 +336,65 @@ CASES: tuple[Case, ...] = (
         "--gate-strict needs --baseline",
         pytest=True,
     ),
+    # the other verbs: the same parsers, checks and limits as run (harness.preflight.checked_scenario)
+    Case("localize: not a scenario id", ("garbage",), "'garbage' is not a scenario id", verb="localize"),
+    Case(
+        "localize: unknown implementation",
+        ("fsdp_imp-mlp-ws2-split-adamw",),
+        "implementation: unknown adapter 'fsdp_imp'",
+        verb="localize",
+    ),
+    Case(
+        "localize: adapter module that is not there (no PYTHONPATH)",
+        ("no_such_pkg.adapters.Mine-mlp-ws2-split-adamw",),
+        "module 'no_such_pkg.adapters' could not be imported",
+        verb="localize",
+    ),
+    Case(
+        "localize: unknown model",
+        ("fsdp_impl-resnet-ws2-split-adamw",),
+        "model: unknown 'resnet'; choose from",
+        verb="localize",
+    ),
+    Case(
+        "localize: split data at a world size that does not divide the batch",
+        ("fsdp_impl-mlp-ws3-split-adamw",),
+        "--data-modes split needs the global batch (16) divisible by every world size; [3]",
+        verb="localize",
+    ),
+    Case(
+        "localize: more ranks than the machine's memory holds",
+        ("fsdp_impl-mlp-ws100000-replicated-adamw",),
+        "ranks fit this machine's memory",
+        varies=True,
+        verb="localize",
+    ),
+    Case(
+        "localize: the reference itself",
+        ("reference-mlp-ws1-replicated-adamw",),
+        "is the plain reference itself",
+        verb="localize",
+    ),
+    Case(
+        "localize: traced steps beyond the run",
+        ("fsdp_impl-mlp-ws2-split-adamw", "--steps", "3", "--up-to", "5"),
+        "--up-to 5: the run has 3 steps",
+        verb="localize",
+    ),
+    Case(
+        "plan: a world size above the model's largest dim 0",
+        ("--model", "mlp", "--world-sizes", "1,64"),
+        "above 37 ranks (mlp's largest dim 0)",
+        verb="plan",
+    ),
+    Case(
+        "plan: an implementation the planner cannot plan",
+        ("--model", "mlp", "--impl", "ddp", "--world-sizes", "2"),
+        "--impl ddp: the planner cannot plan it",
+        verb="plan",
+    ),
+    Case("report: no stored run there", ("{tmp}/no_run",), "no saved run at", verb="report"),
+    Case("compare: no stored run there", ("{tmp}/no_run", "default"), "no saved run at", verb="compare"),
 )
 
 
@@ -364,6 +425,8 @@ def command(case: Case, mode: str, tmp: Path) -> list[str]:
     """The bad options first (argparse converts in order: a bad value fails before the valid
     ``--impl`` imports torch), then the tiny matrix's options that the case does not set."""
     args = [a.replace("{tmp}", str(tmp)) for a in case.args]
+    if case.verb != "run":
+        return [sys.executable, "-m", "harness", case.verb, *args]
     rest = [*TINY, "--report", str(tmp / "report.md")]
     pairs = [rest[i : i + 2] for i in range(0, len(rest), 2)]
     rest = [tok for pair in pairs if pair[0] not in case.args for tok in pair]
