@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from harness import options as opt
+from harness.core import interrupt
 from harness.execute.launch import NotLaunchedHere, a_torchrun_rank_but_0, launched_by_torchrun, let_rank_0_say
 from harness.session import (
     EXIT_FAILED,
@@ -129,9 +130,16 @@ def cmd_run(ns) -> int:
     options = session_options(ns)  # cross-option errors first: torch is not loaded yet
     under_torchrun = launched_by_torchrun()
     quiet = ns.quiet or (under_torchrun and int(os.environ.get("RANK", "0")) != 0)
-    session = Session(options, say=(lambda line: None) if quiet else None, under_torchrun=under_torchrun)
+
+    def say(line: str) -> None:  # after each scenario and phase: a Ctrl-C that something swallowed ends it here
+        interrupt.check()
+        if not quiet:
+            _stderr(line)
+
+    session = Session(options, say=say, under_torchrun=under_torchrun)
     if session.run() is None:  # a torchrun rank other than 0: rank 0 writes and decides
         return EXIT_OK
+    interrupt.check()  # nothing is written for a run that a Ctrl-C ended
     status = session.finish()
     if ns.json:
         print(json.dumps([v.as_dict() for v in session.result.verdicts], indent=1, default=str))
@@ -234,6 +242,7 @@ def main(argv=None) -> int:
     parser = _parser()
     try:
         ns = parser.parse_args(argv)
+        interrupt.check()  # a Ctrl-C that an option's parser swallowed (one that imports a user's module)
         return {
             "run": cmd_run,
             "report": cmd_report,
@@ -244,8 +253,7 @@ def main(argv=None) -> int:
     except SystemExit:
         raise  # argparse's own exits (--help, usage errors), before the clauses below import anything
     except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
-        return EXIT_INTERRUPTED
+        return interrupt.said()
     except NotLaunchedHere as e:  # no job: said at once
         parser.exit(EXIT_USAGE, f"error: {e}\n")
     except argparse.ArgumentTypeError as e:

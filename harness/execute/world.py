@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from harness.core import interrupt
 from harness.execute import forked_server, worker
 from harness.execute.launch import launched_by_torchrun
 from harness.execute.worker import RankContext
@@ -79,6 +80,7 @@ def unwind_on_termination() -> None:
 
 
 def _interrupt(signum: int, _frame: object) -> None:
+    interrupt.note()
     for sig in _UNWIND_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -414,16 +416,15 @@ def _ctrl_c_after_hand_over() -> Iterator[None]:
     """Hold a Ctrl-C until the block ends, except in the wait for the forkserver's reply (see
     [Note: Ctrl-C while a world starts]). Only where Ctrl-C raises KeyboardInterrupt in this thread:
     an ignored SIGINT, or a handler of the program's own, is left alone."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not interrupt.raises_keyboard_interrupt(previous):
         yield
         return
     held: list[int] = []
     waiting_for_reply = _forkserver_reply_code()
 
     def hold(signum: int, frame) -> None:
+        interrupt.note()
         if frame is not None and frame.f_code is waiting_for_reply:
             raise KeyboardInterrupt
         held.append(signum)
@@ -432,7 +433,7 @@ def _ctrl_c_after_hand_over() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, previous)
         if held:
             raise KeyboardInterrupt  # a Ctrl-C outranks whatever else ended the block
 
