@@ -123,7 +123,19 @@ def _parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--gate", type=opt.gate_spec, default=None, help="per-field tolerances")
     cmp_.add_argument("--gate-strict", action="store_true", help="exit 1 when nothing was compared")
     cmp_.add_argument("--json", action="store_true", help="print the comparison as JSON records")
+    p.verbs = {"run": run, "report": rep, "plan": plan, "localize": loc, "compare": cmp_}
     return p
+
+
+def _not_repeated(verb: argparse.ArgumentParser, args: list[str]) -> None:
+    """An option of `verb` that takes a value, given twice, is a usage error (harness/options.py
+    [Note: an option given twice]); argparse reads a unique prefix as the option, and so does this."""
+    long = [s for a in verb._actions for s in a.option_strings if s.startswith("--")]
+    takes_value = [s for a in verb._actions for s in a.option_strings if s.startswith("--") and a.nargs != 0]
+    name = opt.repeated_option(args, takes_value, long)
+    if name is not None:
+        listed = any(name in a.option_strings and a.type in opt.LIST_TYPES for a in verb._actions)
+        verb.error(str(opt.repeated_error(name, listed)))
 
 
 def cmd_run(ns) -> int:
@@ -242,6 +254,7 @@ def main(argv=None) -> int:
     parser = _parser()
     try:
         ns = parser.parse_args(argv)
+        _not_repeated(parser.verbs[ns.verb], sys.argv[1:] if argv is None else list(argv))
         interrupt.check()  # a Ctrl-C that an option's parser swallowed (one that imports a user's module)
         return {
             "run": cmd_run,

@@ -289,6 +289,72 @@ def new_baseline_name(text: str) -> str:
     return text
 
 
+# [Note: an option given twice] argparse keeps the last value of an option given twice, silently: `--models a
+# --models b` ran b alone. Every option of the harness that takes a value takes one (a list option one comma
+# list), so a second one is a usage error, from the CLI and the pytest plugin alike. The check reads the command
+# line itself (`repeated_option`): pytest parses its arguments more than once into the same namespace, so a
+# count kept by an argparse action would see each option twice.
+
+
+def repeated_option(args, value_options, long_options=()) -> str | None:
+    """The first of `value_options` (option strings that take a value) that `args` give more than once, or None.
+    `--name value` and `--name=value` both count; where `long_options` (every long option of the parser) is
+    given, an unambiguous prefix counts as the option it abbreviates, as argparse reads it. Nothing after `--`."""
+    known = set(long_options) | set(value_options)
+    seen: set[str] = set()
+    for token in args:
+        if token == "--":
+            break
+        if not token.startswith("--"):
+            continue
+        name = token.split("=", 1)[0]
+        if name not in known and long_options:
+            matches = [o for o in long_options if o.startswith(name)]
+            name = matches[0] if len(matches) == 1 else name
+        if name not in value_options:
+            continue
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
+
+
+def repeated_error(name: str, listed: bool | None = None) -> argparse.ArgumentTypeError:
+    """The usage error for an option given twice (see [Note: an option given twice]); `listed`: it takes a comma
+    list (None: as the add_* functions registered it)."""
+    listed = name in _LIST_OPTIONS if listed is None else listed
+    what = f"one comma-separated list ({name} a,b)" if listed else "one value"
+    return argparse.ArgumentTypeError(
+        f"{name} is given more than once: it takes {what}, and all but the last would be dropped silently"
+    )
+
+
+def check_not_repeated(args) -> None:
+    """A usage error if `args` give one of the harness's own options that take a value more than once (the pytest
+    plugin's check: [Note: an option given twice])."""
+    name = repeated_option(args, _VALUE_OPTIONS)
+    if name is not None:
+        raise repeated_error(name)
+
+
+_VALUE_OPTIONS: set[str] = set()  # every option the add_* functions registered that takes a value
+_LIST_OPTIONS: set[str] = set()  # those of them that take a comma list
+LIST_TYPES = (world_sizes, impls, models, data_modes, optimizers, features, seeds)
+
+
+def _recording(add):
+    """`add`, recording which options take a value (and a list) for `check_not_repeated`."""
+
+    def recorded(name: str, **kw):
+        if kw.get("action") not in ("store_true", "store_false", "count"):
+            _VALUE_OPTIONS.add(name)
+            if kw.get("type") in LIST_TYPES:
+                _LIST_OPTIONS.add(name)
+        return add(name, **kw)
+
+    return recorded
+
+
 def gate_spec(text: str) -> dict:
     from harness.gate.tolerance import parse_gate
 
@@ -298,6 +364,7 @@ def gate_spec(text: str) -> dict:
 def add_output_arguments(add) -> None:
     """--report, --no-report, --no-plots, --per-sample, --invariant, --localize: what a session adds to the matrix and
     writes."""
+    add = _recording(add)
     add(
         "--report",
         type=report_path,
@@ -338,6 +405,7 @@ def add_output_arguments(add) -> None:
 
 
 def add_gate_arguments(add) -> None:
+    add = _recording(add)
     add(
         "--baseline",
         type=baseline_name,
@@ -466,6 +534,7 @@ class MatrixOptions:
 
 def add_matrix_arguments(add) -> None:
     """Register the matrix options with an argparse-like `add(name, **kw)` (argparse or pytest)."""
+    add = _recording(add)
     add("--world-sizes", type=world_sizes, default=None, help="comma list of world sizes (default 1,2,4,8)")
     add(
         "--impl",
@@ -527,6 +596,7 @@ def add_matrix_arguments(add) -> None:
 
 
 def add_allow_large(add) -> None:
+    add = _recording(add)
     add(
         "--allow-large",
         action="store_true",

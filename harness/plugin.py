@@ -59,6 +59,8 @@ def pytest_configure(config):
     if _is_controller(config):
         config.stash[_SHARED] = Path(tempfile.mkdtemp(prefix="fsdp-harness-xdist-"))
     try:
+        if not hasattr(config, "workerinput"):  # an option given twice (harness/options.py check_not_repeated)
+            opt.check_not_repeated(config.invocation_params.args)
         # an xdist worker's options are its controller's, which ran preflight on them (building the models
         # imports torch: seconds per worker, for nothing)
         options = session_options(config.option, preflight=not hasattr(config, "workerinput"))

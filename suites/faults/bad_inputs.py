@@ -336,6 +336,18 @@ CASES: tuple[Case, ...] = (
         "--gate-strict needs --baseline",
         pytest=True,
     ),
+    Case(
+        "a list option given twice",
+        ("--models", "mlp", "--models", "tinylm"),
+        "--models is given more than once: it takes one comma-separated list (--models a,b)",
+        pytest=True,
+    ),
+    Case(
+        "a value option given twice",
+        ("--lr", "1e-2", "--lr=1e-3"),
+        "--lr is given more than once: it takes one value",
+        pytest=True,
+    ),
     # the other verbs: the same parsers, checks and limits as run (harness.preflight.checked_scenario)
     Case("localize: not a scenario id", ("garbage",), "'garbage' is not a scenario id", verb="localize"),
     Case(
@@ -391,6 +403,12 @@ CASES: tuple[Case, ...] = (
         "plan: an implementation the planner cannot plan",
         ("--model", "mlp", "--impl", "ddp", "--world-sizes", "2"),
         "--impl ddp: the planner cannot plan it",
+        verb="plan",
+    ),
+    Case(
+        "plan: an option given twice",
+        ("--model", "mlp", "--model", "tinylm"),
+        "--model is given more than once: it takes one comma-separated list",
         verb="plan",
     ),
     Case("report: no stored run there", ("{tmp}/no_run",), "no saved run at", verb="report"),
