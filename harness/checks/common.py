@@ -121,7 +121,13 @@ def judge(
     dev = known_deviation(row.impl, check, widest(row), feature_of(row), message, backend_of(row))
     if dev is not None:
         return Verdict(
-            check, row.scenario, KNOWN, measured, bound, message=f"{message} Known deviation: {dev.cause}.", **loc
+            check,
+            row.scenario,
+            KNOWN,
+            measured,
+            bound,
+            message=f"{message} Known deviation: {dev.cause_for(row.optimizer)}.",
+            **loc,
         )
     return Verdict(check, row.scenario, FAIL, measured, bound, message=message, **loc)
 

@@ -63,9 +63,23 @@ class Bounds:
 # Why L2 clipping leaves no bitwise property across world sizes (cross_ws_replicated takes the split tier's
 # bound, grads_match_ws1 does not apply), and how a parameter sensitive to that last bit is found (a noise
 # probe with the coefficient nudged by W ulps, Scenario.nudge): docs/checks.md#l2-clipping
+# What the optimizer does with a gradient that differs in its last bit, as a cause text says it (CARRIED, filled in
+# by `carried`): the scenario's own optimizer, never another's
+CARRIED = "{carried}"
+_CARRIED_BY = {
+    "adamw": "AdamW amplifies that (its step is about lr whatever the gradient's size)",
+    "sgd": "SGD carries that on (lr x the difference at each step, kept in its momentum)",
+}
+
+
+def carried(text: str, optimizer: str) -> str:
+    """`text` with CARRIED said for `optimizer` (a user's: 'the optimizer carries that on')."""
+    return text.replace(CARRIED, _CARRIED_BY.get(optimizer, f"the optimizer ({optimizer}) carries that on"))
+
+
 NOT_EXACT_UNDER_L2_CLIP = (
     "under L2 clipping every gradient is scaled by the global norm, which W ranks sum from partial sums "
-    "in another order than one rank does, so it differs in the last bit and AdamW amplifies that; no "
+    f"in another order than one rank does, so it differs in the last bit and {CARRIED}; no "
     "correct sharded clipping is bitwise across world sizes (clip_inf, a maximum, is); a parameter that "
     "the plain model with its clipping coefficient nudged by W ulps moves further is held to that floor"
 )
@@ -162,7 +176,7 @@ def not_exact(feature: str, optimizer: str = "adamw") -> str:
     optimizer ('' where one is): a composition is not exact when one of its features is not ([Note:
     compositions]); a user's optimizer may reduce over the whole matrix ([Note: user optimizer])."""
     why = next((NOT_EXACT[f] for f in parts(feature) if f in NOT_EXACT), "")
-    return why or (NOT_EXACT_USER_OPTIMIZER if user_optimizer(optimizer) else "")
+    return carried(why, optimizer) or (NOT_EXACT_USER_OPTIMIZER if user_optimizer(optimizer) else "")
 
 
 # [Note: user optimizer] What a run with the user's optimizer (--optimizers package.module:factory) is held to:
@@ -213,11 +227,15 @@ class KnownDeviation:
     when: str = ""  # only when the verdict's message (a failed run's error) contains this text
     backend: str | None = None  # only on this backend (a property of its kernels, held exactly elsewhere)
 
+    def cause_for(self, optimizer: str) -> str:
+        """The cause as a verdict of a scenario with `optimizer` says it (CARRIED: that optimizer's own effect)."""
+        return carried(self.cause, optimizer)
+
 
 _FSDP2_FP32_RING = (
     "FSDP2's default reduce-scatter sums fp32 gradients over a gloo ring: W identical fp32 addends "
     "summed one by one round at the partial sums 3g, 5g, 6g, 7g, so the averaged gradient differs from "
-    "one rank's by ~1 ulp and AdamW amplifies that; torch_fsdp2_fp64reduce (reduce_dtype=float64) "
+    f"one rank's by ~1 ulp and {CARRIED}; torch_fsdp2_fp64reduce (reduce_dtype=float64) "
     "removes it"
 )
 _DDP_FP32_RING = (
@@ -250,7 +268,7 @@ _DDP_BUCKET_VIEW_NORM_CUDA = (
     "(measured on an H200, torch 2.11: torch.linalg.vector_norm and torch._foreach_norm of the same values "
     "differ by 1 ulp between a 16-byte-aligned and a 4-byte-aligned copy). The L2 clipping coefficient then "
     "differs by 1 to 2 ulps (the localiser: 'clipping (rounding only), the clipping coefficient applied') and "
-    "AdamW carries it on (8.6e-6 on encoder_lm after 10 steps); on the CPU DDP is bitwise here"
+    f"{CARRIED} (8.6e-6 on encoder_lm after 10 AdamW steps); on the CPU DDP is bitwise here"
 )
 
 KNOWN_DEVIATIONS = (
