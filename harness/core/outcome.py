@@ -19,8 +19,10 @@ An implementation that errored names its first error (the error's own line, as t
 said it) in the summary, so a run that crashed everywhere says why on its last line.
 
 Tables with neither scenarios nor verdicts read NO VERDICTS. The gate adds what it compared: the count of
-figures held against the baseline, or, when it compared none, its `gate:coverage` verdict's reason
-(harness.gate.compare).
+figures held against the baseline and the fields it left uncompared with why (a configuration that differs,
+a baseline of another machine kind: the run-wide SKIP of each such field), or, when it compared none, its
+`gate:coverage` verdict's reason (harness.gate.compare). A field whose gate is off is the user's choice and
+is not repeated there.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, UNSUPPORTED
 STATUSES = (PASS, FAIL, KNOWN, SKIP, UNSUPPORTED)
 PASSED, FAILED, NOT_RUN, NO_VERDICTS = "PASS", "FAIL", "NOT RUN", "NO VERDICTS"
 GATE_COVERAGE = "gate:coverage"  # the gate's verdict when it compared nothing (harness.gate.compare)
+# the gate's run-wide notes that are not fields (harness.gate.compare)
+GATE_NOTES = ("gate:scenario", "gate:env", "gate:configuration", GATE_COVERAGE)
+GATE_OFF = "gate off for "  # how a field whose gate is off says so
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,24 @@ def _gate(verdicts: pd.DataFrame) -> str:
         & gate["status"].isin((PASS, FAIL))
     ]
     failed = int((figures["status"] == FAIL).sum())
-    return f"gate: {len(figures)} figures compared with the baseline, {failed} outside tolerance"
+    line = f"gate: {len(figures)} figures compared with the baseline, {failed} outside tolerance"
+    return line + "".join(f"; {', '.join(fields)} not compared: {why}" for why, fields in _uncompared(gate).items())
+
+
+def _uncompared(gate: pd.DataFrame) -> dict[str, list[str]]:
+    """why -> the fields the gate left uncompared in every scenario for that reason (its run-wide SKIPs),
+    a field whose gate is off aside."""
+    out: dict[str, list[str]] = {}
+    wide = gate[
+        (gate["scenario"].fillna("").astype(str) == "") & (gate["status"] == SKIP) & ~gate["check"].isin(GATE_NOTES)
+    ]
+    for check, message in zip(wide["check"].astype(str), wide["message"].fillna("").astype(str)):
+        field = check.removeprefix("gate:")
+        if message.startswith(GATE_OFF):
+            continue
+        why = message.removeprefix(f"{field} not compared: ")
+        out.setdefault(why, []).append(field)
+    return out
 
 
 def outcome(cells: pd.DataFrame, verdicts: pd.DataFrame) -> Outcome:

@@ -11,6 +11,11 @@ between versions). Beside the figures a file records the run's configuration
 (harness.gate.configuration: lr, steps, global batch, seeds, features, models, ...), so that a run
 made another way is told so rather than failed; a file saved before it did has none (None: unknown).
 The comparison itself is harness.gate.compare.
+
+A name is looked up under `reports/baselines/` relative to the current directory (DEFAULT_DIR), as the
+default report goes to `reports/runs/` there: run from the checkout to use its committed baselines, or give
+a path. A baseline is named as it was asked for (the name, or the path given), never by the name stored in
+its file, which a copied or renamed baseline keeps.
 """
 
 from __future__ import annotations
@@ -176,7 +181,11 @@ def _pick_file(name: str, directory: Path, kind: str | None) -> tuple[Path | Non
     legacy = Path(directory) / f"{name}.json"
     if legacy.is_file():
         return legacy, ""
-    raise BaselineError(f"baseline not found: no {folder}/*.json (save one with --save-baseline {name})")
+    where = f" (relative to the current directory, {Path.cwd()})" if not Path(directory).is_absolute() else ""
+    raise BaselineError(
+        f"baseline not found: no {folder}/*.json{where}; run from the checkout that holds it, give its path, or save "
+        f"one with --save-baseline {name}"
+    )
 
 
 def load_baseline(name_or_path: str | Path, directory: Path = DEFAULT_DIR, *, kind: str | None = None) -> Baseline:
@@ -212,7 +221,7 @@ def load_baseline(name_or_path: str | Path, directory: Path = DEFAULT_DIR, *, ki
     for sid, entry in doc["scenarios"].items():
         _check_entry(path, sid, entry)
     return Baseline(
-        str(doc.get("name", path.stem)),
+        s,  # as asked for (see the module docstring)
         path,
         doc.get("env", {}),
         doc["scenarios"],

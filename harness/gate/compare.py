@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.core.outcome import GATE_COVERAGE
+from harness.core.outcome import GATE_COVERAGE, GATE_OFF
 from harness.core.verdict import FAIL, PASS, SKIP, Verdict
 from harness.gate import configuration as config
 from harness.gate.baseline import Baseline, load_baseline, summarize
@@ -241,7 +241,7 @@ def _rows(
         return [GateRow(f"gate:{f}", "", SKIP, why) for f, t in tols.items() if not t.off]
     rows = [GateRow("gate:env", "", SKIP, msg, label=k) for k, msg in env_warnings(env, base)]
     rows += [
-        GateRow(f"gate:{f}", "", SKIP, f"gate off for {f} (enable with e.g. {f}:50%)") for f, t in tols.items() if t.off
+        GateRow(f"gate:{f}", "", SKIP, f"{GATE_OFF}{f} (enable with e.g. {f}:50%)") for f, t in tols.items() if t.off
     ]
     notes, differs = _configuration(base, configuration)
     rows += notes + [GateRow(f"gate:{f}", "", SKIP, why) for f, why in differs.items() if not tols[f].off]

@@ -328,6 +328,12 @@ CASES: tuple[Case, ...] = (
         pytest=True,
     ),
     Case(
+        "a baseline that is not there",
+        ("--baseline", "no_such_baseline"),
+        "no reports/baselines/no_such_baseline/*.json (relative to the current directory, <checkout>)",
+        pytest=True,
+    ),
+    Case(
         "conflicting pair: --gate without --baseline", ("--gate", "loss:1e-7"), "--gate needs --baseline", pytest=True
     ),
     Case(
@@ -479,7 +485,7 @@ def _probe_dir():
 
 
 def _outcome(case: Case, mode: str, rc: int | None, output: str, tmp: str) -> Outcome:
-    output = output.replace(tmp, "<tmp>")
+    output = output.replace(tmp, "<tmp>").replace(str(ROOT), "<checkout>")  # the same table from any checkout
     return Outcome(case, mode, rc, error_lines(output), "Traceback (most recent call last)" in output, output)
 
 
