@@ -13,6 +13,7 @@ import torch
 from harness.adapters.base import Adapter, AdapterError, as_adapter
 from harness.adapters.cs336 import CS336Adapter
 from harness.adapters.ddp import DDPAdapter
+from harness.adapters.deepspeed import DeepSpeedAdapter
 from harness.adapters.fsdp_impl import FsdpImplAdapter
 from harness.adapters.reference import ReferenceAdapter
 from harness.adapters.torch_fsdp1 import TorchFSDP1Adapter
@@ -27,6 +28,9 @@ BUILTINS: dict[str, Callable[[], Adapter]] = {
     "torch_fsdp2_fp64reduce": lambda: TorchFSDP2Adapter(reduce_dtype=torch.float64),
     "torch_fsdp1": TorchFSDP1Adapter,
     "ddp": DDPAdapter,
+    "deepspeed_zero1": lambda: DeepSpeedAdapter(1),
+    "deepspeed_zero2": lambda: DeepSpeedAdapter(2),
+    "deepspeed_zero3": lambda: DeepSpeedAdapter(3),
 }
 
 

@@ -234,6 +234,16 @@ def declared_settings(adapter: object) -> frozenset[str]:
     return frozenset(getattr(adapter, "wrap_settings", ())) if takes_options(adapter) else frozenset()
 
 
+def sharded_state(adapter: object) -> tuple[str, ...]:
+    """The training state the adapter's implementation partitions over its ranks: its `sharded_state` where it
+    declares one (ZeRO-1: the optimizer state; ZeRO-2: the gradients too), else all of it (ZeRO-3) when
+    `sharded`, none when not (DDP)."""
+    declared = getattr(adapter, "sharded_state", None)
+    if declared is not None:
+        return tuple(declared)
+    return ("params", "grads", "optimizer_state") if getattr(adapter, "sharded", True) else ()
+
+
 def missing_capability(adapter: object, feature: str) -> str | None:
     """Why `adapter` cannot run `feature` (one line), or None when it can. A composition needs what each of its
     features needs: their methods, and every wrap setting at once in the one wrap (or, for one setting alone,

@@ -48,13 +48,17 @@ def _reduced(per_collective: dict, world_size: int) -> float:
     return sum(per_collective.get(k, 0.0) / (world_size if k == "gather" else 1) for k in SCATTER_COLLECTIVES)
 
 
-def _measured_rows(tables, check: str, out: list[Verdict], *, multi_rank: bool = False) -> pd.DataFrame:
+def _measured_rows(
+    tables, check: str, out: list[Verdict], *, multi_rank: bool = False, params: bool = False
+) -> pd.DataFrame:
     """The completed scenarios this check applies to whose parameter sizes were recorded; each one
-    without them gets a FAIL in `out` (a check that cannot run never passes)."""
+    without them gets a FAIL in `out` (a check that cannot run never passes). `multi_rank`: sharded over more
+    than one rank; `params`: the parameters themselves partitioned so (ZeRO-3, not ZeRO-1 or 2)."""
     sc = tables["scenarios"]
     rows = sc[sc.status == "ok"]
-    if multi_rank:
-        rows = rows[rows.apply(_ok_multi_rank, axis=1).astype(bool)] if len(rows) else rows
+    if multi_rank or params:
+        keep = params_sharded if params else _ok_multi_rank
+        rows = rows[rows.apply(keep, axis=1).astype(bool)] if len(rows) else rows
     for r in rows[rows.param_bytes.isna()].itertuples():
         out.append(not_measured(check, r, "the rank recorded no parameter sizes (param_bytes)"))
     return rows[rows.param_bytes.notna()]
@@ -128,7 +132,7 @@ def _ideal_state(tables, row) -> dict[str, int] | str:
             )
         factor = held / float(ref_rows.param_bytes.iloc[0])
     return ideal_state_bytes(
-        int(row.param_bytes), row.optimizer, shards(row), sharded=bool(row.sharded), state_factor=factor
+        int(row.param_bytes), row.optimizer, shards(row), state_factor=factor, partitioned=partitioned(row)
     )
 
 
@@ -317,7 +321,7 @@ def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         if isinstance(ideal, str):
             out.append(not_measured("peak_memory_bound", row, ideal))
             continue
-        unsharded = 0 if not row.sharded or shards(row) == 1 else 2 * 2 * float(row.largest_unit_bytes)
+        unsharded = 2 * 2 * float(row.largest_unit_bytes) if params_sharded(row) else 0
         # with the reduction switched off between micro-batches every unit's unsharded gradient is held
         held_grads = (
             float(row.trainable_bytes)
@@ -354,7 +358,7 @@ def peak_params_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     which dominate the peak of a small model and would hide a whole extra copy of the parameters
     (an implementation that skips the reshard after forward fails here, not in peak_memory_bound)."""
     out, mem = [], tables["memory"]
-    for row in _measured_rows(tables, "peak_params_bound", out, multi_rank=True).itertuples():
+    for row in _measured_rows(tables, "peak_params_bound", out, params=True).itertuples():
         held = _max_over_ranks(mem, row.scenario, "params")
         if math.isnan(held) or math.isnan(float(getattr(row, "root_bytes", math.nan))):
             out.append(
@@ -396,7 +400,7 @@ def units_gathered(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     eval, 2 in its no_grad forward and none after it, the root aside).
     Counted in units, not bytes, so a unit left gathered after its forward fails on any model."""
     out, gathered = [], tables["gathered"]
-    for row in _measured_rows(tables, "units_gathered", out, multi_rank=True).itertuples():
+    for row in _measured_rows(tables, "units_gathered", out, params=True).itertuples():
         g = gathered[gathered.scenario == row.scenario]
         phases = expected_phases(feature_of(row))
         missing = [p for p in phases if p not in set(g.phase)]
@@ -473,6 +477,10 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         # eval: one more forward per step, under no_grad: one more all-gather of the parameters (P)
         evals = 1 if has(feature, "eval") else 0
         ideal_gather = (passes + evals / 2) * float(ideal["all_gather"])
+        # ZeRO-1 and 2 keep the parameters whole: each rank gathers the updated ones once, after the step
+        state = partitioned(row)
+        if "params" not in state:
+            ideal_gather, evals = p, 0
         t = reductions * float(ideal["reduce_scatter"])
         allowance = passes * gather_padding(row, bounds) / width
         gather_allowance = 2 * allowance + evals * gather_padding(row, bounds) / width
@@ -518,10 +526,12 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                 f"{(passes + evals) * p:,.0f}: reshard_after_forward={g} regathers backward's "
                 f"parameters within groups of {g} ranks, yet {regather:,.0f} elements were gathered so"
             )
-        if not t <= reduce <= t * (1 + bounds.comm_slack) + allowance:
+        # a whole gradient (ZeRO-1's) may be accumulated over the micro-batches and reduced once, at the last
+        t_least = t / reductions if "grads" not in state else t
+        if not t_least <= reduce <= t * (1 + bounds.comm_slack) + allowance:
             what = "trainable" if t != reductions * p else "P ="
             problems.append(f"gradient reduction {reduce:,.0f} elements != {per_r}{what} {t:,.0f}")
-        if all_reduce > replica_reduce:
+        if all_reduce > replica_reduce and "grads" in state:  # ZeRO-1 keeps the gradient whole: its own reduction
             problems.append(
                 f"gradients reduced by all_reduce ({all_reduce:,.0f} elements): every rank receives the "
                 "whole reduced gradient, twice a reduce-scatter's traffic (not ZeRO-3)"
@@ -577,6 +587,19 @@ def _ok_multi_rank(row) -> bool:
     return row.status == "ok" and bool(row.sharded) and shards(row) > 1
 
 
+def partitioned(row) -> tuple[str, ...]:
+    """The training state the row's implementation partitions (scenarios.sharded_state; a run stored before the
+    column existed: all of it when sharded, ZeRO-3)."""
+    value = getattr(row, "sharded_state", None)
+    if not isinstance(value, str):
+        return STATE_CATEGORIES if bool(getattr(row, "sharded", True)) else ()
+    return tuple(v for v in value.split(",") if v)
+
+
+def params_sharded(row) -> bool:
+    return _ok_multi_rank(row) and "params" in partitioned(row)
+
+
 _SIZES = ("scenario", "status", "world_size", "sharded", "optimizer", "param_bytes", "row_bytes", "param_tensors")
 _MEM = {"memory": ("scenario", "category", "bytes")}
 RESOURCE_CHECKS = (
@@ -589,13 +612,13 @@ RESOURCE_CHECKS = (
     ),
     Check(
         peak_params_bound,
-        _ok_multi_rank,
+        params_sharded,
         {"scenarios": _SIZES + ("largest_child_bytes", "root_bytes"), **_MEM},
         kind="efficiency",
     ),
     Check(
         units_gathered,
-        _ok_multi_rank,
+        params_sharded,
         {"scenarios": _SIZES, "gathered": ("scenario", "rank", "phase", "units", "which", "root")},
         kind="efficiency",
     ),

@@ -5,7 +5,17 @@ are the registries behind these names;
 `suites/harness/unit/test_inputs.py` holds them equal, so a name added there must be added here.
 """
 
-BUILTIN_ADAPTERS = ("reference", "fsdp_impl", "torch_fsdp2", "torch_fsdp2_fp64reduce", "torch_fsdp1", "ddp")
+BUILTIN_ADAPTERS = (
+    "reference",
+    "fsdp_impl",
+    "torch_fsdp2",
+    "torch_fsdp2_fp64reduce",
+    "torch_fsdp1",
+    "ddp",
+    "deepspeed_zero1",
+    "deepspeed_zero2",
+    "deepspeed_zero3",
+)
 ADAPTER_FORMS = "'cs336:<module>', or 'package.module:object'"
 MODELS = ("mlp", "mlp_frozen", "tinylm", "tinylm_tied", "tied_vocab33", "gpt2_medium", "lm_50m")
 # standard architectures from torch's own layers: harness.train.standard_models.STANDARD_MODELS

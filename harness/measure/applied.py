@@ -17,7 +17,7 @@ from harness.measure.memory import local_tensor
 
 class AppliedGradients:
     def __init__(self, optimizers: list) -> None:
-        self.sq, self.values = 0.0, []
+        self.sq, self.amax, self.values = 0.0, 0.0, []
         self._handles = [
             o.register_step_pre_hook(self._read)
             for o in optimizers
@@ -36,13 +36,14 @@ class AppliedGradients:
                     continue
                 g = local_tensor(p.grad).detach()
                 self.sq += float(g.double().pow(2).sum())
+                self.amax = max(self.amax, float(g.abs().max())) if g.numel() else self.amax
                 self.values.append(g.reshape(-1).to("cpu", torch.float32, copy=True))
 
-    def take(self) -> tuple[float, torch.Tensor]:
-        """(this rank's squared norm of what its optimizers applied since the last take, those values flat: copies
-        the harness holds, to leave out of what the rank is measured to hold)."""
-        out = (self.sq, torch.cat(self.values) if self.values else torch.zeros(0))
-        self.sq, self.values = 0.0, []
+    def take(self) -> tuple[float, float, torch.Tensor]:
+        """(this rank's squared norm of what its optimizers applied since the last take, the largest |element|,
+        those values flat: copies the harness holds, to leave out of what the rank is measured to hold)."""
+        out = (self.sq, self.amax, torch.cat(self.values) if self.values else torch.zeros(0))
+        self.sq, self.amax, self.values = 0.0, 0.0, []
         return out
 
     def remove(self) -> None:

@@ -24,15 +24,26 @@ def ideal_comm_elements(param_elements: int, world_size: int, trainable_elements
     return {"all_gather": 2 * param_elements, "reduce_scatter": reduced}
 
 
+STATE = ("params", "grads", "optimizer_state")  # the training state ZeRO partitions, stage 3 all of it
+
+
 # Optimizer name -> state bytes per parameter byte (steps counters, a few bytes each, left out).
 OPTIMIZER_STATE_FACTOR = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_momentum": 1, "sgd_nomomentum": 0}
 
 
 def ideal_state_bytes(
-    full_param_bytes: int, optimizer: str, world_size: int, *, sharded: bool = True, state_factor: float | None = None
+    full_param_bytes: int,
+    optimizer: str,
+    world_size: int,
+    *,
+    sharded: bool = True,
+    state_factor: float | None = None,
+    partitioned: tuple[str, ...] | None = None,
 ) -> dict[str, int]:
     """Per-rank ZeRO-3 ideal: params, grads and optimizer state of P bytes each divided by W
-    (ceil, padding ignored); ``sharded=False`` (DDP) keeps the full size on every rank.
+    (ceil, padding ignored); ``sharded=False`` (DDP) keeps the full size on every rank. `partitioned`: the
+    categories the implementation divides (STATE when None and sharded: ZeRO-3; ZeRO-1 divides the optimizer
+    state alone, ZeRO-2 the gradients too), the others kept whole on every rank.
     Optimizer state is 2P for adam/adamw (exp_avg, exp_avg_sq), P for sgd with momentum, or
     `state_factor` x P where the caller measured it (a user's optimizer, whose rule is not known here:
     harness.checks.resources reads it off the plain reference run)."""
@@ -46,6 +57,10 @@ def ideal_state_bytes(
                 f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATE_FACTOR)} "
                 f"(a user's optimizer needs its measured state_factor)"
             ) from None
-    div = world_size if sharded else 1
-    per = -(-full_param_bytes // div)
-    return {"params": per, "grads": per, "optimizer_state": math.ceil(state_factor * per)}
+    partitioned = (STATE if sharded else ()) if partitioned is None else partitioned
+    per = {cat: -(-full_param_bytes // (world_size if cat in partitioned else 1)) for cat in STATE}
+    return {
+        "params": per["params"],
+        "grads": per["grads"],
+        "optimizer_state": math.ceil(state_factor * per["optimizer_state"]),
+    }

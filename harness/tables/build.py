@@ -15,6 +15,7 @@ import pandas as pd
 import torch
 
 from harness.core.scenario import REFERENCE_IMPL, Scenario, ckpt_step
+from harness.measure.ideals import STATE
 from harness.tables.restored_state import compare_files
 from harness.tables.rows import rows_apart
 from harness.tables.schema import columns
@@ -214,6 +215,8 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                 "failed_rank": None,
                 **final,
                 "sharded": r0.get("sharded", True),
+                "sharded_state": r0.get("sharded_state", ",".join(STATE) if r0.get("sharded", True) else ""),
+                "engine_clips": bool(r0.get("engine_clips", False)),
                 "param_bytes": r0.get("param_bytes", math.nan),
                 "trainable_bytes": r0.get("trainable_bytes", math.nan),
                 "param_elements": r0.get("param_elements", math.nan),

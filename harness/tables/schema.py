@@ -27,8 +27,13 @@ class Table:
 
 
 # What the less obvious columns hold:
+#   scenarios   sharded_state: the training state the implementation partitions over its ranks, comma-separated
+#               (params,grads,optimizer_state for ZeRO-3; optimizer_state alone for ZeRO-1; '' for DDP), what
+#               the memory and traffic ideals divide; engine_clips: the implementation drives its own step and
+#               clips inside it, so the gradient norm recorded is the one it applied (after clipping)
 #   steps       clip_norm (clip features): the global gradient norm before clipping, as the adapter's
-#               clip_grad_norm returned it (NaN otherwise); grad_diff_ws1 (replicated data, W > 1): max |difference| between the sorted non-zero
+#               clip_grad_norm returned it (NaN otherwise); where the implementation clips inside its own step
+#               (scenarios.engine_clips), the norm of the gradient it applied, after clipping, in the clip's norm; grad_diff_ws1 (replicated data, W > 1): max |difference| between the sorted non-zero
 #               gradient values the optimizers applied at that step, over all ranks, and those at
 #               world size 1 (0: bitwise the same values; inf: a different count)
 #               max_diff_factor (split data, accum / no_sync at W): max |param diff| vs the same
@@ -161,6 +166,8 @@ TABLES: dict[str, Table] = {
                 "max_diff_ref",
                 "max_diff_ws1",
                 "sharded",
+                "sharded_state",
+                "engine_clips",
                 "param_bytes",
                 "trainable_bytes",
                 "param_elements",

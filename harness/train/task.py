@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from harness.adapters import load_adapter
-from harness.adapters.base import declared_settings
+from harness.adapters.base import declared_settings, sharded_state
 from harness.core.features import clip_of, has, shard_size
 from harness.core.policy import Bounds
 from harness.core.scenario import Scenario
@@ -169,7 +169,7 @@ def _train(
                 engine.step()
                 mark("optimizer")
                 if applied is not None:
-                    applied_sq, applied_values = applied.take()
+                    applied_sq, applied_max, applied_values = applied.take()
                     grad_sq = applied_sq if first_copy else 0.0
                 if traced:
                     tracer.end_step(wrapped)
@@ -211,6 +211,10 @@ def _train(
             )
         else:
             loss_value, grad_sq = _global_loss_and_sq(loss, grad_sq, adds_up, ctx)
+        if engine.clips and clip_of(sc.feature) is not None:  # the norm it applied, after its own clipping
+            clip_norm = _applied_norm(
+                clip_of(sc.feature)[0], applied_sq if first_copy else 0.0, applied_max, adds_up, ctx
+            )
         eval_loss = _global_eval_loss(eval_losses, sc, ctx) if held_out else math.nan
         engine.zero_grad()
         for row in counter.summary():
@@ -253,6 +257,8 @@ def _train(
         "comm": comm,
         "gathered": gathered,
         "sharded": bool(adapter.sharded),
+        "sharded_state": ",".join(sharded_state(adapter)),
+        "engine_clips": engine.clips,
         "rows": rows_held(wrapped),
         **sizes,
         "step_time_s": sum(times) / len(times) if times else math.nan,
@@ -440,6 +446,17 @@ def _replicas_differ(wrapped, sc: Scenario, ctx) -> float:
     every = [None] * ctx.world_size
     dist.all_gather_object(every, digest.hexdigest(), group=ctx.group)
     return float(sum(every[r] != every[r % shard] for r in range(ctx.world_size)))
+
+
+def _applied_norm(norm_type: float, sq: float, amax: float, adds_up: bool, ctx) -> float:
+    """The global norm of the gradient an engine applied (after its clipping), in the clipping's norm type, the same
+    on every rank: the squared norms of the ranks' parts summed where they add up (`sq`: the rank's part of one
+    copy), or the largest |element| over the ranks."""
+    if ctx.world_size > 1 and (norm_type != 2 or adds_up):
+        t = torch.tensor([sq if norm_type == 2 else amax], dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if norm_type == 2 else dist.ReduceOp.MAX, group=ctx.group)
+        sq = amax = float(t[0])
+    return math.sqrt(sq) if norm_type == 2 else amax
 
 
 def _local_grad_sq(model) -> float:

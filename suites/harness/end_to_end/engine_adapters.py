@@ -5,8 +5,9 @@ averages the gradients over the ranks (one all-reduce each), clips them as the o
 it happens unless the harness calls its hooks: a harness that ran `loss.backward()` and `optimizer.step()` itself
 would train W unaveraged replicas.
 
-Two faulty engines beside it, modelled on reported DeepSpeed bugs: one that steps at every micro-batch (the
-accumulation boundary ignored), one that divides the loss by the accumulation twice."""
+Faulty engines beside it, modelled on reported DeepSpeed bugs: one that steps at every micro-batch (the accumulation
+boundary ignored), one that divides the loss by the accumulation twice, one that declares the clipping and does
+not clip."""
 
 from __future__ import annotations
 
@@ -85,4 +86,16 @@ class LossScaledTwice(ReplicaEngine):
         (loss / k / k).backward()
 
 
+class ClipIgnored(ReplicaEngine):
+    """Declares the clipping and never clips."""
+
+    name = "engine_clip_ignored"
+
+    def wrap(self, model: nn.Module, units, *, group, device, options=PLAIN_WRAP) -> nn.Module:
+        wrapped = super().wrap(model, units, group=group, device=device, options=options)
+        wrapped._engine.clip = None
+        return wrapped
+
+
 replica_engine, steps_every_micro_batch, loss_scaled_twice = ReplicaEngine, StepsEveryMicroBatch, LossScaledTwice
+clip_ignored = ClipIgnored

@@ -14,7 +14,7 @@ from harness.core.verdict import FAIL, PASS
 from harness.phases import run_matrix
 
 ENGINES = "suites.harness.end_to_end.engine_adapters"
-FEATURES = ("plain", "accum", "eval", "jitter")
+FEATURES = ("plain", "accum", "clip", "clip_inf", "accum+clip", "eval", "jitter")
 
 
 def _run(engine: str, features, pool, modes=("replicated", "split")):
@@ -50,3 +50,14 @@ def test_an_engine_that_gets_its_accumulation_wrong_is_caught(engine, kept_world
         (v.check, v.scenario) for v in res.verdicts if v.status == FAIL and not v.scenario.startswith("reference")
     }
     assert any(check == "ws1_exact" and "-ws1-" in sid for check, sid in failed), failed
+
+
+def test_an_engine_that_clips_is_held_to_the_clipped_norm_and_one_that_does_not_is_caught(correct, kept_worlds):
+    """Clipping inside the engine's step: the gradient it applied has max_norm's norm at every step (clip_acts) and
+    the plain model's clipped step-1 norm (grad_norm_matches); an engine that declares clipping and skips it fails
+    both."""
+    held = [v for v in correct.verdicts if v.check in ("clip_acts", "grad_norm_matches") and "-clip" in v.scenario]
+    assert {v.check for v in held} == {"clip_acts", "grad_norm_matches"} and all(v.status == PASS for v in held)
+    res = _run("clip_ignored", ("clip", "clip_inf"), kept_worlds, modes=("split",))
+    failed = {v.check for v in res.verdicts if v.status == FAIL and not v.scenario.startswith("reference")}
+    assert {"clip_acts", "grad_norm_matches"} <= failed, failed

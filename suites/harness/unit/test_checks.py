@@ -551,3 +551,49 @@ def test_the_rank_whose_gradient_into_the_reduction_differs_is_named():
     assert reduction_ranks(ranks([same, norm], [same, ("all_reduce", 1, "dd")]), 0, param_tensors=4) == ""
     assert reduction_ranks(ranks([same], [other]), 0, param_tensors=4) == "0,1"
     assert math.isnan(reduction_ranks(ranks(None, None), 0, param_tensors=4))
+
+
+def _stage(t, state: str):
+    """The scenario's implementation partitions only `state` (ZeRO-1: optimizer_state; ZeRO-2: grads too)."""
+    t["scenarios"]["sharded_state"] = state
+    return t
+
+
+def test_memory_sharding_holds_each_zero_stage_to_its_own_ideal():
+    """ZeRO-1 divides the optimizer state alone, ZeRO-2 the gradients too: the parameters (and gradients) each
+    rank keeps whole are their ideal, and holding a whole optimizer state fails any stage."""
+    sc = _sc("deepspeed_zero1", 4)
+    t = _with_memory(make([(sc, LOSSES, ZERO, ZERO)]), sc.id, 4, 2)
+    whole = {"state_params": P_BYTES, "state_grads": P_BYTES}
+    t["memory"].loc[t["memory"].category.isin(whole), "bytes"] = t["memory"].category.map(whole)
+    assert resource_checks.memory_sharding(t)[0].status == "fail"  # as ZeRO-3: parameters and gradients not divided
+    assert resource_checks.memory_sharding(_stage(t, "optimizer_state"))[0].status == "pass"
+    v = resource_checks.memory_sharding(_stage(t, "grads,optimizer_state"))[0]
+    assert v.status == "fail" and v.where.startswith("grads")
+    t["memory"].loc[t["memory"].category == "state_optimizer_state", "bytes"] = 2 * P_BYTES
+    v = resource_checks.memory_sharding(_stage(t, "optimizer_state"))[0]
+    assert v.status == "fail" and v.where.startswith("optimizer_state")
+
+
+def test_comm_volume_lets_zero1_all_reduce_its_whole_gradient_and_gather_the_parameters_once():
+    """ZeRO-1 keeps the gradient whole (an all-reduce is its reduction) and the parameters whole (gathered once
+    after the step); ZeRO-2 partitions the gradient, so the same all-reduce is twice its traffic."""
+    sc = _sc("deepspeed_zero1", 4)
+    t = make([(sc, LOSSES, ZERO, ZERO)])
+    t["comm"] = _comm(sc.id, ("all_gather", "float32", P_EL), ("all_reduce", "float32", P_EL))
+    assert resource_checks.comm_volume(_stage(t, "optimizer_state"))[0].status == "pass"
+    v = resource_checks.comm_volume(_stage(t, "grads,optimizer_state"))[0]
+    assert v.status == "fail" and "all_reduce" in v.where
+    t["comm"] = _comm(sc.id, ("all_gather", "float32", 2 * P_EL), ("reduce_scatter", "float32", P_EL))
+    v = resource_checks.comm_volume(_stage(t, "grads,optimizer_state"))[0]  # gathered twice: ZeRO-3's, not its own
+    assert v.status == "fail" and "all_gather" in v.where
+
+
+def test_units_and_parameter_peaks_apply_only_where_the_parameters_are_partitioned():
+    sc = _sc("deepspeed_zero2", 4)
+    t = _stage(make([(sc, LOSSES, ZERO, ZERO)]), "grads,optimizer_state")
+    applies = {c.name: c.applies(next(t["scenarios"].itertuples())) for c in resource_checks.RESOURCE_CHECKS}
+    assert not applies["units_gathered"] and not applies["peak_params_bound"] and applies["memory_sharding"]
+    t["scenarios"]["sharded_state"] = "params,grads,optimizer_state"
+    applies = {c.name: c.applies(next(t["scenarios"].itertuples())) for c in resource_checks.RESOURCE_CHECKS}
+    assert applies["units_gathered"] and applies["peak_params_bound"]

@@ -1,0 +1,176 @@
+"""DeepSpeed's ZeRO stages 1, 2 and 3 (``deepspeed_zero1``, ``deepspeed_zero2``, ``deepspeed_zero3``), driven through
+DeepSpeed's own engine and configuration, so that its code is what is tested (optional extra
+``pip install -e ".[deepspeed]"``; gloo on a CPU, NCCL on a GPU).
+
+Each feature reaches DeepSpeed as its configuration says it, not through the harness's own loop:
+
+- the step: ``engine.backward(loss)`` on each micro-batch's own mean loss, ``engine.step()`` after each (DeepSpeed
+  steps at its accumulation boundary), the engine hooks of harness/adapters/base.py;
+- ``accum``: ``gradient_accumulation_steps`` (DeepSpeed divides the loss by it and decides the boundary);
+- ``clip``: ``gradient_clipping`` (an L2 norm: ``clip_inf`` is refused with DeepSpeed's reason);
+- ``bf16``: its ``bf16`` section, with ``communication_data_type`` fp32 as the harness's policy asks the reduction;
+- ``no_sync``: ``engine.no_sync()``, which DeepSpeed allows for stage 1 only;
+- ``ckpt``: ``engine.save_checkpoint`` / ``engine.load_checkpoint`` at the same world size only (another world
+  size needs DeepSpeed's universal checkpoint, which this adapter does not convert to: refused);
+- ``hsdp``: refused: ZeRO++ hierarchical partitioning (``zero_hpz_partition_size``) keeps a secondary copy of the
+  parameters within each group, but partitions the gradients and optimizer state over every rank, which is not
+  hybrid sharding's replicas (each holding a whole sharded copy).
+
+The model is handed over whole: ``deepspeed.initialize`` partitions it itself (stage 3 with
+``stage3_param_persistence_threshold`` 0, so that the zoo's small parameters are partitioned too rather than
+kept whole on every rank). The engine needs its optimizer at initialisation, so ``wrap`` returns a module that the
+engine fills in at ``make_optimizer``. The full parameters are DeepSpeed's fp32 master weights
+(``safe_get_full_fp32_param``, collective), under bf16 too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+from harness.adapters.base import PLAIN_WRAP, Adapter, AdapterError, WrapOptions, cpu_fp32
+
+INSTALL = 'pip install -e ".[deepspeed]"'
+
+
+def _deepspeed():
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise AdapterError(
+            f"adapter 'deepspeed_zero*' needs DeepSpeed ({INSTALL}): {type(exc).__name__}: {exc}"
+        ) from None
+    # its progress lines, its notes on the configuration the harness chose (an optimizer of torch's own) and torch's
+    # deprecation notes for the collectives it calls: lines on every rank, every scenario
+    deepspeed.utils.logger.setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    return deepspeed
+
+
+class DeepSpeedModule(nn.Module):
+    """The plain model, to be driven by the DeepSpeed engine that `make_optimizer` makes (the engine holds it)."""
+
+    def __init__(self, module: nn.Module, config: dict) -> None:
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.__dict__["engine"] = None  # not a submodule: the engine holds `module` itself
+        self.__dict__["no_sync"] = None  # the engine's no_sync context while the reduction is off
+
+    def forward(self, *args, **kwargs):
+        if self.engine is None:
+            raise RuntimeError("DeepSpeed's engine is made with the optimizer (the adapter's make_optimizer)")
+        return self.engine(*args, **kwargs)
+
+
+class DeepSpeedAdapter(Adapter):
+    wrap_settings = frozenset({"mixed_precision", "accumulation", "clipping"})
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+        self.name = f"deepspeed_zero{stage}"
+        self.sharded = True
+        # what each stage partitions over the ranks (the rest every rank holds whole): its own ideal
+        self.sharded_state = ("optimizer_state", "grads", "params")[:stage][::-1] if stage else ()
+
+    # Initialization #
+
+    def wrap(self, model: nn.Module, units, *, group, device, options: WrapOptions = PLAIN_WRAP) -> nn.Module:
+        deepspeed = _deepspeed()
+        import torch.distributed as dist
+
+        # the engine reads the rank's device from LOCAL_RANK, which its own launcher and torchrun set
+        dev = torch.device(device)
+        os.environ.setdefault("LOCAL_RANK", str(dev.index if dev.type == "cuda" else dist.get_rank(group)))
+        if not deepspeed.comm.is_initialized():
+            deepspeed.init_distributed(dist_backend=dist.get_backend(group))
+        # DeepSpeed allocates its reduce bucket whole on every rank (5e8 elements by default: 2 GB in fp32, whatever
+        # the model's size); sized to the model, a bucket holds all of it, as the default does for any model below
+        # that size, so the reductions are the same and only the memory differs
+        size = sum(q.numel() for q in model.parameters())
+        zero = {"stage": self.stage, "reduce_bucket_size": size, "allgather_bucket_size": size}
+        if self.stage == 3:
+            zero |= {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": size}
+        config = {
+            "train_micro_batch_size_per_gpu": 1,  # batches come from the harness: a size for its bookkeeping only
+            "gradient_accumulation_steps": options.micro_batches,
+            "zero_optimization": zero,
+            "steps_per_print": 1 << 30,
+            "zero_allow_untested_optimizer": True,  # the harness's optimizers: torch's own SGD, or a user's
+            "wall_clock_breakdown": False,
+        }
+        if options.clip is not None:
+            config["gradient_clipping"] = options.clip[1]
+        if options.param_dtype is not None:
+            config["bf16"] = {"enabled": True}
+            config["communication_data_type"] = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+                options.reduce_dtype, "fp32"
+            )
+        return DeepSpeedModule(model.to(device), config)
+
+    def make_optimizer(self, wrapped: DeepSpeedModule, *, name: str, lr: float):
+        from harness.optimizers import make_optimizer
+
+        deepspeed = _deepspeed()
+        base = make_optimizer(wrapped.module.parameters(), name, lr)
+        engine, optimizer, _, _ = deepspeed.initialize(model=wrapped.module, optimizer=base, config=wrapped.config)
+        wrapped.__dict__["engine"] = engine
+        return optimizer
+
+    def refuses(self, feature: str) -> str | None:
+        from harness.core.features import has
+
+        if has(feature, "clip_inf"):
+            return "DeepSpeed's gradient_clipping clips by the L2 norm only"
+        if has(feature, "no_sync") and self.stage > 1:
+            return "DeepSpeed's no_sync is incompatible with the gradient partitioning of ZeRO stages 2 and 3"
+        if has(feature, "hsdp"):
+            return (
+                "ZeRO++ hierarchical partitioning (zero_hpz_partition_size) keeps a secondary copy of the parameters "
+                "within each group but partitions the gradients and optimizer state over every rank: not hybrid "
+                "sharding's replicas"
+            )
+        if has(feature, "ckpt"):
+            return (
+                "a DeepSpeed checkpoint loads at the world size it was saved at; another needs its universal "
+                "checkpoint (ds_to_universal), which this adapter does not convert to"
+            )
+        return None
+
+    # Runtime #
+
+    def backward(self, wrapped: DeepSpeedModule, loss: Tensor) -> None:
+        wrapped.engine.backward(loss)
+
+    def step(self, wrapped: DeepSpeedModule, optimizer) -> None:
+        wrapped.engine.step()
+
+    def zero_grad(self, wrapped: DeepSpeedModule, optimizer) -> None:
+        return None  # the engine zeroes its gradients at the accumulation boundary itself
+
+    def set_gradient_sync(self, wrapped: DeepSpeedModule, enabled: bool) -> None:
+        if not enabled and wrapped.no_sync is None:
+            wrapped.__dict__["no_sync"] = wrapped.engine.no_sync()
+            wrapped.no_sync.__enter__()
+        elif enabled and wrapped.no_sync is not None:
+            context, wrapped.__dict__["no_sync"] = wrapped.no_sync, None
+            context.__exit__(None, None, None)
+
+    def full_params(self, wrapped: DeepSpeedModule) -> dict[str, Tensor]:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        out = {}
+        for name, p in wrapped.module.named_parameters():
+            full = safe_get_full_fp32_param(p)
+            out[name] = cpu_fp32(full if full is not None else p)
+        return out
+
+    def save_checkpoint(self, wrapped: DeepSpeedModule, optimizer, path) -> None:
+        wrapped.engine.save_checkpoint(str(path), tag="harness")
+
+    def load_checkpoint(self, wrapped: DeepSpeedModule, optimizer, path) -> None:
+        wrapped.engine.load_checkpoint(str(path), tag="harness")
