@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from harness.checks.common import ROW, Check, by_scenario, judge, not_measured, not_reference, ok_rows
+from harness.checks.common import ROW, Check, by_scenario, judge, not_measured, not_reference, ok_row, ok_rows
 from harness.core.policy import NOISE_FLOOR_FACTOR, Bounds
 from harness.core.scenario import REFERENCE_IMPL, Scenario
 from harness.core.verdict import Verdict
@@ -65,6 +65,33 @@ def rows_trained(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     return out
 
 
+def params_move(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
+    """A run trains: some parameter moves over the run further than rounding alone moves an element of it
+    (NOISE_FLOOR_FACTOR x steps ulps of its largest value: relative to its own size), in every run, the reference
+    included. A run that moved nothing (a learning rate so small that no update changes an fp32 value) trained
+    nothing, and every other check would pass it by comparing nothing with nothing. A frozen parameter, or a row
+    no batch reaches, moving nothing is rows_trained's to judge against the reference; this one asks only that
+    the run moved something."""
+    out = []
+    for row in ok_rows(tables["scenarios"]).itertuples():
+        n = getattr(row, "params_moved", math.nan)
+        if n is None or (isinstance(n, float) and math.isnan(n)):
+            out.append(not_measured("params_move", row, "no starting and last snapshots of it"))
+            continue
+        steps = f"{int(row.steps)} steps at lr {row.lr:g}"
+        if int(n):
+            message = f"{int(n)} parameters moved further than rounding alone moves them over {steps}"
+            out.append(judge("params_move", row, True, int(n), 0, message))
+            continue
+        message = (
+            f"no parameter moved over {steps} further than rounding alone moves an element ({NOISE_FLOOR_FACTOR:g} x "
+            "steps ulps of its largest value): the run trained nothing, and the checks that compare it compare "
+            "nothing with nothing (is the learning rate too small for an update to change an fp32 value?)"
+        )
+        out.append(judge("params_move", row, False, 0, 0, message, step=int(row.steps)))
+    return out
+
+
 def _phrase(r, ref: str) -> str:
     held = f" (held by rank{'s' if ',' in str(r.ranks) else ''} {r.ranks})" if _text(r.ranks) else ""
     parts = []
@@ -101,6 +128,7 @@ def _one_rank(ranks) -> int | None:
 
 
 ROW_CHECKS = (
+    Check(params_move, ok_row, {"scenarios": ROW + ("steps", "lr", "params_moved")}),
     Check(
         rows_trained,
         not_reference,

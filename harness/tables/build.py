@@ -17,7 +17,7 @@ import torch
 from harness.core.scenario import REFERENCE_IMPL, Scenario, ckpt_step
 from harness.measure.ideals import STATE
 from harness.tables.restored_state import compare_files
-from harness.tables.rows import rows_apart
+from harness.tables.rows import params_moved, rows_apart
 from harness.tables.schema import columns
 from harness.train.checkpointing import RESTORED_STATE, SAVED_STATE
 from harness.train.params_file import load_params
@@ -232,6 +232,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                 "rows_compared": rows_compared,
                 "rows_moved": rows_moved,
                 "rows_noise": rows_noise,
+                "params_moved": params_moved(sc, snaps),
                 **restore,
                 **calm,
                 "state_bytes": max(state),

@@ -143,6 +143,24 @@ def rows_apart(
     return out, float(compared), float(trained), float(unheld)
 
 
+def params_moved(sc: Scenario, snaps) -> float:
+    """How many parameters the run moved over its own steps further than rounding alone moves an element (`_drift`:
+    NOISE_FLOOR_FACTOR x steps ulps of the parameter's largest value, relative to its own size; a NaN counts as
+    moved): `params_move` fails a run that moved none, which trained nothing (a learning rate too small for any
+    update to change an fp32 value). NaN where its first or last snapshot is missing."""
+    first, last = start_step(sc), sc.steps
+    start, end = snaps.get(sc.id, first), snaps.get(sc.id, last)
+    if not (start and end):
+        return math.nan
+    count = 0
+    for name, t in end.items():
+        if name not in start or start[name].shape != t.shape or not t.is_floating_point():
+            continue
+        limit = _drift(t, start[name], steps=last - first)
+        count += bool(moved(t, start[name], limit).any()) if limit > 0 else bool(moved(t, start[name]).any())
+    return float(count)
+
+
 def _probe_rows(snaps, ref_id: str, probes, name: str, first: int, last: int) -> torch.Tensor | None:
     """Bool per row: some noise probe (the plain model on the ranks' slices, a correct split computation) took
     the row off its value at `first` at some step up to `last` where the reference never did, or the other way

@@ -73,7 +73,9 @@ class Table:
 #               rows_moved: how many of them the reference moved; rows_noise: how many rows the run moved
 #               otherwise than the reference that were left unheld, moved by no more than 2 x their
 #               parameter's noise floor (the plain model itself moves them or not as the batch is cut) or
-#               than rounding alone moves an element (policy [Note: rows at rounding level]);
+#               than rounding alone moves an element (policy [Note: rows at rounding level]); params_moved: how
+#               many parameters the run itself moved over its steps further than rounding alone moves an element
+#               (harness/tables/rows.py params_moved: 0, it trained nothing);
 #               buffer_bytes: the plain model's buffers; batch_stats: the plain model's layers that
 #               normalise with batch statistics (BatchNorm), comma-separated; restore_diff (ckpt, resumed
 #               runs): max |difference|
@@ -183,6 +185,7 @@ TABLES: dict[str, Table] = {
                 "rows_compared",
                 "rows_moved",
                 "rows_noise",
+                "params_moved",
                 "restore_diff",
                 "restore_param",
                 "state_restore_diff",

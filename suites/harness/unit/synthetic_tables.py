@@ -167,6 +167,7 @@ def _rows(sc: Scenario, fail: bool, steps: int):
         params_compared=len(PARAMS),
         rows_compared=ROWS,
         rows_moved=ROWS,
+        params_moved=len(PARAMS),  # every parameter trains
         state_bytes=m["state_total"],
         peak_bytes=m["peak"],
         step_time_s=STEP_TIME * ws,

@@ -457,7 +457,7 @@ def _expected_applicable(sc_row) -> set[str]:
     """Which checks apply to a scenarios-table row, written from the check table of docs/checks.md."""
     if sc_row["status"] != "ok":
         return {"completed"}
-    names = {"completed", "finite", "memory_sharding", "peak_memory_bound"}
+    names = {"completed", "finite", "params_move", "memory_sharding", "peak_memory_bound"}
     if sc_row["impl"] != "reference":
         names |= {"grad_norm_matches", "converges", "params_cover_model", "rows_trained"}
         if sc_row["world_size"] == 1:
