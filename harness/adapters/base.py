@@ -247,9 +247,13 @@ def sharded_state(adapter: object) -> tuple[str, ...]:
 def missing_capability(adapter: object, feature: str) -> str | None:
     """Why `adapter` cannot run `feature` (one line), or None when it can. A composition needs what each of its
     features needs: their methods, and every wrap setting at once in the one wrap (or, for one setting alone,
-    the deprecated method that wraps with it); where the implementation refuses what it otherwise takes, its own
-    reason (the adapter's `refuses`)."""
+    the deprecated method that wraps with it); where the implementation refuses it, its own reason first (the
+    adapter's `refuses`)."""
     name = getattr(adapter, "name", adapter)
+    refuses = getattr(adapter, "refuses", None)
+    why = refuses(feature) if callable(refuses) and parts(feature) else None
+    if why:  # the implementation's own reason first
+        return f"{name} refuses '{feature}': {why}"
     declared, engine = declared_settings(adapter), is_engine(adapter)
     whose = lambda part: f"feature '{part}'" + (f" of '{feature}'" if part != feature else "")  # noqa: E731
     for part in parts(feature):
@@ -288,9 +292,7 @@ def missing_capability(adapter: object, feature: str) -> str | None:
             f"adapter '{name}' has no wrap setting '{REGISTRY[part].wrap}' (wrap_settings) nor "
             f"{WRAP_SETTINGS[REGISTRY[part].wrap]}() method, which {whose(part)} needs (see harness/adapters/base.py)"
         )
-    refuses = getattr(adapter, "refuses", None)
-    why = refuses(feature) if callable(refuses) else None
-    return f"{name} refuses '{feature}': {why}" if why else None
+    return None
 
 
 def call_wrap(adapter, model: nn.Module, units: list[nn.Module], *, group, device, options: WrapOptions) -> nn.Module:

@@ -31,6 +31,7 @@ import warnings
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from harness.adapters.base import PLAIN_WRAP, Adapter, AdapterError, WrapOptions, cpu_fp32
 
@@ -64,7 +65,13 @@ class DeepSpeedModule(nn.Module):
     def forward(self, *args, **kwargs):
         if self.engine is None:
             raise RuntimeError("DeepSpeed's engine is made with the optimizer (the adapter's make_optimizer)")
+        if self.config.get("bf16", {}).get("enabled"):  # DeepSpeed's bf16 model takes bf16 inputs: the loop casts
+            args, kwargs = tree_map(_to_bf16, (args, kwargs))
         return self.engine(*args, **kwargs)
+
+
+def _to_bf16(x):
+    return x.to(torch.bfloat16) if isinstance(x, Tensor) and x.is_floating_point() else x
 
 
 class DeepSpeedAdapter(Adapter):

@@ -491,7 +491,9 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         # norm ([Note: user optimizer]): a few elements (at most one per parameter tensor) a step each, not
         # the gradient; anything beyond that counts as a gradient all-reduce
         norms = (clip_of(feature) is not None) + user_optimizer(row.optimizer)
-        norm_reduce = min(all_reduce, norms * float(row.param_tensors))
+        # (at most what leaves the gradient's own reduction whole: a one-element norm beside a gradient all-reduce)
+        whole = float(ideal["reduce_scatter"]) * (1 if "grads" not in partitioned(row) else reductions)
+        norm_reduce = min(all_reduce, norms * float(row.param_tensors), max(0.0, scatter + all_reduce - whole))
         whose = " and ".join(
             w for w, on in (("clipping", clip_of(feature)), ("optimizer", user_optimizer(row.optimizer))) if on
         )

@@ -271,6 +271,49 @@ _DDP_BUCKET_VIEW_NORM_CUDA = (
     f"{CARRIED} (8.6e-6 on encoder_lm after 10 AdamW steps); on the CPU DDP is bitwise here"
 )
 
+# DeepSpeed's ZeRO stages (harness/adapters/deepspeed.py) as measured: reports/deepspeed.md shows each with its
+# figures and the command that made them.
+_DS_BF16_MASTERS = (
+    "DeepSpeed's bf16 mode casts the model to bf16 when the engine is made and takes its fp32 master weights from "
+    "those bf16 values: the masters start rounded to bf16 (8 significant bits), so the run trains from another "
+    "point than the plain model under the same policy (its fp32 weights, bf16 copies per forward); the same "
+    "parameter difference after one step under AdamW and SGD alike"
+)
+_DS_CLIP_COEFFICIENT = (
+    "DeepSpeed scales the gradients by 1 / ((norm + 1e-6) / max_norm) (unscale_and_clip_grads), where "
+    "torch.nn.utils.clip_grad_norm_ multiplies by max_norm / (norm + 1e-6): the two coefficients round apart in "
+    f"their last bit, and {CARRIED}"
+)
+_DS_FP32_PARTITION = (
+    "DeepSpeed keeps an fp32 copy of the rank's partition of the parameters (the master weights its optimizer "
+    "steps) beside the model's own parameters, in fp32 training too: ZeRO-1 and 2 hold the whole fp32 parameters "
+    "and that P / W more; ZeRO-3 holds its parameter partition (ds_tensor, apart from the module's emptied "
+    "parameters), the fp32 copy, a gradient partition and its reduce bucket outside the optimizer's state"
+)
+_DS_ZERO2_ALL_REDUCE = (
+    "DeepSpeed's ZeRO-2 reduces each gradient bucket with an all-reduce and keeps its own partition of the "
+    "result (use_multi_rank_bucket_allreduce, on by default): every rank receives the whole reduced gradient, "
+    "twice a reduce-scatter's traffic"
+)
+_DS_REUSE_DISTANCE = (
+    "DeepSpeed's ZeRO-3 leaves a parameter gathered when it is used again within stage3_max_reuse_distance "
+    "elements (1e9 by default) and keeps up to stage3_max_live_parameters (1e9) gathered: every unit of a model "
+    "below that size stays whole from its forward to its backward"
+)
+_DEEPSPEED = [
+    (stage, check, ws, cause, feature)
+    for stage in (1, 2, 3)
+    for check, ws, cause, feature in (
+        ("ws1_exact", 1, _DS_BF16_MASTERS, "bf16"),
+        ("split_matches_full_batch", 2, _DS_BF16_MASTERS, "bf16"),
+        ("cross_ws_replicated", 2, _DS_BF16_MASTERS, "bf16"),
+        ("grad_norm_matches", 2, _DS_BF16_MASTERS, "bf16"),
+        ("ws1_exact", 1, _DS_CLIP_COEFFICIENT, "clip"),
+        ("memory_sharding", 1, _DS_FP32_PARTITION, None),
+        ("peak_memory_bound", 1, _DS_FP32_PARTITION, None),
+    )
+] + [(2, "comm_volume", 2, _DS_ZERO2_ALL_REDUCE, None), (3, "units_gathered", 2, _DS_REUSE_DISTANCE, None)]
+
 KNOWN_DEVIATIONS = (
     KnownDeviation("ddp", "ws1_exact", 1, _DDP_BUCKET_VIEW_NORM_CUDA, feature="clip", backend="nccl"),
     KnownDeviation("torch_fsdp2", "cross_ws_replicated", 3, _FSDP2_FP32_RING),
@@ -332,6 +375,9 @@ KNOWN_DEVIATIONS = (
         feature="clip_inf",
         when="_foreach_norm cannot compute the infinity norm on an empty tensor",
     ),
+) + tuple(
+    KnownDeviation(f"deepspeed_zero{stage}", check, ws, cause, feature=feature)
+    for stage, check, ws, cause, feature in _DEEPSPEED
 )
 
 

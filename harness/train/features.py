@@ -30,7 +30,9 @@ def wrap_options(feature: str, *, ctx) -> WrapOptions:
     (hsdp), resharding to a smaller group after forward (reshard2), a placement of its own (shard1), the state
     in host memory (offload); and, for an implementation that drives its own step, the micro-batches of one
     optimizer step and the clipping. `ctx`: the rank's RankContext (harness.execute.worker)."""
-    kw = {"micro_batches": passes_per_step(feature), "clip": clip_of(feature)}
+    # an engine accumulates the micro-batches whose gradients it reduces (accum); with the reduction switched off
+    # between them (no_sync) the harness accumulates, and the engine steps once
+    kw = {"micro_batches": reductions_per_step(feature), "clip": clip_of(feature)}
     if has(feature, "bf16"):
         kw |= BF16_POLICY
     if has(feature, "hsdp"):
@@ -165,9 +167,10 @@ def forward_backward(
     slices' gradients add up to `micro` times the mean, each computed as that rank computes it.
 
     An implementation that drives its own step (the adapter's engine hooks, harness.adapters.base): `backward(loss)`
-    runs each micro-batch's backward on its own mean loss (the engine divides by its accumulation), and
-    `micro_step()` follows every backward but the last, as an engine counts its micro-steps (the last one's is the
-    optimizer step, which the caller makes)."""
+    runs each micro-batch's backward on its mean loss divided as the step divides it, less the part the engine
+    divides by itself (its accumulation, the step's reductions), and `micro_step()` follows every backward but the
+    last where the engine accumulates them, as it counts its micro-steps (the last one's is the optimizer step,
+    which the caller makes); with the reduction switched off between them (no_sync) it steps once."""
     check_feature(feature)  # ValueError for an unknown one
     k = passes_per_step(feature)  # clipping and checkpointing act outside this: one pass, as plain
     switched = reductions_per_step(feature) < k  # the reduction runs on the last pass only
@@ -186,8 +189,8 @@ def forward_backward(
         loss = spec.loss(out.float() if has(feature, "bf16") else out, ym)  # the loss in fp32, as plain
         mark("backward")
         if backward is not None:
-            backward(loss)
-            if micro_step is not None and i < len(batches) - 1:
+            backward(loss / (scale // reductions_per_step(feature)) if scale > 1 else loss)
+            if micro_step is not None and not switched and i < len(batches) - 1:
                 micro_step()
         if scale > 1:
             loss = loss / scale

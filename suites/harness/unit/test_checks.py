@@ -562,7 +562,7 @@ def _stage(t, state: str):
 def test_memory_sharding_holds_each_zero_stage_to_its_own_ideal():
     """ZeRO-1 divides the optimizer state alone, ZeRO-2 the gradients too: the parameters (and gradients) each
     rank keeps whole are their ideal, and holding a whole optimizer state fails any stage."""
-    sc = _sc("deepspeed_zero1", 4)
+    sc = _sc("my_zero1", 4)
     t = _with_memory(make([(sc, LOSSES, ZERO, ZERO)]), sc.id, 4, 2)
     whole = {"state_params": P_BYTES, "state_grads": P_BYTES}
     t["memory"].loc[t["memory"].category.isin(whole), "bytes"] = t["memory"].category.map(whole)
@@ -578,7 +578,7 @@ def test_memory_sharding_holds_each_zero_stage_to_its_own_ideal():
 def test_comm_volume_lets_zero1_all_reduce_its_whole_gradient_and_gather_the_parameters_once():
     """ZeRO-1 keeps the gradient whole (an all-reduce is its reduction) and the parameters whole (gathered once
     after the step); ZeRO-2 partitions the gradient, so the same all-reduce is twice its traffic."""
-    sc = _sc("deepspeed_zero1", 4)
+    sc = _sc("my_zero1", 4)
     t = make([(sc, LOSSES, ZERO, ZERO)])
     t["comm"] = _comm(sc.id, ("all_gather", "float32", P_EL), ("all_reduce", "float32", P_EL))
     assert resource_checks.comm_volume(_stage(t, "optimizer_state"))[0].status == "pass"
@@ -590,7 +590,7 @@ def test_comm_volume_lets_zero1_all_reduce_its_whole_gradient_and_gather_the_par
 
 
 def test_units_and_parameter_peaks_apply_only_where_the_parameters_are_partitioned():
-    sc = _sc("deepspeed_zero2", 4)
+    sc = _sc("my_zero2", 4)
     t = _stage(make([(sc, LOSSES, ZERO, ZERO)]), "grads,optimizer_state")
     applies = {c.name: c.applies(next(t["scenarios"].itertuples())) for c in resource_checks.RESOURCE_CHECKS}
     assert not applies["units_gathered"] and not applies["peak_params_bound"] and applies["memory_sharding"]

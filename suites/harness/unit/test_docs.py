@@ -28,6 +28,11 @@ import importlib.util
 import inspect
 import io
 import re
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = None
 import shlex
 import sys
 from dataclasses import dataclass
@@ -349,7 +354,12 @@ def check_pytest_options(args: list[str], config, what: str) -> None:
 
 
 def check_extra(args: list[str], what: str) -> None:
-    extras = importlib.metadata.metadata("fsdp-equivalence").get_all("Provides-Extra") or []  # pyproject.toml's
+    # pyproject.toml's own, not the installed metadata's (an editable install keeps the extras of its install);
+    # Python 3.10 has no tomllib: the metadata's there
+    if tomllib is None:
+        extras = importlib.metadata.metadata("fsdp-equivalence").get_all("Provides-Extra") or []
+    else:
+        extras = list(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
     for tok in args:
         m = re.match(r"^\.\[([\w,-]+)\]$", tok)
         if m:
