@@ -35,6 +35,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from harness.core.names import MODELS as ZOO
+from suites.mutants.engine_mutants import EngineBoundaryOffByOne, EngineClipByPartition, EngineLossScaledTwice
 from suites.mutants.feature_mutants import (
     AccumAveraged,
     AcReducedTwice,
@@ -145,6 +146,8 @@ tail_before_last_dropped = TailBeforeLastDropped
 post_forward_full_reshard, post_forward_kept_gathered = PostForwardFullReshard, PostForwardKeptGathered
 columns_as_rows = ColumnsAsRows
 offload_stale_host_copy = OffloadStaleHostCopy
+engine_boundary_off_by_one, engine_loss_scaled_twice = EngineBoundaryOffByOne, EngineLossScaledTwice
+engine_clip_by_partition = EngineClipByPartition
 
 
 # World size 1 runs the same gradient path as W > 1 (the gradient lands in the unsharded parameter and
@@ -584,6 +587,34 @@ CATALOGUE: tuple[Mutant, ...] = (
         "a per-matrix optimizer (normalised SGD) that normalises each rank's shard by its own norm instead of "
         "the whole matrix's (DeepSpeed #7807)",
         optimizers=(NORMALISED_SGD,),
+    ),
+    # Engines that drive their own step (DeepSpeed's kind), each with one fault modelled on a reported DeepSpeed bug
+    # (suites/mutants/engine_mutants.py); the correct engine passes the same cells (suites/harness/end_to_end/
+    # test_engines.py)
+    Mutant(
+        "engine_boundary_off_by_one",
+        _spec("engine_boundary_off_by_one"),
+        "ws1_exact",
+        "an engine's accumulation boundary one micro-batch early: it steps after the first micro-batch and carries the "
+        "last one's gradient into the next step (DeepSpeed #1488, #5898)",
+        features=("accum",),
+    ),
+    Mutant(
+        "engine_loss_scaled_twice",
+        _spec("engine_loss_scaled_twice"),
+        "ws1_exact",
+        "an engine's loss divided by the accumulation twice (the engine's division and the loop's)",
+        features=("accum",),
+    ),
+    Mutant(
+        "engine_clip_by_partition",
+        _spec("engine_clip_by_partition"),
+        "cross_ws_replicated",
+        "an engine that clips by the norm of its own partition of the gradient, not the global one",
+        world_sizes=(1, 2),
+        data_modes=("replicated",),
+        features=("clip",),
+        at_steps=(1, 2),  # AdamW's first step is lr x sign(g), which no clipping coefficient changes
     ),
 )
 

@@ -53,6 +53,11 @@ WHERE = {
     # parameters, where that layout is first seen, not the copy-out that misplaces its columns
     "columns_as_rows": (INITIAL, "embed"),
     "offload_stale_host_copy": (FORWARD, "layers.0"),  # step 2's forward gathers the initial shards
+    # engines: the loop's extra division is the loss's backward (outside any module); the early step changes the
+    # parameters the next micro-batch's forward computes with; the partition's norm scales every gradient wrongly
+    "engine_loss_scaled_twice": ("backward", "(outside modules)"),
+    "engine_boundary_off_by_one": (FORWARD, "layers.0"),
+    "engine_clip_by_partition": ("clipping", "layers.0"),
 }
 # name -> why the localiser names nothing for it
 NOT_LOCALISED = {
