@@ -15,6 +15,7 @@ import math
 import pandas as pd
 
 from harness.checks.common import Check, judge, not_measured, ok_row
+from harness.checks.noise_floor import split_yardstick
 from harness.core.features import (
     clip_of,
     has,
@@ -25,7 +26,7 @@ from harness.core.features import (
     shard_size,
 )
 from harness.core.policy import POST_FORWARD_AFTER_EVAL, ROOT_AFTER_EVAL, Bounds
-from harness.core.scenario import Scenario, feature_of, user_optimizer
+from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of, user_optimizer
 from harness.core.verdict import SKIP, Verdict
 from harness.measure.ideals import ideal_comm_elements, ideal_state_bytes
 from harness.measure.timeline import ALLOWED, ROOT_FREE, expected_phases
@@ -321,7 +322,9 @@ def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         if isinstance(ideal, str):
             out.append(not_measured("peak_memory_bound", row, ideal))
             continue
-        unsharded = 2 * 2 * float(row.largest_unit_bytes) if params_sharded(row) else 0
+        # two units' parameters and gradients gathered whole (the one computing and one prefetched), at any world
+        # size: at one rank too an implementation may gather a unit into a buffer of its own
+        unsharded = 2 * 2 * float(row.largest_unit_bytes) if "params" in partitioned(row) and row.sharded else 0
         # with the reduction switched off between micro-batches every unit's unsharded gradient is held
         held_grads = (
             float(row.trainable_bytes)
@@ -330,14 +333,23 @@ def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         )
         # the compute copies where no unit is gathered: of every parameter (sharded W > 1: inside `unsharded`)
         copies = COMPUTE_COPY_RATIO.get(feature_of(row), 0.0) * float(row.param_bytes) if not unsharded else 0.0
-        transient = _max_over_ranks(mem, row.scenario, "activations") + _max_over_ranks(mem, row.scenario, "other")
+        # what the step itself holds beside its state (activations, temporaries), measured on the plain model doing
+        # the same step on the same samples: the run's yardstick (the full batch, or with split data the rank-order
+        # micro-batch probe, whose micro-batches are the ranks' slices), so no implementation sets its own bound
+        yardstick = split_yardstick(row) if row.impl != REFERENCE_IMPL else row.scenario
+        transient = _max_over_ranks(mem, yardstick, "activations") + _max_over_ranks(mem, yardstick, "other")
+        if math.isnan(transient):
+            out.append(
+                not_measured("peak_memory_bound", row, f"no activations recorded for the plain model's {yardstick}")
+            )
+            continue
         kept = _kept_after_forward(row)
         bound = (sum(ideal.values()) + unsharded + held_grads + copies + kept + transient) * (
             1 + bounds.peak_slack
         ) + 4 * shard_padding(row, bounds)
         msg = (
             f"peak {peak:,.0f} B per rank vs bound {bound:,.0f} B (state ideal {sum(ideal.values()):,.0f} + "
-            f"2 units unsharded {unsharded:,.0f} + activations/other {transient:,.0f}"
+            f"2 units unsharded {unsharded:,.0f} + the plain model's activations/other {transient:,.0f}"
             + (f" + unsharded gradients held between micro-batches {held_grads:,.0f}" if held_grads else "")
             + (f" + {feature_of(row)} compute copies of the parameters {copies:,.0f}" if copies else "")
             + (f" + post-forward shards {kept:,.0f}" if kept else "")
@@ -530,7 +542,9 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             )
         # a whole gradient (ZeRO-1's) may be accumulated over the micro-batches and reduced once, at the last
         t_least = t / reductions if "grads" not in state else t
-        if not t_least <= reduce <= t * (1 + bounds.comm_slack) + allowance:
+        # hybrid sharding: the replicas average their padded shards, 1/S of the padded gradient more
+        reduce_allowance = allowance * (1 + 1 / shards(row)) if replicas_t else allowance
+        if not t_least <= reduce <= t * (1 + bounds.comm_slack) + reduce_allowance:
             what = "trainable" if t != reductions * p else "P ="
             problems.append(f"gradient reduction {reduce:,.0f} elements != {per_r}{what} {t:,.0f}")
         if all_reduce > replica_reduce and "grads" in state:  # ZeRO-1 keeps the gradient whole: its own reduction
