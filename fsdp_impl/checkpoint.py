@@ -75,7 +75,7 @@ def save_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, pat
 
     def finish() -> None:
         if rank == 0:  # every rank's files exist: the checkpoint is complete once fsdp_impl.json does
-            _atomic_write(os.path.join(path, INFO), json.dumps(_info(module, optimizer, names, group)))
+            atomic_write(os.path.join(path, INFO), json.dumps(_info(module, optimizer, names, group)))
 
     _together(group, context, finish)
 
@@ -114,7 +114,7 @@ def _info(module, optimizer, names: dict[int, str], group) -> dict:
     return {"format": FORMAT, "world_size": dist.get_world_size(group), "params": params, "optimizer": opt}
 
 
-def _atomic_write(path: str, text: str) -> None:
+def atomic_write(path: str, text: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "w") as f:

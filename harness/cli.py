@@ -58,7 +58,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(status, message)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m harness", description="FSDP equivalence harness")
     sub = p.add_subparsers(dest="verb", required=True)
 
@@ -251,7 +251,7 @@ def cmd_compare(ns) -> int:
 
 
 def main(argv=None) -> int:
-    parser = _parser()
+    parser = build_parser()
     try:
         ns = parser.parse_args(argv)
         _not_repeated(parser.verbs[ns.verb], sys.argv[1:] if argv is None else list(argv))

@@ -86,7 +86,7 @@ def _at_most(check: str, row, measured: float, bound: float, message: str, where
     return judge(check, row, measured <= bound, measured, bound, message, where=where_over)
 
 
-def _max_over_ranks(mem: pd.DataFrame, sid: str, *categories: str) -> float:
+def max_over_ranks(mem: pd.DataFrame, sid: str, *categories: str) -> float:
     """Max over ranks of the categories' bytes summed per rank; NaN if a category was not recorded."""
     per_rank = _per_rank(mem)
     parts = [per_rank.get((sid, c)) for c in dict.fromkeys(categories)]
@@ -125,7 +125,7 @@ def _ideal_state(tables, row) -> dict[str, int] | str:
         ref = Scenario.of_row(row).reference().id
         sc = tables["scenarios"]
         ref_rows = sc[(sc.scenario == ref) & (sc.status == "ok")]
-        held = _max_over_ranks(tables["memory"], ref, "state_optimizer_state") if len(ref_rows) else math.nan
+        held = max_over_ranks(tables["memory"], ref, "state_optimizer_state") if len(ref_rows) else math.nan
         if math.isnan(held) or ref_rows.param_bytes.isna().all():
             return (
                 f"the optimizer-state ideal of a user's optimizer is what its plain reference run holds, and "
@@ -166,7 +166,7 @@ def memory_sharding(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                     f"{cat}: {measured:,.0f} B per rank > ideal {ideal[cat]:,.0f} B "
                     f"({ratio:.2f}x; allowed {limit:,.0f} B)"
                 )
-        elsewhere = _max_over_ranks(mem, row.scenario, "state_other", "state_buffers")
+        elsewhere = max_over_ranks(mem, row.scenario, "state_other", "state_buffers")
         elsewhere_limit = (
             float(row.buffer_bytes) + bounds.memory_sharding_slack * sum(ideal.values()) + bounds.held_elsewhere_bytes
         )
@@ -235,7 +235,7 @@ def _held_anywhere(mem: pd.DataFrame, sid: str, *categories: str) -> float:
     names = [f"state_{c}" for c in categories]
     if (sid, f"state_host_{categories[0]}") in _per_rank(mem):
         names += [f"state_host_{c}" for c in categories]
-    return _max_over_ranks(mem, sid, *names)
+    return max_over_ranks(mem, sid, *names)
 
 
 def offload_host(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
@@ -265,14 +265,14 @@ def offload_host(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         if isinstance(ideal, str):
             out.append(not_measured("offload_host", row, ideal))
             continue
-        device = _max_over_ranks(mem, row.scenario, *(f"state_{c}" for c in STATE_CATEGORIES))
-        host = _max_over_ranks(mem, row.scenario, *(f"state_host_{c}" for c in STATE_CATEGORIES))
+        device = max_over_ranks(mem, row.scenario, *(f"state_{c}" for c in STATE_CATEGORIES))
+        host = max_over_ranks(mem, row.scenario, *(f"state_host_{c}" for c in STATE_CATEGORIES))
         want = float(sum(ideal.values()))
         kept = f"the device still holds {device:,.0f} B of them"
         if (
             device > 0
-            and _root_kept_after_eval(row, _max_over_ranks(mem, row.scenario, "state_params"))
-            and device == _max_over_ranks(mem, row.scenario, "state_params")
+            and _root_kept_after_eval(row, max_over_ranks(mem, row.scenario, "state_params"))
+            and device == max_over_ranks(mem, row.scenario, "state_params")
         ):
             kept += f" ({ROOT_AFTER_EVAL}: at most its {float(row.root_bytes):,.0f} B)"
         problems = ([kept] if device > 0 else []) + (
@@ -314,7 +314,7 @@ def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     measured activations and other, with a stated margin. Keeping every unit unsharded breaks it."""
     out, mem = [], tables["memory"]
     for row in _measured_rows(tables, "peak_memory_bound", out).itertuples():
-        peak = _max_over_ranks(mem, row.scenario, "peak")
+        peak = max_over_ranks(mem, row.scenario, "peak")
         if math.isnan(peak):
             out.append(not_measured("peak_memory_bound", row, "the rank recorded no peak memory"))
             continue
@@ -337,7 +337,7 @@ def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         # the same step on the same samples: the run's yardstick (the full batch, or with split data the rank-order
         # micro-batch probe, whose micro-batches are the ranks' slices), so no implementation sets its own bound
         yardstick = split_yardstick(row) if row.impl != REFERENCE_IMPL else row.scenario
-        transient = _max_over_ranks(mem, yardstick, "activations") + _max_over_ranks(mem, yardstick, "other")
+        transient = max_over_ranks(mem, yardstick, "activations") + max_over_ranks(mem, yardstick, "other")
         if math.isnan(transient):
             out.append(
                 not_measured("peak_memory_bound", row, f"no activations recorded for the plain model's {yardstick}")
@@ -371,7 +371,7 @@ def peak_params_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     (an implementation that skips the reshard after forward fails here, not in peak_memory_bound)."""
     out, mem = [], tables["memory"]
     for row in _measured_rows(tables, "peak_params_bound", out, params=True).itertuples():
-        held = _max_over_ranks(mem, row.scenario, "params")
+        held = max_over_ranks(mem, row.scenario, "params")
         if math.isnan(held) or math.isnan(float(getattr(row, "root_bytes", math.nan))):
             out.append(
                 not_measured(

@@ -116,7 +116,7 @@ class Baseline:
         return machine_kind(self.env)
 
 
-def _jsonable_env(env: dict) -> dict:
+def jsonable_env(env: dict) -> dict:
     return {str(k): v if isinstance(v, (str, int, float, bool)) or v is None else str(v) for k, v in env.items()}
 
 
@@ -137,7 +137,7 @@ def baseline_text(tables: dict, env: dict, name: str) -> str:
         "format": FORMAT,
         "version": VERSION,
         "name": name,
-        "env": _jsonable_env(dict(env or {})),
+        "env": jsonable_env(dict(env or {})),
         "configuration": configuration_of(tables, env),
         "tolerances_default": {f: str(t) for f, t in DEFAULT_TOLERANCES.items()},
         "scenarios": summarize(tables),
@@ -233,5 +233,5 @@ def load_baseline(name_or_path: str | Path, directory: Path = DEFAULT_DIR, *, ki
 def baseline_of_run(tables: dict, env: dict, name: str, path: Path) -> Baseline:
     """Another stored run seen as a baseline, so that `compare A B` applies the gate's rules."""
     return Baseline(
-        name, Path(path), _jsonable_env(dict(env or {})), summarize(tables), configuration=configuration_of(tables, env)
+        name, Path(path), jsonable_env(dict(env or {})), summarize(tables), configuration=configuration_of(tables, env)
     )

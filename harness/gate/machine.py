@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from harness.gate.baseline import Baseline, _jsonable_env
+from harness.gate.baseline import Baseline, jsonable_env
 
 # Environment keys expected to differ between any two runs: never warned about.
 VOLATILE_ENV = {"date", "command", "git_commit", "hostname", "duration_s", "time"}
@@ -31,7 +31,7 @@ def env_warnings(env: dict | None, baseline: Baseline) -> list[tuple[str, str]]:
     """(key, sentence) for every non-volatile environment key that differs from the baseline's."""
     if env is None:
         return []
-    cur, base = _jsonable_env(env), baseline.env
+    cur, base = jsonable_env(env), baseline.env
     keys = sorted((set(cur) | set(base)) - VOLATILE_ENV)
     return [
         (
@@ -61,7 +61,7 @@ def kernel_mismatch(env: dict | None, baseline: Baseline) -> str:
     Without this run's environment (env None) nothing is assumed: the fields are compared."""
     if env is None:
         return ""
-    cur = _jsonable_env(env)
+    cur = jsonable_env(env)
     differ = [k for k in NUMERIC_ENV if _kernel_fact(cur, k) != _kernel_fact(baseline.env, k)]
     if not differ:
         return ""

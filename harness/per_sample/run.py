@@ -223,7 +223,7 @@ def run_per_sample(
                         is_fsdp = impl == "fsdp_impl"
                         if is_fsdp and nv.status == FAIL and localise > 0:
                             localise -= 1
-                            nv = _localised(nv, pool, ws, base, t.norms)
+                            nv = localised(nv, pool, ws, base, t.norms)
                         verdicts.append(nv if is_fsdp else negative_control(nv, ws))
                         r, s = _rows(
                             model,
@@ -279,7 +279,7 @@ def run_per_sample(
     }, verdicts
 
 
-def _localised(v: Verdict, pool: WorldPool, ws: int, payload: dict, truth_norms) -> Verdict:
+def localised(v: Verdict, pool: WorldPool, ws: int, payload: dict, truth_norms) -> Verdict:
     """`v` with where its norms went wrong appended: the norms task replayed with every collective's input
     recorded, each rank's own samples' truth norms looked for in what it sent."""
     from harness.localize.per_sample import replay

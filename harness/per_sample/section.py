@@ -9,7 +9,7 @@ import pandas as pd
 
 from harness.core.verdict import PASS, SKIP
 from harness.report.formatting import md_table, num
-from harness.report.groups import _t
+from harness.report.groups import table_or_empty
 
 MAX_SAMPLES = 8
 NEGATIVE_CONTROL = "allreduce"
@@ -85,10 +85,10 @@ def per_sample_section(tables: dict) -> list[str]:
     """Markdown lines; empty when the run has no "per_sample_summary" table."""
     from harness.core.scenario import scenario_id
 
-    summary = _t(tables, "per_sample_summary")
+    summary = table_or_empty(tables, "per_sample_summary")
     if not len(summary):
         return []
-    verdicts, samples = _t(tables, "verdicts"), _t(tables, "per_sample")
+    verdicts, samples = table_or_empty(tables, "verdicts"), table_or_empty(tables, "per_sample")
     summary = summary.sort_values(["model", "impl", "data_mode", "world_size"], key=_impl_key, kind="stable")
     ids = [
         scenario_id(i, m, int(w), d)

@@ -9,17 +9,17 @@ import numpy as np
 import pandas as pd
 
 
-def _missing(v) -> bool:
+def missing(v) -> bool:
     return v is None or (isinstance(v, (float, np.floating)) and np.isnan(v)) or v is pd.NA
 
 
 def num(v, spec: str = ".3g") -> str:
     """A figure for a table cell: '—' when absent, '0' when exactly zero."""
-    return "—" if _missing(v) else ("0" if v == 0 else format(float(v), spec))
+    return "—" if missing(v) else ("0" if v == 0 else format(float(v), spec))
 
 
 def human_bytes(v) -> str:
-    if _missing(v):
+    if missing(v):
         return "—"
     v = float(v)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -29,16 +29,16 @@ def human_bytes(v) -> str:
 
 
 def ratio(a, b, spec: str = ".2f") -> str:
-    return "—" if _missing(a) or _missing(b) or not b else f"{format(float(a) / float(b), spec)}x"
+    return "—" if missing(a) or missing(b) or not b else f"{format(float(a) / float(b), spec)}x"
 
 
 def md_table(df: pd.DataFrame) -> str:
     """GitHub-flavoured table with pipes escaped and numbers left exactly as formatted."""
-    cells = df.astype(object).map(lambda v: "—" if _missing(v) else str(v).replace("|", "\\|").replace("\n", " "))
+    cells = df.astype(object).map(lambda v: "—" if missing(v) else str(v).replace("|", "\\|").replace("\n", " "))
     return cells.to_markdown(index=False, disable_numparse=True)
 
 
-def _plot(fn, plots_dir: Path | None, name: str, rel: str, alt: str, *args, **kwargs) -> str:
+def plot_or_note(fn, plots_dir: Path | None, name: str, rel: str, alt: str, *args, **kwargs) -> str:
     """Render one plot into `plots_dir` as `name`; a plotting error becomes a note instead of losing the whole
     report. `plots_dir` None: plots are not drawn (--no-plots), and the report says so where each would be."""
     if plots_dir is None:

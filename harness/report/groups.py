@@ -17,14 +17,14 @@ GROUP = ["impl", "model", "data_mode", "optimizer", "feature", "seed"]
 RESUMED = " from "  # a resumed (ckpt) group's feature reads "ckpt from 8": its checkpoints were saved at 8 ranks
 
 
-def _t(tables: dict, name: str) -> pd.DataFrame:
+def table_or_empty(tables: dict, name: str) -> pd.DataFrame:
     df = tables.get(name) if tables else None
     if name == "verdicts" and isinstance(df, (list, tuple)):  # a list of Verdict is accepted too
         df = pd.DataFrame([v.as_dict() for v in df], columns=list(Verdict.__dataclass_fields__))
     return df if isinstance(df, pd.DataFrame) else pd.DataFrame()
 
 
-def _label(key: tuple) -> str:
+def group_label(key: tuple) -> str:
     impl, model, mode, opt, feature, seed = key
     return (
         f"{impl} · {model} · {mode} · {opt}"
@@ -33,16 +33,16 @@ def _label(key: tuple) -> str:
     )
 
 
-def _file_stem(key: tuple) -> str:
+def file_stem(key: tuple) -> str:
     """A group's key as a file-name stem for its plots (the plain feature and seed 0 left out)."""
     impl, model, mode, opt, feature, seed = key
     parts = [impl, model, mode, opt] + ([feature] if feature != "plain" else []) + ([seed] if seed else [])
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join(str(k) for k in parts))
 
 
-def _cells(tables: dict) -> pd.DataFrame:
+def cells_of(tables: dict) -> pd.DataFrame:
     """One row per scenario (the scenarios table, else scenario columns of the steps table)."""
-    scen, steps = _t(tables, "scenarios"), _t(tables, "steps")
+    scen, steps = table_or_empty(tables, "scenarios"), table_or_empty(tables, "steps")
     cols = ["scenario", "impl", "model", "world_size", "data_mode", "optimizer", "seed"]
     cols += ["feature"] if "feature" in steps else []
     cells = scen if len(scen) else steps.drop_duplicates("scenario")[cols] if len(steps) else pd.DataFrame(columns=cols)
@@ -54,7 +54,7 @@ def _cells(tables: dict) -> pd.DataFrame:
     return cells
 
 
-def _groups(cells: pd.DataFrame):
+def groups_of(cells: pd.DataFrame):
     """(key, rows sorted by world size) for every non-reference (impl, model, mode, optimizer, seed)."""
     if not len(cells):
         return []
@@ -68,13 +68,13 @@ def _group_scenario(key: tuple) -> Scenario:
     return Scenario(impl, model, 1, mode, opt, seed=int(seed), feature=feature.split(RESUMED)[0])
 
 
-def _group_reference(cells: pd.DataFrame, key: tuple) -> str | None:
+def group_reference(cells: pd.DataFrame, key: tuple) -> str | None:
     """The id of the run a group is compared with (`Scenario.reference`), if the run has it."""
     ref = _group_scenario(key).reference().id
     return ref if (cells["scenario"] == ref).any() else None
 
 
-def _references_per_ws(key: tuple, world_sizes) -> dict[int, str]:
+def references_per_ws(key: tuple, world_sizes) -> dict[int, str]:
     """World size -> the run a group's member at that size is compared with, where it is not the group's
     reference: the plain model summing the W ranks' micro-batches (split data under bf16)."""
     base = _group_scenario(key)
@@ -82,7 +82,7 @@ def _references_per_ws(key: tuple, world_sizes) -> dict[int, str]:
     return {w: r for w, r in refs.items() if r != base.reference().id}
 
 
-def _per_ws(rows: pd.DataFrame, mem: pd.DataFrame) -> pd.DataFrame:
+def per_world_size(rows: pd.DataFrame, mem: pd.DataFrame) -> pd.DataFrame:
     """world size -> state/peak bytes per rank (scenarios table, else the memory table's max over ranks)."""
     d = rows[["scenario", "world_size"]].copy()
     for col, cat in (("state_bytes", "state_total"), ("peak_bytes", "peak")):

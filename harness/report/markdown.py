@@ -16,12 +16,12 @@ from pathlib import Path
 import pandas as pd
 
 from harness.report.formatting import md_table
-from harness.report.groups import _cells, _t
-from harness.report.noise import _noise_section
-from harness.report.resources import _comm_section, _memory_section
-from harness.report.results import _group_sections
+from harness.report.groups import cells_of, table_or_empty
+from harness.report.noise import noise_section
+from harness.report.resources import comm_section, memory_section
+from harness.report.results import group_sections
 from harness.report.sections import section_lines
-from harness.report.verdicts import _overall, _verdict_sections
+from harness.report.verdicts import overall_line, verdict_sections
 from harness.tables.store import swap_into_place, writing
 
 ENV_ORDER = ["torch", "backend", "device", "seed", "git_commit", "date", "command"]
@@ -37,9 +37,9 @@ def _env_section(env: dict) -> list[str]:
 
 def render(tables: dict, env: dict, title: str, plots_dir: Path | None, rel: str) -> str:
     """The markdown text; plots are written into `plots_dir` and linked as `rel/<file>` (None: none drawn)."""
-    out = [f"# {title}", "", _overall(_t(tables, "verdicts"), _cells(tables)), ""]
-    out += _verdict_sections(tables) + _noise_section(tables) + _group_sections(tables, plots_dir, rel)
-    out += _memory_section(tables, plots_dir, rel) + _comm_section(tables) + section_lines(tables)
+    out = [f"# {title}", "", overall_line(table_or_empty(tables, "verdicts"), cells_of(tables)), ""]
+    out += verdict_sections(tables) + noise_section(tables) + group_sections(tables, plots_dir, rel)
+    out += memory_section(tables, plots_dir, rel) + comm_section(tables) + section_lines(tables)
     out += _env_section(env or {})
     return "\n".join(out).rstrip() + "\n"
 

@@ -11,7 +11,7 @@ from harness.core.policy import NOISE_FLOOR_FACTOR
 from harness.report.formatting import md_table, num
 
 
-def _noise_section(tables: dict) -> list[str]:
+def noise_section(tables: dict) -> list[str]:
     table = sensitivity_table(tables)
     if not len(table):
         return []

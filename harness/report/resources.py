@@ -10,8 +10,8 @@ import pandas as pd
 
 from harness.measure.timeline import ALLOWED, PHASES
 from harness.report import plots
-from harness.report.formatting import _plot, human_bytes, md_table, num
-from harness.report.groups import _cells, _file_stem, _groups, _label, _per_ws, _t
+from harness.report.formatting import human_bytes, md_table, num, plot_or_note
+from harness.report.groups import cells_of, file_stem, group_label, groups_of, per_world_size, table_or_empty
 from harness.tables.store import rank_bytes
 
 MEM_ORDER = [
@@ -31,8 +31,8 @@ MEM_ORDER = [
 ]
 
 
-def _memory_section(tables: dict, plots_dir: Path | None, rel: str) -> list[str]:
-    cells, mem = _cells(tables), _t(tables, "memory")
+def memory_section(tables: dict, plots_dir: Path | None, rel: str) -> list[str]:
+    cells, mem = cells_of(tables), table_or_empty(tables, "memory")
     out = [
         "## Memory",
         "",
@@ -45,11 +45,11 @@ def _memory_section(tables: dict, plots_dir: Path | None, rel: str) -> list[str]
         " step's peak.",
         "",
     ]
-    groups = _groups(cells)
+    groups = groups_of(cells)
     if not groups or (not len(mem) and "state_bytes" not in cells):
         return out + ["_Memory: not measured._", ""]
     for key, rows in groups:
-        out += [f"### {_label(key)}", ""]
+        out += [f"### {group_label(key)}", ""]
         m = mem[mem["scenario"].isin(rows["scenario"])] if len(mem) else mem
         if len(m):
             m = m.merge(rows[["scenario", "world_size"]], on="scenario")
@@ -73,17 +73,17 @@ def _memory_section(tables: dict, plots_dir: Path | None, rel: str) -> list[str]
         else:
             out += ["_Per-category breakdown: not measured._", ""]
         out += _gathered_table(tables, rows)
-        per_ws = _per_ws(rows, mem)
+        per_ws = per_world_size(rows, mem)
         if per_ws[["state_bytes", "peak_bytes"]].notna().any().any():
             out += [
-                _plot(
+                plot_or_note(
                     plots.plot_memory,
                     plots_dir,
-                    f"memory-{_file_stem(key)}.png",
+                    f"memory-{file_stem(key)}.png",
                     rel,
-                    f"memory {_label(key)}",
+                    f"memory {group_label(key)}",
                     per_ws,
-                    f"memory per rank: {_label(key)}",
+                    f"memory per rank: {group_label(key)}",
                 ),
                 "",
             ]
@@ -93,7 +93,7 @@ def _memory_section(tables: dict, plots_dir: Path | None, rel: str) -> list[str]
 def _gathered_table(tables: dict, rows: pd.DataFrame) -> list[str]:
     """Units holding their full parameters at once, the most at one moment of each phase (max over
     ranks), by world size; a `+ root` where the root's own parameters were full too."""
-    g = _t(tables, "gathered")
+    g = table_or_empty(tables, "gathered")
     if not len(g):
         return []
     g = g.merge(rows[["scenario", "world_size"]], on="scenario")
@@ -117,8 +117,8 @@ def _gathered_table(tables: dict, rows: pd.DataFrame) -> list[str]:
     ]
 
 
-def _comm_section(tables: dict) -> list[str]:
-    comm, cells = _t(tables, "comm"), _cells(tables)
+def comm_section(tables: dict) -> list[str]:
+    comm, cells = table_or_empty(tables, "comm"), cells_of(tables)
     out = [
         "## Communication",
         "",
@@ -129,9 +129,9 @@ def _comm_section(tables: dict) -> list[str]:
     ]
     if not len(comm) or not len(cells):
         return out + ["_Communication: not measured._", ""]
-    for key, rows in _groups(cells):
+    for key, rows in groups_of(cells):
         c = comm.merge(rows[["scenario", "world_size"]], on="scenario").sort_values(["world_size", "collective"])
-        out += [f"### {_label(key)}", ""]
+        out += [f"### {group_label(key)}", ""]
         if not len(c):
             out += ["_No collectives recorded._", ""]
             continue

@@ -10,16 +10,16 @@ import numpy as np
 import pandas as pd
 
 from harness.report import plots
-from harness.report.formatting import _missing, _plot, human_bytes, md_table, num, ratio
+from harness.report.formatting import human_bytes, md_table, missing, num, plot_or_note, ratio
 from harness.report.groups import (
-    _cells,
-    _file_stem,
-    _group_reference,
-    _groups,
-    _label,
-    _per_ws,
-    _references_per_ws,
-    _t,
+    cells_of,
+    file_stem,
+    group_label,
+    group_reference,
+    groups_of,
+    per_world_size,
+    references_per_ws,
+    table_or_empty,
 )
 from harness.report.verdicts import DIFF_COLUMN
 
@@ -34,18 +34,18 @@ def _pick_steps(steps: list, limit: int = MAX_STEP_ROWS) -> list:
     return [steps[i] for i in idx]
 
 
-def _group_sections(tables: dict, plots_dir: Path | None, rel: str) -> list[str]:
-    cells, steps, mem = _cells(tables), _t(tables, "steps"), _t(tables, "memory")
-    verdicts = _t(tables, "verdicts")
+def group_sections(tables: dict, plots_dir: Path | None, rel: str) -> list[str]:
+    cells, steps, mem = cells_of(tables), table_or_empty(tables, "steps"), table_or_empty(tables, "memory")
+    verdicts = table_or_empty(tables, "verdicts")
     out = ["## Results per world size", ""]
-    groups = _groups(cells)
+    groups = groups_of(cells)
     if not groups:
         return out + ["_Scenario results: not measured._", ""]
     for key, rows in groups:
-        slug, label = _file_stem(key), _label(key)
-        ref_id = _group_reference(cells, key)
+        slug, label = file_stem(key), group_label(key)
+        ref_id = group_reference(cells, key)
         said = f"Reference: `{ref_id or 'not run'}`."
-        wider = _references_per_ws(key, rows["world_size"])
+        wider = references_per_ws(key, rows["world_size"])
         if wider:  # split data under bf16: each world size has its own (harness/core/policy.py, BF16_SPLIT)
             said = (
                 f"Reference: `{ref_id or 'not run'}` at 1 rank; at W ranks the plain model summing the gradients "
@@ -53,7 +53,7 @@ def _group_sections(tables: dict, plots_dir: Path | None, rel: str) -> list[str]
                 f"the loss table's reference column is the first."
             )
         out += [f"### {label}", "", said, ""]
-        mws = _per_ws(rows, mem)
+        mws = per_world_size(rows, mem)
         one = mws[mws["world_size"] == 1]
         s1, p1 = (one["state_bytes"].iloc[0], one["peak_bytes"].iloc[0]) if len(one) else (np.nan, np.nan)
         col = lambda c: rows[c] if c in rows else pd.Series(np.nan, index=rows.index)  # noqa: E731
@@ -68,7 +68,7 @@ def _group_sections(tables: dict, plots_dir: Path | None, rel: str) -> list[str]
                 "peak memory": [human_bytes(x) for x in mws["peak_bytes"]],
                 "reduction vs 1 rank": [ratio(s1, x) for x in mws["state_bytes"]],
                 "peak reduction": [ratio(p1, x) for x in mws["peak_bytes"]],
-                "step time": [num(x, ".3f") + " s" if not _missing(x) else "—" for x in col("step_time_s")],
+                "step time": [num(x, ".3f") + " s" if not missing(x) else "—" for x in col("step_time_s")],
             }
         )
         if "error" in rows and (rows["error"].fillna("").astype(str) != "").any():
@@ -91,7 +91,9 @@ def _group_sections(tables: dict, plots_dir: Path | None, rel: str) -> list[str]
             "",
             md_table(show.reset_index()),
             "",
-            _plot(plots.plot_loss, plots_dir, f"loss-{slug}.png", rel, f"loss {label}", g, ref, f"loss: {label}"),
+            plot_or_note(
+                plots.plot_loss, plots_dir, f"loss-{slug}.png", rel, f"loss {label}", g, ref, f"loss: {label}"
+            ),
             "",
         ]
         diff = g.pivot_table(
@@ -112,7 +114,7 @@ def _group_sections(tables: dict, plots_dir: Path | None, rel: str) -> list[str]
             "",
             md_table(show.reset_index()),
             "",
-            _plot(
+            plot_or_note(
                 plots.plot_diff,
                 plots_dir,
                 f"diff-{slug}.png",

@@ -8,14 +8,14 @@ import pandas as pd
 
 from harness.core.outcome import outcome
 from harness.core.verdict import FAIL, KNOWN, PASS, SKIP, UNSUPPORTED, Verdict
-from harness.report.formatting import _missing, md_table, num, ratio
-from harness.report.groups import _t
+from harness.report.formatting import md_table, missing, num, ratio
+from harness.report.groups import table_or_empty
 
 STATUS_ORDER = {FAIL: 0, KNOWN: 1, UNSUPPORTED: 2, PASS: 3, SKIP: 4}
 MAX_SUMMARY_ROWS = 40
 
 
-def _overall(verdicts: pd.DataFrame, cells: pd.DataFrame) -> str:
+def overall_line(verdicts: pd.DataFrame, cells: pd.DataFrame) -> str:
     """The overall line: the run's word (harness.core.outcome), the verdicts of the implementations
     under test, the reference's apart, how many scenarios of each implementation ran, the gate."""
     o = outcome(cells, verdicts)
@@ -44,11 +44,11 @@ DIFF_COLUMN = {
 
 
 def _int_or_none(x) -> int | None:
-    return None if _missing(x) else int(x)
+    return None if missing(x) else int(x)
 
 
 def _text(x) -> str:
-    return "" if _missing(x) else str(x)
+    return "" if missing(x) else str(x)
 
 
 def location(v: pd.Series) -> str:
@@ -86,9 +86,9 @@ def _failure(v: pd.Series, tables: dict) -> list[str]:
     )
     out += [f"- **where** (from the check): {location(v)}"] if location(v) else []
     out += [f"- {v['message']}"] if v["message"] else []
-    steps = _t(tables, "steps")
+    steps = table_or_empty(tables, "steps")
     steps = steps[steps["scenario"] == v["scenario"]].sort_values("step") if len(steps) else steps
-    scen = _t(tables, "scenarios")
+    scen = table_or_empty(tables, "scenarios")
     err = scen.loc[scen["scenario"] == v["scenario"], "error"] if len(scen) and "error" in scen else []
     if len(err) and str(err.iloc[0]) not in ("", "nan"):
         out.append(f"- **scenario error**: {err.iloc[0]}")
@@ -121,7 +121,7 @@ def _failure(v: pd.Series, tables: dict) -> list[str]:
         }
     )
     out += ["", md_table(trace), ""]
-    params = _t(tables, "params")
+    params = table_or_empty(tables, "params")
     p = params[(params["scenario"] == v["scenario"]) & (params["step"] == first)] if len(params) else params
     if len(p):
         key = "diff_ref" if col == "max_diff_ref" else "diff_ws1"
@@ -183,8 +183,8 @@ def check_kind(check: str) -> str:
     return {c.name: c.kind for c in all_checks()}.get(check, "correctness")
 
 
-def _verdict_sections(tables: dict) -> list[str]:
-    verdicts = _t(tables, "verdicts")
+def verdict_sections(tables: dict) -> list[str]:
+    verdicts = table_or_empty(tables, "verdicts")
     out = ["## Verdict summary", ""]
     if not len(verdicts):
         return out + ["_Verdicts: not measured._", ""]

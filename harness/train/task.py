@@ -158,7 +158,7 @@ def _train(
                 grad_sq = _local_grad_sq(wrapped) if first_copy else 0.0  # before clipping: measured by the harness
                 clip_norm = math.nan if engine.clips else _clip(adapter, wrapped, sc.feature, sc.nudge)
                 if sc.nudge and clip_of(sc.feature) is None:  # a user optimizer's nudged probe
-                    _nudge_grads(optimizer, sc.nudge)
+                    nudge_grads(optimizer, sc.nudge)
                 if traced and clip_of(sc.feature) is not None:
                     tracer.end_clip(wrapped)
                 if traced:  # the localiser's yardstick: the run's own gradients into its optimizer
@@ -326,7 +326,7 @@ def _clip(adapter, wrapped, feature: str, nudge: int = 0) -> float:
     return float(adapter.clip_grad_norm(wrapped, max_norm * (1 + nudge * 2.0**-23), norm_type))
 
 
-def _nudge_grads(optimizer, nudge: int) -> None:
+def nudge_grads(optimizer, nudge: int) -> None:
     """A user's optimizer's nudged noise probe (Scenario.is_nudged): every gradient the optimizer reads scaled by
     1 + nudge fp32 ulps, as a clipping coefficient is nudged under clip, so that an update computed from a
     whole-matrix norm changes as a sharded norm summed from W partial sums may change it."""

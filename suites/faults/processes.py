@@ -25,7 +25,7 @@ ENV = {
 }
 
 
-def _stat(pid: int) -> list[str] | None:
+def stat_of(pid: int) -> list[str] | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()
@@ -35,7 +35,7 @@ def _stat(pid: int) -> list[str] | None:
 
 def alive(pid: int) -> bool:
     """Running: a zombie counts as dead (its parent may just not have reaped it yet)."""
-    st = _stat(pid)
+    st = stat_of(pid)
     return st is not None and st[0] != "Z"
 
 
@@ -52,7 +52,7 @@ def in_session(sid: int) -> list[int]:
     out = []
     for name in os.listdir("/proc"):
         if name.isdigit():
-            st = _stat(int(name))
+            st = stat_of(int(name))
             if st is not None and st[0] != "Z" and int(st[3]) == sid:
                 out.append(int(name))
     return out

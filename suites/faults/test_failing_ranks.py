@@ -19,7 +19,7 @@ import pytest
 from harness.execute.world import World, WorldPool
 from harness.phases import run_matrix
 from suites.faults.fault_adapters import FAULT_STEP, NAN_PARAM_STEP
-from suites.faults.processes import ENV, ROOT, _stat, wait_all_dead
+from suites.faults.processes import ENV, ROOT, stat_of, wait_all_dead
 from suites.faults.scenarios import FA, STEPS, scenario
 
 # the CI tier (--ci; .ci/run runs it): worlds broken, killed, timed out and rebuilt (a 10 s hang among them)
@@ -191,7 +191,7 @@ def test_no_worker_process_survives_the_run(fault_run):
     assert wait_all_dead(fault_run.pids, 10) == []
     workers = {str(p) for p in fault_run.pids}
     started_by_workers = [
-        int(n) for n in os.listdir("/proc") if n.isdigit() and (_stat(int(n)) or [None] * 3)[2] in workers
+        int(n) for n in os.listdir("/proc") if n.isdigit() and (stat_of(int(n)) or [None] * 3)[2] in workers
     ]
     assert started_by_workers == []
 

@@ -17,7 +17,7 @@ import shutil
 import numpy as np
 import pytest
 
-from fsdp_impl.checkpoint import _atomic_write
+from fsdp_impl.checkpoint import atomic_write
 from fsdp_impl.sharding import row_range
 from harness.train.models import MLP_SIZES
 
@@ -235,8 +235,8 @@ def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(world, tmp_path):
 
 
 def test_a_failed_write_leaves_no_file(tmp_path):
-    """_atomic_write: the final name appears complete or not at all; no temporary is left."""
+    """atomic_write: the final name appears complete or not at all; no temporary is left."""
     target = tmp_path / "fsdp_impl.json"
     with pytest.raises(TypeError):
-        _atomic_write(str(target), None)
+        atomic_write(str(target), None)
     assert os.listdir(tmp_path) == []

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from suites.mutants.injection import MutantAdapter, _around, _units
+from suites.mutants.injection import MutantAdapter, around, unit_states_of
 
 UNIT = "layers.1"  # the mlp's middle unit: its input needs a gradient, so its backward reads its weight
 
@@ -27,9 +27,9 @@ class BackwardRegatherNudged(MutantAdapter):
         if dist.get_world_size() < 2:
             return
         last = dist.get_rank() == dist.get_world_size() - 1
-        for prefix, state in _units(wrapped):
+        for prefix, state in unit_states_of(wrapped):
             if prefix == UNIT and last:
-                _around(state, "_pre_backward", self._nudged(state))
+                around(state, "_pre_backward", self._nudged(state))
 
     @staticmethod
     def _nudged(state):

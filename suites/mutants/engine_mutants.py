@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from suites.harness.end_to_end.engine_adapters import ReplicaEngine, _State
+from suites.harness.end_to_end.engine_adapters import EngineState, ReplicaEngine
 
 
 class EngineBoundaryOffByOne(ReplicaEngine):
     name = "mutant:engine_boundary_off_by_one"
 
-    def boundary(self, state: _State) -> bool:
+    def boundary(self, state: EngineState) -> bool:
         return state.micro_steps % state.micro_batches == 1 % state.micro_batches
 
 

@@ -16,12 +16,12 @@ from harness.adapters.base import PLAIN_WRAP
 from suites.mutants.injection import (
     MutantAdapter,
     ReductionReplaced,
-    _around,
-    _groups,
-    _params,
-    _rebind,
-    _units,
-    _with_globals,
+    around,
+    param_groups_of,
+    rebind,
+    sharded_params_of,
+    unit_states_of,
+    with_globals,
 )
 
 
@@ -43,7 +43,7 @@ class HeldInParamDtype(MutantAdapter):
     name = "mutant:held_in_param_dtype"
 
     def mutate(self, wrapped):
-        for _, g in _groups(wrapped):
+        for _, g in param_groups_of(wrapped):
             g.hold_grads = lambda: None
 
 
@@ -71,7 +71,7 @@ class AccumAveraged(MutantAdapter):
     def mutate(self, wrapped):
         from fsdp_impl.state import TrainingState
 
-        for _, state in _units(wrapped):
+        for _, state in unit_states_of(wrapped):
             g = state.params
             if not g.params:
                 continue
@@ -91,8 +91,8 @@ class AccumAveraged(MutantAdapter):
                 passes["n"] = 0
                 product()
 
-            _around(state, "_pre_backward", pre_backward)  # registered on the outputs at each forward
-            _around(g, "reduce_grads", reduce_averaged)
+            around(state, "_pre_backward", pre_backward)  # registered on the outputs at each forward
+            around(g, "reduce_grads", reduce_averaged)
 
 
 class ClipLocalNorm(MutantAdapter):
@@ -105,7 +105,7 @@ class ClipLocalNorm(MutantAdapter):
     def clip_grad_norm(self, wrapped, max_norm, norm_type):
         from fsdp_impl import clip
 
-        local = _with_globals(clip.clip_grad_norm_, all_reduce_norm=lambda value, op, group: None)
+        local = with_globals(clip.clip_grad_norm_, all_reduce_norm=lambda value, op, group: None)
         return float(local(wrapped, max_norm, norm_type))
 
 
@@ -180,7 +180,7 @@ class AcReducedTwice(MutantAdapter):
     name = "mutant:ac_reduced_twice"
 
     def mutate(self, wrapped):
-        for _, state in _units(wrapped):
+        for _, state in unit_states_of(wrapped):
             if "forward" not in vars(state.module):  # checkpointing replaces the unit's forward (features.py)
                 continue
             g = state.params
@@ -194,7 +194,7 @@ class AcReducedTwice(MutantAdapter):
                             p.unsharded.grad = grads[id(p)]
                     product()  # the same reduction again, added to the sharded gradient
 
-            _around(g, "reduce_grads", reduce_twice)
+            around(g, "reduce_grads", reduce_twice)
 
 
 class ReplicasNotAveraged(MutantAdapter):
@@ -210,8 +210,8 @@ class ReplicasNotAveraged(MutantAdapter):
         def shard_group_only(full_grad, shard_group, replicate_group, reduce_dtype, out_dtype=None):
             return reduce_scatter_mean(full_grad, shard_group, reduce_dtype, out_dtype)
 
-        for _, g in _groups(wrapped):
-            _rebind(g, "reduce_grads", hybrid_reduce_mean=shard_group_only)
+        for _, g in param_groups_of(wrapped):
+            rebind(g, "reduce_grads", hybrid_reduce_mean=shard_group_only)
 
 
 class CkptLastRankShifted(MutantAdapter):
@@ -225,13 +225,13 @@ class CkptLastRankShifted(MutantAdapter):
         import torch.distributed as dist
 
         super().load_checkpoint(wrapped, optimizer, path)
-        for _, p in _params(wrapped):
+        for _, p in sharded_params_of(wrapped):
             if p.rank != p.world_size - 1 or not p.local_numel:
                 continue
             own = p.padded[: p.local_numel]  # this rank's rows, before the padding
             with torch.no_grad():
                 own.copy_(torch.roll(own.clone(), 1))
-        dist.barrier(group=_groups(wrapped)[0][1].group)
+        dist.barrier(group=param_groups_of(wrapped)[0][1].group)
 
 
 class CkptOptimizerStateShifted(MutantAdapter):

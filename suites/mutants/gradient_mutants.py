@@ -9,7 +9,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from suites.mutants.injection import MutantAdapter, ReductionReplaced, _around, _groups, _params, _units
+from suites.mutants.injection import (
+    MutantAdapter,
+    ReductionReplaced,
+    around,
+    param_groups_of,
+    sharded_params_of,
+    unit_states_of,
+)
 
 
 class GradSummed(ReductionReplaced):
@@ -82,7 +89,7 @@ class TiedReducedTwice(MutantAdapter):
     name = "mutant:tied_reduced_twice"
 
     def mutate(self, wrapped):
-        for _, g in _groups(wrapped):
+        for _, g in param_groups_of(wrapped):
             tied = [p for p in g.params if len(p.owners) > 1]
             if not tied:
                 continue
@@ -93,7 +100,7 @@ class TiedReducedTwice(MutantAdapter):
                         p.unsharded.grad.mul_(len(p.owners))
                 return product()
 
-            _around(g, "reduce_grads", reduce_per_owner)
+            around(g, "reduce_grads", reduce_per_owner)
 
 
 class GradsNotCleared(MutantAdapter):
@@ -107,7 +114,7 @@ class GradsNotCleared(MutantAdapter):
     name = "mutant:grads_not_cleared"
 
     def mutate(self, wrapped):
-        for _, state in _units(wrapped):
+        for _, state in unit_states_of(wrapped):
             g = state.params
             if not g.params:
                 continue
@@ -125,8 +132,8 @@ class GradsNotCleared(MutantAdapter):
                     if id(p) in kept:
                         p.unsharded.grad = kept.pop(id(p))
 
-            _around(g, "reduce_grads", reduce_and_keep)
-            _around(state, "_final_callback", end_of_backward)  # queued by the pre-backward hook
+            around(g, "reduce_grads", reduce_and_keep)
+            around(state, "_final_callback", end_of_backward)  # queued by the pre-backward hook
 
 
 class FrozenUpdated(MutantAdapter):
@@ -137,7 +144,7 @@ class FrozenUpdated(MutantAdapter):
     name = "mutant:frozen_updated"
 
     def mutate(self, wrapped):
-        for _, p in _params(wrapped):
+        for _, p in sharded_params_of(wrapped):
             if not p.requires_grad:
                 p.requires_grad = True  # read when the unsharded parameter is made (the first unshard)
                 p.sharded.requires_grad_(True)
@@ -175,10 +182,10 @@ class GradOverwritten(MutantAdapter):
     name = "mutant:grad_overwritten"
 
     def mutate(self, wrapped):
-        for _, p in _params(wrapped):
+        for _, p in sharded_params_of(wrapped):
 
             def overwrite(product, padded_grad, p=p):
                 p.sharded.grad = None  # forget what earlier micro-batches reduced
                 product(padded_grad)
 
-            _around(p, "add_reduced_grad", overwrite)
+            around(p, "add_reduced_grad", overwrite)

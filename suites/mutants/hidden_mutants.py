@@ -15,7 +15,14 @@ import threading
 import torch
 import torch.distributed as dist
 
-from suites.mutants.injection import MutantAdapter, ReductionReplaced, _around, _collectives, _groups, _params
+from suites.mutants.injection import (
+    MutantAdapter,
+    ReductionReplaced,
+    around,
+    collectives_module,
+    param_groups_of,
+    sharded_params_of,
+)
 
 
 class ParamLeftOut(MutantAdapter):
@@ -37,7 +44,7 @@ class UnitBufferKept(MutantAdapter):
     name = "mutant:unit_buffer_kept"
 
     def mutate(self, wrapped):
-        for _, g in _groups(wrapped):
+        for _, g in param_groups_of(wrapped):
 
             def keep_then_reshard(product, *args, g=g, **kwargs):
                 full = [
@@ -47,7 +54,7 @@ class UnitBufferKept(MutantAdapter):
                     g.cache = full
                 product(*args, **kwargs)
 
-            _around(g, "reshard", keep_then_reshard)
+            around(g, "reshard", keep_then_reshard)
 
 
 class OptimizerShadowState(MutantAdapter):
@@ -60,7 +67,7 @@ class OptimizerShadowState(MutantAdapter):
         opt = super().make_optimizer(wrapped, name=name, lr=lr)
         opt.shadow = [
             torch.zeros(p.world_size * p.shard_numel, dtype=p.dtype, device=p.device)
-            for _, p in _params(wrapped)
+            for _, p in sharded_params_of(wrapped)
             if p.requires_grad
         ]
         return opt
@@ -73,8 +80,8 @@ class PrefetchThreadGather(MutantAdapter):
     name = "mutant:prefetch_thread_gather"
 
     def mutate(self, wrapped):
-        all_gather_flat = _collectives().all_gather_flat
-        _, g = _groups(wrapped)[0]
+        all_gather_flat = collectives_module().all_gather_flat
+        _, g = param_groups_of(wrapped)[0]
 
         def prefetch(module, args):
             if g.world_size == 1:
@@ -110,7 +117,7 @@ def _gather_to_owners(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype)
         got = [torch.empty_like(parts[owner]) for _ in range(world)] if owner == rank else None
         dist.gather(parts[owner].contiguous(), got, dst=dist.get_global_rank(group, owner), group=group)
         if got is not None:
-            mine = _collectives().sum_in_rank_order(torch.stack(got), reduce_dtype)
+            mine = collectives_module().sum_in_rank_order(torch.stack(got), reduce_dtype)
     return mine.div_(world)
 
 

@@ -3,7 +3,7 @@
 Worker processes are reused for many scenarios, so a mutant never patches a class or a module.
 Faults are injected in three ways:
 
-- ``_rebind(group, "reduce_grads", reduce_scatter_mean=f)``: the product's own method, bound to
+- ``rebind(group, "reduce_grads", reduce_scatter_mean=f)``: the product's own method, bound to
   this ``ParamGroup`` (one unit's parameters) only, with one module-level name it calls replaced (a
   copy of the function with its globals changed; the product code runs unchanged around the fault);
 - instance attributes on a ``ParamGroup`` / ``ShardedParam`` / ``UnitState`` (``group.reduce_grads``
@@ -30,19 +30,19 @@ from harness.adapters.base import AdapterError
 from harness.adapters.fsdp_impl import FsdpImplAdapter
 
 
-def _units(wrapped: nn.Module):
+def unit_states_of(wrapped: nn.Module):
     """(prefix, UnitState) of every fully_shard unit under `wrapped`."""
     from fsdp_impl.state import units
 
     return list(units(wrapped))
 
 
-def _groups(wrapped: nn.Module):
+def param_groups_of(wrapped: nn.Module):
     """(unit prefix, ParamGroup) of every unit that holds parameters."""
-    return [(prefix, state.params) for prefix, state in _units(wrapped) if state.params.params]
+    return [(prefix, state.params) for prefix, state in unit_states_of(wrapped) if state.params.params]
 
 
-def _params(wrapped: nn.Module):
+def sharded_params_of(wrapped: nn.Module):
     """(full name under `wrapped`, ShardedParam) of every sharded parameter, unit by unit."""
     from fsdp_impl.state import sharded_params
 
@@ -58,7 +58,7 @@ def _names_used(code: types.CodeType) -> set[str]:
     return out
 
 
-def _with_globals(fn: types.FunctionType, **names) -> types.FunctionType:
+def with_globals(fn: types.FunctionType, **names) -> types.FunctionType:
     """A copy of `fn` that sees `names` instead of the module-level objects of the same name."""
     missing = [n for n in names if n not in fn.__globals__ or n not in _names_used(fn.__code__)]
     if missing:  # the product was refactored: say which hook this mutant can no longer reach
@@ -73,15 +73,15 @@ def _with_globals(fn: types.FunctionType, **names) -> types.FunctionType:
     return out
 
 
-def _rebind(obj: object, method: str, **names) -> None:
+def rebind(obj: object, method: str, **names) -> None:
     """Set ``obj.<method>`` (this object only) to the class's method with `names` replaced."""
     fn = getattr(type(obj), method, None)
     if not isinstance(fn, types.FunctionType):
         raise AdapterError(f"mutant: {type(obj).__name__}.{method} is gone; update the mutant in suites/mutants/")
-    setattr(obj, method, types.MethodType(_with_globals(fn, **names), obj))
+    setattr(obj, method, types.MethodType(with_globals(fn, **names), obj))
 
 
-def _around(obj: object, method: str, fn) -> None:
+def around(obj: object, method: str, fn) -> None:
     """Set ``obj.<method>`` (this object only) to ``fn(product, *args, **kwargs)``, where `product` is
     the method as the object had it (bound): the fault runs around the product's own method."""
     product = getattr(obj, method, None)
@@ -94,7 +94,7 @@ def _around(obj: object, method: str, fn) -> None:
     setattr(obj, method, around)
 
 
-def _collectives():
+def collectives_module():
     from fsdp_impl import collectives
 
     return collectives
@@ -124,10 +124,10 @@ class ReductionReplaced(MutantAdapter):
         raise NotImplementedError
 
     def mutate(self, wrapped):
-        mean = _collectives().reduce_scatter_mean
+        mean = collectives_module().reduce_scatter_mean
 
         def replaced(full_grad, group, reduce_dtype, out_dtype=None):  # the result is cast as any dtype
             return self.reduce(mean, full_grad, group, reduce_dtype)
 
-        for _, g in _groups(wrapped):
-            _rebind(g, "reduce_grads", reduce_scatter_mean=replaced)
+        for _, g in param_groups_of(wrapped):
+            rebind(g, "reduce_grads", reduce_scatter_mean=replaced)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from suites.mutants.injection import MutantAdapter, _groups, _rebind
+from suites.mutants.injection import MutantAdapter, param_groups_of, rebind
 
 
 class _Sequential:
@@ -39,7 +39,7 @@ class TreeSequential(MutantAdapter):
     name = "mutant:tree_sequential"
 
     def mutate(self, wrapped):
-        for _, g in _groups(wrapped):
+        for _, g in param_groups_of(wrapped):
             begin = g.begin_tree
 
             def sequential(across_ranks=True, g=g, begin=begin):
@@ -66,8 +66,8 @@ class RanksInRankOrder(MutantAdapter):
     name = "mutant:ranks_in_rank_order"
 
     def mutate(self, wrapped):
-        for _, g in _groups(wrapped):
-            _rebind(g, "reduce_grads", reduce_scatter_tree=_ranks_in_order)
+        for _, g in param_groups_of(wrapped):
+            rebind(g, "reduce_grads", reduce_scatter_tree=_ranks_in_order)
 
 
 class LossPerRank(MutantAdapter):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from suites.mutants.injection import MutantAdapter, _params, _units
+from suites.mutants.injection import MutantAdapter, sharded_params_of, unit_states_of
 
 
 class ReshardSkipped(MutantAdapter):
@@ -16,7 +16,7 @@ class ReshardSkipped(MutantAdapter):
     name = "mutant:reshard_skipped"
 
     def mutate(self, wrapped):
-        for _, state in _units(wrapped):
+        for _, state in unit_states_of(wrapped):
             state.reshard_after_forward = False
 
 
@@ -33,7 +33,7 @@ class NoGradForwardUnsharded(MutantAdapter):
     def mutate(self, wrapped):
         import torch
 
-        for _, state in _units(wrapped):
+        for _, state in unit_states_of(wrapped):
             hooks = state.module._forward_hooks
             key = next(k for k, h in hooks.items() if h == state._post_forward)
 
@@ -60,7 +60,7 @@ class OptimizerStateUnsharded(MutantAdapter):
     def make_optimizer(self, wrapped, *, name, lr):
         opt = super().make_optimizer(wrapped, name=name, lr=lr)
         keys = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}[name]
-        for _, p in _params(wrapped):
+        for _, p in sharded_params_of(wrapped):
             if not p.requires_grad:
                 continue
             lo = p.rank * p.shard_numel

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from harness.adapters.fsdp_impl import FsdpImplAdapter
-from suites.mutants.injection import _with_globals
+from suites.mutants.injection import with_globals
 
 
 def per_sample_norms_allreduced():
@@ -26,7 +26,7 @@ def per_sample_norms_allreduced():
             dist.all_reduce(sq, group=self.group)
             return super().place(sq.sqrt())
 
-    return _with_globals(per_sample.per_sample_grad_norms, _Layout=AllReducedLayout)
+    return with_globals(per_sample.per_sample_grad_norms, _Layout=AllReducedLayout)
 
 
 PER_SAMPLE_VARIANTS = {"control": None, "mutant": per_sample_norms_allreduced}

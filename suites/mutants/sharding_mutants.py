@@ -9,7 +9,14 @@ import torch
 from torch import Tensor
 
 from harness.adapters.fsdp_impl import FsdpImplAdapter
-from suites.mutants.injection import MutantAdapter, _around, _collectives, _groups, _params, _rebind
+from suites.mutants.injection import (
+    MutantAdapter,
+    around,
+    collectives_module,
+    param_groups_of,
+    rebind,
+    sharded_params_of,
+)
 
 # --------------------------------------------------------------------------- layout and padding
 
@@ -24,7 +31,7 @@ class WrongShardOffset(MutantAdapter):
     def wrap(self, model, units, *, group, device):
         values = {n: p.detach().clone() for n, p in model.named_parameters()}
         wrapped = FsdpImplAdapter.wrap(self, model, units, group=group, device=device)
-        for name, p in _params(wrapped):
+        for name, p in sharded_params_of(wrapped):
             rows = p.end - p.start  # as many rows as the rank holds, from the wrong first row
             p.start = p.rank * (p.rows // p.world_size)
             p.end = p.start + rows
@@ -45,8 +52,8 @@ class PaddingNotZeroed(MutantAdapter):
     JUNK = 0.5
 
     def mutate(self, wrapped):
-        mean = _collectives().reduce_scatter_mean
-        for _, g in _groups(wrapped):
+        mean = collectives_module().reduce_scatter_mean
+        for _, g in param_groups_of(wrapped):
             for p in g.params:
                 if p.end - p.start < p.chunk:
                     self._expose_padding(p)
@@ -66,8 +73,8 @@ class PaddingNotZeroed(MutantAdapter):
                     offset += p.shard_numel
                 return mean(buf.view(-1), group, reduce_dtype)
 
-            _rebind(g, "reduce_grads", reduce_scatter_mean=reduce_from_dirty_buffer)
-            _around(g, "reduce_grads", record)
+            rebind(g, "reduce_grads", reduce_scatter_mean=reduce_from_dirty_buffer)
+            around(g, "reduce_grads", record)
 
     @staticmethod
     def _expose_padding(p) -> None:
@@ -85,7 +92,7 @@ class PaddingNotZeroed(MutantAdapter):
                 with torch.no_grad():
                     p.sharded.grad._local_tensor.add_(whole)
 
-        _around(p, "add_reduced_grad", keep_padding)
+        around(p, "add_reduced_grad", keep_padding)
 
 
 class PaddingInView(MutantAdapter):
@@ -99,8 +106,8 @@ class PaddingInView(MutantAdapter):
     name = "mutant:padding_in_view"
 
     def mutate(self, wrapped):
-        gather = _collectives().all_gather_flat
-        for _, g in _groups(wrapped):
+        gather = collectives_module().all_gather_flat
+        for _, g in param_groups_of(wrapped):
             if g.world_size == 1:
                 continue
 
@@ -118,7 +125,7 @@ class PaddingInView(MutantAdapter):
                         packed_at += min(max(p.rows - r * p.chunk, 0), p.chunk) * p.row_numel
                 return done
 
-            _rebind(g, "unshard", all_gather_flat=gather_read_packed)
+            rebind(g, "unshard", all_gather_flat=gather_read_packed)
 
 
 class TailBeforeLastDropped(MutantAdapter):
@@ -133,9 +140,9 @@ class TailBeforeLastDropped(MutantAdapter):
     name = "mutant:tail_before_last_dropped"
 
     def mutate(self, wrapped):
-        for _, p in _params(wrapped):
+        for _, p in sharded_params_of(wrapped):
             if 0 < p.end - p.start < p.chunk and p.rank != p.world_size - 1:
-                _around(p, "add_reduced_grad", lambda product, padded_grad: None)
+                around(p, "add_reduced_grad", lambda product, padded_grad: None)
 
 
 # ---------------------------------------------------------------------------- units and ranks
@@ -156,7 +163,7 @@ class NestedDuplication(MutantAdapter):
         owned = [(sub, name, p) for sub in model.modules() for name, p in sub._parameters.items() if p is not None]
         for unit in units:
             fully_shard(unit, process_group=group)
-        inner = [p for _, p in _params(model)]
+        inner = [p for _, p in sharded_params_of(model)]
         taken = {(id(o.module), o.name) for p in inner for o in p.owners}
         for sub, name, p in owned:
             if (id(sub), name) in taken:  # a unit's: made visible to the root again
@@ -178,8 +185,8 @@ class StaleShard(MutantAdapter):
     name = "mutant:stale_shard"
 
     def mutate(self, wrapped):
-        gather = _collectives().all_gather_flat
-        for _, g in _groups(wrapped):
+        gather = collectives_module().all_gather_flat
+        for _, g in param_groups_of(wrapped):
             if g.rank != g.world_size - 1 or g.world_size == 1:
                 continue
             cache: dict[str, Tensor] = {}
@@ -189,7 +196,7 @@ class StaleShard(MutantAdapter):
                     cache["shard"] = shard.detach().clone()
                 return gather(out, cache["shard"], group, *args, **kwargs)
 
-            _rebind(g, "unshard", all_gather_flat=gather_cached)
+            rebind(g, "unshard", all_gather_flat=gather_cached)
 
 
 class TieBroken(MutantAdapter):

@@ -5,7 +5,7 @@ sharded on dim 1 (feature shard1) copied out of the all-gather as if sharded on 
 
 from __future__ import annotations
 
-from suites.mutants.injection import MutantAdapter, _groups
+from suites.mutants.injection import MutantAdapter, param_groups_of
 
 
 class PostForwardFullReshard(MutantAdapter):
@@ -16,7 +16,7 @@ class PostForwardFullReshard(MutantAdapter):
     name = "mutant:post_forward_full_reshard"
 
     def mutate(self, wrapped):
-        for _, g in _groups(wrapped):
+        for _, g in param_groups_of(wrapped):
             g.post_forward_group = None
 
 
@@ -27,7 +27,7 @@ class PostForwardKeptGathered(MutantAdapter):
     name = "mutant:post_forward_kept_gathered"
 
     def mutate(self, wrapped):
-        for _, g in _groups(wrapped):
+        for _, g in param_groups_of(wrapped):
             if g.post_forward_group is not None:
                 reshard = g.reshard
                 g.reshard = lambda after_forward=False, reshard=reshard: None if after_forward else reshard()
@@ -42,9 +42,9 @@ class ColumnsAsRows(MutantAdapter):
     name = "mutant:columns_as_rows"
 
     def mutate(self, wrapped):
-        from suites.mutants.injection import _params
+        from suites.mutants.injection import sharded_params_of
 
-        for _, p in _params(wrapped):
+        for _, p in sharded_params_of(wrapped):
             if p.dim != 0:
                 alloc = p.alloc_unsharded
 
@@ -64,8 +64,8 @@ class OffloadStaleHostCopy(MutantAdapter):
     name = "mutant:offload_stale_host_copy"
 
     def mutate(self, wrapped):
-        from suites.mutants.injection import _params
+        from suites.mutants.injection import sharded_params_of
 
-        for _, p in _params(wrapped):
+        for _, p in sharded_params_of(wrapped):
             if p.offload is not None:
                 p.padded = p.padded.clone()  # the gathers' source; the optimizer's shard is the original

@@ -102,11 +102,11 @@ def test_a_failing_per_sample_verdict_of_a_run_gets_where_it_diverged_appended(p
     """run_per_sample(localise=N) replays a failing fsdp_impl norm check traced and appends the chain to its
     message (here on the correct product, whose replay finds the norms right: it says so)."""
     from harness.core.verdict import FAIL, Verdict
-    from harness.per_sample.run import _localised
+    from harness.per_sample.run import localised
     from harness.per_sample.tasks import truth
 
     v = Verdict("per_sample_norms", "fsdp_impl-mlp-ws2-split", FAIL, 1.0, 1e-5, message="max relative error 1")
-    out = _localised(v, pool, 2, {"model": "mlp", "seed": 0, "batch": 8, "mode": "split"}, truth("mlp", 0, 8).norms)
+    out = localised(v, pool, 2, {"model": "mlp", "seed": 0, "batch": 8, "mode": "split"}, truth("mlp", 0, 8).norms)
     assert out.message.startswith("max relative error 1. Where it diverged: "), out.message
     assert "every rank's norms match the truth" in out.message, out.message
 

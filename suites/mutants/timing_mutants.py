@@ -12,7 +12,7 @@ import types
 
 import torch
 
-from suites.mutants.injection import MutantAdapter, _around, _groups
+from suites.mutants.injection import MutantAdapter, around, param_groups_of
 
 
 def _wait_unshard_reading_early(self) -> None:
@@ -52,7 +52,7 @@ class GatherReadEarly(MutantAdapter):
     name = "mutant:gather_read_early"
 
     def mutate(self, wrapped):
-        for _, g in _groups(wrapped):
+        for _, g in param_groups_of(wrapped):
             g.wait_unshard = types.MethodType(_wait_unshard_reading_early, g)
 
             def unshard(product, async_op=False, g=g):
@@ -60,4 +60,4 @@ class GatherReadEarly(MutantAdapter):
                     g.prefetched = True  # issued ahead: its wait comes from a later hook
                 return product(async_op=async_op)
 
-            _around(g, "unshard", unshard)
+            around(g, "unshard", unshard)

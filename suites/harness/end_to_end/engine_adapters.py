@@ -21,7 +21,7 @@ from harness.adapters.base import PLAIN_WRAP, Adapter, cpu_fp32
 
 
 @dataclass
-class _State:
+class EngineState:
     group: object
     micro_batches: int
     clip: tuple[float, float] | None
@@ -35,13 +35,13 @@ class ReplicaEngine(Adapter):
 
     def wrap(self, model: nn.Module, units, *, group, device, options=PLAIN_WRAP) -> nn.Module:
         model.to(device)
-        model._engine = _State(group, options.micro_batches, options.clip)
+        model._engine = EngineState(group, options.micro_batches, options.clip)
         return model
 
     def backward(self, wrapped: nn.Module, loss: torch.Tensor) -> None:
         (loss / wrapped._engine.micro_batches).backward()
 
-    def boundary(self, state: _State) -> bool:
+    def boundary(self, state: EngineState) -> bool:
         return state.micro_steps % state.micro_batches == 0
 
     def step(self, wrapped: nn.Module, optimizer) -> None:
@@ -72,7 +72,7 @@ class StepsEveryMicroBatch(ReplicaEngine):
 
     name = "engine_steps_every_micro_batch"
 
-    def boundary(self, state: _State) -> bool:
+    def boundary(self, state: EngineState) -> bool:
         return True
 
 

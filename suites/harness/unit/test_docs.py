@@ -299,9 +299,9 @@ def _without_imports(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def harness_parser() -> argparse.ArgumentParser:
-    from harness.cli import _parser
+    from harness.cli import build_parser
 
-    return _without_imports(_parser())
+    return _without_imports(build_parser())
 
 
 def module_parser(module: str) -> argparse.ArgumentParser | None:

@@ -8,7 +8,7 @@ from harness.checks import numeric as checks
 from harness.checks.noise_floor import sensitivity_table
 from harness.core.policy import ADAMW_BETAS, NOISE_FLOOR_FACTOR, Bounds, adamw_reach
 from harness.core.scenario import Scenario
-from harness.report.noise import _noise_section
+from harness.report.noise import noise_section
 from suites.harness.unit.synthetic_tables import frame
 
 RUN = Scenario("fsdp_impl", "mha_lm", 4, "split", "adamw", steps=3)
@@ -187,11 +187,11 @@ def test_the_report_counts_the_model_sensitive_parameters_per_model():
     table = sensitivity_table(t)
     assert set(table.sensitive) == {1} and set(table.params) == {2}
     assert all(NOISY in w for w in table.which)
-    text = "\n".join(_noise_section(t))
+    text = "\n".join(noise_section(t))
     assert "model-sensitive, held to its noise floor" in text and NOISY in text
-    quiet = "\n".join(_noise_section(tables({}, {})))
+    quiet = "\n".join(noise_section(tables({}, {})))
     assert "No parameter of any model is model-sensitive" in quiet
-    assert _noise_section({"scenarios": pd.DataFrame(), "params": pd.DataFrame()}) == []
+    assert noise_section({"scenarios": pd.DataFrame(), "params": pd.DataFrame()}) == []
 
 
 def test_two_factorisations_hold_a_model_sensitive_parameter_as_split_data_does():

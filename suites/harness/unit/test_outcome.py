@@ -149,10 +149,10 @@ def test_the_summary_line_says_when_the_gate_compared_nothing():
 
 
 def test_the_report_reads_not_run_when_only_the_reference_passed():
-    from harness.report.verdicts import _overall
+    from harness.report.verdicts import overall_line
 
     cells, verdicts = _case({"fsdp_impl": [UNSUPPORTED, UNSUPPORTED]})
-    line = _overall(verdicts, cells)
+    line = overall_line(verdicts, cells)
     assert line.startswith("**Overall: NOT RUN** — 0 passed / 0 failed"), line
     assert "fsdp_impl: 0 ran, 2 unsupported" in line and "apart: 1 passed / 0 failed" in line
 

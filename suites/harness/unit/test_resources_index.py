@@ -1,11 +1,11 @@
-"""The memory checks' per-rank index (harness.checks.resources._max_over_ranks): built once per table,
+"""The memory checks' per-rank index (harness.checks.resources.max_over_ranks): built once per table,
 built anew when the table changes, and the same answer as a scan of the table."""
 
 import math
 
 import pandas as pd
 
-from harness.checks.resources import _max_over_ranks
+from harness.checks.resources import max_over_ranks
 
 
 def _scan(mem: pd.DataFrame, sid: str, *categories: str) -> float:
@@ -23,8 +23,8 @@ def test_the_index_answers_as_a_scan_and_follows_a_table_changed_in_place():
         }
     )
     for sid, cats in (("a", ("peak",)), ("a", ("peak", "other")), ("b", ("peak",)), ("b", ("peak", "other"))):
-        got, want = _max_over_ranks(mem, sid, *cats), _scan(mem, sid, *cats)
+        got, want = max_over_ranks(mem, sid, *cats), _scan(mem, sid, *cats)
         assert got == want or (math.isnan(got) and math.isnan(want))
-    assert _max_over_ranks(mem, "a", "peak", "other") == 31
+    assert max_over_ranks(mem, "a", "peak", "other") == 31
     mem.loc[0, "bytes"] = 100  # rank 0 of a: 100 + 5
-    assert _max_over_ranks(mem, "a", "peak", "other") == 105
+    assert max_over_ranks(mem, "a", "peak", "other") == 105

@@ -307,7 +307,7 @@ def test_fsdp2_reducing_in_bf16_is_caught_by_split_data_against_the_micro_batch_
 
 
 def test_the_report_groups_resumed_runs_by_the_world_size_their_checkpoint_came_from():
-    from harness.report.groups import _cells, _group_reference, _groups, _label
+    from harness.report.groups import cells_of, group_label, group_reference, groups_of
 
     cells = build_matrix(["fsdp_impl"], ["mlp"], [1, 2, 4], ["replicated"], ["adamw"], features=("ckpt",))
     rows = [
@@ -324,7 +324,7 @@ def test_the_report_groups_resumed_runs_by_the_world_size_their_checkpoint_came_
         )
         for c in cells
     ]
-    groups = {_label(k): sorted(g.world_size) for k, g in _groups(_cells({"scenarios": pd.DataFrame(rows)}))}
+    groups = {group_label(k): sorted(g.world_size) for k, g in groups_of(cells_of({"scenarios": pd.DataFrame(rows)}))}
     assert groups == {
         "fsdp_impl · mlp · replicated · adamw": [1, 2, 4],
         "fsdp_impl · mlp · replicated · adamw · ckpt from 1": [2, 4],
@@ -332,16 +332,16 @@ def test_the_report_groups_resumed_runs_by_the_world_size_their_checkpoint_came_
         "fsdp_impl · mlp · replicated · adamw · ckpt from 4": [1, 2],
     }
     key = ("fsdp_impl", "mlp", "replicated", "adamw", "ckpt from 2", 0)
-    assert _group_reference(pd.DataFrame(rows), key) == "reference-mlp-ws1-replicated-adamw"
+    assert group_reference(pd.DataFrame(rows), key) == "reference-mlp-ws1-replicated-adamw"
 
 
 def test_the_report_names_each_world_sizes_micro_batch_reference_under_bf16_split_data():
-    from harness.report.groups import _references_per_ws
+    from harness.report.groups import references_per_ws
 
     split = ("fsdp_impl", "mlp", "split", "adamw", "bf16", 0)
-    assert _references_per_ws(split, [1, 2, 4]) == {
+    assert references_per_ws(split, [1, 2, 4]) == {
         2: "reference-mlp-ws1-replicated-adamw-bf16-micro2",
         4: "reference-mlp-ws1-replicated-adamw-bf16-micro4",
     }
-    assert _references_per_ws(("fsdp_impl", "mlp", "replicated", "adamw", "bf16", 0), [1, 2, 4]) == {}
-    assert _references_per_ws(("fsdp_impl", "mlp", "split", "adamw", "plain", 0), [1, 2, 4]) == {}
+    assert references_per_ws(("fsdp_impl", "mlp", "replicated", "adamw", "bf16", 0), [1, 2, 4]) == {}
+    assert references_per_ws(("fsdp_impl", "mlp", "split", "adamw", "plain", 0), [1, 2, 4]) == {}

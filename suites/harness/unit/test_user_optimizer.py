@@ -111,11 +111,11 @@ def test_a_user_optimizers_runs_get_nudged_probes_in_both_data_modes_and_the_bui
 
 
 def test_a_nudged_probe_scales_every_gradient_the_optimizer_reads_by_w_ulps():
-    from harness.train.task import _nudge_grads
+    from harness.train.task import nudge_grads
 
     w = torch.nn.Parameter(torch.ones(3))
     w.grad = torch.tensor([1.0, -3.0, 0.5])
-    _nudge_grads(torch.optim.SGD([w], lr=0.1), 4)
+    nudge_grads(torch.optim.SGD([w], lr=0.1), 4)
     assert torch.equal(w.grad, torch.tensor([1.0, -3.0, 0.5]) * (1 + 4 * 2.0**-23))
 
 
