@@ -26,8 +26,9 @@ Rows: ``fsdp_impl`` (its default policy: gradient shards summed in float64),
 ``fsdp_impl[reduce fp32]`` (``MixedPrecisionPolicy(reduce_dtype=torch.float32)``) and
 ``fsdp_impl[invariant]`` (its batch-invariant step, fsdp_impl.invariant: the global batch as L micro-batches, 8 or
 the largest power of two below that the batch and the world sizes allow, summed in one fixed tree, so L / W
-forward and backward passes a step), each against the
-same FSDP2 figures (FSDP2's default: reduce in the gradient dtype, float32). Ratio = fsdp_impl / FSDP2
+forward and backward passes a step), with ``--deepspeed`` ``deepspeed_zero3`` (DeepSpeed's ZeRO-3 through its own
+engine, harness/adapters/deepspeed.py), each against the
+same FSDP2 figures (FSDP2's default: reduce in the gradient dtype, float32). Ratio = the row's / FSDP2
 (> 1: fsdp_impl is slower / uses more memory).
 """
 
@@ -55,6 +56,7 @@ from harness.train.models import get_model_spec
 TASK = "harness.bench.fsdp_vs_fsdp2:bench_rank"
 FSDP2 = "torch_fsdp2"
 INVARIANT = "fsdp_impl[invariant]"
+DEEPSPEED = "deepspeed_zero3"
 IMPLS = ("fsdp_impl", "fsdp_impl[reduce fp32]", INVARIANT, FSDP2)
 
 
@@ -108,6 +110,11 @@ def _step(spec, adapter, wrapped, optimizer, x, y, invariant: str = "", micro: i
         loss = adapter.invariant_forward_backward(
             wrapped, spec.loss, x, y, micro_batches=micro, replicated=invariant == "replicated"
         )
+    elif callable(getattr(adapter, "step", None)):  # an engine drives its own step (DeepSpeed's)
+        loss = spec.loss(wrapped(x), y)
+        adapter.backward(wrapped, loss)
+        adapter.step(wrapped, optimizer)
+        return float(loss.detach())
     else:
         loss = spec.loss(wrapped(x), y)
         loss.backward()
@@ -196,12 +203,12 @@ def summarize(per_rank: list[dict]) -> dict[str, dict]:
 COLUMNS = (
     "world size",
     "variant",
-    "fsdp_impl step ms",
+    "variant step ms",
     "fsdp2 step ms",
     "ratio",
     "per-step ratios",
     "cpu ratio",
-    "fsdp_impl peak bytes",
+    "variant peak bytes",
     "fsdp2 peak bytes",
     "ratio",
 )
@@ -305,6 +312,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[int, dict[str, dict]]]
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backend", default="gloo")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per world and model")
+    ap.add_argument(
+        "--deepspeed",
+        action="store_true",
+        help="add a row for DeepSpeed's ZeRO-3 through its own engine (the deepspeed extra), against FSDP2 too",
+    )
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 1:
         ap.error("--steps and --warmup must be >= 1")
@@ -314,6 +326,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[int, dict[str, dict]]]
     n_params = {m: _n_params(m) for m in models}  # unknown names fail here, before any world starts
     micro = invariant_micro_batches(args.global_batch, args.world_sizes)
     impls = [label for label in IMPLS if label != INVARIANT or micro]
+    if args.deepspeed:
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError as exc:
+            ap.error(f"--deepspeed needs DeepSpeed (pip install -e '.[deepspeed]'): {exc}")
+        impls.insert(impls.index(FSDP2), DEEPSPEED)
     payload = {
         "steps": args.steps,
         "warmup": args.warmup,
@@ -354,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[int, dict[str, dict]]]
         print(table(results[m]))
     print()
     print(
-        "ratio = fsdp_impl / fsdp2 (<= 1: fsdp_impl as fast / as light). Step time: median over measured steps "
+        "ratio = variant / fsdp2 (<= 1: the variant as fast / as light). Step time: median over measured steps "
         "of the slowest rank; per-step ratios: min-max over the measured steps of step i / step i (the spread "
         "shows the machine's load); cpu ratio: of the median CPU time of a step (process CPU seconds, the most "
         "over ranks). Peak: max over ranks of the peak bytes tracked over one step (PeakMemory; CPU: tensors "
