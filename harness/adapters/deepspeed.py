@@ -10,8 +10,8 @@ Each feature reaches DeepSpeed as its configuration says it, not through the har
 - ``clip``: ``gradient_clipping`` (an L2 norm: ``clip_inf`` is refused with DeepSpeed's reason);
 - ``bf16``: its ``bf16`` section, with ``communication_data_type`` fp32 as the harness's policy asks the reduction;
 - ``no_sync``: ``engine.no_sync()``, which DeepSpeed allows for stage 1 only;
-- ``ckpt``: ``engine.save_checkpoint`` / ``engine.load_checkpoint`` at the same world size only (another world
-  size needs DeepSpeed's universal checkpoint, which this adapter does not convert to: refused);
+- ``ckpt``: ``engine.save_checkpoint``, converted to DeepSpeed's universal checkpoint by its own converter
+  (``ds_to_universal``) and loaded by ``engine.load_checkpoint`` with ``load_universal``, at any world size;
 - ``hsdp``: refused: ZeRO++ hierarchical partitioning (``zero_hpz_partition_size``) keeps a secondary copy of the
   parameters within each group, but partitions the gradients and optimizer state over every rank, which is not
   hybrid sharding's replicas (each holding a whole sharded copy).
@@ -25,9 +25,13 @@ engine fills in at ``make_optimizer``. The full parameters are DeepSpeed's fp32 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import warnings
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +40,7 @@ from torch.utils._pytree import tree_map
 from harness.adapters.base import PLAIN_WRAP, Adapter, AdapterError, WrapOptions, cpu_fp32
 
 INSTALL = 'pip install -e ".[deepspeed]"'
+TAG = "harness"  # the checkpoint's tag (a folder under the path the harness gives)
 
 
 def _deepspeed():
@@ -141,11 +146,6 @@ class DeepSpeedAdapter(Adapter):
                 "within each group but partitions the gradients and optimizer state over every rank: not hybrid "
                 "sharding's replicas"
             )
-        if has(feature, "ckpt"):
-            return (
-                "a DeepSpeed checkpoint loads at the world size it was saved at; another needs its universal "
-                "checkpoint (ds_to_universal), which this adapter does not convert to"
-            )
         return None
 
     # Runtime #
@@ -177,7 +177,32 @@ class DeepSpeedAdapter(Adapter):
         return out
 
     def save_checkpoint(self, wrapped: DeepSpeedModule, optimizer, path) -> None:
-        wrapped.engine.save_checkpoint(str(path), tag="harness")
+        wrapped.engine.save_checkpoint(str(path), tag=TAG)
 
     def load_checkpoint(self, wrapped: DeepSpeedModule, optimizer, path) -> None:
-        wrapped.engine.load_checkpoint(str(path), tag="harness")
+        """DeepSpeed's universal checkpoint, which loads at any world size: rank 0 converts the saved one with
+        DeepSpeed's own converter (deepspeed.checkpoint.ds_to_universal) once, then every rank loads it."""
+        import torch.distributed as dist
+        from deepspeed.checkpoint.ds_to_universal import main as to_universal
+
+        universal = Path(path) / f"{TAG}_universal"
+        if dist.get_rank() == 0 and not universal.exists():
+            with contextlib.redirect_stdout(io.StringIO()):  # its progress, on every conversion
+                to_universal(
+                    SimpleNamespace(
+                        input_folder=str(Path(path) / TAG),
+                        output_folder=str(universal),
+                        num_extract_workers=1,
+                        num_merge_workers=1,
+                        keep_temp_folder=False,
+                        strict=True,
+                        inject_missing_state=True,  # the state a Megatron client adds; a plain model has none
+                    )
+                )
+        dist.barrier()
+        engine = wrapped.engine
+        engine._config.load_universal_checkpoint = True
+        try:
+            engine.load_checkpoint(str(path), tag=universal.name)
+        finally:
+            engine._config.load_universal_checkpoint = False

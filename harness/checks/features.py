@@ -16,6 +16,10 @@ from harness.core.policy import BF16_SPLIT, Bounds, not_exact
 from harness.core.scenario import REFERENCE_IMPL, Scenario, ckpt_step, feature_of, resume_of, widest
 from harness.core.verdict import SKIP, Verdict
 
+# the built-in optimizers that keep state after a step (AdamW's moments, SGD's momentum): a checkpoint of theirs
+# that holds none lost it
+STATEFUL = ("adamw", "sgd")
+
 
 def ckpt_restored(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """A resumed run right after loading holds bitwise what its saver held when it saved (at every
@@ -40,6 +44,12 @@ def ckpt_restored(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             missing.append(
                 f"no optimizer state of {row.scenario} after loading compared with {saver}'s at step "
                 f"{step} ({where or 'none recorded'})"
+            )
+        elif what == "none saved" and row.optimizer in STATEFUL:
+            missing.append(
+                f"{saver}'s ranks held no optimizer state the census could place at step {step}, where "
+                f"{row.optimizer} keeps state after every step (the implementation keeps it where the optimizer's "
+                "parameter groups do not name it)"
             )
         if missing:
             out.append(not_measured("ckpt_restored", row, "; ".join(missing), 0.0))

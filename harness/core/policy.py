@@ -300,8 +300,13 @@ _DS_REUSE_DISTANCE = (
     "elements (1e9 by default) and keeps up to stage3_max_live_parameters (1e9) gathered: every unit of a model "
     "below that size stays whole from its forward to its backward"
 )
+_DS_UNIVERSAL_ADAM_ONLY = (
+    "DeepSpeed's universal-checkpoint converter (deepspeed.checkpoint.ds_to_universal) extracts Adam's exp_avg and "
+    "exp_avg_sq for every parameter: a checkpoint of SGD, whose optimizer state is its momentum alone, raises "
+    "KeyError: 'exp_avg' in it, so an SGD run cannot be resumed at another world size"
+)
 _DEEPSPEED = [
-    (stage, check, ws, cause, feature)
+    (stage, check, ws, cause, feature, "")
     for stage in (1, 2, 3)
     for check, ws, cause, feature in (
         ("ws1_exact", 1, _DS_BF16_MASTERS, "bf16"),
@@ -312,7 +317,11 @@ _DEEPSPEED = [
         ("memory_sharding", 1, _DS_FP32_PARTITION, None),
         ("peak_memory_bound", 1, _DS_FP32_PARTITION, None),
     )
-] + [(2, "comm_volume", 2, _DS_ZERO2_ALL_REDUCE, None), (3, "units_gathered", 2, _DS_REUSE_DISTANCE, None)]
+] + [
+    (2, "comm_volume", 2, _DS_ZERO2_ALL_REDUCE, None, ""),
+    (3, "units_gathered", 2, _DS_REUSE_DISTANCE, None, ""),
+    *((stage, "completed", 1, _DS_UNIVERSAL_ADAM_ONLY, "ckpt", "KeyError: 'exp_avg'") for stage in (1, 2, 3)),
+]
 
 KNOWN_DEVIATIONS = (
     KnownDeviation("ddp", "ws1_exact", 1, _DDP_BUCKET_VIEW_NORM_CUDA, feature="clip", backend="nccl"),
@@ -376,8 +385,8 @@ KNOWN_DEVIATIONS = (
         when="_foreach_norm cannot compute the infinity norm on an empty tensor",
     ),
 ) + tuple(
-    KnownDeviation(f"deepspeed_zero{stage}", check, ws, cause, feature=feature)
-    for stage, check, ws, cause, feature in _DEEPSPEED
+    KnownDeviation(f"deepspeed_zero{stage}", check, ws, cause, feature=feature, when=when)
+    for stage, check, ws, cause, feature, when in _DEEPSPEED
 )
 
 
