@@ -3,8 +3,8 @@
 `check(matrix)` (through `checked_matrix(ns)`, as the CLI and the pytest plugin build their matrix):
 
 - the user's models, held to the model protocol on the CPU of this process
-  (harness/train/user_models.py check_model: build, units, a batch of the run's size, a loss that is
-  the mean over the batch);
+  (harness/train/user_models.py check_model: build, units, a batch of the run's size, a forward that
+  draws no random numbers (dropout: the module is named), a loss that is the mean over the batch);
 - the user's optimizers, each built by its factory over a probe parameter and stepped once
   (harness/optimizers.py check_optimizer: importable, callable, returns a torch.optim.Optimizer);
 - the temp dir the run writes into (harness/core/scratch.py): a TMPDIR that cannot take a file;

@@ -15,6 +15,10 @@ zero-argument callable that returns one::
                                                         a tied parameter must live in one unit
 
 `suites/harness/unit/example_model.py` is a complete example (``--models suites.harness.unit.example_model:spec``).
+
+Before any world starts the protocol is held once (`check_model`, run by harness/preflight.py): the forward must
+draw no random numbers (`check_no_random_forward`: dropout with p > 0 is refused, naming its module), and the
+loss must be the mean over the batch (`check_loss_is_a_mean`).
 """
 
 from __future__ import annotations
@@ -96,8 +100,9 @@ LOSS_MEAN_RTOL = 1e-4
 
 def check_model(spec, global_batch: int, seed: int) -> None:
     """The model protocol held once, in the parent, before any world starts: build() on the CPU (the
-    global RNG seeded, then restored), units(model), make_batch of the run's global batch, and a loss
-    that is the mean over the batch. ModelError (one line) names the first problem."""
+    global RNG seeded, then restored), units(model), make_batch of the run's global batch, a forward that
+    draws no random numbers (check_no_random_forward), and a loss that is the mean over the batch. ModelError
+    (one line) names the first problem."""
     import torch
 
     name = spec.name
@@ -108,7 +113,92 @@ def check_model(spec, global_batch: int, seed: int) -> None:
     check_built(name, model, _calling(name, "units(model)", spec.units, model))
     batch = _calling(name, f"make_batch({global_batch}, 1, {seed})", spec.make_batch, global_batch, 1, seed)
     check_batch(name, batch, global_batch)
+    with torch.random.fork_rng(devices=[]):  # a dropout's draws leave the process's random state as it was
+        check_no_random_forward(name, model, batch)
     check_loss_is_a_mean(name, model, spec.loss, batch)
+
+
+class RandomForwardError(ModelError):
+    """The model's forward draws random numbers (dropout and the like); `module` names the first module whose
+    forward drew them ('' for the model's own forward), `ops` the random ops it ran."""
+
+    def __init__(self, message: str, module: str, ops: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.module, self.ops = module, ops
+
+
+def check_no_random_forward(name: str, model, batch) -> None:
+    """RandomForwardError (one line) where one forward of the model, in the mode build() left it in (the
+    harness never switches it), runs an op that draws random numbers (random_draws). Split data would draw
+    them for each rank's slice, the plain model for the whole batch: not the same numbers, whatever the seed,
+    so no run could match the plain model and every implementation would be blamed for the model's
+    randomness."""
+    draws = random_draws(name, model, batch[0])
+    if not draws:
+        return
+    module, ops = draws[0][0], tuple(dict.fromkeys(op for m, op in draws if m == draws[0][0]))
+    kind = {path: type(m).__name__ for path, m in model.named_modules()}.get(module, module)
+    where = f"module {module} ({kind})" if module else f"the model's own forward ({kind})"
+    raise RandomForwardError(
+        f"model {name!r}: the forward of {where} draws random numbers ({', '.join(ops)}): split data would draw "
+        "them per rank's slice and the plain model for the whole batch, so no run can match it; for verification "
+        "build the model without them (dropout p=0, or that module in eval mode: the harness never switches modes)",
+        module,
+        ops,
+    )
+
+
+def random_draws(name: str, model, x) -> list[tuple[str, str]]:
+    """(module, op) for every op of one forward of `model` on `x` that draws random numbers, in order: the ops
+    torch tags nondeterministic_seeded (bernoulli, rand, randn, randint, randperm, normal, uniform, multinomial,
+    native_dropout, ...), less those told to draw nothing (a dropout probability of 0, or not in training);
+    module: the innermost module whose forward ran it, by its path in the model ('' for the root's own; a module
+    outside the model by its class). A forward that raises draws nothing here: the loss check names the raise."""
+    import torch
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names = {id(m): path for path, m in model.named_modules()}
+    stack: list[str] = []
+    seen: list[tuple[str, str]] = []
+
+    class Draws(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
+                seen.append((stack[-1] if stack else "", f"aten.{func.overloadpacket.__name__}"))
+            return func(*args, **kwargs)
+
+    def enter(module, _args):
+        stack.append(names.get(id(module), type(module).__name__))
+
+    def leave(module, _args, _out):
+        if stack:
+            stack.pop()
+
+    hooks = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+    try:
+        with Draws():
+            model(x)
+    except Exception:  # noqa: BLE001 - the user's forward may raise anything: the loss check names it
+        return []
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _draws(func, args, kwargs) -> bool:
+    """Whether a random op's call draws: not where its dropout probability is 0 or it is told it is not training
+    (native_dropout(p=0), the fused attention kernels' dropout_p=0, which torch tags random whatever p is)."""
+    for i, arg in enumerate(func._schema.arguments):
+        positional = not arg.kwarg_only and i < len(args)
+        value = kwargs[arg.name] if arg.name in kwargs else args[i] if positional else arg.default_value
+        if arg.name in ("p", "dropout_p") and isinstance(value, (int, float)) and value == 0:
+            return False
+        if arg.name in ("train", "training") and value is False:
+            return False
+    return True
 
 
 def check_loss_is_a_mean(name: str, model, loss, batch) -> None:
