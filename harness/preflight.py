@@ -4,7 +4,8 @@
 
 - the user's models, held to the model protocol on the CPU of this process
   (harness/train/user_models.py check_model: build, units, a batch of the run's size, a forward that
-  draws no random numbers (dropout: the module is named), a loss that is the mean over the batch);
+  draws no random numbers (dropout: the module is named), a loss that is a mean over the batch, of the
+  samples or weighted by a count each sample carries, such as a token mean, which the run then measures);
 - the user's optimizers, each built by its factory over a probe parameter and stepped once
   (harness/optimizers.py check_optimizer: importable, callable, returns a torch.optim.Optimizer);
 - the temp dir the run writes into (harness/core/scratch.py): a TMPDIR that cannot take a file;
@@ -114,7 +115,7 @@ def _check_user_models(matrix: MatrixOptions) -> None:
 
     try:
         for name in mine:
-            check_model(get_model_spec(name), matrix.global_batch, matrix.seeds[0])
+            check_model(get_model_spec(name), matrix.global_batch, matrix.seeds[0], matrix.steps)
     except ModelError as e:
         raise argparse.ArgumentTypeError(f"--models: {e}") from None
 

@@ -10,7 +10,7 @@ import struct
 import pandas as pd
 
 from harness.checks.common import ROW, Check, by_scenario, first_param_crossing, fmt, judge, not_measured, ok_rows
-from harness.checks.noise_floor import batch_stats_of, holding, probe_maxima
+from harness.checks.noise_floor import batch_stats_of, holding, probe_maxima, weighted_loss_of
 from harness.core.features import has, passes_per_step, rounded_per_rank, shard_size
 from harness.core.policy import BF16_SPLIT, Bounds, not_exact
 from harness.core.scenario import REFERENCE_IMPL, Scenario, ckpt_step, feature_of, resume_of, widest
@@ -160,6 +160,9 @@ def factorisations_agree(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             else f"the model normalises with batch statistics ({batch_stats_of(row)}); the two normalise "
             "different groups of samples"
             if batch_stats_of(row)
+            else "the loss is a mean weighted by a count each sample carries (a token mean); the two normalise "
+            "different groups of samples by their own counts"
+            if weighted_loss_of(row)
             else ""
         )
         if apart:

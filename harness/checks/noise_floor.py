@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from harness.core.features import rounded_per_rank
-from harness.core.policy import NOISE_FLOOR_FACTOR, Bounds, model_sensitive, noise_floor_bound
+from harness.core.policy import BATCH_STATS_SPLIT, NOISE_FLOOR_FACTOR, Bounds, model_sensitive, noise_floor_bound
 from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of, resume_of, user_optimizer
 
 SENSITIVITY_COLUMNS = (
@@ -152,17 +152,49 @@ def batch_stats_of(row) -> str:
     return value if isinstance(value, str) else ""
 
 
+def weighted_loss_of(row) -> bool:
+    """Whether a scenarios-table row's model has a loss weighted by a count each sample carries (a token mean;
+    False for a table stored before the column existed)."""
+    value = getattr(row, "weighted_loss", False)
+    if isinstance(value, str):
+        return value.strip().lower() == "true"
+    return value == value and bool(value)  # NaN: not recorded
+
+
+# [Note: weighted loss] A loss that is a mean weighted by a count each sample carries (a token mean over the
+# non-pad tokens) normalises each rank's slice by that slice's count, so split data averages the ranks' own means,
+# not the global one; the run's plain model measures that difference (harness/checks/loop.py loss_normalisation)
+# and the implementations are held to the computation with the same normalisation: docs/checks.md#weighted-losses
+WEIGHTED_LOSS_SPLIT = (
+    "the loss is a mean weighted by a count each sample carries (a token mean), so each rank normalises its own "
+    "slice by its own count and split data averages the ranks' means, not the global mean (loss_normalisation "
+    "measures what that changes); it is held to the plain model stepping on the sum of the same per-rank "
+    "micro-batches instead"
+)
+
+
+def probe_cause(row) -> str:
+    """Why a split row is held to its rank-order noise probe rather than to the full batch ('' where it is not):
+    its model normalises with batch statistics (BATCH_STATS_SPLIT), or its loss normalises each rank's slice by
+    that slice's own count (WEIGHTED_LOSS_SPLIT). Either way each rank's slice is its own computation, which the
+    ranks' micro-batches, summed, are."""
+    layers = batch_stats_of(row)
+    if layers:
+        return BATCH_STATS_SPLIT.format(layers=layers)
+    return WEIGHTED_LOSS_SPLIT if weighted_loss_of(row) else ""
+
+
 def split_yardstick(row) -> str:
     """The id of the run a split row's numbers are held to: the full-batch reference, or for a model with
-    batch statistics the noise probe in rank order at the world size its first step was trained at (the
-    equivalent computation; a resumed run's first steps are its saver's). Under a composition that rounds
+    batch statistics or a weighted loss (probe_cause) the noise probe in rank order at the world size its first
+    step was trained at (the equivalent computation; a resumed run's first steps are its saver's). Under a composition that rounds
     each rank's gradient (bf16+ckpt) a run resumed at another world size is held where its first steps were
     trained: to its saver's reference, the ranks' micro-batches at resume_from."""
     sc = Scenario.of_row(row)
     if row.data_mode == "split" and rounded_per_rank(sc.feature) and resumed_across_sizes(row):
         return sc.saver().reference().id
     probe = sc.rank_order_probe(at=sc.resume_from or sc.world_size)  # a resumed run's first steps: its saver's
-    if row.data_mode == "split" and batch_stats_of(row) and probe is not None:
+    if row.data_mode == "split" and probe_cause(row) and probe is not None:
         return probe.id
     return sc.reference().id
 
@@ -178,7 +210,7 @@ def sensitivity_table(tables, bounds: Bounds = Bounds()) -> pd.DataFrame:
         maxima = probe_maxima(tables)
         for r in probes.itertuples():
             tier = bounds.split_bound(r.optimizer, float(r.lr), int(r.steps))
-            probe, stats = Scenario.of_row(r), bool(batch_stats_of(r))
+            probe, stats = Scenario.of_row(r), bool(probe_cause(r))
             if stats and probe.micro_batches > 1 and not (probe.reverse_micro or probe.nudge):  # the yardstick itself
                 continue
             floor = floors(maxima, [probe], against_probe=stats or rounded_per_rank(probe.feature))

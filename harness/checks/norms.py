@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 
 from harness.checks.common import ROW, Check, fmt, judge, not_measured, not_reference, ok_rows, reference_id
-from harness.checks.noise_floor import batch_stats_of, split_yardstick
+from harness.checks.noise_floor import probe_cause, split_yardstick
 from harness.core.features import clip_of
-from harness.core.policy import BATCH_STATS_SPLIT, Bounds
+from harness.core.policy import Bounds
 from harness.core.scenario import REFERENCE_IMPL, Scenario, widest
 from harness.core.verdict import Verdict
 
@@ -62,7 +62,7 @@ def grad_norm_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             f"(bound {bound:g}){ratio_hint(got, ref, widest(row), passed)}"
         )
         if ref_id != reference_id(row):
-            msg += f"; against {ref_id}: {BATCH_STATS_SPLIT.format(layers=batch_stats_of(row))}"
+            msg += f"; against {ref_id}: {probe_cause(row)}"
         if clipped_by_engine:
             msg += (
                 "; both after clipping to max_norm "
@@ -161,7 +161,7 @@ def clip_acts(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
             f"(bound {bounds.grad_norm_rel:g}){ratio_hint(got, want, widest(row), rel <= bounds.grad_norm_rel)}"
         )
         if ref_id != reference_id(row):
-            msg += f"; against {ref_id}: {BATCH_STATS_SPLIT.format(layers=batch_stats_of(row))}"
+            msg += f"; against {ref_id}: {probe_cause(row)}"
         out.append(
             judge(
                 "clip_acts",

@@ -26,9 +26,16 @@ from harness.checks.common import (
     reference_id,
     sharded_ws1,
 )
-from harness.checks.noise_floor import batch_stats_of, holding, probe_maxima, resumed_across_sizes, split_yardstick
+from harness.checks.noise_floor import (
+    batch_stats_of,
+    holding,
+    probe_cause,
+    probe_maxima,
+    resumed_across_sizes,
+    split_yardstick,
+)
 from harness.core.features import rounded_per_rank
-from harness.core.policy import BATCH_STATS_SPLIT, BF16_SPLIT, Bounds, not_exact
+from harness.core.policy import BF16_SPLIT, Bounds, not_exact
 from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of, resume_of, widest
 from harness.core.verdict import PASS, SKIP, UNSUPPORTED, Verdict
 
@@ -231,8 +238,8 @@ def grads_match_ws1(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
 def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     """Split data: each rank's 1/W slice, averaged, trains like the full batch within the stated bound,
     parameter by parameter; a parameter whose own noise floor is higher is held to that
-    (harness/core/policy.py [Note: noise floor]). A model with batch statistics is held to its noise
-    probe in rank order, the equivalent computation (BATCH_STATS_SPLIT)."""
+    (harness/core/policy.py [Note: noise floor]). A model with batch statistics, or a loss weighted by a count
+    each sample carries, is held to its noise probe in rank order, the equivalent computation (probe_cause)."""
     out = []
     sc, params = tables["scenarios"], tables["params"]
     done = set(ok_rows(sc).scenario)
@@ -249,7 +256,7 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
                 not_measured("split_matches_full_batch", row, f"the noise probe {lost[0]} did not complete", bound)
             )
             continue
-        layers, col = batch_stats_of(row), "diff_ref"
+        layers, cause, col = batch_stats_of(row), probe_cause(row), "diff_ref"
         rounded = rounded_per_rank(feature_of(row))  # its reference is the ranks' micro-batches already
         against = "full-batch training"
         if rounded and resumed_across_sizes(row):
@@ -269,7 +276,7 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
                 )
             )
             continue
-        if layers and not rounded:
+        if cause and not rounded:
             if resumed_across_sizes(row):
                 out.append(
                     Verdict(
@@ -279,18 +286,18 @@ def split_matches_full_batch(tables, bounds: Bounds = Bounds()) -> list[Verdict]
                         None,
                         bound,
                         message=(
-                            f"does not apply: {BATCH_STATS_SPLIT.format(layers=layers)}; a run resumed at another world "
+                            f"does not apply: {cause}; a run resumed at another world "
                             "size trained on two different cuts of the batch, which no single plain run reproduces"
                         ),
                     )
                 )
                 continue
             col, against = "diff_probe", "the plain model on the ranks' micro-batches"
-            why += f"; {BATCH_STATS_SPLIT.format(layers=layers)}"
+            why += f"; {cause}"
         elif rounded:
             against = f"full-batch training in {scen.reference().micro_batches} micro-batches"
             why += f"; {BF16_SPLIT}"
-        hold = holding(row, maxima, probes, bool(layers) or rounded, bounds)
+        hold = holding(row, maxima, probes, bool(cause) or rounded, bounds)
         rows = params_of.get(row.scenario)
         if layers and not rounded and int(row.world_size) > 2 and rows is not None and len(rows):
             rows, why = _first_step_only(rows, params_of, probes, why)
@@ -350,7 +357,7 @@ def converges(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     sc, steps = tables["scenarios"], tables["steps"]
     losses_of = _trajectories(steps)
     for row in ok_rows(sc)[lambda d: d.impl != REFERENCE_IMPL].itertuples():
-        if row.data_mode == "split" and batch_stats_of(row) and resumed_across_sizes(row):
+        if row.data_mode == "split" and probe_cause(row) and resumed_across_sizes(row):
             out.append(
                 Verdict(
                     "converges",
@@ -359,7 +366,7 @@ def converges(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
                     None,
                     0.0,
                     message=(
-                        f"does not apply: {BATCH_STATS_SPLIT.format(layers=batch_stats_of(row))}; a run resumed at another "
+                        f"does not apply: {probe_cause(row)}; a run resumed at another "
                         "world size normalised two different cuts of the batch, whose loss no single plain run traces"
                     ),
                 )

@@ -6,6 +6,7 @@ import pandas as pd
 
 from harness.checks.common import ROW, Check
 from harness.checks.features import FEATURE_CHECKS
+from harness.checks.loop import LOOP_CHECKS
 from harness.checks.norms import NORM_CHECKS
 from harness.checks.numeric import NUMERIC_CHECKS
 from harness.checks.resources import RESOURCE_CHECKS
@@ -15,7 +16,7 @@ from harness.core.verdict import FAIL, VERDICT_COLUMNS, Verdict
 
 
 def all_checks() -> tuple[Check, ...]:
-    return NUMERIC_CHECKS + ROW_CHECKS + NORM_CHECKS + FEATURE_CHECKS + RESOURCE_CHECKS
+    return NUMERIC_CHECKS + ROW_CHECKS + NORM_CHECKS + LOOP_CHECKS + FEATURE_CHECKS + RESOURCE_CHECKS
 
 
 def missing_columns(tables, check: Check) -> list[str]:

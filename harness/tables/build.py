@@ -8,19 +8,23 @@ the state held after it; `comm` rank 0's collectives per training step, averaged
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
 import pandas as pd
 import torch
 
+from harness.core.names import HF_PREFIX
 from harness.core.scenario import REFERENCE_IMPL, Scenario, ckpt_step
 from harness.measure.ideals import STATE
 from harness.tables.restored_state import compare_files
 from harness.tables.rows import params_moved, rows_apart
 from harness.tables.schema import columns
 from harness.train.checkpointing import RESTORED_STATE, SAVED_STATE
+from harness.train.models import get_model_spec
 from harness.train.params_file import load_params
+from harness.train.user_models import WEIGHTED_MEAN, ModelError, check_model
 
 
 def _scenario_fields(sc: Scenario) -> dict:
@@ -99,6 +103,21 @@ def _travel(cur: dict, before: dict | None) -> dict[str, float]:
         for name, t in cur.items()
         if name in before and before[name].shape == t.shape
     }
+
+
+@functools.lru_cache(maxsize=64)
+def weighted_loss(model: str, global_batch: int, seed: int, steps: int) -> bool:
+    """Whether the user's model `model` (package.module:factory) has a loss that is a mean weighted by a count each
+    sample carries (a token mean) over the batches of steps 1..`steps`, as the preflight measures it
+    (harness/train/user_models.py check_model): the scenarios table's weighted_loss, by which its split runs are
+    held to the ranks' own means. False for the harness's own models (each a mean over the samples, held so by the
+    unit tests) and for a model that cannot be measured (the preflight refuses it)."""
+    if ":" not in model or model.startswith(HF_PREFIX):
+        return False
+    try:
+        return check_model(get_model_spec(model), global_batch, seed, steps) == WEIGHTED_MEAN
+    except (ModelError, ValueError):
+        return False
 
 
 def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[str, pd.DataFrame]:
@@ -228,6 +247,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
                 "param_tensors": r0.get("param_tensors", math.nan),
                 "buffer_bytes": r0.get("buffer_bytes", math.nan),
                 "batch_stats": r0.get("batch_stats", ""),
+                "weighted_loss": weighted_loss(sc.model, sc.global_batch, sc.seed, sc.steps),
                 "params_compared": compared,
                 "rows_compared": rows_compared,
                 "rows_moved": rows_moved,

@@ -77,7 +77,9 @@ class Table:
 #               many parameters the run itself moved over its steps further than rounding alone moves an element
 #               (harness/tables/rows.py params_moved: 0, it trained nothing);
 #               buffer_bytes: the plain model's buffers; batch_stats: the plain model's layers that
-#               normalise with batch statistics (BatchNorm), comma-separated; restore_diff (ckpt, resumed
+#               normalise with batch statistics (BatchNorm), comma-separated; weighted_loss: the model's loss is
+#               a mean weighted by a count each sample carries (a token mean: harness/train/user_models.py
+#               weighted_loss), so split data averages the ranks' own means; restore_diff (ckpt, resumed
 #               runs): max |difference|
 #               between the parameters right after loading and the saver's at that step, restore_param
 #               where it is; state_restore_diff: the same for the optimizer state every rank holds (inf:
@@ -181,6 +183,7 @@ TABLES: dict[str, Table] = {
                 "param_tensors",
                 "buffer_bytes",
                 "batch_stats",
+                "weighted_loss",
                 "params_compared",
                 "rows_compared",
                 "rows_moved",

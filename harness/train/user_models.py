@@ -10,7 +10,8 @@ zero-argument callable that returns one::
                                                         numbers on every call and in every process
                                                         (draw from harness.train.models.data_generator)
     loss(outputs, targets)               -> scalar      the MEAN over the batch (split data averages
-                                                        ranks' means)
+                                                        ranks' means), or a mean weighted by a count each
+                                                        sample carries (a token mean), which the run measures
     units(model)                         -> list[nn.Module]   submodules to shard as units, bottom-up;
                                                         a tied parameter must live in one unit
 
@@ -18,13 +19,14 @@ zero-argument callable that returns one::
 
 Before any world starts the protocol is held once (`check_model`, run by harness/preflight.py): the forward must
 draw no random numbers (`check_no_random_forward`: dropout with p > 0 is refused, naming its module), and the
-loss must be the mean over the batch (`check_loss_is_a_mean`).
+loss must be a mean over the batch, of the samples or weighted by a count each sample carries (`loss_normaliser`).
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 
 from harness.core.loading import one_line, resolve
 
@@ -94,28 +96,45 @@ def check_batch(name: str, batch: object, global_batch: int) -> None:
 # A mean loss read two ways, over the whole batch and as the size-weighted mean of the losses of its two
 # halves, differs by rounding only: fp32 sums of a few dozen terms, a relative 1e-7 or so (each half runs
 # other kernel shapes too). A sum over the samples (reduction="sum") differs by a factor 2, a relative
-# difference of 1/2 or more. 1e-4 sits three orders of magnitude from both.
+# difference of 1/2 or more. 1e-4 sits three orders of magnitude from both. The same holds of the gradients
+# the loss gives its outputs (normaliser_shares): rounding against a share off by a sample's count.
 LOSS_MEAN_RTOL = 1e-4
 
+# How a loss normalises, as the preflight measures it (loss_normaliser): the mean over the samples, or a mean
+# whose normaliser is a count the batch carries (a token mean over the non-pad tokens: F.cross_entropy with
+# ignore_index, a class-weighted mean), so that the mean of the ranks' losses is not the loss of the batch.
+SAMPLE_MEAN, WEIGHTED_MEAN = "sample mean", "weighted mean"
 
-def check_model(spec, global_batch: int, seed: int) -> None:
+
+def check_model(spec, global_batch: int, seed: int, steps: int = 1) -> str:
     """The model protocol held once, in the parent, before any world starts: build() on the CPU (the
     global RNG seeded, then restored), units(model), make_batch of the run's global batch, a forward that
-    draws no random numbers (check_no_random_forward), and a loss that is the mean over the batch. ModelError
-    (one line) names the first problem."""
+    draws no random numbers (check_no_random_forward), and a loss that is a mean over the batch
+    (loss_normaliser, over the batches of steps 1..`steps`). ModelError (one line) names the first problem;
+    returns how the loss normalises (SAMPLE_MEAN or WEIGHTED_MEAN)."""
     import torch
 
-    name = spec.name
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]):  # the process's own random state left as it was, a dropout's draws too
         torch.manual_seed(seed)
-        model = _calling(name, "build()", spec.build)
+        return _checked(spec, global_batch, seed, steps)
+
+
+def _checked(spec, global_batch: int, seed: int, steps: int) -> str:
+    name = spec.name
+    model = _calling(name, "build()", spec.build)
     check_built(name, model, [])  # a module with parameters, before units(model) is asked of it
     check_built(name, model, _calling(name, "units(model)", spec.units, model))
     batch = _calling(name, f"make_batch({global_batch}, 1, {seed})", spec.make_batch, global_batch, 1, seed)
     check_batch(name, batch, global_batch)
-    with torch.random.fork_rng(devices=[]):  # a dropout's draws leave the process's random state as it was
-        check_no_random_forward(name, model, batch)
-    check_loss_is_a_mean(name, model, spec.loss, batch)
+    check_no_random_forward(name, model, batch)
+    kind = loss_normaliser(name, model, spec.loss, batch)
+    for step in range(2, steps + 1):
+        if kind == WEIGHTED_MEAN:
+            break
+        later = _calling(name, f"make_batch({global_batch}, {step}, {seed})", spec.make_batch, global_batch, step, seed)
+        shares = normaliser_shares(name, model, spec.loss, later)
+        kind = WEIGHTED_MEAN if shares is not None and shares.weighted else kind
+    return kind
 
 
 class RandomForwardError(ModelError):
@@ -202,25 +221,131 @@ def _draws(func, args, kwargs) -> bool:
 
 
 def check_loss_is_a_mean(name: str, model, loss, batch) -> None:
-    """Split data averages the ranks' mean losses, so the loss must be the mean over the batch:
-    ModelError unless `mean_loss_gap` is within LOSS_MEAN_RTOL."""
-    gap = mean_loss_gap(name, model, loss, batch)
+    """The loss must be a mean over the batch (loss_normaliser): ModelError otherwise."""
+    loss_normaliser(name, model, loss, batch)
+
+
+def loss_normaliser(name: str, model, loss, batch) -> str:
+    """How the loss normalises the batch it is given: SAMPLE_MEAN (the mean over the samples, `mean_loss_gap`
+    within LOSS_MEAN_RTOL), or WEIGHTED_MEAN (`normaliser_shares`: each sample weighs by a count of its own, as in
+    a token mean over the non-pad tokens, and the batch's loss is the mean of its halves' weighted by their counts).
+    ModelError for anything else: a sum (reduction='sum'), or a loss that mixes samples. Split data averages the
+    ranks' losses; with a weighted mean that average is not the global mean, which the run then measures
+    (harness/checks/loop.py loss_normalisation) instead of refusing the model."""
+    shares = normaliser_shares(name, model, loss, batch)
+    weights = shares.shares if shares is not None and shares.weighted else None
+    gap = mean_loss_gap(name, model, loss, batch, weights)
     if gap is None or gap[0] <= LOSS_MEAN_RTOL:
-        return
-    ratio = gap[1]
-    cause = " (a sum over the samples: reduction='sum'?)" if abs(ratio - 2) <= 0.01 else ""
+        return WEIGHTED_MEAN if weights is not None else SAMPLE_MEAN
+    rel, ratio = gap
+    n = int(batch[0].shape[0])
+    if weights is not None:
+        raise ModelError(
+            f"model {name!r}: loss(outputs, targets) weighs each sample by a count of its own (a token mean?), but the "
+            f"loss of a batch of {n} differs from its halves' losses weighted by their counts by {rel:.3g} relative "
+            f"(tolerance {LOSS_MEAN_RTOL:g}): the model or the loss mixes samples, so split data cannot compute it"
+        )
+    cause = (
+        " (a sum over the samples: reduction='sum'?)"
+        if abs(ratio - 2) <= 0.01
+        else f" ({rel:.3g} relative: the loss mixes samples, as a contrastive loss does, or weighs each by a count "
+        "of its own, as a token mean does, from outputs that are not one floating tensor of the batch's samples, "
+        "the gradient of which the harness reads to measure such a normaliser)"
+    )
     raise ModelError(
         f"model {name!r}: loss(outputs, targets) is not the mean over the batch: the loss of a batch of "
-        f"{int(batch[0].shape[0])} is {ratio:.3f}x the mean of its two halves' losses{cause}; split data "
+        f"{n} is {ratio:.3f}x the mean of its two halves' losses{cause}; split data "
         f"averages the ranks' mean losses, so the loss must be the mean (relative tolerance "
         f"{LOSS_MEAN_RTOL:g})"
     )
 
 
-def mean_loss_gap(name: str, model, loss, batch) -> tuple[float, float] | None:
+@dataclass(frozen=True)
+class Shares:
+    """What the gradients a loss gives its outputs say of its normaliser, half by half (samples 0::2, 1::2): the
+    gradient of the whole batch's loss on a half's samples is `shares[h]` x the gradient of that half's own loss
+    (within `residual`, relative). A mean over the samples has shares n_h / n; a sum, 1 each; a mean weighted by a
+    count each sample carries (a token mean), each half's count over the batch's."""
+
+    shares: tuple[float, float]
+    sizes: tuple[float, float]  # n_h / n
+    residual: float
+
+    @property
+    def proportional(self) -> bool:
+        """Each half's gradient a multiple of the whole's on its samples: no sample's loss depends on another."""
+        return self.residual <= LOSS_MEAN_RTOL
+
+    @property
+    def weighted(self) -> bool:
+        """A mean whose normaliser is a count summed over the samples (the shares add up to 1) that is not the
+        samples' count (some share off n_h / n)."""
+        return (
+            self.proportional
+            and abs(sum(self.shares) - 1) <= LOSS_MEAN_RTOL
+            and any(abs(c / s - 1) > LOSS_MEAN_RTOL for c, s in zip(self.shares, self.sizes))
+        )
+
+
+def normaliser_shares(name: str, model, loss, batch) -> Shares | None:
+    """The loss's normaliser, read from the gradients it gives the model's outputs (the model in eval mode,
+    without gradients; the loss alone differentiated, on the whole batch's outputs and on each half's): `Shares`.
+    None where the outputs are not one floating tensor of the batch's samples, the loss does not differentiate
+    them, or a half's gradient is zero: the loss values alone are then asked (mean_loss_gap)."""
+    import torch
+
+    x, y = batch
+    n = int(x.shape[0])
+    if n < 2:
+        return None
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(x)
+    except Exception:  # noqa: BLE001 - the user's forward may raise anything: mean_loss_gap names it
+        return None
+    finally:
+        model.train(was_training)
+    if not (isinstance(out, torch.Tensor) and out.is_floating_point() and out.dim() and out.shape[0] == n):
+        return None
+    whole = _output_grad(loss, out, y)
+    if whole is None:
+        return None
+    shares, sizes, residual = [], [], 0.0
+    for i in (0, 1):
+        part, mine = _output_grad(loss, out[i::2], y[i::2]), whole[i::2]
+        if part is None or not float(part.norm()) or not float(mine.norm()):
+            return None
+        c = float((mine * part).sum() / (part * part).sum())
+        shares.append(c)
+        sizes.append(int(part.shape[0]) / n)
+        residual = max(residual, float((mine - c * part).norm() / mine.norm()))
+    if not all(math.isfinite(v) for v in (*shares, residual)):
+        return None
+    return Shares(tuple(shares), tuple(sizes), residual)
+
+
+def _output_grad(loss, out, y):
+    """d loss(out, y) / d out in float64, or None where the loss does not differentiate its outputs (or raises:
+    the value check names a loss that raises)."""
+    import torch
+
+    o = out.detach().clone().requires_grad_(True)
+    try:
+        with torch.enable_grad():
+            value = loss(o, y)
+            (grad,) = torch.autograd.grad(value, o, allow_unused=True)
+    except Exception:  # noqa: BLE001 - not differentiable here: mean_loss_gap asks the values
+        return None
+    return None if grad is None else grad.double()
+
+
+def mean_loss_gap(name: str, model, loss, batch, weights=None) -> tuple[float, float] | None:
     """(relative difference, ratio) of the loss of the batch and the size-weighted mean of the losses of
-    its two halves (samples 0::2 and 1::2, as two ranks split it), relative to the halves' mean |loss|.
-    Run in eval mode, without gradients: dropout and batch statistics (BatchNorm) make a loss depend on
+    its two halves (samples 0::2 and 1::2, as two ranks split it), relative to the halves' mean |loss|;
+    `weights`: the halves' weights instead of their sizes (a weighted mean's shares, normaliser_shares).
+    Run in eval mode, without gradients: batch statistics (BatchNorm) make a loss depend on
     the batch it is in beyond its reduction, which is not what this asks. None where there is nothing
     to compare: a batch of one sample, halves whose losses are both 0, or a loss that is not finite (a model
     whose outputs are NaN or Inf breaks no loss protocol: the run's `finite` check names where it appears)."""
@@ -241,7 +366,8 @@ def mean_loss_gap(name: str, model, loss, batch) -> tuple[float, float] | None:
         model.train(was_training)
     if not all(math.isfinite(v) for v in (whole, *parts)):
         return None
-    mean = sum(int(hx.shape[0]) * v for (hx, _), v in zip(halves, parts)) / n
+    weights = weights or [int(hx.shape[0]) / n for hx, _ in halves]
+    mean = sum(w * v for w, v in zip(weights, parts))
     scale = sum(abs(v) for v in parts) / 2
     if not scale:
         return None
