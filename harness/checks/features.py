@@ -407,7 +407,7 @@ def eval_matches(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         if not has(feature_of(row), "eval"):
             continue
         scen = Scenario.of_row(row)
-        exact = widest(row) == 1 or (row.data_mode == "replicated" and not not_exact(scen.feature))
+        exact = widest(row) == 1 or (row.data_mode == "replicated" and not not_exact(scen.feature, scen.optimizer))
         mine = evals.get(row.scenario)
         if exact:
             yard = scen.reference().id if widest(row) == 1 else scen.ws1().id
