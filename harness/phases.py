@@ -56,6 +56,9 @@ class RunResult:
     wall_s: float
     worlds_started: int = 0
     records: dict = field(default_factory=dict)
+    # seconds per part of the run: the matrix's scenarios, tables and checks, then each later phase by name
+    # (harness.bench.harness_cost says where a run's time went from them)
+    phase_s: dict = field(default_factory=dict)
 
     @property
     def failed(self) -> list[Verdict]:
@@ -175,7 +178,10 @@ def run_phases(run: Run, phases: tuple[Phase, ...] = PHASES) -> RunResult | None
     t0 = time.perf_counter()
     for phase in phases:
         if phase.applies(run):
+            t = time.perf_counter()
             phase.run(run)
+            if run.result is not None and phase.name != "matrix":  # the matrix times its own parts
+                run.result.phase_s[phase.name] = time.perf_counter() - t
         if run.result is None:
             return None
     finish_tables(run.result)
@@ -202,10 +208,15 @@ def _records_judged(
     """Every scenario on `pool`, the tables built and the checks run (no verdict table yet)."""
     t0 = time.perf_counter()
     own_dir = tempfile.TemporaryDirectory(prefix="fsdp-harness-") if snapshot_dir is None else None
+    phase_s = {}
     with own_dir or contextlib.nullcontext(snapshot_dir) as snapshots:
         records = execute(scenarios, snapshot_dir=snapshots, pool=pool, progress=progress)
+        phase_s["scenarios"] = time.perf_counter() - t0
         tables = build_tables(scenarios, records)
+        phase_s["tables"] = time.perf_counter() - t0 - phase_s["scenarios"]
+    t = time.perf_counter()
     verdicts = run_checks(tables, bounds)
+    phase_s["checks"] = time.perf_counter() - t
     backend = scenarios[0].backend if scenarios else "gloo"
     return RunResult(
         scenarios,
@@ -215,6 +226,7 @@ def _records_judged(
         time.perf_counter() - t0 + read_back_s,
         pool.worlds_started,
         records,
+        phase_s,
     )
 
 

@@ -157,6 +157,8 @@ class Session:
             res = run_phases(
                 Run(self.options, scenarios, pool, say=self.say, progress=progress, baseline=self.baseline)
             )
+            if res is not None and pool is not None:
+                res.phase_s["world starts"] = pool.start_s  # inside the phases' seconds: where each world began
         if res is None:
             self.is_writer = False
             return None

@@ -1,50 +1,70 @@
-"""What the harness adds to training: each cell trained bare, then the harness's way, in the same worlds.
+"""What the harness adds to training: a run, then the bare training of every run in its matrix, in one invocation.
 
-    python -m harness.bench.harness_cost --world-sizes 1,2,4,8 --impl fsdp_impl,torch_fsdp2
+    python -m harness.bench.harness_cost --world-sizes 1,2,4,8 --per-sample     # the main job (docs/running.md)
+    python -m harness.bench.harness_cost --world-sizes 1,2 --models mlp         # any `harness run` options
 
-Bare: the adapter's wrap and optimizer, then per step the plain feature's forward and backward
-(harness.train.features.forward_backward, the step code the harness runs), the adapter's after_backward and
-the optimizer step, timed on every rank between two barriers; nothing measured, nothing written. The
-harness's way: the same cells as scenarios of a matrix (every measurement, snapshot and record of a
-rank, and the parent's tables and checks), timed per scenario as the main job's progress lines show it.
-The worlds are started before either pass, so neither pays a world's start. Prints per world size the
-two totals and their ratio, then the sums: the bare sum is a floor for these cells on this machine,
-the time training them takes with nothing verified.
+1. The run in this process, as `python -m harness run` makes it with the same options: its own pool of worlds,
+   every phase, the report and tables written (to a temp folder unless --report says where). Its wall time, and
+   where it went: the world starts, each rank's parts of each scenario (harness.core.costs, recorded by
+   harness.train.task), the tables, the checks, each later phase and the report.
+2. Bare: every run of its matrix that ran (the implementations' cells and the runs they are compared with: the
+   plain model's, world size 1's, the probes'), in worlds started beforehand: the model built, the adapter's wrap
+   and optimizer, then per step the feature's forward and backward (harness.train.features.forward_backward, the
+   step code the harness runs), the adapter's after_backward, clipping where the feature clips and the optimizer
+   step (an engine's own where the adapter has engine hooks), on every rank between two barriers; nothing
+   measured, written or compared. Its sum is the floor: training this matrix with nothing verified.
+3. The first progress line of `python -m harness run` with the same options in a new process: seconds from
+   launch (the run is then interrupted; --no-first-line skips it).
+
+Prints per world size the runs' seconds both ways and their ratio (the scenarios' seconds as the progress lines
+show them against their bare training), the run's wall time against the bare sum, and the difference by part.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 from harness import options as opt
-from harness.core.scenario import REFERENCE_IMPL, Scenario
+from harness.core.scenario import Scenario
 from harness.execute.world import WorldPool
-from harness.phases import run_matrix
-from harness.preflight import checked_matrix
+from harness.session import Session, session_options
 
 BARE_TASK = "harness.bench.harness_cost:train_bare"
+# the parts of a rank's scenario outside its training steps, as harness.train.task records them
+RANK_PARTS = {
+    "census": "memory census and peak tracker set-up (measured step)",
+    "snapshots": "full-parameter snapshots (initial and every step)",
+    "exchange": "per-step records exchanged (loss, gradient digest, norms)",
+    "align": "step barrier",
+    "checkpoints": "checkpoints (ckpt)",
+    "after": "after the run (plain eval, first non-finite module)",
+}
 
 
-def train_bare(ctx, payload: dict) -> float:
-    """One cell's training on this rank with nothing of the harness around it; its seconds (the slowest
-    rank's is the cell's)."""
+def train_bare(ctx, payload: dict) -> dict:
+    """One run's training on this rank with nothing of the harness around it: {"setup": s, "steps": s} (the build,
+    wrap and optimizer; the steps), the slowest rank's being the run's."""
     import torch
     import torch.distributed as dist
 
     from harness.adapters import load_adapter
+    from harness.core.features import has
     from harness.train.data import global_batch, local_slice
-    from harness.train.features import forward_backward
+    from harness.train.features import checkpoint_units, forward_backward, wrap_for
     from harness.train.models import get_model_spec
+    from harness.train.task import Engine, clip_for
 
     sc = Scenario(**payload)
     spec, adapter = get_model_spec(sc.model), load_adapter(sc.impl)
-    torch.manual_seed(sc.seed)
-    model = spec.build()
-    wrapped = adapter.wrap(model, spec.units(model), group=ctx.group, device=ctx.device)
-    optimizer = adapter.make_optimizer(wrapped, name=sc.optimizer, lr=sc.lr)
     batches = [
         local_slice(*global_batch(spec, sc.global_batch, step, sc.seed), ctx.rank, ctx.world_size, sc.data_mode)[:2]
         for step in range(1, sc.steps + 1)
@@ -52,51 +72,195 @@ def train_bare(ctx, payload: dict) -> float:
     if ctx.world_size > 1:
         dist.barrier(group=ctx.group)
     t0 = time.perf_counter()
+    torch.manual_seed(sc.seed)
+    model = spec.build().to(ctx.device)
+    units = spec.units(model)
+    if has(sc.feature, "ac"):
+        checkpoint_units(units)
+    wrapped = wrap_for(sc.feature, adapter, model, units, ctx=ctx)
+    optimizer = adapter.make_optimizer(wrapped, name=sc.optimizer, lr=sc.lr)
+    engine = Engine(adapter, wrapped, optimizer)
+    sync = getattr(adapter, "set_gradient_sync", None)
+    set_sync = (lambda enabled: sync(wrapped, enabled)) if callable(sync) else None
+    t1 = time.perf_counter()
     for x, y in batches:
-        forward_backward("plain", spec, wrapped, x.to(ctx.device), y.to(ctx.device))
+        forward_backward(
+            sc.feature,
+            spec,
+            wrapped,
+            x.to(ctx.device),
+            y.to(ctx.device),
+            lambda phase, value=None: value,
+            set_sync,
+            micro=sc.micro_batches,
+            reverse=sc.reverse_micro,
+            backward=engine.backward,
+            micro_step=engine.micro_step,
+        )
         adapter.after_backward(wrapped, optimizer)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if not engine.clips:
+            clip_for(adapter, wrapped, sc.feature, sc.nudge)
+        engine.step()
+        engine.zero_grad()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
     if ctx.world_size > 1:
         dist.barrier(group=ctx.group)
-    return time.perf_counter() - t0
+    t2 = time.perf_counter()
+    return {"setup": t1 - t0, "steps": t2 - t1}
+
+
+def slowest(ranks: list[dict], part: str) -> float:
+    """The slowest rank's seconds in `part` of a scenario (0 where no rank recorded it)."""
+    return max((r.get("costs", {}).get(part, 0.0) for r in ranks), default=0.0)
+
+
+def first_progress_line(argv: list[str], report_dir: str) -> tuple[float | None, str]:
+    """Seconds from launching `python -m harness run <argv>` to its first progress line, and what it printed before
+    (None: it printed none, then the printed lines say why); the run is interrupted there."""
+    cmd = [sys.executable, "-m", "harness", "run", *argv, "--report", os.path.join(report_dir, "first.md")]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+    seen, said = None, []
+    try:
+        for line in proc.stderr:
+            if line.startswith("["):
+                seen = time.perf_counter() - t0
+                break
+            said.append(line)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return seen, "".join(said[-5:])
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The options, and the command line `python -m harness run` gets for the first-line measurement (this
+    bench's own option and the outputs left out: that run writes to a temp folder)."""
+    p = argparse.ArgumentParser(
+        prog="python -m harness.bench.harness_cost", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
+    opt.add_matrix_arguments(p.add_argument)
+    opt.add_output_arguments(p.add_argument)
+    p.add_argument("--no-first-line", action="store_true", help="skip the first-progress-line measurement")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = p.parse_args(argv)
+    run_argv, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--report", "--save-baseline"):
+            skip = True
+        elif a not in ("--no-first-line", "--no-report") and not a.startswith(("--report=", "--save-baseline=")):
+            run_argv.append(a)
+    return ns, run_argv
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world-sizes", type=opt.world_sizes, default=(1, 2, 4, 8))
-    p.add_argument("--impl", dest="impls", type=opt.impls, default=("fsdp_impl", "torch_fsdp2"))
-    p.add_argument("--models", type=opt.models, default=opt.DEFAULT_MODELS)
-    p.add_argument("--optimizers", type=opt.optimizers, default=("adamw", "sgd"))
-    p.add_argument("--steps", type=opt.steps, default=10)
-    ns = p.parse_args(argv)
-    scenarios = checked_matrix(ns).scenarios()
-    cells = [s for s in scenarios if s.impl != REFERENCE_IMPL and s.world_size in ns.world_sizes]
+    ns, run_argv = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="harness-cost-") as tmp:
+        if ns.report is None and not ns.no_report:
+            ns.report = Path(tmp) / "verification.md"
+        options = session_options(ns)
+        first = None if ns.no_first_line else first_progress_line(run_argv, tmp)
+        done = [0]
+
+        def say(line: str) -> None:
+            if line.startswith("["):
+                done[0] += 1
+                if done[0] % 10 == 0:
+                    print(f"  {done[0]} scenarios run ...", file=sys.stderr, flush=True)
+            elif not line.startswith("wrote"):
+                print(f"  {line}", file=sys.stderr, flush=True)
+
+        print("the run, the harness's way ...", file=sys.stderr, flush=True)
+        seconds: dict[str, float] = {}
+        t0 = time.perf_counter()
+        session = Session(options, say=say)
+        res = session.run()
+        t_run = time.perf_counter()
+        session.finish()
+        wall = time.perf_counter() - t0
+        seconds["report"] = time.perf_counter() - t_run
+
+        ran = [sc for sc in res.scenarios if "ranks" in res.records.get(sc.id, {})]
+        print(f"bare training of the {len(ran)} runs that ran ...", file=sys.stderr, flush=True)
+        bare: dict[str, dict] = {}
+        with WorldPool(keep=True) as pool:
+            for w, backend in sorted({(s.world_size, s.backend) for s in ran}):  # started and warmed first
+                warm = next(s for s in ran if (s.world_size, s.backend) == (w, backend))
+                pool.get(w, backend).call(BARE_TASK, dataclasses.asdict(dataclasses.replace(warm, steps=2)))
+            for sc in ran:
+                out = pool.get(sc.world_size, sc.backend).call(BARE_TASK, dataclasses.asdict(sc))
+                bare[sc.id] = {k: max(o[k] for o in out) for k in ("setup", "steps")}
+
+    print_figures(res, ran, bare, seconds, wall, first)
+
+
+def print_figures(res, ran, bare, seconds, wall, first) -> None:
+    seconds_of = {sc.id: res.records[sc.id]["seconds"] for sc in ran}
+    by_w_bare, by_w_harness = defaultdict(float), defaultdict(float)
+    for sc in ran:
+        by_w_bare[sc.world_size] += sum(bare[sc.id].values())
+        by_w_harness[sc.world_size] += seconds_of.get(sc.id, 0.0)
+    print(f"{len(ran)} runs ({sum(sc.impl != 'reference' for sc in ran)} of the implementations under test)")
+    print(f"{'W':>3} {'runs':>5} {'bare s':>8} {'harness s':>10} {'ratio':>6}")
+    for w in sorted(by_w_bare):
+        n = sum(sc.world_size == w for sc in ran)
+        print(f"{w:>3} {n:>5} {by_w_bare[w]:>8.3f} {by_w_harness[w]:>10.3f} {by_w_harness[w] / by_w_bare[w]:>5.2f}x")
+    b, h = sum(by_w_bare.values()), sum(by_w_harness.values())
     print(
-        f"{len(cells)} cells (and the {len(scenarios) - len(cells)} runs they are compared with), "
-        f"world sizes {','.join(map(str, ns.world_sizes))}, {ns.steps} steps"
+        f"all {len(ran):>5} {b:>8.3f} {h:>10.3f} {h / b:>5.2f}x   (the scenarios' seconds against their bare training)"
     )
-    bare, harnessed = defaultdict(float), defaultdict(float)
-    with WorldPool(keep=True) as pool:
-        for w in sorted({s.world_size for s in scenarios}):
-            pool.get(w)
-        for sc in cells:
-            payload = dataclasses.asdict(sc)
-            bare[sc.world_size] += max(pool.get(sc.world_size, sc.backend).call(BARE_TASK, payload))
-        ids = {s.id for s in cells}
+    print(f"\nthe whole run: {wall:.3f} s wall against {b:.3f} s of bare training: {wall / b:.2f}x")
+    if first is not None:
+        seconds_to, said = first
+        print(
+            f"first progress line {seconds_to:.2f} s after `python -m harness run` was launched"
+            if seconds_to is not None
+            else f"no progress line from `python -m harness run`; it printed:\n{said}"
+        )
 
-        def progress(_i, _n, sc, seconds):
-            if sc.id in ids:
-                harnessed[sc.world_size] += seconds
-
-        res = run_matrix(scenarios, pool=pool, progress=progress)
-    if res.failed:
-        print(f"note: {len(res.failed)} verdicts failed (the timing stands; the run is not a verification)")
-    print(f"{'W':>3} {'bare s':>8} {'harness s':>10} {'ratio':>6}")
-    for w in sorted(bare):
-        print(f"{w:>3} {bare[w]:>8.3f} {harnessed[w]:>10.3f} {harnessed[w] / bare[w]:>5.2f}x")
-    b, h = sum(bare.values()), sum(harnessed.values())
-    print(f"all {b:>8.3f} {h:>10.3f} {h / b:>5.2f}x   (bare: a floor for these cells on this machine)")
+    # where the difference went
+    parts: dict[str, float] = {"bare training (the floor)": b}
+    parts["world starts"] = res.phase_s.get("world starts", 0.0)
+    measured_extra = steps_extra = setup_extra = grad_norm = 0.0
+    rank_parts = defaultdict(float)
+    between = 0.0
+    for sc in ran:
+        ranks = res.records[sc.id]["ranks"]
+        trained = slowest(ranks, "steps") + slowest(ranks, "measured_step")
+        plain_steps = max(1, sum(1 for _ in ranks[0]["steps"]) - 1)
+        per_step = slowest(ranks, "steps") / plain_steps
+        measured_extra += max(0.0, slowest(ranks, "measured_step") - per_step)
+        grad_norm += slowest(ranks, "grad_norm")
+        steps_extra += trained - slowest(ranks, "grad_norm") - max(0.0, slowest(ranks, "measured_step") - per_step)
+        steps_extra -= bare[sc.id]["steps"]
+        setup_extra += slowest(ranks, "setup") - bare[sc.id]["setup"]
+        for part in RANK_PARTS:
+            rank_parts[part] += slowest(ranks, part)
+        between += seconds_of.get(sc.id, 0.0) - slowest(ranks, "total")
+    parts["measured step beyond a plain step (peak tracker, unit timeline)"] = measured_extra
+    parts["gradient norm (per step)"] = grad_norm
+    parts["training steps beyond bare (counters, marks)"] = steps_extra
+    parts["set-up beyond bare (timeline, checks of the model)"] = setup_extra
+    for part, what in RANK_PARTS.items():
+        parts[what] = rank_parts[part]
+    parts["between ranks and parent (records sent, world's first call)"] = between - parts["world starts"]
+    for name in ("tables", "checks"):
+        parts[f"the parent's {name}"] = res.phase_s.get(name, 0.0)
+    for name, s in res.phase_s.items():
+        if name not in ("scenarios", "tables", "checks", "world starts"):
+            parts[f"phase {name}"] = s
+    parts["the report and tables written"] = seconds["report"]
+    parts["the rest (options, matrix, environment)"] = wall - sum(parts.values())
+    print(f"\n{'where the run went':<66} {'s':>8} {'of run':>7}")
+    for name, s in parts.items():
+        print(f"{name:<66} {s:>8.3f} {s / wall:>6.1%}")
 
 
 if __name__ == "__main__":

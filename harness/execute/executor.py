@@ -117,8 +117,9 @@ def execute(
         payload = payload_of(sc, snapshot_dir, savers)
         why = unsupported(sc)
         record = {"unsupported": why} if why else pool.run_scenario(sc, payload)
+        seconds = time.perf_counter() - t0
         if record is not None:
-            results[sc.id] = record
+            results[sc.id] = {**record, "seconds": seconds}  # as its progress line shows it
         if progress is not None:
-            progress(i + 1, len(order), sc, time.perf_counter() - t0)
+            progress(i + 1, len(order), sc, seconds)
     return results

@@ -331,6 +331,7 @@ class WorldPool:
         unwind_on_termination()  # before the owner makes temp dirs for the pool's worlds to write in
         self.timeout_s, self.start_method, self.reuse, self.keep = timeout_s, start_method, reuse, keep
         self.worlds_started = 0
+        self.start_s = 0.0  # seconds spent starting worlds
         self._worlds: dict[tuple[int, str], World] = {}
 
     def get(self, world_size: int, backend: str = "gloo") -> World:
@@ -345,7 +346,9 @@ class WorldPool:
                 self._worlds.pop(other).close()
         else:
             self.close()
+        t0 = time.perf_counter()
         world = self._worlds[key] = World(world_size, backend, timeout_s=self.timeout_s, start_method=self.start_method)
+        self.start_s += time.perf_counter() - t0
         self.worlds_started += 1
         return world
 

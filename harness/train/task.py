@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from harness.adapters import load_adapter
 from harness.adapters.base import declared_settings, sharded_state
+from harness.core.costs import Stopwatch
 from harness.core.features import clip_of, has, shard_size
 from harness.core.policy import Bounds
 from harness.core.scenario import Scenario
@@ -48,6 +49,8 @@ def train_scenario(ctx, payload: dict) -> dict:
     """Entry point for World.call("harness.train.task:train_scenario", payload)."""
     sc = Scenario(**payload["scenario"])
     snap_dir = Path(payload["snapshot_dir"]) / sc.id
+    costs = Stopwatch()  # where this rank's time went (harness.bench.harness_cost)
+    t0 = time.perf_counter()
     # snapshots and checkpoints go to the run's temp dir: a full or refusing one ends the run in one line
     with writing_into(payload["snapshot_dir"]):
         if ctx.rank == 0:
@@ -57,17 +60,32 @@ def train_scenario(ctx, payload: dict) -> dict:
         ckpt = Checkpointing(payload, snap_dir, ctx.rank)
         # what the process holds before the scenario is not the scenario's
         with Census(ctx.device, keep_frozen=True) as census:
-            res = _train(ctx, sc, spec, adapter, census, snap_dir, ckpt, payload.get("trace"))
-        if ctx.rank == 0 and has(sc.feature, "eval"):  # after the run: nothing of it is measured
-            add_plain_eval_losses(sc, spec, snap_dir, res["steps"], ctx.device)
-        if ctx.rank == 0:  # a non-finite loss: the module that first gave a non-finite output (nothing otherwise)
-            add_first_nonfinite(sc, spec, snap_dir, res["steps"], ctx.device)
+            res = _train(ctx, sc, spec, adapter, census, snap_dir, ckpt, payload.get("trace"), costs)
+        with costs.part("after"):
+            if ctx.rank == 0 and has(sc.feature, "eval"):  # after the run: nothing of it is measured
+                add_plain_eval_losses(sc, spec, snap_dir, res["steps"], ctx.device)
+            if ctx.rank == 0:  # a non-finite loss: the module that first gave a non-finite output (nothing otherwise)
+                add_first_nonfinite(sc, spec, snap_dir, res["steps"], ctx.device)
+        costs.add("total", time.perf_counter() - t0)
+        res["costs"] = costs.seconds
         return res
 
 
 def _train(
-    ctx, sc: Scenario, spec, adapter, census: Census, snap_dir: Path, ckpt: Checkpointing, trace: dict | None = None
+    ctx,
+    sc: Scenario,
+    spec,
+    adapter,
+    census: Census,
+    snap_dir: Path,
+    ckpt: Checkpointing,
+    trace: dict | None = None,
+    costs: Stopwatch | None = None,
 ) -> dict:
+    """The scenario's training on this rank. `costs`: seconds by part (setup, steps, measured_step, grad_norm,
+    census, snapshots, exchange, align, checkpoints)."""
+    costs = costs or Stopwatch()
+    setup_t0 = time.perf_counter()
     device = ctx.device
     torch.manual_seed(sc.seed)
     model = spec.build()
@@ -87,9 +105,15 @@ def _train(
     def write_state(path: Path) -> None:  # the optimizer state every rank holds (ckpt: saved, restored)
         save_held_state(census.optimizers(optimizer), names, ctx, path, own=len(optimizer_list(optimizer)))
 
-    steps = ckpt.resume(adapter, wrapped, optimizer, write_state)  # the saver's step records (ckpt), else []
-    _snapshot(adapter, wrapped, snap_dir / f"step{len(steps)}.pt", ctx.rank)
-    ckpt.save_after(len(steps), adapter, wrapped, optimizer, steps, write_state)  # a checkpoint of the initial state
+    with costs.part("checkpoints"):
+        steps = ckpt.resume(adapter, wrapped, optimizer, write_state)  # the saver's step records (ckpt), else []
+    costs.add("setup", time.perf_counter() - setup_t0 - costs.seconds["checkpoints"])
+    with costs.part("snapshots"):
+        _snapshot(adapter, wrapped, snap_dir / f"step{len(steps)}.pt", ctx.rank)
+    with costs.part("checkpoints"):
+        ckpt.save_after(
+            len(steps), adapter, wrapped, optimizer, steps, write_state
+        )  # a checkpoint of the initial state
     sync = getattr(adapter, "set_gradient_sync", None)  # a capability (harness/adapters/base.py)
     set_sync = (lambda enabled: sync(wrapped, enabled)) if callable(sync) else None
     engine = Engine(adapter, wrapped, optimizer)  # the adapter's engine hooks, else the harness's own step
@@ -119,12 +143,14 @@ def _train(
         )
         mem = None
         if measure_mem:  # the peak tracker also counts what the implementation holds outside model and optimizer
-            optimizers = census.optimizers(optimizer)  # the adapter's and any inside it
-            held_elsewhere = [t for cat, _, t in census.classify(wrapped, optimizers, batch) if cat == "other"]
-            mem = PeakMemory(wrapped, optimizers, device, extra=held_elsewhere, on_op=timeline.sample)
-            del held_elsewhere  # the tracker holds them weakly; a strong reference here would keep them alive
+            with costs.part("census"):
+                optimizers = census.optimizers(optimizer)  # the adapter's and any inside it
+                held_elsewhere = [t for cat, _, t in census.classify(wrapped, optimizers, batch) if cat == "other"]
+                mem = PeakMemory(wrapped, optimizers, device, extra=held_elsewhere, on_op=timeline.sample)
+                del held_elsewhere  # the tracker holds them weakly; a strong reference here would keep them alive
         _sync(device)
-        _align(ctx)
+        with costs.part("align"):
+            _align(ctx)
         t0 = time.perf_counter()
         # The tracker (a dispatch mode plus global module hooks) is left on every path: a step that
         # raises must not leave it installed for the next scenario in this process.
@@ -155,8 +181,9 @@ def _train(
                 mark("after_backward")
                 if traced:
                     tracer.end_backward(wrapped, divide_by=sc.micro_batches if summed else 1)
-                grad_sq = _local_grad_sq(wrapped) if first_copy else 0.0  # before clipping: measured by the harness
-                clip_norm = math.nan if engine.clips else _clip(adapter, wrapped, sc.feature, sc.nudge)
+                with costs.part("grad_norm"):  # inside the step's window: the bench takes it out
+                    grad_sq = _local_grad_sq(wrapped) if first_copy else 0.0  # before clipping: measured by the harness
+                clip_norm = math.nan if engine.clips else clip_for(adapter, wrapped, sc.feature, sc.nudge)
                 if sc.nudge and clip_of(sc.feature) is None:  # a user optimizer's nudged probe
                     nudge_grads(optimizer, sc.nudge)
                 if traced and clip_of(sc.feature) is not None:
@@ -178,7 +205,10 @@ def _train(
         _sync(device)
         if mem is None:
             times.append(time.perf_counter() - t0)
+            costs.add("steps", times[-1])
         else:
+            costs.add("measured_step", time.perf_counter() - t0)
+            census_t0 = time.perf_counter()
             memory = dict(mem.result())
             # a comm thread may still hold a buffer of a collective that ran: none ran, none to wait for
             held = census.held(
@@ -195,6 +225,8 @@ def _train(
                 held.get(p + c, 0) for p in ("", "host_") for c in ("params", "grads", "optimizer_state")
             )
             gathered = timeline.records()
+            costs.add("census", time.perf_counter() - census_t0)
+        exchange_t0 = time.perf_counter()
         # the step's global figures, in as few collectives as the data mode allows (rank 0's record holds them)
         adds_up = adapter.sharded and ctx.world_size > 1  # shards' squared norms add up; copies are all equal
         if sc.data_mode == "replicated":
@@ -216,6 +248,8 @@ def _train(
                 clip_of(sc.feature)[0], applied_sq if first_copy else 0.0, applied_max, adds_up, ctx
             )
         eval_loss = _global_eval_loss(eval_losses, sc, ctx) if held_out else math.nan
+        replicas_differ = _replicas_differ(wrapped, sc, ctx)
+        costs.add("exchange", time.perf_counter() - exchange_t0)
         engine.zero_grad()
         for row in counter.summary():
             tot = comm_totals.setdefault(
@@ -230,14 +264,16 @@ def _train(
                 "grad_norm": math.sqrt(grad_sq),
                 "clip_norm": clip_norm,
                 "eval_loss": eval_loss,
-                "replicas_differ": _replicas_differ(wrapped, sc, ctx),
                 "jitter_delays": jitter.delays if jitter is not None else 0,
                 "jitter_s": jitter.slept if jitter is not None else 0.0,
                 "reduction_inputs": list(counter.reduction_inputs) if counter.fingerprint else None,
+                "replicas_differ": replicas_differ,
             }
         )
-        _snapshot(adapter, wrapped, snap_dir / f"step{step}.pt", ctx.rank)
-        ckpt.save_after(step, adapter, wrapped, optimizer, steps, write_state)
+        with costs.part("snapshots"):
+            _snapshot(adapter, wrapped, snap_dir / f"step{step}.pt", ctx.rank)
+        with costs.part("checkpoints"):
+            ckpt.save_after(step, adapter, wrapped, optimizer, steps, write_state)
 
     if applied is not None:
         applied.remove()
@@ -316,7 +352,7 @@ def _global_eval_loss(losses: list[float], sc: Scenario, ctx) -> float:
     return float(t[0]) / ctx.world_size
 
 
-def _clip(adapter, wrapped, feature: str, nudge: int = 0) -> float:
+def clip_for(adapter, wrapped, feature: str, nudge: int = 0) -> float:
     """Clip the gradients for a clip feature; the norm before clipping the adapter reports (NaN: none).
     `nudge` (a noise probe's Scenario.nudge): the coefficient max_norm / norm moved by that many ulps."""
     clip = clip_of(feature)

@@ -129,8 +129,10 @@ def test_the_output_check_can_fail(broken):
         check_output(broken(GOOD), models=("mlp",))
 
 
-def test_harness_cost_prints_bare_and_harnessed_seconds_per_world_size():
-    """python -m harness.bench.harness_cost on one tiny cell per world size: a row per W with both figures."""
+def test_harness_cost_prints_bare_and_harnessed_seconds_per_world_size_and_where_the_run_went(tmp_path):
+    """python -m harness.bench.harness_cost on one tiny cell per world size: a row per W with both figures and
+    their ratio, the whole run against the bare sum, the first progress line of a real launch, and the run's
+    seconds by part, the bare training first, every part the ranks and phases record among them."""
     import subprocess
     import sys
 
@@ -149,10 +151,14 @@ def test_harness_cost_prints_bare_and_harnessed_seconds_per_world_size():
             "sgd",
             "--steps",
             "2",
+            "--no-plots",
+            "--report",
+            str(tmp_path / "run.md"),
         ],
         capture_output=True,
         text=True,
         timeout=300,
+        stdin=subprocess.DEVNULL,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     rows = {
@@ -160,5 +166,26 @@ def test_harness_cost_prints_bare_and_harnessed_seconds_per_world_size():
     }
     assert set(rows) == {"1", "2", "all"}, out.stdout
     for row in rows.values():
-        bare, harnessed = float(row[1]), float(row[2])
-        assert bare > 0 and harnessed > 0, out.stdout
+        runs, bare, harnessed, ratio = int(row[1]), float(row[2]), float(row[3]), float(row[4].rstrip("x"))
+        assert runs > 0 and bare > 0 and harnessed > 0, out.stdout
+        assert ratio == pytest.approx(harnessed / bare, rel=0.01, abs=0.01), out.stdout
+    assert int(rows["all"][1]) == int(rows["1"][1]) + int(rows["2"][1])
+    whole = re.search(r"the whole run: ([\d.]+) s wall against ([\d.]+) s of bare training: ([\d.]+)x", out.stdout)
+    assert whole, out.stdout
+    assert float(whole[2]) == pytest.approx(float(rows["all"][2]), abs=0.002)
+    assert float(whole[3]) == pytest.approx(float(whole[1]) / float(whole[2]), rel=0.01, abs=0.01)
+    first = re.search(r"first progress line ([\d.]+) s after", out.stdout)
+    assert first and 0 < float(first[1]) < float(whole[1]) + 60, out.stdout
+    table = out.stdout.split("where the run went", 1)[1].splitlines()[1:]
+    parts = {line[:66].strip(): float(line[66:].split()[0]) for line in table if line.strip()}
+    assert list(parts)[0] == "bare training (the floor)"
+    assert parts["bare training (the floor)"] == pytest.approx(float(whole[2]), abs=0.002)
+    for part in (
+        "world starts",
+        "full-parameter snapshots (initial and every step)",
+        "the parent's tables",
+        "the parent's checks",
+        "the report and tables written",
+    ):
+        assert parts[part] > 0, (part, out.stdout)
+    assert sum(parts.values()) == pytest.approx(float(whole[1]), abs=0.05), out.stdout
