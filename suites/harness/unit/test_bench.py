@@ -94,7 +94,7 @@ GOOD = """# machine: Some CPU (AVX2), 2 CPUs usable, torch 2.0, python 3.11
 
 ## mlp: 1,000 parameters
 
-| world size | variant | fsdp_impl step ms | fsdp2 step ms | ratio | per-step ratios | cpu ratio | fsdp_impl peak bytes \
+| world size | variant | variant step ms | fsdp2 step ms | ratio | per-step ratios | cpu ratio | variant peak bytes \
 | fsdp2 peak bytes | ratio |
 |---|---|---|---|---|---|---|---|---|---|
 | 1 | fsdp_impl | 2.00 | 4.00 | 0.50 | 0.40-0.60 | 0.70 | 100 | 200 | 0.50 |
