@@ -133,13 +133,19 @@ _SCATTERS = {_C10D._reduce_scatter_base_.default, _C10D.reduce_scatter_tensor_co
 class _GlobalPeakOnly:
     """Keeps only the global peak snapshot. MemTracker also refreshes a per-module peak for every
     op, a loop over all modules seen: O(ops x modules), 3/4 of the time of a GPT-2-medium step
-    under FakeTensorMode. Module-wise snapshots (not used here) lose their peak entries."""
+    under FakeTensorMode. Module-wise snapshots (not used here) lose their peak entries.
 
-    _on_op: Any = None  # called after every operation's bookkeeping (a timeline's `sample`)
+    Calls `_on_moment` (a unit timeline's `sample`) at the moments where an implementation changes which units
+    it holds gathered (harness.measure.timeline): each module's forward and backward, entered and left, and each
+    collective."""
+
+    _on_moment: Any = None
+
+    def _moment(self, *_: Any) -> None:
+        if self._on_moment is not None:
+            self._on_moment()
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        if self._on_op is not None:
-            self._on_op()
         for dev, snap in self._curr_mem_snap.items():  # type: ignore[attr-defined]
             if self._peak_mem.get(dev, 0) < snap["Total"]:  # type: ignore[attr-defined]
                 self._peak_mem[dev] = snap["Total"]  # type: ignore[attr-defined]
@@ -156,6 +162,23 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
     def __init__(self) -> None:
         super().__init__()
         self._gradient_data: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> True
+
+    # the module tracker's hooks (MemTracker registers these four with it): a moment at each
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        super()._pre_fw_hook(module, inputs)
+        self._moment()
+
+    def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
+        super()._post_fw_hook(module, inputs, outputs)
+        self._moment()
+
+    def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
+        super()._pre_bw_hook(module, args)
+        self._moment()
+
+    def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
+        super()._post_bw_hook(module, args)
+        self._moment()
 
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
         def grad_hook(grad: torch.Tensor) -> None:
@@ -214,6 +237,8 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
             for t in _tensors(args[1]):
                 self._update_and_maybe_create_winfos(t, _MemRefType.GRAD)
         self._mark_gradient_data(outputs, from_grads)
+        if func.namespace in _COLLECTIVES:
+            self._moment()
         return res
 
     # Gradient provenance. An all-gather is filed under params unless what it gathers was computed from
@@ -241,6 +266,7 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
 
 
 _STATE_REFS = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.OPT)
+_COLLECTIVES = ("c10d", "_c10d_functional")  # operator namespaces of the collectives and their waits
 _OVERWRITTEN = {torch.ops.aten.copy_.default, torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar}
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 _PLAIN = (torch.Tensor, nn.Parameter)  # tensors whose storage is their own (no wrapper subclass to unflatten)
@@ -324,10 +350,11 @@ class PeakMemory:
         optimizer: Any,
         device: torch.device | str,
         extra: Iterable[torch.Tensor] = (),
-        on_op: Any = None,
+        on_moment: Any = None,
     ) -> None:
         self.model = model
-        self.on_op = on_op  # called at every operation of the step (harness.measure.timeline)
+        # called where units may change (harness.measure.timeline): module boundaries, collectives
+        self.on_moment = on_moment
         # one optimizer or several (a wrapper and the optimizer inside it): the torch optimizers'
         # state is tracked from entry; an object that only looks like one has none of its own
         self.optimizers = [o for o in optimizer_list(optimizer) if isinstance(o, torch.optim.Optimizer)]
@@ -348,7 +375,23 @@ class PeakMemory:
             from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
             class _FSDPTracker(_GlobalPeakOnly, FSDPMemTracker):
-                pass
+                # FSDPMemTracker hooks FSDP's own states, not the module tracker's user hooks: ours take those
+                def __enter__(self):  # type: ignore[no-untyped-def]
+                    entered = super().__enter__()
+                    if self._depth == 1:
+                        self._mod_tracker.register_user_hooks(self._moment, self._moment, self._moment, self._moment)
+                    return entered
+
+                def __exit__(self, *args: Any) -> None:
+                    if self._depth == 1:
+                        self._mod_tracker.clear_user_hooks()
+                    super().__exit__(*args)
+
+                def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                    res = super().__torch_dispatch__(func, types, args, kwargs)
+                    if func.namespace in _COLLECTIVES and res is not NotImplemented:
+                        self._moment()
+                    return res
 
             # it instruments one optimizer: the one holding state; any other's state counts as other
             main = max(self.optimizers, key=lambda o: len(o.state), default=None)
@@ -359,7 +402,7 @@ class PeakMemory:
             self.tracker = _CollectiveAwareTracker()
             self.tracker.track_external(self.model, *self.optimizers, *self.extra)
         self.extra = []  # tracked now; kept here they could not be freed during the step
-        self.tracker._on_op = self.on_op
+        self.tracker._on_moment = self.on_moment
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

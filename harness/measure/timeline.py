@@ -11,8 +11,12 @@ Parameter, a view into a flat buffer, a DTensor whose local shard is counted), h
 unit's parameter elements. A unit's own parameters are those of its submodules that no nested unit
 claims; the root's are what no unit claims. Tied parameters belong to the first unit that has them.
 
-Moments: every tensor operation of the measured step (the peak tracker's dispatch calls `sample`)
-and one moment between phases (`mark`). The phases, and how many units other than the root
+Moments: the measured step's module boundaries (each module's forward and backward, entered and left) and its
+collectives, where the peak tracker calls `sample`, and one moment between phases (`mark`). An implementation
+changes which units it holds gathered in its own hooks around a unit's forward and backward and around the
+collectives that gather and reduce; a unit gathered across a boundary is seen there, and one prefetched is seen
+at the next boundary it outlives (sampling every tensor operation instead gave the same records at several times
+the samples: reports/performance.md#the-measured-step). The phases, and how many units other than the root
 ZeRO-3 lets a rank hold gathered at once in each (`ALLOWED`; the root's own parameters may stay
 gathered from forward to the end of backward, as FSDP2 keeps them):
 
