@@ -286,7 +286,9 @@ class TorchrunPool:
         watchdog.start()
         try:
             ctx = RankContext(self.rank, w, self.group(w), self.device, self.backend, self.hybrid.get(w))
-            return ("ok", train_scenario(ctx, payload))
+            # the snapshot folder is rank 0's: the other ranks write into it only where the job runs on one node
+            one_node = int(os.environ.get("LOCAL_WORLD_SIZE", -1)) == int(os.environ["WORLD_SIZE"])
+            return ("ok", train_scenario(ctx, {**payload, "ranks_share_dir": one_node}))
         except Exception:
             return ("error", traceback.format_exc())
         finally:

@@ -42,7 +42,8 @@ class AppliedGradients:
     def take(self) -> tuple[float, float, torch.Tensor]:
         """(this rank's squared norm of what its optimizers applied since the last take, the largest |element|,
         those values flat: copies the harness holds, to leave out of what the rank is measured to hold)."""
-        out = (self.sq, self.amax, torch.cat(self.values) if self.values else torch.zeros(0))
+        with _disable_current_modes():  # a copy of the harness's, as the reads are
+            out = (self.sq, self.amax, torch.cat(self.values) if self.values else torch.zeros(0))
         self.sq, self.amax, self.values = 0.0, 0.0, []
         return out
 

@@ -24,6 +24,7 @@ from harness.tables.schema import columns
 from harness.train.checkpointing import RESTORED_STATE, SAVED_STATE
 from harness.train.models import get_model_spec
 from harness.train.params_file import load_params
+from harness.train.records import read_gradient_digest
 from harness.train.user_models import WEIGHTED_MEAN, ModelError, check_model
 
 
@@ -50,10 +51,11 @@ class _Snapshots:
     def __init__(self, dirs: dict[str, str]):
         self.dirs, self._cache = dirs, {}
 
-    def grads_path(self, scenario_id: str, step: int) -> Path | None:
-        """Where rank 0 wrote the sorted gradient values of that step (replicated data only)."""
+    def grads(self, scenario_id: str, step: int) -> torch.Tensor | None:
+        """The sorted gradient values the ranks' optimizers applied at that step (replicated data only; None where
+        none were written: harness.train.records)."""
         d = self.dirs.get(scenario_id)
-        return None if d is None else Path(d) / f"step{step}.grads.pt"
+        return None if d is None else read_gradient_digest(Path(d), step)
 
     def get(self, scenario_id: str, step: int) -> dict[str, torch.Tensor] | None:
         d = self.dirs.get(scenario_id)
@@ -66,12 +68,11 @@ class _Snapshots:
         return self._cache[key]
 
 
-def _grad_diff(a: Path | None, b: Path | None) -> float:
+def _grad_diff(x: torch.Tensor | None, y: torch.Tensor | None) -> float:
     """Max |difference| between two sorted gradient digests (0.0: bitwise the same multiset of
     values); inf when they hold different numbers of non-zero values; NaN when one is missing."""
-    if a is None or b is None or not (a.exists() and b.exists()):
+    if x is None or y is None:
         return math.nan
-    x, y = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
     if x.shape != y.shape:
         return math.inf
     return float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
@@ -176,7 +177,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
             wp, mp = _worst(d_probe)
             g1 = math.nan
             if ws1_id in by_id and ws1_id != sc.id and sc.data_mode == "replicated":
-                g1 = _grad_diff(snaps.grads_path(sc.id, k), snaps.grads_path(ws1_id, k))
+                g1 = _grad_diff(snaps.grads(sc.id, k), snaps.grads(ws1_id, k))
             steps_rows.append(
                 {
                     **base,

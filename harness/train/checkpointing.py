@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from harness.train.records import gradient_digest_files
+
 CHECKPOINT = "ckpt"  # the adapter's checkpoint folder, in the saver's snapshot folder
 STEPS = "ckpt_steps.pt"  # the saver's step records up to the checkpoint
 SAVED_STATE = "ckpt_state.pt"  # in the saver's folder: every rank's optimizer state when it saved
@@ -55,18 +57,24 @@ class Checkpointing:
         write_state(self.snap_dir / RESTORED_STATE)
         if self.rank == 0:
             for k in range(len(steps) + 1):
-                names = ([] if k == len(steps) else [f"step{k}.pt"]) + ([f"step{k}.grads.pt"] if k else [])
-                for name in names:
-                    if (self.source / name).exists():
-                        shutil.copyfile(self.source / name, self.snap_dir / name)
+                files = ([] if k == len(steps) else [self.source / f"step{k}.pt"]) + (
+                    gradient_digest_files(self.source, k) if k else []
+                )
+                for path in files:
+                    if path.exists():
+                        shutil.copyfile(path, self.snap_dir / path.name)
         return list(steps)
+
+    def saves_after(self, step: int) -> bool:
+        """Whether this run saves its checkpoint after step `step` (its records must be whole by then)."""
+        return self.save_at is not None and step == self.save_at
 
     def save_after(
         self, step: int, adapter, wrapped, optimizer, steps: list[dict], write_state: Callable[[Path], None]
     ) -> None:
         """After the saver's step `save_at`: the adapter's checkpoint and the optimizer state the ranks
         hold (`write_state`; both collective), then the records."""
-        if self.save_at is None or step != self.save_at:
+        if not self.saves_after(step):
             return
         folder = self.snap_dir / CHECKPOINT
         folder.mkdir(parents=True, exist_ok=True)

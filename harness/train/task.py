@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 from harness.adapters import load_adapter
 from harness.adapters.base import declared_settings, sharded_state
@@ -37,8 +38,8 @@ from harness.train.features import checkpoint_units, evaluate, forward_backward,
 from harness.train.jitter import Jitter
 from harness.train.models import get_model_spec
 from harness.train.nonfinite import add_first_nonfinite
-from harness.train.params_file import save_params
 from harness.train.plain_eval import add_plain_eval_losses, held_out_cut
+from harness.train.records import Snapshots, StepFigures, write_gradient_digest
 from harness.train.trace import StepTracer
 from harness.train.user_models import check_batch, check_built
 
@@ -60,7 +61,9 @@ def train_scenario(ctx, payload: dict) -> dict:
         ckpt = Checkpointing(payload, snap_dir, ctx.rank)
         # what the process holds before the scenario is not the scenario's
         with Census(ctx.device, keep_frozen=True) as census:
-            res = _train(ctx, sc, spec, adapter, census, snap_dir, ckpt, payload.get("trace"), costs)
+            # the ranks of the harness's own worlds share the run's folder; a torchrun job over several nodes does not
+            own_digest = payload.get("ranks_share_dir", True)
+            res = _train(ctx, sc, spec, adapter, census, snap_dir, ckpt, payload.get("trace"), costs, own_digest)
         with costs.part("after"):
             if ctx.rank == 0 and has(sc.feature, "eval"):  # after the run: nothing of it is measured
                 add_plain_eval_losses(sc, spec, snap_dir, res["steps"], ctx.device)
@@ -81,9 +84,11 @@ def _train(
     ckpt: Checkpointing,
     trace: dict | None = None,
     costs: Stopwatch | None = None,
+    own_digest: bool = True,
 ) -> dict:
     """The scenario's training on this rank. `costs`: seconds by part (setup, steps, measured_step, grad_norm,
-    census, snapshots, exchange, align, checkpoints)."""
+    census, snapshots, exchange, align, checkpoints). `own_digest`: each rank writes its part of the gradient
+    digest into the run's folder (harness.train.records)."""
     costs = costs or Stopwatch()
     setup_t0 = time.perf_counter()
     device = ctx.device
@@ -108,8 +113,9 @@ def _train(
     with costs.part("checkpoints"):
         steps = ckpt.resume(adapter, wrapped, optimizer, write_state)  # the saver's step records (ckpt), else []
     costs.add("setup", time.perf_counter() - setup_t0 - costs.seconds["checkpoints"])
+    snapshots = Snapshots(ctx, snap_dir)
     with costs.part("snapshots"):
-        _snapshot(adapter, wrapped, snap_dir / f"step{len(steps)}.pt", ctx.rank)
+        snapshots.take(adapter, wrapped, len(steps))
     with costs.part("checkpoints"):
         ckpt.save_after(
             len(steps), adapter, wrapped, optimizer, steps, write_state
@@ -123,6 +129,8 @@ def _train(
     # the ranks whose parts make up one copy of the model: every rank's shard, or one replica's (hsdp)
     first_copy = ctx.rank < shard_size(sc.feature, ctx.world_size)
     measured = max(MEASURED_STEP, start) + 1  # a resumed run measures its first step
+    adds_up = adapter.sharded and ctx.world_size > 1  # shards' squared norms add up; copies are all equal
+    figures = StepFigures(ctx, split=sc.data_mode == "split", adds_up=adds_up)
 
     comm_totals, memory, times, gathered = {}, {}, [], []
     for step in range(start + 1, sc.steps + 1):
@@ -145,12 +153,17 @@ def _train(
         if measure_mem:  # the peak tracker also counts what the implementation holds outside model and optimizer
             with costs.part("census"):
                 optimizers = census.optimizers(optimizer)  # the adapter's and any inside it
-                held_elsewhere = [t for cat, _, t in census.classify(wrapped, optimizers, batch) if cat == "other"]
-                mem = PeakMemory(wrapped, optimizers, device, extra=held_elsewhere, on_op=timeline.sample)
+                held_elsewhere = [
+                    t
+                    for cat, _, t in census.classify(wrapped, optimizers, (*batch, *snapshots.tensors()))
+                    if cat == "other"
+                ]
+                mem = PeakMemory(wrapped, optimizers, device, extra=held_elsewhere, on_moment=timeline.sample)
                 del held_elsewhere  # the tracker holds them weakly; a strong reference here would keep them alive
         _sync(device)
-        with costs.part("align"):
-            _align(ctx)
+        if step == start + 1 or measure_mem:
+            with costs.part("align"):
+                _align(ctx)
         t0 = time.perf_counter()
         # The tracker (a dispatch mode plus global module hooks) is left on every path: a step that
         # raises must not leave it installed for the next scenario in this process.
@@ -214,7 +227,7 @@ def _train(
             held = census.held(
                 wrapped,
                 optimizers,
-                exclude=(*batch, loss, *([applied_values] if applied is not None else [])),
+                exclude=(*batch, loss, *([applied_values] if applied is not None else []), *snapshots.tensors()),
                 settle=bool(counter.summary()),
                 tolerated=Bounds.held_elsewhere_bytes,
             )
@@ -227,27 +240,24 @@ def _train(
             gathered = timeline.records()
             costs.add("census", time.perf_counter() - census_t0)
         exchange_t0 = time.perf_counter()
-        # the step's global figures, in as few collectives as the data mode allows (rank 0's record holds them)
-        adds_up = adapter.sharded and ctx.world_size > 1  # shards' squared norms add up; copies are all equal
-        if sc.data_mode == "replicated":
-            loss_value = float(loss.detach())
+        if sc.data_mode == "replicated":  # the gradient the optimizer applied, its digest
             mine = first_copy and (adapter.sharded or ctx.rank == 0)
-            grad_sq = _save_grads(
+            # passed, not kept: a copy alive into the next step would read as held by the implementation
+            write_gradient_digest(
                 (applied_values if mine else torch.zeros(0))
                 if applied is not None
                 else _optimizer_grads(optimizer, mine),
-                grad_sq,
-                adds_up,
                 ctx,
-                snap_dir / f"step{step}.grads.pt",
+                snap_dir,
+                step,
+                own_digest,
             )
-        else:
-            loss_value, grad_sq = _global_loss_and_sq(loss, grad_sq, adds_up, ctx)
+        # the harness's copy of the applied gradients, dropped before the next step's census would count it held
+        applied_values = None
         if engine.clips and clip_of(sc.feature) is not None:  # the norm it applied, after its own clipping
             clip_norm = _applied_norm(
                 clip_of(sc.feature)[0], applied_sq if first_copy else 0.0, applied_max, adds_up, ctx
             )
-        eval_loss = _global_eval_loss(eval_losses, sc, ctx) if held_out else math.nan
         replicas_differ = _replicas_differ(wrapped, sc, ctx)
         costs.add("exchange", time.perf_counter() - exchange_t0)
         engine.zero_grad()
@@ -257,23 +267,28 @@ def _train(
             )
             for k in tot:
                 tot[k] += row[k]
-        steps.append(
-            {
-                "step": step,
-                "loss": loss_value,
-                "grad_norm": math.sqrt(grad_sq),
-                "clip_norm": clip_norm,
-                "eval_loss": eval_loss,
-                "jitter_delays": jitter.delays if jitter is not None else 0,
-                "jitter_s": jitter.slept if jitter is not None else 0.0,
-                "reduction_inputs": list(counter.reduction_inputs) if counter.fingerprint else None,
-                "replicas_differ": replicas_differ,
-            }
-        )
+        record = {
+            "step": step,
+            "clip_norm": clip_norm,
+            "jitter_delays": jitter.delays if jitter is not None else 0,
+            "jitter_s": jitter.slept if jitter is not None else 0.0,
+            "reduction_inputs": list(counter.reduction_inputs) if counter.fingerprint else None,
+            "replicas_differ": replicas_differ,
+        }
+        # this rank's own figures; the global ones are settled in batches (harness.train.records)
+        figures.add(record, float(loss.detach()), grad_sq, _own_eval_loss(eval_losses) if held_out else math.nan)
+        steps.append(record)
         with costs.part("snapshots"):
-            _snapshot(adapter, wrapped, snap_dir / f"step{step}.pt", ctx.rank)
+            snapshots.take(adapter, wrapped, step)
+        if ckpt.saves_after(step):
+            with costs.part("exchange"):
+                figures.settle()  # the checkpoint keeps the records
         with costs.part("checkpoints"):
             ckpt.save_after(step, adapter, wrapped, optimizer, steps, write_state)
+    with costs.part("exchange"):
+        figures.settle()
+    with costs.part("snapshots"):
+        snapshots.flush()
 
     if applied is not None:
         applied.remove()
@@ -341,15 +356,11 @@ def _held_out(sc: Scenario, spec, step: int, ctx) -> list[tuple[torch.Tensor, to
     return [(x.to(ctx.device), y.to(ctx.device)) for x, y in mine]
 
 
-def _global_eval_loss(losses: list[float], sc: Scenario, ctx) -> float:
-    """The eval loss of the global held-out batch: with split data the mean of the W ranks' equal slices'
-    means, summed in float64 in one all-reduce as the training loss is (_global_loss_and_sq); a reference
-    that takes its ranks' slices sums their means exactly (math.fsum), as W float32 values add up in float64."""
-    if sc.data_mode != "split" or ctx.world_size == 1:
-        return math.fsum(losses) / len(losses) if len(losses) > 1 else losses[0]
-    t = torch.tensor([losses[0]], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(t, group=ctx.group)
-    return float(t[0]) / ctx.world_size
+def _own_eval_loss(losses: list[float]) -> float:
+    """This rank's eval loss: its slice's (settled into the global batch's with split data, harness.train.records),
+    or, for a reference that evaluates the slices of `micro_batches` ranks, their means summed exactly (math.fsum,
+    as W float32 values add up in float64) over their number."""
+    return math.fsum(losses) / len(losses) if len(losses) > 1 else losses[0]
 
 
 def clip_for(adapter, wrapped, feature: str, nudge: int = 0) -> float:
@@ -428,12 +439,6 @@ def batch_stat_layers(model) -> str:
     )
 
 
-def _snapshot(adapter, wrapped, path: Path, rank: int) -> None:
-    full = adapter.full_params(wrapped)  # collective: every rank calls it
-    if rank == 0:
-        save_params({k: v.detach().to("cpu", torch.float32) for k, v in full.items()}, path)
-
-
 def _optimizer_grads(optimizer, mine: bool) -> torch.Tensor:
     """The gradient values this rank's optimizer applied (fp32, CPU, flat); none where `mine` is
     False (an unsharded implementation's other ranks hold copies of rank 0's)."""
@@ -448,22 +453,6 @@ def _optimizer_grads(optimizer, mine: bool) -> torch.Tensor:
         else []
     )
     return torch.cat(grads) if grads else torch.zeros(0)
-
-
-def _save_grads(local: torch.Tensor, grad_sq: float, adds_up: bool, ctx, path: Path) -> float:
-    """Rank 0 writes the sorted non-zero gradient values of all ranks: a digest of the reduced
-    gradient that no layout (flat buffers, per-parameter shards, padding) changes, equal bit for bit
-    exactly when the multisets of values are equal. The ranks' squared gradient norms travel with
-    them; returns the global one on rank 0 (summed where `adds_up`), NaN on the other ranks."""
-    parts = [(local, grad_sq)]
-    if ctx.world_size > 1:
-        parts = [None] * ctx.world_size if ctx.rank == 0 else None
-        dist.gather_object((local, grad_sq), parts, dst=dist.get_global_rank(ctx.group, 0), group=ctx.group)
-    if ctx.rank != 0:
-        return math.nan
-    values = torch.cat([grads for grads, _ in parts])
-    torch.save(torch.sort(values[values != 0]).values, path)
-    return sum(sq for _, sq in parts) if adds_up else grad_sq
 
 
 def _replicas_differ(wrapped, sc: Scenario, ctx) -> float:
@@ -496,29 +485,39 @@ def _applied_norm(norm_type: float, sq: float, amax: float, adds_up: bool, ctx) 
 
 
 def _local_grad_sq(model) -> float:
-    total = 0.0
+    """The squared L2 norm of the gradients this rank holds, in float64: the gradients of a device and dtype
+    concatenated in groups of at most the largest one's size, one dot product a group (a few operations, not three
+    per parameter). It runs inside the measured step: a group's float64 copy is no larger than the one a
+    per-parameter sum would make of the largest gradient (what a device's allocator peak sees), and the step's
+    trackers (its peak, the localiser's ops) do not see these reads at all."""
+    with _disable_current_modes():
+        return _grad_sq(model)
+
+
+def _grad_sq(model) -> float:
+    parts: dict[tuple, list[torch.Tensor]] = {}  # by (device, dtype): an offloaded gradient lives on the host
     for p in model.parameters():
         if p.grad is not None:
-            total += float(local_tensor(p.grad).detach().double().pow(2).sum())
+            g = local_tensor(p.grad).detach()
+            parts.setdefault((g.device, g.dtype), []).append(g.reshape(-1))
+    largest = max((g.numel() for grads in parts.values() for g in grads), default=0)
+    total = 0.0
+    for grads in parts.values():
+        group: list[torch.Tensor] = []
+        for i, g in enumerate(grads):
+            group.append(g)
+            if i + 1 == len(grads) or sum(x.numel() for x in group) + grads[i + 1].numel() > largest:
+                flat = (group[0] if len(group) == 1 else torch.cat(group)).double()
+                total += float(torch.dot(flat, flat))
+                group = []
     return total
 
 
-def _global_loss_and_sq(loss: torch.Tensor, grad_sq: float, adds_up: bool, ctx) -> tuple[float, float]:
-    """Split data: (the loss on the global batch, the squared norm of the averaged gradient), in one
-    all-reduce. A rank holds the mean loss over its equal-sized slice; shards' squared norms add up
-    (`adds_up`), unsharded copies are all equal."""
-    if ctx.world_size == 1:
-        return float(loss.detach()), grad_sq
-    t = torch.tensor([float(loss.detach()), grad_sq if adds_up else 0.0], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(t, group=ctx.group)
-    return float(t[0]) / ctx.world_size, float(t[1]) if adds_up else grad_sq
-
-
 def _align(ctx) -> None:
-    """W > 1: the ranks start the step together (a barrier, before anything of the step is counted or
-    measured). Rank 0 does work of the harness's between steps (writing snapshots, gathering the records),
-    which would otherwise make it start late by an amount that depends on the machine: an accidental timing
-    perturbation of one rank, where a run without the jitter feature must be the calm one."""
+    """W > 1: the ranks start the run's first step, and the measured one, together (a barrier, before anything of
+    the step is counted or measured): the set-up and the memory census take each rank its own time. Between the
+    other steps the harness gives rank 0 no more work than the others (the snapshots are written in batches, the
+    figures settled in batches), so that a run without the jitter feature stays the calm one."""
     if ctx.world_size > 1:
         dist.barrier(group=ctx.group)
 

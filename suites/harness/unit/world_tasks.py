@@ -80,3 +80,26 @@ def gc_state(ctx: RankContext, _payload: object) -> dict:
     import gc
 
     return {"frozen": gc.get_freeze_count(), "walked": len(gc.get_objects())}
+
+
+def settled_figures(ctx: RankContext, payload: dict) -> list[dict]:
+    """harness.train.records.StepFigures on this rank: two steps of made-up figures (rank r's loss 1 + r + step,
+    squared norm (r + 1) x step, eval loss 10 + r), settled; the records every rank ends with."""
+    from harness.train.records import StepFigures
+
+    figures = StepFigures(ctx, split=payload["split"], adds_up=payload["adds_up"])
+    records = [{"step": k} for k in (1, 2)]
+    for k, record in zip((1, 2), records):
+        figures.add(record, 1.0 + ctx.rank + k, float((ctx.rank + 1) * k), 10.0 + ctx.rank)
+    figures.settle()
+    return records
+
+
+def gradient_digest(ctx: RankContext, payload: dict) -> None:
+    """Each rank's values into step 1's digest in payload["folder"]: rank r holds r + 1, r + 2, 0 (the zero left out)."""
+    from pathlib import Path
+
+    from harness.train.records import write_gradient_digest
+
+    values = torch.tensor([ctx.rank + 2.0, 0.0, ctx.rank + 1.0])
+    write_gradient_digest(values, ctx, Path(payload["folder"]), 1, payload["own_part"])
