@@ -106,40 +106,37 @@ def hybrid_reduce_mean(
     R in `replicate_group`), in `reduce_dtype`.
 
     Sum over the shard group (``reduce_scatter_sum``), then sum those partial sums across the
-    replicas (``all_reduce_in_rank_order``, still in `reduce_dtype`), then divide by R x S once.
-    Nothing is rounded to the gradient's dtype before the division: with fp32 gradients and the
-    default fp64 `reduce_dtype`, R x S identical addends sum exactly to R x S x g, so replicated data
-    is bitwise equal to one rank, and the split-data mean is the fp64 sum of the R x S gradients
-    (exact for addends of similar magnitude), divided and rounded once (to `out_dtype`, default
-    `reduce_dtype`). The price: the replica
-    exchange carries `reduce_dtype` (fp64 by default), twice the bytes of an fp32 all-reduce.
+    replicas in rank order (still in `reduce_dtype`) and divide by R x S once. Nothing is rounded to the
+    gradient's dtype before the division: with fp32 gradients and the default fp64 `reduce_dtype`,
+    R x S identical addends sum exactly to R x S x g, so replicated data is bitwise equal to one rank,
+    and the split-data mean is the fp64 sum of the R x S gradients (exact for addends of similar
+    magnitude), divided and rounded once (to `out_dtype`, default `reduce_dtype`). The replica exchange is
+    an all-reduce spelled out as an all-to-all, each rank summing, dividing and rounding its chunk once,
+    and an all-gather of the rounded chunks, so every rank holds the same bits. It carries the partial sums
+    in `reduce_dtype` (fp64 by default: twice the bytes of an fp32 exchange); with one rank a shard group
+    (S = 1) the partial sum is the rank's own gradient, which its own dtype holds exactly, so it travels in
+    that dtype and is widened only where it is summed (a narrower `reduce_dtype` rounds it before it travels).
     """
-    partial = reduce_scatter_sum(full_grad, shard_group, reduce_dtype)
-    total = all_reduce_in_rank_order(partial, replicate_group)
+    out_dtype = out_dtype or reduce_dtype
     count = dist.get_world_size(shard_group) * dist.get_world_size(replicate_group)
-    return in_rank_order(total.view(1, -1), reduce_dtype, out_dtype or reduce_dtype, divisor=count)
-
-
-def all_reduce_in_rank_order(x: torch.Tensor, group) -> torch.Tensor:
-    """The sum over the ranks of `group` of their `x` (1D, same length everywhere), summed in rank
-    order in x's dtype; bitwise the same on every rank. A new tensor.
-
-    An all-reduce as reduce-scatter + all-gather, both spelled out so that the order of the sum is
-    fixed (a backend all_reduce picks its own): `x` is cut into R chunks (zero-padded to equal
-    length); an all-to-all gives each rank every rank's copy of its chunk, which it sums in rank
-    order; an all-gather hands every rank all the summed chunks. Each element is summed once, on
-    one rank, so every rank holds the same bits. 2 (R-1)/R of x on the wire, as a ring all-reduce.
-    """
-    world = dist.get_world_size(group)
-    if world == 1:
-        return x.clone()
-    n = x.numel()
-    chunk = -(-n // world)
-    send = torch.zeros(chunk * world, dtype=x.dtype, device=x.device)
-    send[:n] = x
-    mine = _exchanged_sum(send, group, x.dtype, x.dtype)  # this rank's chunk, summed in rank order
-    out = torch.empty_like(send)
-    all_gather_single(out, mine, group=group)
+    if dist.get_world_size(shard_group) == 1 and holds_exactly(reduce_dtype, full_grad.dtype):
+        partial = full_grad.reshape(-1)
+    else:
+        partial = reduce_scatter_sum(full_grad, shard_group, reduce_dtype)
+    replicas = dist.get_world_size(replicate_group)
+    n = partial.numel()
+    chunk = -(-n // replicas)
+    if chunk * replicas == n:
+        send = partial.contiguous()
+    else:
+        send = torch.zeros(chunk * replicas, dtype=partial.dtype, device=partial.device)
+        send[:n] = partial
+    del partial  # a partial sum of the shard group's is freed here; at S = 1 the caller's gradient stays
+    # this rank's chunk: every replica's copy summed in rank order in reduce_dtype, divided, rounded once
+    mine = _exchanged_sum(send, replicate_group, reduce_dtype, out_dtype, divisor=count)
+    del send
+    out = torch.empty(chunk * replicas, dtype=out_dtype, device=mine.device)
+    all_gather_single(out, mine, group=replicate_group)
     return out[:n]
 
 

@@ -303,10 +303,24 @@ def _offloaded(row) -> bool:
 def _root_kept_after_eval(row, excess: float) -> bool:
     """Feature eval: whether what a rank holds after the step exceeds its limit (in one category: the
     parameters, or memory outside them, where an implementation keeps a flat buffer) by no more than the
-    root's own parameters in full: what an implementation that keeps the root gathered after the no_grad
-    forward holds (harness/core/policy.py ROOT_AFTER_EVAL)."""
+    root's own parameters in full, as an all-gather returns them: what an implementation that keeps the root
+    gathered after the no_grad forward holds (harness/core/policy.py ROOT_AFTER_EVAL). The gathered buffer
+    carries the shards' padding, up to W - 1 rows a tensor (gather_padding): FSDP2 keeps its padded all-gather
+    output, of which the unsharded parameters are views, so a root whose rows W does not divide (a 7-row head at
+    W = 2) holds more than its own bytes."""
     root = float(getattr(row, "root_bytes", math.nan))
-    return has(feature_of(row), "eval") and root == root and 0 < excess <= root
+    return has(feature_of(row), "eval") and root == root and 0 < excess <= root + gather_padding(row)
+
+
+def _transient(mem: pd.DataFrame, sid: str) -> float:
+    """What scenario `sid` held at its peak beside the state it keeps between steps, max over ranks: its
+    activations and the backward's and the optimizer step's temporaries (a foreach optimizer's intermediates are
+    the size of its state), whatever moment of the step the peak fell at."""
+    per_rank = _per_rank(mem)
+    peak, state = per_rank.get((sid, "peak")), per_rank.get((sid, "state_total"))
+    if peak is None or state is None:
+        return math.nan
+    return float(max(max(0.0, peak[r] - state.get(r, 0.0)) for r in peak))
 
 
 def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
@@ -337,7 +351,7 @@ def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         # the same step on the same samples: the run's yardstick (the full batch, or with split data the rank-order
         # micro-batch probe, whose micro-batches are the ranks' slices), so no implementation sets its own bound
         yardstick = split_yardstick(row) if row.impl != REFERENCE_IMPL else row.scenario
-        transient = max_over_ranks(mem, yardstick, "activations") + max_over_ranks(mem, yardstick, "other")
+        transient = _transient(mem, yardstick)
         if math.isnan(transient):
             out.append(
                 not_measured("peak_memory_bound", row, f"no activations recorded for the plain model's {yardstick}")
@@ -349,7 +363,7 @@ def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
         ) + 4 * shard_padding(row, bounds)
         msg = (
             f"peak {peak:,.0f} B per rank vs bound {bound:,.0f} B (state ideal {sum(ideal.values()):,.0f} + "
-            f"2 units unsharded {unsharded:,.0f} + the plain model's activations/other {transient:,.0f}"
+            f"2 units unsharded {unsharded:,.0f} + the plain model's activations and temporaries {transient:,.0f}"
             + (f" + unsharded gradients held between micro-batches {held_grads:,.0f}" if held_grads else "")
             + (f" + {feature_of(row)} compute copies of the parameters {copies:,.0f}" if copies else "")
             + (f" + post-forward shards {kept:,.0f}" if kept else "")

@@ -239,13 +239,38 @@ def test_peak_memory_bound_counts_the_bf16_compute_copy_where_no_unit_is_gathere
     ideal = 3 * P_BYTES  # params, grads, SGD momentum
     for peak, status in ((ideal + P_BYTES // 2, "pass"), (int(1.1 * (ideal + P_BYTES // 2)) + 4096, "fail")):
         t["memory"] = pd.DataFrame(
-            [(sc.id, 0, "peak", peak), (sc.id, 0, "activations", 0), (sc.id, 0, "other", 0)],
+            # nothing beside the state at the peak: the yardstick's (its own) transient is 0
+            [(sc.id, 0, "peak", peak), (sc.id, 0, "state_total", peak), (sc.id, 0, "activations", 0)],
             columns=["scenario", "rank", "category", "bytes"],
         )
         [v] = resource_checks.peak_memory_bound(t)
         assert v.status == status and "bf16 compute copies" in v.message
     t["scenarios"]["feature"] = "plain"  # fp32: no copy, a smaller bound
     assert resource_checks.peak_memory_bound(t)[0].bound < v.bound
+
+
+@pytest.mark.parametrize("extra, status", [(0, "pass"), (8192, "fail")])
+def test_peak_memory_bound_counts_the_yardsticks_optimizer_temporaries_wherever_its_peak_falls(extra, status):
+    """The plain model's peak may fall in its optimizer step (a foreach AdamW's intermediates, the size of its
+    state) rather than in backward: what it holds there beside its state is the step's transient, not only the
+    activations. An implementation at one rank holding the same passes; one holding more than the margin fails."""
+    ref, impl = _sc("reference", 1), _sc("fsdp_impl", 1)
+    t = make([(ref, LOSSES, ZERO, ZERO), (impl, LOSSES, ZERO, ZERO)])
+    t["scenarios"]["sharded"] = False
+    state = 4 * P_BYTES  # params, grads, AdamW's two moments
+    temporaries = 2 * P_BYTES  # the optimizer step's intermediates, filed with the optimizer state
+    rows = []
+    for sc, peak in ((ref, state + temporaries), (impl, state + temporaries + extra)):
+        rows += [
+            (sc.id, 0, "peak", peak),
+            (sc.id, 0, "state_total", state),
+            (sc.id, 0, "optimizer_state", 2 * P_BYTES + temporaries),
+            (sc.id, 0, "activations", 0),
+            (sc.id, 0, "other", 0),
+        ]
+    t["memory"] = pd.DataFrame(rows, columns=["scenario", "rank", "category", "bytes"])
+    [v] = [v for v in resource_checks.peak_memory_bound(t) if v.scenario == impl.id]
+    assert v.status == status, v
 
 
 def _with_memory(t, sid, ws, opt_factor, optimizer_state=None, other=0):
@@ -320,7 +345,11 @@ def test_offload_host_holds_the_state_on_the_host_and_none_on_the_device():
     mem = after_eval["memory"]
     mem.loc[mem.category == "state_params", "bytes"] = 512
     assert resource_checks.offload_host(after_eval)[0].status == "known"
-    mem.loc[mem.category == "state_params", "bytes"] = 513  # more than the root's own parameters
+    # as an all-gather returns them: up to W - 1 padding rows a tensor more, and no more than that
+    padded = 512 + int(resource_checks.gather_padding(after_eval["scenarios"].iloc[0]))
+    mem.loc[mem.category == "state_params", "bytes"] = padded
+    assert resource_checks.offload_host(after_eval)[0].status == "known"
+    mem.loc[mem.category == "state_params", "bytes"] = padded + 1  # more than the root's own parameters
     assert resource_checks.offload_host(after_eval)[0].status == "fail"
     plain = _offloaded(make([(sc, LOSSES, ZERO, ZERO)]), sc.id, device_share=1, host_share=0)
     plain["scenarios"]["feature"] = "plain"  # state on the device is what a run without offload keeps
