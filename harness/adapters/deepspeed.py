@@ -104,9 +104,16 @@ class DeepSpeedAdapter(Adapter):
         # the model's size); sized to the model, a bucket holds all of it, as the default does for any model below
         # that size, so the reductions are the same and only the memory differs
         size = sum(q.numel() for q in model.parameters())
+        size += size % 2  # stages 1 and 2 assert an even allgather_bucket_size (nccl_start_alignment_factor 2)
         zero = {"stage": self.stage, "reduce_bucket_size": size, "allgather_bucket_size": size}
         if self.stage == 3:
-            zero |= {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": size}
+            # memory_efficient_linear (on by default) replaces torch.nn.functional.linear for the whole process
+            # and never restores it: the worker's later scenarios, the plain model's included, would run DeepSpeed's
+            zero |= {
+                "stage3_param_persistence_threshold": 0,
+                "stage3_prefetch_bucket_size": size,
+                "memory_efficient_linear": False,
+            }
         config = {
             "train_micro_batch_size_per_gpu": 1,  # batches come from the harness: a size for its bookkeeping only
             "gradient_accumulation_steps": options.micro_batches,
@@ -114,9 +121,10 @@ class DeepSpeedAdapter(Adapter):
             "steps_per_print": 1 << 30,
             "zero_allow_untested_optimizer": True,  # the harness's optimizers: torch's own SGD, or a user's
             "wall_clock_breakdown": False,
+            # always said: DeepSpeed 0.19.8 clips at an L2 norm of 1.0 when the key is absent
+            # (GRADIENT_CLIPPING_DEFAULT in deepspeed/runtime/constants.py); 0 turns its clipping off
+            "gradient_clipping": options.clip[1] if options.clip is not None else 0.0,
         }
-        if options.clip is not None:
-            config["gradient_clipping"] = options.clip[1]
         if options.param_dtype is not None:
             config["bf16"] = {"enabled": True}
             config["communication_data_type"] = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(

@@ -300,6 +300,17 @@ _DS_REUSE_DISTANCE = (
     "elements (1e9 by default) and keeps up to stage3_max_live_parameters (1e9) gathered: every unit of a model "
     "below that size stays whole from its forward to its backward"
 )
+_DS_ZERO3_MODULE_HOOKS = (
+    "DeepSpeed's ZeRO-3 passes every submodule's tensor inputs through an identity autograd Function "
+    "(PostBackwardFunctionModule, from the forward pre-hook _post_backward_module_hook in "
+    "deepspeed/runtime/zero/parameter_offload.py) to learn when the module's backward is done. The extra node makes "
+    "autograd sum a module's own gradient contributions to its input (an RMSNorm's two uses of it) before adding "
+    "those from outside it (the residual), where the plain model adds all of them in one buffer: the fp32 sums "
+    "round apart in their last bit (2.6e-8 in tinylm_tied's embedding gradient at step 1) wherever a tensor used "
+    "more than once crosses a module boundary, and AdamW's first update g / (|g| + eps) carries that to 3.4e-6 on "
+    "elements near eps. The same identity Functions in plain torch give DeepSpeed's gradients bit for bit; no "
+    "ZeRO-3 setting removes them (they drive its gathering and release); stage 2 is bitwise on the same model"
+)
 _DS_UNIVERSAL_ADAM_ONLY = (
     "DeepSpeed's universal-checkpoint converter (deepspeed.checkpoint.ds_to_universal) extracts Adam's exp_avg and "
     "exp_avg_sq for every parameter: a checkpoint of SGD, whose optimizer state is its momentum alone, raises "
@@ -320,6 +331,8 @@ _DEEPSPEED = [
 ] + [
     (2, "comm_volume", 2, _DS_ZERO2_ALL_REDUCE, None, ""),
     (3, "units_gathered", 2, _DS_REUSE_DISTANCE, None, ""),
+    (3, "ws1_exact", 1, _DS_ZERO3_MODULE_HOOKS, None, ""),
+    (3, "eval_matches", 1, _DS_ZERO3_MODULE_HOOKS, None, ""),  # the eval loss of those parameters
     *((stage, "completed", 1, _DS_UNIVERSAL_ADAM_ONLY, "ckpt", "KeyError: 'exp_avg'") for stage in (1, 2, 3)),
 ]
 
