@@ -93,7 +93,25 @@ def main(
         dist.destroy_process_group()
 
 
+class _TorchFunctions:
+    """torch.nn.functional's functions as the worker found them. An implementation may replace one for the whole
+    process and leave it so (DeepSpeed's ZeRO-3 swaps in its own linear, memory_efficient_linear): the worker's next
+    scenario, another implementation's or the plain model's, would compute with it (the hooks of a ZeRO-2 run that
+    followed a ZeRO-3 one fired in another order, and its numbers moved by an ulp). Put back after every task."""
+
+    def __init__(self) -> None:
+        self.saved = {k: v for k, v in vars(torch.nn.functional).items() if not k.startswith("__")}
+
+    def restore(self) -> list[str]:
+        now = vars(torch.nn.functional)
+        changed = [k for k, v in self.saved.items() if now.get(k) is not v]
+        for k in changed:
+            setattr(torch.nn.functional, k, self.saved[k])
+        return changed
+
+
 def _serve(ctx: RankContext, conn: Connection) -> None:
+    functions = _TorchFunctions()
     while True:
         try:
             message = conn.recv()
@@ -109,6 +127,8 @@ def _serve(ctx: RankContext, conn: Connection) -> None:
             # an error that is no scenario's (harness.core.scratch.ScratchError) goes back as itself
             ends_run = getattr(exc, "ends_the_run", False)
             conn.send(("fatal", exc) if ends_run else ("error", traceback.format_exc()))
+        finally:
+            functions.restore()
 
 
 def _die_with_parent(lifeline: Connection) -> None:

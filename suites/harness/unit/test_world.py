@@ -74,6 +74,13 @@ def test_all_reduce_inside_a_task(world2):
     assert results == [expected, expected]
 
 
+def test_a_task_that_replaces_a_torch_function_leaves_the_next_task_torchs(world2):
+    """DeepSpeed's ZeRO-3 replaces torch.nn.functional.linear for the whole process: the worker puts it back, so
+    the next scenario in that worker (another implementation's, the plain model's) computes with torch's own."""
+    assert world2.call(f"{TASKS}:replace_linear", None) == [True, True]
+    assert world2.call(f"{TASKS}:linear_is_torchs", None) == [True, True]
+
+
 def test_a_world_is_reused_across_runs(world2):
     pids = [[r["pid"] for r in world2.call(f"{TASKS}:whoami", i)] for i in range(3)]
     assert pids[0] == pids[1] == pids[2] == world2.pids
