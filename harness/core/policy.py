@@ -165,7 +165,7 @@ def noise_floor_bound(tier_bound: float, floor: float, reach: float = 0.0) -> fl
 # feature -> why no correct implementation is bitwise across world sizes under it
 NOT_EXACT = {"clip": NOT_EXACT_UNDER_L2_CLIP}
 
-# [Note: compositions] How features composed in one run ("hsdp+clip", harness.core.scenario.COMPOSE) are held:
+# [Note: compositions] How features composed in one run ("hsdp+clip", harness.core.features.COMPOSE) are held:
 # each property by the rule of the part that changes it most, never a sum or a new tolerance; the yardstick
 # leaves out NUMBERS_UNCHANGED parts; capabilities add up (harness.adapters.base.missing_capability); pairs that
 # cannot compose are usage errors (harness.core.scenario.EXCLUSIVE). The rules: docs/checks.md#compositions
@@ -192,7 +192,7 @@ NOT_EXACT_USER_OPTIMIZER = (
 
 
 # [Note: reshard2] How an integer reshard_after_forward (feature reshard2: each unit resharded to groups of
-# g = RESHARD_RANKS consecutive ranks after its forward, harness.core.scenario.post_forward_ranks) is held:
+# g = RESHARD_RANKS consecutive ranks after its forward, harness.core.features.post_forward_ranks) is held:
 # numbers as the plain step (NUMBERS_UNCHANGED); all-gathers over the shard group no more than forward's P a
 # pass; the peak bounds add param_bytes / g; a wrap of its own (EXCLUSIVE). Derivation: docs/checks.md#reshard2
 
@@ -223,7 +223,7 @@ class KnownDeviation:
     check: str
     min_world_size: int
     cause: str
-    feature: str | None = None  # only under this feature (harness.core.scenario.FEATURES)
+    feature: str | None = None  # only under this feature (harness.core.features.FEATURES)
     when: str = ""  # only when the verdict's message (a failed run's error) contains this text
     backend: str | None = None  # only on this backend (a property of its kernels, held exactly elsewhere)
 

@@ -6,28 +6,14 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-# the feature helpers lived here before the registry (harness.core.features); these names are kept for code that
-# still imports them from here until it is moved
-from harness.core.features import (  # noqa: E402, F401
-    ACCUM_MICRO_BATCHES,
+from harness.core.features import (
     COMPOSE,
-    FEATURES,
-    HSDP_REPLICAS,
-    RESHARD_RANKS,
     check_feature,
-    clip_of,
-    compose,
     has,
-    holds_unsharded_grads,
-    hsdp_mesh,
     named,
     nudged,
-    parts,
     passes_per_step,
-    post_forward_ranks,
-    reductions_per_step,
     rounded_per_rank,
-    shard_size,
     without,
 )
 

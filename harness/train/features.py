@@ -1,5 +1,5 @@
 """What a training step does between zeroed gradients and the optimizer step, per feature
-(harness.core.scenario.FEATURES). The sharded run and the plain reference run the same function,
+(harness.core.features.FEATURES). The sharded run and the plain reference run the same function,
 so a feature is an equivalence like the plain step: same micro-batches, same scaling, same order.
 """
 
@@ -71,7 +71,7 @@ def _size(group) -> int:
 
 
 def hybrid_layout(world_size: int) -> list[list[int]]:
-    """Every group of the hybrid mesh over ranks 0..W-1 (harness.core.scenario.hsdp_mesh: rank =
+    """Every group of the hybrid mesh over ranks 0..W-1 (harness.core.features.hsdp_mesh: rank =
     replica x shard size + index in its shard group): the shard groups, then the replicate groups."""
     replicas, shard = hsdp_mesh(world_size)
     return [list(range(r * shard, (r + 1) * shard)) for r in range(replicas)] + [

@@ -114,7 +114,7 @@ class Mutant:
     kind: str = "numeric"  # "numeric" | "memory" | "traffic" | "per_sample" | "report" (what a rank says)
     # the fault sits in one rank's path (the last rank's, at W > 1): each catching verdict names that rank
     one_rank: bool = False
-    features: tuple[str, ...] = ("plain",)  # what a step does (harness.core.scenario.FEATURES)
+    features: tuple[str, ...] = ("plain",)  # what a step does (harness.core.features.FEATURES)
     slow: bool = False  # behind @pytest.mark.slow (none is: the whole catalogue runs in ~1 minute)
 
 
