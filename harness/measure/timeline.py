@@ -89,7 +89,7 @@ class _Unit:
     elements: int
 
     def __post_init__(self) -> None:
-        # the module's instance dict and parameter dict per slot: read directly at every operation, as
+        # the module's instance dict and parameter dict per slot: read directly at every moment, as
         # attribute lookup would (instance attribute first, then the registered parameter), minus the cost
         self.lookups = [(m.__dict__, m.__dict__["_parameters"], a) for m, a in self.slots]
 
