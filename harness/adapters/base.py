@@ -128,7 +128,10 @@ from harness.core.features import REGISTRY, WRAP_SETTINGS, parts, wrap_settings
 from harness.optimizers import make_optimizer as _make_optimizer
 
 REQUIRED = ("wrap", "full_params")
-OPTIONAL = ("make_optimizer", "after_backward")
+# optimizer_state(wrapped, optimizer) -> {parameter name: {state key: whole tensor or scalar}}: for an optimizer whose
+# own parameters are not the model's (an engine's flat partitions), the state each model parameter has, read from
+# the optimizer's buffers (collective: every rank calls it); the harness otherwise reads the optimizers itself
+OPTIONAL = ("make_optimizer", "after_backward", "optimizer_state")
 ENGINE_HOOKS = ("backward", "step", "zero_grad")
 CAPABILITIES = (
     "set_gradient_sync",

@@ -184,6 +184,31 @@ class DeepSpeedAdapter(Adapter):
             out[name] = cpu_fp32(full if full is not None else p)
         return out
 
+    def optimizer_state(self, wrapped: DeepSpeedModule, optimizer) -> dict[str, dict]:
+        """Each model parameter's optimizer state, whole, read from the engine's partitioned buffers by DeepSpeed's
+        own accessor (safe_get_full_optimizer_state: collective); the optimizer's per-group scalars (AdamW's step)
+        as they are. Its own parameters are flat partitions, which no model parameter's name points at."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        base = getattr(optimizer, "optimizer", optimizer)  # the engine's ZeRO optimizer wraps torch's
+        keys, scalars = set(), {}
+        for held in base.state.values():
+            for key, value in held.items():
+                if isinstance(value, Tensor) and value.dim() > 0:
+                    keys.add(key)
+                else:
+                    scalars[key] = value
+        out = {}
+        for name, p in wrapped.module.named_parameters():
+            state = {}
+            for key in sorted(keys):
+                full = safe_get_full_optimizer_state(p, key)
+                if full is not None:
+                    state[key] = cpu_fp32(full)
+            state.update(scalars)
+            out[name] = state
+        return out
+
     def save_checkpoint(self, wrapped: DeepSpeedModule, optimizer, path) -> None:
         wrapped.engine.save_checkpoint(str(path), tag=TAG)
 

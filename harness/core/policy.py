@@ -330,7 +330,7 @@ _DEEPSPEED = [
         ("ws1_exact", 1, _DS_BF16_MASTERS, "bf16"),
         ("split_matches_full_batch", 2, _DS_BF16_MASTERS, "bf16"),
         ("cross_ws_replicated", 2, _DS_BF16_MASTERS, "bf16"),
-        ("grad_norm_matches", 2, _DS_BF16_MASTERS, "bf16"),
+        ("grad_norm_matches", 1, _DS_BF16_MASTERS, "bf16"),  # the gradient of those parameters, from step 1
         ("ws1_exact", 1, _DS_CLIP_COEFFICIENT, "clip"),
         ("cross_ws_replicated", 3, _DS_FP32_REDUCTION, None),
         ("grads_match_ws1", 3, _DS_FP32_REDUCTION, None),

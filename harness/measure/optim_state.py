@@ -110,9 +110,22 @@ def _placed(local: torch.Tensor, offset, shape) -> dict:
     }
 
 
-def save_held_state(optimizers, names: dict[int, str], ctx, path: Path, own: int = 1) -> None:
-    """Collective over ctx.group: rank 0 writes every rank's held_state, a list in rank order."""
-    mine = held_state(optimizers, names, own)
+def whole_state(state: dict) -> dict:
+    """held_state's form of an adapter's optimizer_state ({name: {key: whole tensor or scalar}}): every value
+    whole, at offset 0, as DDP's ranks hold theirs."""
+    out = {}
+    for name, held in state.items():
+        out[name] = {
+            str(key): _placed(v, (0,) * v.dim(), v.shape) if isinstance(v, torch.Tensor) else {"value": v}
+            for key, v in held.items()
+        }
+    return {"state": out, "problems": []}
+
+
+def save_held_state(optimizers, names: dict[int, str], ctx, path: Path, own: int = 1, whole=None) -> None:
+    """Collective over ctx.group: rank 0 writes every rank's held_state (or `whole`, the adapter's
+    optimizer_state, where it reads an engine's partitions), a list in rank order."""
+    mine = held_state(optimizers, names, own) if whole is None else whole_state(whole)
     every = [mine]
     if ctx.world_size > 1:
         every = [None] * ctx.world_size if ctx.rank == 0 else None

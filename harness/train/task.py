@@ -108,7 +108,9 @@ def _train(
     names = param_names(model, wrapped)  # the plain model's names for the parameters the wrapped one holds
 
     def write_state(path: Path) -> None:  # the optimizer state every rank holds (ckpt: saved, restored)
-        save_held_state(census.optimizers(optimizer), names, ctx, path, own=len(optimizer_list(optimizer)))
+        read = getattr(adapter, "optimizer_state", None)  # an engine's partitions, per model parameter
+        whole = read(wrapped, optimizer) if callable(read) else None
+        save_held_state(census.optimizers(optimizer), names, ctx, path, own=len(optimizer_list(optimizer)), whole=whole)
 
     with costs.part("checkpoints"):
         steps = ckpt.resume(adapter, wrapped, optimizer, write_state)  # the saver's step records (ckpt), else []

@@ -81,9 +81,10 @@ def test_a_stage_resumed_at_another_world_size_through_its_universal_checkpoint_
     kept_worlds,
 ):
     """ckpt: saved by engine.save_checkpoint at one world size, converted by DeepSpeed's ds_to_universal and loaded
-    with load_universal at the other. The resumed run is held to the uninterrupted run's trajectory; what its ranks
-    held right after loading cannot be compared yet: DeepSpeed keeps the optimizer state in flat partitions that
-    the census does not place in the model's parameters (ckpt_restored says so, a failure until it can)."""
+    with load_universal at the other. The resumed run is held to the uninterrupted run's trajectory, and what its
+    ranks hold right after loading to what the saver held: DeepSpeed keeps the optimizer state in flat partitions,
+    which the adapter's optimizer_state reads back per model parameter (ckpt_restored could not be checked before
+    it did)."""
     scenarios = build_matrix(STAGES, ["mlp"], [1, 2], ["replicated"], ["adamw"], steps=4, features=("ckpt",))
     res = run_matrix(scenarios, pool=kept_worlds)
     mine = [v for v in res.verdicts if v.scenario.startswith("deepspeed") and "-ckpt-from" in v.scenario]
@@ -91,4 +92,4 @@ def test_a_stage_resumed_at_another_world_size_through_its_universal_checkpoint_
     numbers = [v for v in mine if v.check in ("cross_ws_replicated", "ws1_exact", "converges")]
     assert numbers and all(v.status in (PASS, KNOWN) for v in numbers), [str(v) for v in numbers]
     restored = [v for v in mine if v.check == "ckpt_restored"]
-    assert restored and all(v.status == FAIL and "could not be checked" in v.message for v in restored)
+    assert restored and all(v.status == PASS for v in restored), [str(v) for v in restored]
