@@ -92,6 +92,18 @@ class _Unit:
         # the module's instance dict and parameter dict per slot: read directly at every moment, as
         # attribute lookup would (instance attribute first, then the registered parameter), minus the cost
         self.lookups = [(m.__dict__, m.__dict__["_parameters"], a) for m, a in self.slots]
+        self.numels = [m._parameters[a].numel() for m, a in self.slots]
+
+    def any_whole(self) -> bool:
+        """Whether one of the unit's parameters is full (its full shape, its storage holding all of it) now:
+        the timeline sees an implementation's gathers even where it never holds a whole unit at once."""
+        for (attrs, params, name), full in zip(self.lookups, self.numels):
+            t = attrs.get(name)
+            if t is None:
+                t = params.get(name)
+            if _held_elements(t, set()) >= full and isinstance(t, torch.Tensor) and t.numel() == full:
+                return True
+        return False
 
     def held(self) -> int:
         """Elements the storages behind the unit's parameters hold now, each storage once."""
@@ -111,6 +123,7 @@ class _Phase:
     units: int = -1  # the most child units gathered at one moment
     which: str = ""  # their names at the first moment with that many
     root: bool = False  # the root's own parameters gathered at some moment
+    params: bool = False  # some unit's parameter (any unit, the root included) full at some moment
 
 
 def _held_elements(t: object, seen: set[int]) -> int:
@@ -164,6 +177,8 @@ class UnitTimeline:
         children = [n for n in names if n != ROOT]
         rec.moments += 1
         rec.root = rec.root or ROOT in names
+        # only while nothing else shows it: the check needs one moment, not every one
+        rec.params = rec.params or bool(names) or any(u.any_whole() for u in self.units)
         if len(children) > rec.units:
             rec.units, rec.which = len(children), ", ".join(children)
 
@@ -179,9 +194,9 @@ class UnitTimeline:
         return value
 
     def records(self) -> list[dict]:
-        """One plain record per phase seen: phase, moments, units, which, root."""
+        """One plain record per phase seen: phase, moments, units, which, root, params."""
         return [
-            {"phase": p, "moments": r.moments, "units": r.units, "which": r.which, "root": r.root}
+            {"phase": p, "moments": r.moments, "units": r.units, "which": r.which, "root": r.root, "params": r.params}
             for p in PHASES
             if (r := self._phases.get(p)) is not None
         ]

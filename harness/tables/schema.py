@@ -229,9 +229,11 @@ TABLES: dict[str, Table] = {
         Table(
             "gathered",
             "scenario x rank x phase of the measured step",
-            ("scenario", "rank", "phase", "moments", "units", "which", "root"),
+            ("scenario", "rank", "phase", "moments", "units", "which", "root", "params"),
             "units: the most units (the root aside) holding their full parameters at one moment of the phase, "
-            "which: their names, root: the root's own parameters full at some moment (harness.measure.timeline)",
+            "which: their names, root: the root's own parameters full at some moment, params: some parameter "
+            "full at some moment (harness.measure.timeline)",
+            required=("scenario", "rank", "phase", "moments", "units", "which", "root"),
         ),
         Table(
             "comm",

@@ -44,6 +44,7 @@ def test_a_half_shard_is_not_gathered_and_phases_keep_their_worst_moment():
         "units": 1,
         "which": "0",
         "root": True,
+        "params": True,
     }
     model[1].weight = nn.Parameter(torch.zeros(4, 4))
     model[1].bias = nn.Parameter(torch.zeros(4))
@@ -53,6 +54,21 @@ def test_a_half_shard_is_not_gathered_and_phases_keep_their_worst_moment():
     rec = {r["phase"]: r for r in tl.records()}
     assert rec["forward"]["units"] == 2 and rec["forward"]["which"] == "0, 1" and rec["forward"]["moments"] == 2
     assert rec["after_forward"]["units"] == 1 and rec["after_forward"]["which"] == "1"
+
+
+def test_a_unit_gathered_one_leaf_module_at_a_time_is_seen_as_parameters_not_as_a_unit():
+    # DeepSpeed ZeRO-3 before its trace is complete (an engine's first forward, a resumed run's measured step):
+    # each leaf module's parameters gathered for its own forward and released after it, no prefetch
+    block = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model = nn.Sequential(block, nn.Linear(4, 2))
+    tl = UnitTimeline(model, [block])
+    for m in model.modules():
+        for name in list(m._parameters):
+            m._parameters[name] = nn.Parameter(torch.empty(0))  # partitioned: nothing of it here
+    block[0].weight = nn.Parameter(torch.zeros(4, 4))  # one leaf's weight gathered
+    tl.mark("forward")
+    [rec] = tl.records()
+    assert rec["units"] == 0 and not rec["root"] and rec["params"]
 
 
 def test_nested_units_claim_their_own_parameters_and_tied_ones_count_once():
@@ -110,6 +126,9 @@ def test_units_gathered_fails_the_root_kept_after_backward_and_a_timeline_that_s
     t["gathered"] = _timeline(sc, forward=0, backward=0)  # full parameters never seen: nothing was measured
     [v] = resources.units_gathered(t)
     assert v.status == "fail" and "could not be checked" in v.message
+    t["gathered"]["params"] = t["gathered"].phase == "forward"  # parameters seen full, never a whole unit: measured
+    [v] = resources.units_gathered(t)
+    assert v.status == "pass", v
     t["gathered"] = _timeline(sc).query("phase != 'optimizer'")
     [v] = resources.units_gathered(t)
     assert v.status == "fail" and "optimizer" in v.message
