@@ -506,12 +506,14 @@ def _grad_sq(model) -> float:
     total = 0.0
     for grads in parts.values():
         group: list[torch.Tensor] = []
+        size = 0  # the group's elements, kept as it grows (not summed again for every gradient)
         for i, g in enumerate(grads):
             group.append(g)
-            if i + 1 == len(grads) or sum(x.numel() for x in group) + grads[i + 1].numel() > largest:
+            size += g.numel()
+            if i + 1 == len(grads) or size + grads[i + 1].numel() > largest:
                 flat = (group[0] if len(group) == 1 else torch.cat(group)).double()
                 total += float(torch.dot(flat, flat))
-                group = []
+                group, size = [], 0
     return total
 
 
