@@ -28,7 +28,8 @@ from harness.train.records import read_gradient_digest
 from harness.train.user_models import WEIGHTED_MEAN, ModelError, check_model
 
 
-def _scenario_fields(sc: Scenario) -> dict:
+def scenario_fields(sc: Scenario) -> dict:
+    """What every table's row of scenario `sc` says of it: its id and the fields that make it."""
     return {
         "scenario": sc.id,
         "impl": sc.impl,
@@ -129,12 +130,12 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
     rank_rows, apart_rows = [], []
     for sc in scenarios:
         res = results.get(sc.id, {"error": "not run"})
-        base = _scenario_fields(sc)
+        base = scenario_fields(sc)
         if "ranks" not in res:
             status, why = ("unsupported", res["unsupported"]) if "unsupported" in res else ("error", res["error"])
             status, why = model_limit(sc, status, why, results)
             scen_rows.append(
-                {**base, **_settings(sc), "status": status, "error": why, "failed_rank": res.get("failed_rank")}
+                {**base, **settings(sc), "status": status, "error": why, "failed_rank": res.get("failed_rank")}
             )
             continue
         r0 = res["ranks"][0]
@@ -229,7 +230,7 @@ def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[st
         scen_rows.append(
             {
                 **base,
-                **_settings(sc),
+                **settings(sc),
                 "status": "ok",
                 "error": "",
                 "failed_rank": None,
@@ -356,7 +357,7 @@ def _last_line(error: str) -> str:
     return lines[-1] if lines else ""
 
 
-def _settings(sc: Scenario) -> dict:
+def settings(sc: Scenario) -> dict:
     """What a scenarios-table row records of the run's settings beside its id fields."""
     return {"steps": sc.steps, "lr": sc.lr, "global_batch": sc.global_batch, "backend": sc.backend}
 

@@ -22,6 +22,7 @@ from harness.core.outcome import FAILED, outcome
 from harness.core.policy import Bounds
 from harness.core.scenario import Scenario
 from harness.core.verdict import FAIL, PASS
+from harness.tables.build import scenario_fields, settings
 from harness.train.models import get_model_spec
 from harness.train.user_models import (
     SAMPLE_MEAN,
@@ -198,25 +199,7 @@ def _tables(probe_norm: float, weighted: bool = True) -> tuple[dict, Scenario, S
     ref, probe = run.reference(), run.rank_order_probe()
     rows, steps = [], []
     for sc, norm in ((ref, NORM), (probe, probe_norm), (run, probe_norm)):
-        rows.append(
-            {
-                "scenario": sc.id,
-                "impl": sc.impl,
-                "model": sc.model,
-                "world_size": sc.world_size,
-                "data_mode": sc.data_mode,
-                "optimizer": sc.optimizer,
-                "seed": sc.seed,
-                "status": "ok",
-                "feature": sc.feature,
-                "micro_batches": sc.micro_batches,
-                "reverse_micro": sc.reverse_micro,
-                "nudge": sc.nudge,
-                "steps": sc.steps,
-                "lr": sc.lr,
-                "weighted_loss": weighted,
-            }
-        )
+        rows.append({**scenario_fields(sc), **settings(sc), "status": "ok", "weighted_loss": weighted})
         for step in (1, 2, 3):
             steps.append(
                 {
