@@ -46,7 +46,8 @@ __all__ = ["World", "WorldPool", "RankContext", "WorldError", "RankFailed", "Wor
 
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # before torch loads in a worker
 # imported once, in the forkserver; torch._inductor.config is what use_deterministic_algorithms
-# imports (seconds per worker otherwise), and it pulls in torch.distributed.fsdp / .tensor too.
+# imports (seconds per worker otherwise), and it pulls in torch.distributed.fsdp / .tensor too; its
+# torch._dynamo every rank needs anyway, at its first optimizer (reports/performance.md#world-start).
 _PRELOAD = ["torch", "torch.distributed", "torch._inductor.config", worker.__name__]
 
 
