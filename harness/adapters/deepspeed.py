@@ -12,6 +12,11 @@ Each feature reaches DeepSpeed as its configuration says it, not through the har
 - ``no_sync``: ``engine.no_sync()``, which DeepSpeed allows for stage 1 only;
 - ``ckpt``: ``engine.save_checkpoint``, converted to DeepSpeed's universal checkpoint by its own converter
   (``ds_to_universal``) and loaded by ``engine.load_checkpoint`` with ``load_universal``, at any world size;
+- ``offload``: ZeRO-Offload, ``offload_optimizer`` to the host (and at stage 3 ``offload_param``), the harness's
+  optimizer kept (``zero_force_ds_cpu_optimizer`` off: DeepSpeed would otherwise insist on its own CPU Adam);
+- ``reshard2``: at stage 3 ZeRO++'s hierarchical partitioning (``zero_hpz_partition_size``): after forward each
+  parameter stays as a secondary partition over groups of that many ranks, from which backward gathers it;
+  refused at stages 1 and 2 (every parameter whole on every rank); ``shard1`` refused (flattened partitions);
 - ``hsdp``: refused: ZeRO++ hierarchical partitioning (``zero_hpz_partition_size``) keeps a secondary copy of the
   parameters within each group, but partitions the gradients and optimizer state over every rank, which is not
   hybrid sharding's replicas (each holding a whole sharded copy).
@@ -80,7 +85,7 @@ def _to_bf16(x):
 
 
 class DeepSpeedAdapter(Adapter):
-    wrap_settings = frozenset({"mixed_precision", "accumulation", "clipping"})
+    wrap_settings = frozenset({"mixed_precision", "accumulation", "clipping", "offload", "reshard_after_forward"})
 
     def __init__(self, stage: int) -> None:
         self.stage = stage
@@ -114,12 +119,21 @@ class DeepSpeedAdapter(Adapter):
                 "stage3_prefetch_bucket_size": size,
                 "memory_efficient_linear": False,
             }
+        if options.offload:  # ZeRO-Offload: the optimizer's partitions (and at stage 3 the parameters') in host memory
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+            if self.stage == 3:
+                zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+        if options.reshard_after_forward is not True and self.stage == 3:
+            # ZeRO++'s hierarchical partitioning: after forward each parameter is kept as a secondary partition over
+            # groups of this many ranks, from which backward gathers it: an integer reshard_after_forward
+            zero["zero_hpz_partition_size"] = int(options.reshard_after_forward)
         config = {
             "train_micro_batch_size_per_gpu": 1,  # batches come from the harness: a size for its bookkeeping only
             "gradient_accumulation_steps": options.micro_batches,
             "zero_optimization": zero,
             "steps_per_print": 1 << 30,
             "zero_allow_untested_optimizer": True,  # the harness's optimizers: torch's own SGD, or a user's
+            "zero_force_ds_cpu_optimizer": False,  # offload keeps the harness's optimizer, not DeepSpeedCPUAdam
             "wall_clock_breakdown": False,
             # always said: DeepSpeed 0.19.8 clips at an L2 norm of 1.0 when the key is absent
             # (GRADIENT_CLIPPING_DEFAULT in deepspeed/runtime/constants.py); 0 turns its clipping off
@@ -148,6 +162,10 @@ class DeepSpeedAdapter(Adapter):
             return "DeepSpeed's gradient_clipping clips by the L2 norm only"
         if has(feature, "no_sync") and self.stage > 1:
             return "DeepSpeed's no_sync is incompatible with the gradient partitioning of ZeRO stages 2 and 3"
+        if has(feature, "reshard2") and self.stage < 3:
+            return "ZeRO stages 1 and 2 keep every parameter whole on every rank: nothing is resharded after forward"
+        if has(feature, "shard1"):
+            return "DeepSpeed partitions each parameter's flattened elements, never along a dimension of the caller's"
         if has(feature, "hsdp"):
             return (
                 "ZeRO++ hierarchical partitioning (zero_hpz_partition_size) keeps a secondary copy of the parameters "

@@ -1,6 +1,8 @@
 """DeepSpeed's ZeRO stages under the harness (harness/adapters/deepspeed.py), through DeepSpeed's own engine: every
 stage trains each feature it takes (accumulation through gradient_accumulation_steps, clipping through
-gradient_clipping, bf16 through its bf16 section, no_sync through engine.no_sync at stage 1) to the plain model's
+gradient_clipping, bf16 through its bf16 section, no_sync through engine.no_sync at stage 1, offload through
+ZeRO-Offload's offload_optimizer and, at stage 3, offload_param, reshard2 at stage 3 through ZeRO++'s hierarchical
+partitioning) to the plain model's
 numbers or to a documented deviation with its measured cause (harness/core/policy.py, reports/deepspeed.md), and
 refuses what it does not take with DeepSpeed's own reason.
 
@@ -17,7 +19,7 @@ from harness.phases import run_matrix
 pytestmark = pytest.mark.ci
 
 STAGES = ("deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3")
-FEATURES = ("plain", "accum", "clip", "bf16", "no_sync", "clip_inf", "hsdp")
+FEATURES = ("plain", "accum", "clip", "bf16", "no_sync", "offload", "reshard2", "clip_inf", "hsdp", "shard1")
 # the documented deviations each stage is expected to show on these cells, and no others
 EXPECTED_KNOWN = {
     "ws1_exact",
@@ -51,11 +53,14 @@ def test_every_stage_trains_what_it_takes_like_the_plain_model_or_a_documented_d
     failed = [str(v) for v in mine if v.status == FAIL]
     assert not failed, "\n".join(failed)
     ran = {v.scenario for v in mine if v.check == "completed" and v.status == PASS}
-    assert any("-accum" in s for s in ran) and any("-clip" in s for s in ran) and any("-bf16" in s for s in ran)
+    for feature in ("accum", "clip", "bf16", "offload", *(("reshard2",) if stage == "deepspeed_zero3" else ())):
+        assert any(f"-{feature}" in s for s in ran), feature
     assert {v.check for v in mine if v.status == KNOWN} <= EXPECTED_KNOWN
-    # accumulation under the engine's own boundaries: bitwise the plain model's at one rank
-    held = [v for v in mine if v.check == "ws1_exact" and v.scenario.endswith("-accum")]
-    assert held and all(v.status == PASS for v in held), [str(v) for v in held]
+    # accumulation under the engine's own boundaries, and the optimizer stepping the offloaded partitions on the host:
+    # bitwise the plain model's at one rank
+    for feature in ("accum", "offload"):
+        held = [v for v in mine if v.check == "ws1_exact" and v.scenario.endswith(f"-{feature}")]
+        assert held and all(v.status == PASS for v in held), [str(v) for v in held]
 
 
 @pytest.mark.parametrize(
@@ -64,6 +69,8 @@ def test_every_stage_trains_what_it_takes_like_the_plain_model_or_a_documented_d
         ("deepspeed_zero1", "clip_inf", "L2 norm only"),
         ("deepspeed_zero2", "no_sync", "incompatible with the gradient partitioning"),
         ("deepspeed_zero3", "hsdp", "not hybrid sharding's replicas"),
+        ("deepspeed_zero2", "reshard2", "nothing is resharded after forward"),
+        ("deepspeed_zero3", "shard1", "flattened elements"),
     ],
 )
 def test_what_deepspeed_does_not_take_is_unsupported_with_its_reason(ds_run, stage, feature, says):
