@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness.train.params_file import load_params
-from harness.train.records import Snapshots, gradient_digest_files, read_gradient_digest
+from harness.train.records import Snapshots, gradient_digest_files, read_gradient_digest, sorted_values
 
 TASKS = "suites.harness.unit.world_tasks"
 
@@ -68,3 +68,15 @@ def test_rank_0_holds_the_snapshots_until_a_batch_is_full_and_writes_them_on_flu
     monkeypatch.setattr(records, "SNAPSHOT_BATCH_BYTES", 16)  # one step's 4 floats fill a batch
     snaps.take(adapter, None, 3)
     assert (tmp_path / "step3.pt").exists() and not snaps.held
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_digest_is_in_the_order_torchs_sort_gives_nan_and_infinities_included(dtype):
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(5000, generator=g).to(dtype)
+    values[::97] = values[5]  # repeated values
+    values[3], values[11], values[40] = math.nan, math.inf, -math.inf
+    got = sorted_values(values)
+    want = torch.sort(values).values
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
