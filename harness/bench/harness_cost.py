@@ -13,8 +13,9 @@
    step code the harness runs), the adapter's after_backward, clipping where the feature clips and the optimizer
    step (an engine's own where the adapter has engine hooks), on every rank between two barriers; nothing
    measured, written or compared. Its sum is the floor: training this matrix with nothing verified.
-3. The first progress line of `python -m harness run` with the same options in a new process: seconds from
-   launch (the run is then interrupted; --no-first-line skips it).
+3. The first progress line of `python -m harness run` with the same options in a new process (its first scenario
+   done): seconds from launch, and to its first line of any kind (the run is then interrupted; --no-first-line
+   skips it).
 
 Prints per world size the runs' seconds both ways and their ratio (the scenarios' seconds as the progress lines
 show them against their bare training), the run's wall time against the bare sum, and the difference by part.
@@ -115,15 +116,18 @@ def slowest(ranks: list[dict], part: str) -> float:
     return max((r.get("costs", {}).get(part, 0.0) for r in ranks), default=0.0)
 
 
-def first_progress_line(argv: list[str], report_dir: str) -> tuple[float | None, str]:
-    """Seconds from launching `python -m harness run <argv>` to its first progress line, and what it printed before
-    (None: it printed none, then the printed lines say why); the run is interrupted there."""
+def first_progress_line(argv: list[str], report_dir: str) -> tuple[float | None, str, float | None, str]:
+    """Seconds from launching `python -m harness run <argv>` to its first progress line ("[  1/N] ...", a scenario
+    done), and what it printed before (None: it printed none, then the printed lines say why); then the seconds to
+    its first line of any kind, and that line. The run is interrupted at its first progress line."""
     cmd = [sys.executable, "-m", "harness", "run", *argv, "--report", os.path.join(report_dir, "first.md")]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
-    seen, said = None, []
+    seen, said, any_s = None, [], None
     try:
         for line in proc.stderr:
+            if any_s is None:
+                any_s = time.perf_counter() - t0
             if line.startswith("["):
                 seen = time.perf_counter() - t0
                 break
@@ -135,7 +139,7 @@ def first_progress_line(argv: list[str], report_dir: str) -> tuple[float | None,
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return seen, "".join(said[-5:])
+    return seen, "".join(said[-5:]), any_s, (said[0] if said else "").strip()
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -218,9 +222,11 @@ def print_figures(res, ran, bare, seconds, wall, first) -> None:
     )
     print(f"\nthe whole run: {wall:.3f} s wall against {b:.3f} s of bare training: {wall / b:.2f}x")
     if first is not None:
-        seconds_to, said = first
+        seconds_to, said, any_s, first_said = first
+        if any_s is not None and first_said:
+            print(f"first line {any_s:.2f} s after launch: {first_said[:100]}")
         print(
-            f"first progress line {seconds_to:.2f} s after `python -m harness run` was launched"
+            f"first progress line {seconds_to:.2f} s after `python -m harness run` was launched (its first scenario done)"
             if seconds_to is not None
             else f"no progress line from `python -m harness run`; it printed:\n{said}"
         )

@@ -176,6 +176,8 @@ def test_harness_cost_prints_bare_and_harnessed_seconds_per_world_size_and_where
     assert float(whole[3]) == pytest.approx(float(whole[1]) / float(whole[2]), rel=0.01, abs=0.01)
     first = re.search(r"first progress line ([\d.]+) s after", out.stdout)
     assert first and 0 < float(first[1]) < float(whole[1]) + 60, out.stdout
+    said = re.search(r"first line ([\d.]+) s after launch: running \d+ scenarios", out.stdout)
+    assert said and 0 < float(said[1]) <= float(first[1]), out.stdout
     table = out.stdout.split("where the run went", 1)[1].splitlines()[1:]
     parts = {line[:66].strip(): float(line[66:].split()[0]) for line in table if line.strip()}
     assert list(parts)[0] == "bare training (the floor)"
