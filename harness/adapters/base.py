@@ -25,7 +25,8 @@ Methods:
   (``harness.core.features.WRAP_SETTINGS``); a feature, or a composition of features, that needs a setting it
   does not declare is not run (``unsupported``). Where the implementation refuses a composition it otherwise
   takes, ``refuses(feature) -> str | None`` says why, and those scenarios are ``unsupported`` with that reason
-  (FSDP2 refuses ``reshard2+shard1``). A ``wrap`` without ``options`` is the plain wrap alone.
+  (FSDP2 refuses ``reshard2+shard1``); a ``refuses`` that also takes an ``optimizer`` keyword is asked with the
+  scenario's optimizer name, for a feature it takes with some optimizers only (DeepSpeed's ``ckpt`` with SGD). A ``wrap`` without ``options`` is the plain wrap alone.
 - ``make_optimizer``: default ``harness.optimizers.make_optimizer(wrapped.parameters(), name, lr)``.
   ``name`` is ``"adamw"``, ``"sgd"`` or a user's ``"package.module:factory"`` (``--optimizers``), which
   that function builds as ``factory(params, lr=lr)``; an override should build every name through it,
@@ -247,14 +248,13 @@ def sharded_state(adapter: object) -> tuple[str, ...]:
     return ("params", "grads", "optimizer_state") if getattr(adapter, "sharded", True) else ()
 
 
-def missing_capability(adapter: object, feature: str) -> str | None:
+def missing_capability(adapter: object, feature: str, optimizer: str | None = None) -> str | None:
     """Why `adapter` cannot run `feature` (one line), or None when it can. A composition needs what each of its
     features needs: their methods, and every wrap setting at once in the one wrap (or, for one setting alone,
     the deprecated method that wraps with it); where the implementation refuses it, its own reason first (the
-    adapter's `refuses`)."""
+    adapter's `refuses`, asked with `optimizer` too where it takes that keyword)."""
     name = getattr(adapter, "name", adapter)
-    refuses = getattr(adapter, "refuses", None)
-    why = refuses(feature) if callable(refuses) and parts(feature) else None
+    why = _refusal(adapter, feature, optimizer) if parts(feature) else None
     if why:  # the implementation's own reason first
         return f"{name} refuses '{feature}': {why}"
     declared, engine = declared_settings(adapter), is_engine(adapter)
@@ -296,6 +296,18 @@ def missing_capability(adapter: object, feature: str) -> str | None:
             f"{WRAP_SETTINGS[REGISTRY[part].wrap]}() method, which {whose(part)} needs (see harness/adapters/base.py)"
         )
     return None
+
+
+def _refusal(adapter: object, feature: str, optimizer: str | None) -> str | None:
+    """The adapter's own reason for refusing `feature` (with `optimizer`, where its `refuses` takes that keyword)."""
+    refuses = getattr(adapter, "refuses", None)
+    if not callable(refuses):
+        return None
+    try:
+        takes_optimizer = "optimizer" in inspect.signature(refuses).parameters
+    except (TypeError, ValueError):
+        takes_optimizer = False
+    return refuses(feature, optimizer=optimizer) if takes_optimizer and optimizer is not None else refuses(feature)
 
 
 def call_wrap(adapter, model: nn.Module, units: list[nn.Module], *, group, device, options: WrapOptions) -> nn.Module:

@@ -11,7 +11,8 @@ Each feature reaches DeepSpeed as its configuration says it, not through the har
 - ``bf16``: its ``bf16`` section, with ``communication_data_type`` fp32 as the harness's policy asks the reduction;
 - ``no_sync``: ``engine.no_sync()``, which DeepSpeed allows for stage 1 only;
 - ``ckpt``: ``engine.save_checkpoint``, converted to DeepSpeed's universal checkpoint by its own converter
-  (``ds_to_universal``) and loaded by ``engine.load_checkpoint`` with ``load_universal``, at any world size;
+  (``ds_to_universal``) and loaded by ``engine.load_checkpoint`` with ``load_universal``, at any world size (the
+  converter reads Adam's state only: refused with SGD);
 - ``offload``: ZeRO-Offload, ``offload_optimizer`` to the host (and at stage 3 ``offload_param``), the harness's
   optimizer kept (``zero_force_ds_cpu_optimizer`` off: DeepSpeed would otherwise insist on its own CPU Adam);
 - ``reshard2``: at stage 3 ZeRO++'s hierarchical partitioning (``zero_hpz_partition_size``): after forward each
@@ -155,9 +156,14 @@ class DeepSpeedAdapter(Adapter):
         wrapped.__dict__["engine"] = engine
         return optimizer
 
-    def refuses(self, feature: str) -> str | None:
+    def refuses(self, feature: str, optimizer: str | None = None) -> str | None:
         from harness.core.features import has
 
+        if has(feature, "ckpt") and optimizer == "sgd":
+            return (
+                "DeepSpeed's universal checkpoint converter (ds_to_universal) reads Adam's state (exp_avg, exp_avg_sq) "
+                "only, and a ZeRO checkpoint loads at another world size only through it"
+            )
         if has(feature, "clip_inf"):
             return "DeepSpeed's gradient_clipping clips by the L2 norm only"
         if has(feature, "no_sync") and self.stage > 1:

@@ -70,7 +70,7 @@ def unsupported(sc: Scenario) -> str | None:
     if not parts(sc.feature):
         return None
     adapter = _adapter(sc.impl)
-    return None if adapter is None else missing_capability(adapter, sc.feature)
+    return None if adapter is None else missing_capability(adapter, sc.feature, sc.optimizer)
 
 
 @functools.cache

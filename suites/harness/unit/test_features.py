@@ -351,3 +351,46 @@ def test_the_features_option_reaches_the_matrix_and_refuses_a_bad_name():
     with pytest.raises(argparse.ArgumentTypeError, match="unknown feature 'zero'; choose from plain, accum"):
         options.features("plain,zero")
     assert options.matrix_from(parser.parse_args([])).features == ("plain",)  # the default keeps today's step
+
+
+def test_an_adapter_may_refuse_a_feature_with_some_optimizers_only():
+    """A `refuses` that takes an `optimizer` keyword is asked with the scenario's optimizer (DeepSpeed resumes a
+    checkpoint at another world size through a converter that reads Adam's state only); one that does not is asked
+    with the feature alone, as before."""
+    from harness.adapters import load_adapter
+    from harness.adapters.base import missing_capability
+    from harness.execute.executor import unsupported
+
+    class ByOptimizer:
+        name, sharded = "by_optimizer", True
+
+        def wrap(self, model, units, *, group, device):
+            return model
+
+        def full_params(self, wrapped):
+            return {}
+
+        def save_checkpoint(self, wrapped, optimizer, path):
+            pass
+
+        def load_checkpoint(self, wrapped, optimizer, path):
+            pass
+
+        def refuses(self, feature, optimizer=None):
+            return "no state to convert" if optimizer == "sgd" else None
+
+    class FeatureOnly(ByOptimizer):
+        def refuses(self, feature):
+            return None
+
+    assert "no state to convert" in missing_capability(ByOptimizer(), "ckpt", "sgd")
+    assert missing_capability(ByOptimizer(), "ckpt", "adamw") is None
+    assert missing_capability(FeatureOnly(), "ckpt", "sgd") is None
+    ds = load_adapter("deepspeed_zero2")  # its refusals need no DeepSpeed installed
+    assert "Adam's state" in missing_capability(ds, "ckpt", "sgd")
+    assert missing_capability(ds, "ckpt", "adamw") is None
+    resumed = Scenario("deepspeed_zero3", "mlp", 2, "replicated", "sgd", feature="ckpt", resume_from=1)
+    assert "Adam's state" in unsupported(resumed)
+    assert (
+        unsupported(Scenario("deepspeed_zero3", "mlp", 2, "replicated", "adamw", feature="ckpt", resume_from=1)) is None
+    )
