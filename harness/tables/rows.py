@@ -3,7 +3,8 @@ table and `scenarios.rows_compared`), read from the full-parameter snapshots ran
 
 A row is one index of a parameter's dim 0 (an element of a 1-D parameter). It moved when any of its
 values differs, bit for bit, from the run's starting snapshot (step 0, or for a resumed run the step it
-loaded at). The sharded run and the plain model it is compared with must move the same rows: a row the
+loaded at); it left its starting value when it moved at any step (SGD's momentum can bring an element back to
+its starting value exactly: a DeepSpeed bf16 run's RMSNorm gain went 1.0 -> 0.99999648 -> 0.99999887 -> 1.0). The sharded run and the plain model it is compared with must move the same rows: a row the
 reference trains and the run leaves at its starting value never trained (a tail of rows that no rank's
 gradient or optimizer reached); a row the run moves that the reference leaves was trained by the run
 alone (a frozen or unused row updated).
@@ -120,6 +121,11 @@ def rows_apart(
         )
         a_far, b_far = (moved(t, mine0[name], limit), moved(ref[name], ref0[name], limit)) if limit > 0 else (a, b)
         gone, alone = b_far & ~a, a_far & ~b  # one run left the row exactly as it was, the other moved it far
+        if bool((gone | alone).any()):  # ... at every step: a row back at its start by the last step had left it
+            for rows, run in ((a, sc.id), (b, ref_id)):
+                ever = _touched(snaps, run, name, first, last)
+                if ever is not None and ever.shape == rows.shape:
+                    gone, alone = (gone & ~ever, alone) if run == sc.id else (gone, alone & ~ever)
         if probes and bool((gone | alone).any()):  # unless a correct split computation is torn over it too
             torn = _probe_rows(snaps, ref_id, probes, name, first, last)
             if torn is not None and torn.shape == a.shape:

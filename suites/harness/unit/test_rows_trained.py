@@ -58,6 +58,20 @@ def test_rows_the_reference_trains_and_the_run_leaves_are_named_with_their_rank(
     ]
 
 
+def test_a_row_that_moved_and_came_back_to_its_start_by_the_last_step_left_it():
+    """A row the run moved at step 1 and brought back exactly by the last (SGD's momentum did it to a DeepSpeed bf16
+    run's RMSNorm gain) trained; rows 30-32, never moved at any step, are still the run's rows apart."""
+    ref = trajectory(range(33))
+    run = trajectory(range(30))
+    run[1]["embed.weight"][31, 0] = 0.5  # row 31 moves at step 1 and is back at 0.0 from step 2
+    apart, _, _, _ = rows_apart(SC, Snaps({REF: ref, SC.id: run}), RANKS, REF)
+    assert [(a["param"], a["still"]) for a in apart] == [("embed.weight", "30,32")]
+    ref[2]["norm.bias"] = ref[3]["norm.bias"] = ref[0]["norm.bias"].clone()  # the same, the other way round
+    run = trajectory(range(33))
+    apart, _, _, _ = rows_apart(SC, Snaps({REF: ref, SC.id: run}), RANKS, REF)
+    assert apart == []
+
+
 def test_rows_the_run_alone_moves_are_named_from_the_step_they_move():
     ref = trajectory(range(33), bias_moves=False)
     run = trajectory(range(33), bias_moves=False)
