@@ -122,10 +122,11 @@ def rows_apart(
         a_far, b_far = (moved(t, mine0[name], limit), moved(ref[name], ref0[name], limit)) if limit > 0 else (a, b)
         gone, alone = b_far & ~a, a_far & ~b  # one run left the row exactly as it was, the other moved it far
         if bool((gone | alone).any()):  # ... at every step: a row back at its start by the last step had left it
-            for rows, run in ((a, sc.id), (b, ref_id)):
-                ever = _touched(snaps, run, name, first, last)
-                if ever is not None and ever.shape == rows.shape:
-                    gone, alone = (gone & ~ever, alone) if run == sc.id else (gone, alone & ~ever)
+            mine_ever, ref_ever = (_touched(snaps, run, name, first, last) for run in (sc.id, ref_id))
+            if mine_ever is not None and mine_ever.shape == a.shape:
+                gone = gone & ~mine_ever
+            if ref_ever is not None and ref_ever.shape == b.shape:
+                alone = alone & ~ref_ever
         if probes and bool((gone | alone).any()):  # unless a correct split computation is torn over it too
             torn = _probe_rows(snaps, ref_id, probes, name, first, last)
             if torn is not None and torn.shape == a.shape:
