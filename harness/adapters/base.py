@@ -26,7 +26,8 @@ Methods:
   does not declare is not run (``unsupported``). Where the implementation refuses a composition it otherwise
   takes, ``refuses(feature) -> str | None`` says why, and those scenarios are ``unsupported`` with that reason
   (FSDP2 refuses ``reshard2+shard1``); a ``refuses`` that also takes an ``optimizer`` keyword is asked with the
-  scenario's optimizer name, for a feature it takes with some optimizers only (DeepSpeed's ``ckpt`` with SGD). A ``wrap`` without ``options`` is the plain wrap alone.
+  scenario's optimizer name, for a feature it takes with some optimizers only (DeepSpeed's ``ckpt`` with SGD).
+  A ``wrap`` without ``options`` is the plain wrap alone.
 - ``make_optimizer``: default ``harness.optimizers.make_optimizer(wrapped.parameters(), name, lr)``.
   ``name`` is ``"adamw"``, ``"sgd"`` or a user's ``"package.module:factory"`` (``--optimizers``), which
   that function builds as ``factory(params, lr=lr)``; an override should build every name through it,

@@ -4,7 +4,8 @@ table and `scenarios.rows_compared`), read from the full-parameter snapshots ran
 A row is one index of a parameter's dim 0 (an element of a 1-D parameter). It moved when any of its
 values differs, bit for bit, from the run's starting snapshot (step 0, or for a resumed run the step it
 loaded at); it left its starting value when it moved at any step (SGD's momentum can bring an element back to
-its starting value exactly: a DeepSpeed bf16 run's RMSNorm gain went 1.0 -> 0.99999648 -> 0.99999887 -> 1.0). The sharded run and the plain model it is compared with must move the same rows: a row the
+its starting value exactly: a DeepSpeed bf16 run's RMSNorm gain went 1.0 -> 0.99999648 -> 0.99999887 -> 1.0).
+The sharded run and the plain model it is compared with must move the same rows: a row the
 reference trains and the run leaves at its starting value never trained (a tail of rows that no rank's
 gradient or optimizer reached); a row the run moves that the reference leaves was trained by the run
 alone (a frozen or unused row updated).
