@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._guards import active_fake_mode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState, get_untyped_storages
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -141,9 +140,23 @@ class _GlobalPeakOnly:
 
     _on_moment: Any = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # the reference types as a tuple: MemTracker builds a device's zeroed snapshot from them at every update
+        # (its default argument, evaluated whether needed or not), and an enum class iterates slowly
+        self._ref_class = tuple(self._ref_class)  # type: ignore[has-type]
+
     def _moment(self, *_: Any) -> None:
         if self._on_moment is not None:
             self._on_moment()
+
+    def get_tracker_snapshot(self, type: str = "current") -> dict:  # noqa: A002 (MemTracker's name)
+        """MemTracker's, copied without deepcopy (the module hooks take one at every module's forward and
+        backward): a snapshot is {device: {reference type: bytes}}, ints only."""
+        if type not in ("current", "peak"):
+            raise ValueError(f"Invalid type {type}")
+        snap = self._curr_mem_snap if type == "current" else self._peak_mem_snap  # type: ignore[attr-defined]
+        return {dev: dict(by_ref) for dev, by_ref in snap.items()}
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         for dev, snap in self._curr_mem_snap.items():  # type: ignore[attr-defined]
@@ -212,9 +225,9 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
         if DTensor is not None and DTensor in types:
             return NotImplemented  # DTensor lowers to local operations first; those come back here
         kwargs = kwargs or {}
-        fake = active_fake_mode()
+        fake = _active_fake_mode(_FAKE)  # torch._guards.active_fake_mode without its walk of the mode stack
         res = args[0] if func is _WAIT_TENSOR and fake is not None else func(*args, **kwargs)
-        results = _tensors(res)
+        results = tensors_in(res)
         if fake is getattr(self, "_fake_mode_on_entry", None):  # not DTensor's sharding propagation
             backward = self._mod_tracker.is_bw
             reftype = (
@@ -231,10 +244,10 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
         from_grads = func in _SCATTERS or any(self._holds_gradient_data(t) for t in inputs)
         if func in _GATHERS:  # what is gathered from gradient data is a gradient, not a parameter
             ref = _MemRefType.GRAD if from_grads else _MemRefType.PARAM
-            for t in _tensors(args[0]):
+            for t in tensors_in(args[0]):
                 self._update_and_maybe_create_winfos(t, ref)
         elif func in _SCATTERS:
-            for t in _tensors(args[1]):
+            for t in tensors_in(args[1]):
                 self._update_and_maybe_create_winfos(t, _MemRefType.GRAD)
         self._mark_gradient_data(outputs, from_grads)
         if func.namespace in _COLLECTIVES:
@@ -245,36 +258,64 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
     # gradients: an all-reduce spelled as reduce-scatter + all-gather (fsdp_impl's HSDP replica exchange)
     # gathers a reduced gradient. A storage holds gradient data when the last operation that wrote it
     # read a gradient or gradient data; parameters, buffers and optimizer state are never re-marked (an
-    # optimizer step writes parameters from gradients; they stay parameters).
+    # optimizer step writes parameters from gradients; they stay parameters). The mark is kept on the
+    # tracker's own record of the storage (one lookup an operand: this runs for every operation), and for a
+    # storage the tracker has no record of in `_gradient_data`.
     def _holds_gradient_data(self, t: torch.Tensor) -> bool:
+        untracked = self._gradient_data
         for st in _storages(t):
             winfo, _ = self._WINFO.get(st, (None, None))
-            if (winfo is not None and winfo.reftype == _MemRefType.GRAD) or st in self._gradient_data:
+            if winfo is not None and (winfo.reftype == _MemRefType.GRAD or getattr(winfo, _FROM_GRADS, False)):
+                return True
+            if untracked and st in untracked:
                 return True
         return False
 
     def _mark_gradient_data(self, outputs: list[torch.Tensor], from_grads: bool) -> None:
+        untracked = self._gradient_data
         for t in outputs:
             for st in _storages(t):
                 winfo, _ = self._WINFO.get(st, (None, None))
-                if winfo is not None and winfo.reftype in _STATE_REFS:
+                if winfo is None:
+                    if from_grads:
+                        untracked[st] = True
+                    elif untracked:
+                        untracked.pop(st, None)
                     continue
-                if from_grads:
-                    self._gradient_data[st] = True
-                else:
-                    self._gradient_data.pop(st, None)
+                if winfo.reftype in _STATE_REFS:
+                    continue
+                setattr(winfo, _FROM_GRADS, from_grads)
+                if untracked:  # marked before the tracker recorded it
+                    untracked.pop(st, None)
 
 
+_FROM_GRADS = "harness_from_gradients"  # the mark's attribute on the tracker's record of a storage
 _STATE_REFS = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.OPT)
 _COLLECTIVES = ("c10d", "_c10d_functional")  # operator namespaces of the collectives and their waits
 _OVERWRITTEN = {torch.ops.aten.copy_.default, torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar}
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+_active_fake_mode, _FAKE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
 _PLAIN = (torch.Tensor, nn.Parameter)  # tensors whose storage is their own (no wrapper subclass to unflatten)
+_SCALARS = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
-def _tensors(x: Any) -> list[torch.Tensor]:
+def tensors_in(x: Any) -> list[torch.Tensor]:
+    """The tensors in an operation's argument or result. Every operation of the measured step comes here several
+    times: a flat sequence (a size, a list of tensors) and a scalar are read directly, anything nested through
+    the pytree (which costs several times as much)."""
     if isinstance(x, torch.Tensor):
         return [x]
+    if isinstance(x, (list, tuple)):
+        found = []
+        for v in x:
+            if isinstance(v, torch.Tensor):
+                found.append(v)
+            elif isinstance(v, (list, tuple, dict)):
+                break
+        else:
+            return found
+    elif x is None or isinstance(x, _SCALARS):
+        return []
     return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
@@ -308,15 +349,15 @@ def _written_and_read(
     reduce-scatter, all-to-all) write their first argument from their second; the others (all-reduce,
     broadcast) work in place on their first."""
     if func.namespace == "c10d":
-        first = _tensors(args[0]) if args else []
-        second = _tensors(args[1]) if len(args) > 1 else []
+        first = tensors_in(args[0]) if args else []
+        second = tensors_in(args[1]) if len(args) > 1 else []
         return (first, second) if second else (first, list(first))
     written, read = list(results), []
     for i, name, is_write, reads in _arguments(func):
         value = args[i] if i < len(args) else kwargs.get(name)
         if value is None or isinstance(value, (int, float, bool, str)):
             continue
-        tensors = _tensors(value)
+        tensors = tensors_in(value)
         if is_write:
             written += tensors
         if reads:

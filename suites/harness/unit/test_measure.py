@@ -325,6 +325,20 @@ def test_an_all_gather_of_gradient_data_is_filed_under_grads_not_params(world):
         assert grads["grads"] >= copy + W * copy  # its gradient and the W gathered from gradient data
 
 
+def test_the_tensors_of_an_operations_arguments_are_the_ones_torchs_pytree_finds():
+    """The tracker reads every operation's arguments and results through its own flat-sequence path: the same
+    tensors, in the same order, as the pytree (its reference) finds in any shape an argument comes in."""
+    from torch.utils._pytree import tree_leaves
+
+    from harness.measure.memory import tensors_in
+
+    a, b, c = torch.ones(1), torch.zeros(2), nn.Parameter(torch.ones(3))
+    shapes = [a, c, [a, b], (a, None, b), [3, 4], torch.Size([2, 3]), [a, [b, c]], (a, (b, 2)), {"k": a, "v": [b]}]
+    shapes += [None, 3, 2.5, "x", torch.float32, torch.device("cpu"), [], ()]
+    for x in shapes:
+        assert [id(t) for t in tensors_in(x)] == [id(t) for t in tree_leaves(x) if isinstance(t, torch.Tensor)], x
+
+
 def test_peak_sees_a_known_temporary():
     model = nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
