@@ -69,6 +69,7 @@ from suites.mutants.hidden_mutants import (
     OptimizerShadowState,
     ParamLeftOut,
     PrefetchThreadGather,
+    ReducedToWrongOwner,
     ReduceToOwners,
     UnitBufferKept,
 )
@@ -148,6 +149,7 @@ columns_as_rows = ColumnsAsRows
 offload_stale_host_copy = OffloadStaleHostCopy
 engine_boundary_off_by_one, engine_loss_scaled_twice = EngineBoundaryOffByOne, EngineLossScaledTwice
 engine_clip_by_partition = EngineClipByPartition
+reduced_to_wrong_owner = ReducedToWrongOwner
 
 
 # World size 1 runs the same gradient path as W > 1 (the gradient lands in the unsharded parameter and
@@ -615,6 +617,16 @@ CATALOGUE: tuple[Mutant, ...] = (
         data_modes=("replicated",),
         features=("clip",),
         at_steps=(1, 2),  # AdamW's first step is lr x sign(g), which no clipping coefficient changes
+    ),
+    # ZeRO-1/2's reduce to each partition's owner with the owners one rank off (a stage-1 partition reduced to the
+    # wrong rank); its correct counterpart is the control reduce_to_owners below
+    Mutant(
+        "reduced_to_wrong_owner",
+        _spec("reduced_to_wrong_owner"),
+        "cross_ws_replicated",
+        "ZeRO-1/2's reduce to owners with each partition reduced on the next rank: every rank steps its rows with "
+        "its neighbour's summed gradient",
+        world_sizes=(1, 2, 4),
     ),
 )
 

@@ -5,7 +5,9 @@ The harness measures the rank process, not the adapter's word: the parameters th
 (not only those `full_params` lists), every storage the rank holds (not only parameters, gradients
 and `optimizer.state`), the collectives of every thread. Each mutant here hides its fault where an
 adapter-reported figure would not look; each control reduces gradients in a way ZeRO-1/2 code does
-(a reduce or a gather to each part's owner) and must pass every check.
+(a reduce or a gather to each part's owner) and must pass every check. One mutant is the reduce control with its
+owners one rank off (a stage-1 partition reduced to the wrong rank, an example of issue 45's DeepSpeed-modelled
+faults): it hides nothing, and sits here beside the control it breaks.
 """
 
 from __future__ import annotations
@@ -95,15 +97,16 @@ class PrefetchThreadGather(MutantAdapter):
         wrapped.register_forward_pre_hook(prefetch)
 
 
-def _reduce_to_owners(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype) -> torch.Tensor:
-    """ZeRO-1/2 style: each rank's part reduced (summed) on the rank that owns it, then averaged."""
+def _reduce_to_owners(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype, shift: int = 0) -> torch.Tensor:
+    """ZeRO-1/2 style: each rank's part reduced (summed) on the rank that owns it, then averaged. `shift` (a
+    mutant's): part p is reduced on rank p + shift instead, which returns it as its own."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world == 1:
         return full_grad.to(reduce_dtype)
     parts = full_grad.to(reduce_dtype).view(world, -1)
-    for owner in range(world):
-        dist.reduce(parts[owner], dst=dist.get_global_rank(group, owner), group=group)
-    return parts[rank].clone().div_(world)
+    for part in range(world):
+        dist.reduce(parts[part], dst=dist.get_global_rank(group, (part + shift) % world), group=group)
+    return parts[(rank - shift) % world].clone().div_(world)
 
 
 def _gather_to_owners(full_grad: torch.Tensor, group, reduce_dtype: torch.dtype) -> torch.Tensor:
@@ -128,6 +131,16 @@ class ReduceToOwners(ReductionReplaced):
 
     def reduce(self, mean, full_grad, group, reduce_dtype):
         return _reduce_to_owners(full_grad, group, reduce_dtype)
+
+
+class ReducedToWrongOwner(ReductionReplaced):
+    """ZeRO-1/2 style reduce to owners with each part's destination one rank off: rank r receives the sum of rank
+    r - 1's part and steps its own rows with it (at W = 1 there is no other rank: the W = 1 run is right)."""
+
+    name = "mutant:reduced_to_wrong_owner"
+
+    def reduce(self, mean, full_grad, group, reduce_dtype):
+        return _reduce_to_owners(full_grad, group, reduce_dtype, shift=1)
 
 
 class GatherToOwners(ReductionReplaced):

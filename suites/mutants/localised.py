@@ -58,6 +58,7 @@ WHERE = {
     "engine_loss_scaled_twice": ("backward", "(outside modules)"),
     "engine_boundary_off_by_one": (FORWARD, "layers.0"),
     "engine_clip_by_partition": ("clipping", "layers.0"),
+    "reduced_to_wrong_owner": (REDUCTION, "layers.0"),  # the reduced shard holds another rank's rows
 }
 # name -> why the localiser names nothing for it
 NOT_LOCALISED = {
