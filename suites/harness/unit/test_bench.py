@@ -191,3 +191,17 @@ def test_harness_cost_prints_bare_and_harnessed_seconds_per_world_size_and_where
     ):
         assert parts[part] > 0, (part, out.stdout)
     assert sum(parts.values()) == pytest.approx(float(whole[1]), abs=0.05), out.stdout
+
+
+def test_measured_step_prints_each_way_against_the_plain_step(capsys):
+    from harness.bench import measured_step
+
+    measured_step.main(["--models", "mlp", "--repeats", "2"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("mlp ")]
+    assert len(rows) == 1
+    # model, ops, then per way: fastest / median [ratio]
+    _, ops, plain, _, _, empty, _, _, empty_ratio, peak, _, _, peak_ratio = rows[0]
+    assert int(ops) > 0
+    assert float(plain) > 0 and float(empty) > 0 and float(peak) > 0
+    assert math.isclose(float(empty_ratio[:-1]), float(empty) / float(plain), rel_tol=0.02)
+    assert math.isclose(float(peak_ratio[:-1]), float(peak) / float(plain), rel_tol=0.02)
