@@ -23,9 +23,6 @@ from harness import options as opt
 WAYS = ("plain", "empty mode", "peak tracker")
 
 
-_KEPT: list = []
-
-
 def measure(model_name: str, repeats: int, warmup: int = 3) -> dict:
     """{"ops": operations a step dispatches, way: [seconds of each repeat]} for one model."""
     import torch
@@ -75,9 +72,6 @@ def measure(model_name: str, repeats: int, warmup: int = 3) -> dict:
                 ctx.__exit__(None, None, None)
     finally:
         gc.unfreeze()
-    # kept to the process's end: freeing a model and optimizer that two PeakMemory windows have hooked crashed the
-    # process (torch 2.13, CPU; not understood yet); a rank measures one window a model
-    _KEPT.append((model, optimizer, contexts))
     return out
 
 

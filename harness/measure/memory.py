@@ -461,6 +461,12 @@ class PeakMemory:
         try:
             self.tracker.__exit__(*exc)
         finally:
+            # the tracker's weak-keyed records of the storages and modules it saw end with the window (the peak
+            # snapshot that `result` reads is kept apart): left to the collector, a dead tracker's weak references
+            # on a model that a later window tracked crashed the process in CPython's weakref clearing when the
+            # model was freed (two windows on one model; harness.bench.measured_step measures so)
+            self.tracker._WINFO.clear()
+            self.tracker.memory_tracking.clear()
             if self._gc_was_enabled:
                 gc.enable()
         if self.device.type == "cuda":

@@ -339,6 +339,45 @@ def test_the_tensors_of_an_operations_arguments_are_the_ones_torchs_pytree_finds
         assert [id(t) for t in tensors_in(x)] == [id(t) for t in tree_leaves(x) if isinstance(t, torch.Tensor)], x
 
 
+def test_two_windows_on_one_model_and_then_its_release_leave_the_process_running():
+    """A tracker's weak-keyed records of the model's storages and modules end with its window: left to the collector,
+    a dead tracker's weak references on a model a later window tracked crashed the process (a segfault in CPython's
+    weakref clearing) when the model was freed. In a child process, which a crash would end with a signal."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from harness.measure import PeakMemory
+from harness.train.models import get_model_spec
+
+
+def two_windows():
+    spec = get_model_spec("tinylm")
+    torch.manual_seed(0)
+    model = spec.build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    inputs, targets = spec.make_batch(8, 1, 0)
+
+    def step():
+        spec.loss(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        window = PeakMemory(model, optimizer, "cpu")
+        window.__enter__()
+        step()
+        window.__exit__(None, None, None)
+
+
+two_windows()
+print("released")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "released" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
 def test_peak_sees_a_known_temporary():
     model = nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
