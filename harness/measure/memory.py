@@ -158,6 +158,13 @@ class _GlobalPeakOnly:
         snap = self._curr_mem_snap if type == "current" else self._peak_mem_snap  # type: ignore[attr-defined]
         return {dev: dict(by_ref) for dev, by_ref in snap.items()}
 
+    def forget(self) -> None:
+        """After the window: drop the weak-keyed records of the storages and modules it saw (the peak snapshot is
+        kept apart). Left to the collector, a dead tracker's weak references on a model that a later window tracked
+        crashed the process in CPython's weakref clearing when the model was freed (two windows on one model)."""
+        self._WINFO.clear()  # type: ignore[attr-defined]
+        self.memory_tracking.clear()  # type: ignore[attr-defined]
+
     def _update_peak_stats(self, peak_state: Any) -> None:
         for dev, snap in self._curr_mem_snap.items():  # type: ignore[attr-defined]
             if self._peak_mem.get(dev, 0) < snap["Total"]:  # type: ignore[attr-defined]
@@ -253,6 +260,10 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
         if func.namespace in _COLLECTIVES:
             self._moment()
         return res
+
+    def forget(self) -> None:
+        super().forget()
+        self._gradient_data.clear()
 
     # Gradient provenance. An all-gather is filed under params unless what it gathers was computed from
     # gradients: an all-reduce spelled as reduce-scatter + all-gather (fsdp_impl's HSDP replica exchange)
@@ -354,10 +365,7 @@ def _written_and_read(
         return (first, second) if second else (first, list(first))
     written, read = list(results), []
     for i, name, is_write, reads in _arguments(func):
-        value = args[i] if i < len(args) else kwargs.get(name)
-        if value is None or isinstance(value, (int, float, bool, str)):
-            continue
-        tensors = tensors_in(value)
+        tensors = tensors_in(args[i] if i < len(args) else kwargs.get(name))  # none in a scalar or None
         if is_write:
             written += tensors
         if reads:
@@ -461,12 +469,7 @@ class PeakMemory:
         try:
             self.tracker.__exit__(*exc)
         finally:
-            # the tracker's weak-keyed records of the storages and modules it saw end with the window (the peak
-            # snapshot that `result` reads is kept apart): left to the collector, a dead tracker's weak references
-            # on a model that a later window tracked crashed the process in CPython's weakref clearing when the
-            # model was freed (two windows on one model; harness.bench.measured_step measures so)
-            self.tracker._WINFO.clear()
-            self.tracker.memory_tracking.clear()
+            self.tracker.forget()  # its records end with the window (harness.bench.measured_step measures several)
             if self._gc_was_enabled:
                 gc.enable()
         if self.device.type == "cuda":

@@ -6,8 +6,8 @@ The harness measures the rank process, not the adapter's word: the parameters th
 and `optimizer.state`), the collectives of every thread. Each mutant here hides its fault where an
 adapter-reported figure would not look; each control reduces gradients in a way ZeRO-1/2 code does
 (a reduce or a gather to each part's owner) and must pass every check. One mutant is the reduce control with its
-owners one rank off (a stage-1 partition reduced to the wrong rank, an example of issue 45's DeepSpeed-modelled
-faults): it hides nothing, and sits here beside the control it breaks.
+owners one rank off (a stage-1 partition reduced to the wrong rank, a fault modelled on DeepSpeed's ZeRO-1/2
+reductions): it hides nothing, and sits here beside the control it breaks.
 """
 
 from __future__ import annotations
