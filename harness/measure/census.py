@@ -48,8 +48,8 @@ __all__ = ["Census", "HELD_CATEGORIES", "HOST_CATEGORIES", "live_tensors"]
 HELD_CATEGORIES = ("params", "grads", "optimizer_state", "buffers", "other", "unattributed")
 STATE_CATEGORIES = ("params", "grads", "optimizer_state")
 HOST_CATEGORIES = tuple(f"host_{c}" for c in STATE_CATEGORIES)  # a device census's (CUDA) host share
-# the pauses before each further look of `Census.held`: the first while anything reads as "other" (usually
-# enough), the rest (1.5 s in all) only while more than it tolerates does (a thread a loaded machine runs late)
+# the pauses before each further look of `Census.held`, while more than it tolerates reads as "other" (the first is
+# usually enough; the rest, 1.5 s in all, wait for a thread a loaded machine runs late)
 SETTLE_S = (0.05, 0.1, 0.2, 0.4, 0.8)
 _KEPT: dict = {}  # "refs": the tensors keep_frozen censuses froze, storage id -> tensor
 
@@ -187,15 +187,15 @@ class Census:
 
         A communication thread may let go of a collective's buffers a moment after the collective
         returned (gloo's worker thread does), and such a buffer would read as held: when the first
-        look finds anything under "other", a second look follows after `SETTLE_S[0]`, and each
-        category keeps its smallest figure. On a loaded machine the thread may run later still: while
-        more than `tolerated` bytes (what a check allows a rank to hold there) read as "other",
-        further looks follow after the rest of `SETTLE_S` (1.5 s in all). What is really held is there
-        every time; a correct run's few bytes of bookkeeping cost only the first pause. `settle=False`
-        (no collective ran since the state was made, so no thread holds a buffer of one) skips it."""
+        look finds more than `tolerated` bytes (what a check allows a rank to hold there) under "other",
+        further looks follow after each of `SETTLE_S` (1.5 s in all; a thread a loaded machine runs late) while
+        it still does, and each category keeps its smallest figure. What is really held is there every time. A
+        correct run's few bytes of bookkeeping cost no pause: within `tolerated` no look changes a verdict, and a
+        buffer let go late can then add at most `tolerated` bytes to the figure. `settle=False` (no collective
+        ran since the state was made, so no thread holds a buffer of one) skips it."""
         out = self._held_once(model, optimizer, exclude)
-        for i, pause in enumerate(SETTLE_S if settle else ()):
-            if not out["other"] or (i and out["other"] <= tolerated):
+        for pause in SETTLE_S if settle else ():
+            if out["other"] <= tolerated:
                 break
             time.sleep(pause)
             again = self._held_once(model, optimizer, exclude)
