@@ -139,7 +139,7 @@ def _not_repeated(verb: argparse.ArgumentParser, args: list[str]) -> None:
 
 
 def cmd_run(ns) -> int:
-    options = session_options(ns)  # cross-option errors first: torch is not loaded yet
+    opt.matrix_from(ns)  # cross-option errors first: torch is not loaded yet
     under_torchrun = launched_by_torchrun()
     quiet = ns.quiet or (under_torchrun and int(os.environ.get("RANK", "0")) != 0)
 
@@ -148,7 +148,13 @@ def cmd_run(ns) -> int:
         if not quiet:
             _stderr(line)
 
-    session = Session(options, say=say, under_torchrun=under_torchrun)
+    stop = None if under_torchrun else _start_worlds_early()
+    try:  # the models and user objects checked while the worlds' forkserver imports its preload
+        session = Session(session_options(ns), say=say, under_torchrun=under_torchrun)
+    except BaseException:
+        if stop is not None:
+            stop()  # no world will start: the server, maybe still importing, goes with this process
+        raise
     if session.run() is None:  # a torchrun rank other than 0: rank 0 writes and decides
         return EXIT_OK
     interrupt.check()  # nothing is written for a run that a Ctrl-C ended
@@ -159,6 +165,16 @@ def cmd_run(ns) -> int:
         sys.stderr.write(f"{v}\n")
     sys.stderr.write(session.summary_line() + "\n")
     return status
+
+
+def _start_worlds_early():
+    """Start the forkserver the run's worlds come from (its preload imported meanwhile: the first progress line is
+    then the first world's start plus its first scenario, not the imports too); the function that stops it."""
+    from harness.execute import executor  # noqa: F401  (what the worlds' workers import: its preload)
+    from harness.execute.world import start_forkserver, stop_forkserver
+
+    start_forkserver()
+    return stop_forkserver
 
 
 def cmd_report(ns) -> int:

@@ -69,15 +69,22 @@ def start(server, preload: list[str]) -> bool:
                 os.chmod(address, 0o600)
             listener.listen()
             alive_r, alive_w = os.pipe()  # every client holds alive_w: when all are gone, the server ends
+            # no Python signal handler may run inside the fork's own Python callbacks (logging's lock release):
+            # a KeyboardInterrupt raised there is printed and lost. SIGALRM is the timer that raises a Ctrl-C held
+            # through an import (harness/core/interrupt.py); the caller blocks SIGINT. One already caught runs its
+            # handler here, before the fork.
+            before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
             try:
                 util._flush_std_streams()  # else the child's copies of buffered output would be written twice
                 pid = os.fork()
                 if pid == 0:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, before)
                     _serve(listener.fileno(), alive_r, preload)  # never returns
             except BaseException:
                 os.close(alive_w)
                 raise
             finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, before)
                 os.close(alive_r)
             server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
     return True

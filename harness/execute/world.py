@@ -133,7 +133,7 @@ class World:
         except BaseException as exc:
             self._kill()
             if isinstance(exc, KeyboardInterrupt) and start_method == "forkserver":
-                _stop_forkserver()  # it may still be importing torch: it would outlive us by seconds
+                stop_forkserver()  # it may still be importing torch: it would outlive us by seconds
             raise
 
     @property
@@ -192,9 +192,6 @@ class World:
         store_path = os.path.join(self._tmp, "store")
         with _env(_WORKER_ENV), _main_hidden():  # inherited by workers and a new forkserver
             if self.start_method == "forkserver":
-                _socket_dir_that_fits()
-                # no effect once the server runs; the last one freezes what the others made (preloaded.py)
-                ctx.set_forkserver_preload([*_PRELOAD, "harness.execute.preloaded"])
                 _start_forkserver()
             for rank in range(self.world_size):
                 parent_end, child_end = ctx.Pipe()
@@ -371,7 +368,7 @@ class WorldPool:
 # that child. So the forkserver starts with SIGINT blocked (``_start_forkserver``): the mask is
 # inherited across fork and exec, so neither it nor a worker ever takes a SIGINT before ignoring it
 # (setting SIG_IGN drops a pending one). The parent alone turns a Ctrl-C into KeyboardInterrupt: it
-# kills the world, and a forkserver that may still be importing (``_stop_forkserver``). Within
+# kills the world, and a forkserver that may still be importing (``stop_forkserver``). Within
 # ``Process.start`` the parent hands a worker its task over a pipe; interrupted before it has written
 # it, it would leave the new worker to fail on a short read, with a traceback. So a Ctrl-C there is
 # held until the worker is recorded (``_ctrl_c_after_hand_over``), except where the parent waits for
@@ -379,13 +376,27 @@ class WorldPool:
 # start-up: there it raises at once.
 
 
+def start_forkserver() -> None:
+    """Start the worlds' forkserver now, if it is not running, so that it imports its preload (torch's compiler
+    config, which torch.use_deterministic_algorithms and the memory tracker import, and the training task: seconds)
+    while this process goes on (the CLI checks its options meanwhile); the first world then starts without waiting
+    for those imports. `stop_forkserver` if no world is started after all. A world starts the server itself where
+    nothing did."""
+    with _env(_WORKER_ENV), _main_hidden():  # inherited by the server and the workers it forks
+        _start_forkserver()
+
+
 def _start_forkserver() -> None:
     """Start multiprocessing's forkserver, if it is not running, with SIGINT blocked in it (see
     [Note: Ctrl-C while a world starts]); a Ctrl-C meanwhile reaches this thread once unblocked.
     Forked from this process where that is safe (harness/execute/forked_server.py), else executed.
-    The resource tracker first: starting it unblocks SIGINT on its way out."""
+    The resource tracker first: starting it unblocks SIGINT on its way out. Call it inside
+    `_env(_WORKER_ENV)` and `_main_hidden()`: a new server inherits both."""
     from multiprocessing import forkserver, resource_tracker
 
+    _socket_dir_that_fits()
+    # no effect once the server runs; the last one freezes what the others made (preloaded.py)
+    mp.get_context("forkserver").set_forkserver_preload([*_PRELOAD, "harness.execute.preloaded"])
     resource_tracker.ensure_running()
     before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
@@ -396,8 +407,9 @@ def _start_forkserver() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
-def _stop_forkserver() -> None:
-    """Kill the forkserver this process started (the next world starts another)."""
+def stop_forkserver() -> None:
+    """Kill the forkserver this process started, if it runs (the next world starts another): one still importing
+    its preload would outlive this process by seconds."""
     from multiprocessing import forkserver
 
     server = forkserver._forkserver  # multiprocessing's own instance; _stop closes, reaps, unlinks
