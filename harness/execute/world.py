@@ -24,11 +24,9 @@ import os
 import re
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
-import types
 import weakref
 from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
@@ -38,6 +36,7 @@ from typing import Any
 import torch
 
 from harness.core import interrupt
+from harness.core.children import main_hidden
 from harness.execute import forked_server, worker
 from harness.execute.launch import launched_by_torchrun
 from harness.execute.worker import RankContext
@@ -190,7 +189,7 @@ class World:
         ctx = mp.get_context(self.start_method)
         lifeline_r, self._lifeline = ctx.Pipe(duplex=False)  # we never write: EOF = we are gone
         store_path = os.path.join(self._tmp, "store")
-        with _env(_WORKER_ENV), _main_hidden():  # inherited by workers and a new forkserver
+        with _env(_WORKER_ENV), main_hidden():  # inherited by workers and a new forkserver
             if self.start_method == "forkserver":
                 _start_forkserver()
             for rank in range(self.world_size):
@@ -329,7 +328,7 @@ class WorldPool:
         unwind_on_termination()  # before the owner makes temp dirs for the pool's worlds to write in
         self.timeout_s, self.start_method, self.reuse, self.keep = timeout_s, start_method, reuse, keep
         self.worlds_started = 0
-        self.start_s = 0.0  # seconds spent starting worlds
+        self.start_s_by_size: dict[int, float] = {}  # world size -> seconds spent starting its worlds
         self._worlds: dict[tuple[int, str], World] = {}
 
     def get(self, world_size: int, backend: str = "gloo") -> World:
@@ -346,9 +345,14 @@ class WorldPool:
             self.close()
         t0 = time.perf_counter()
         world = self._worlds[key] = World(world_size, backend, timeout_s=self.timeout_s, start_method=self.start_method)
-        self.start_s += time.perf_counter() - t0
+        self.start_s_by_size[world_size] = self.start_s_by_size.get(world_size, 0.0) + time.perf_counter() - t0
         self.worlds_started += 1
         return world
+
+    @property
+    def start_s(self) -> float:
+        """Seconds spent starting worlds (the first one's includes the forkserver's, where it started it)."""
+        return sum(self.start_s_by_size.values())
 
     def close(self) -> None:
         while self._worlds:
@@ -382,7 +386,7 @@ def start_forkserver() -> None:
     while this process goes on (the CLI checks its options meanwhile); the first world then starts without waiting
     for those imports. `stop_forkserver` if no world is started after all. A world starts the server itself where
     nothing did."""
-    with _env(_WORKER_ENV), _main_hidden():  # inherited by the server and the workers it forks
+    with _env(_WORKER_ENV), main_hidden():  # inherited by the server and the workers it forks
         _start_forkserver()
 
 
@@ -391,7 +395,7 @@ def _start_forkserver() -> None:
     [Note: Ctrl-C while a world starts]); a Ctrl-C meanwhile reaches this thread once unblocked.
     Forked from this process where that is safe (harness/execute/forked_server.py), else executed.
     The resource tracker first: starting it unblocks SIGINT on its way out. Call it inside
-    `_env(_WORKER_ENV)` and `_main_hidden()`: a new server inherits both."""
+    `_env(_WORKER_ENV)` and `main_hidden()`: a new server inherits both."""
     from multiprocessing import forkserver, resource_tracker
 
     _socket_dir_that_fits()
@@ -500,23 +504,6 @@ def _drop_lifeline_thread(dump: str) -> str:
     """A faulthandler dump without the worker's lifeline-watch thread (it only waits on a pipe)."""
     blocks = dump.strip().split("\n\n")
     return "\n\n".join(b for b in blocks if worker.LIFELINE_THREAD not in b)
-
-
-@contextlib.contextmanager
-def _main_hidden() -> Iterator[None]:
-    """Start workers as if ``__main__`` were empty, so that they do not re-run the main script.
-
-    Workers find tasks by module name and never need the parent's ``__main__``; re-running it
-    (multiprocessing's default) costs each worker e.g. the import of pytest under the ``pytest``
-    console script (reports/performance.md#world-start).
-    """
-    main = sys.modules.get("__main__")
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        if main is not None:
-            sys.modules["__main__"] = main
 
 
 @contextlib.contextmanager

@@ -1,9 +1,7 @@
-"""How the report writes a figure, a size, a ratio, a table and a plot link: '—' wherever a
+"""How the report writes a figure, a size, a ratio and a table: '—' wherever a
 value was not measured, so every section shows missing data the same way."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -36,16 +34,3 @@ def md_table(df: pd.DataFrame) -> str:
     """GitHub-flavoured table with pipes escaped and numbers left exactly as formatted."""
     cells = df.astype(object).map(lambda v: "—" if missing(v) else str(v).replace("|", "\\|").replace("\n", " "))
     return cells.to_markdown(index=False, disable_numparse=True)
-
-
-def plot_or_note(fn, plots_dir: Path | None, name: str, rel: str, alt: str, *args, **kwargs) -> str:
-    """Render one plot into `plots_dir` as `name`; a plotting error becomes a note instead of losing the whole
-    report. `plots_dir` None: plots are not drawn (--no-plots), and the report says so where each would be."""
-    if plots_dir is None:
-        return f"_Plot {alt}: not drawn (--no-plots)._"
-    path = plots_dir / name
-    try:
-        fn(*args, path, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - a broken plot must not lose the report
-        return f"_Plot {alt}: failed ({type(exc).__name__}: {exc})._"
-    return f"![{alt}]({rel}/{path.name})"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.report.drawing import Plots
 from harness.report.formatting import md_table
 from harness.report.groups import cells_of, table_or_empty
 from harness.report.noise import noise_section
@@ -38,10 +39,11 @@ def _env_section(env: dict) -> list[str]:
 def render(tables: dict, env: dict, title: str, plots_dir: Path | None, rel: str) -> str:
     """The markdown text; plots are written into `plots_dir` and linked as `rel/<file>` (None: none drawn)."""
     out = [f"# {title}", "", overall_line(table_or_empty(tables, "verdicts"), cells_of(tables)), ""]
-    out += verdict_sections(tables) + noise_section(tables) + group_sections(tables, plots_dir, rel)
-    out += memory_section(tables, plots_dir, rel) + comm_section(tables) + section_lines(tables)
+    drawn = Plots(plots_dir, rel)
+    out += verdict_sections(tables) + noise_section(tables) + group_sections(tables, drawn)
+    out += memory_section(tables, drawn) + comm_section(tables) + section_lines(tables)
     out += _env_section(env or {})
-    return "\n".join(out).rstrip() + "\n"
+    return drawn.finish("\n".join(out).rstrip() + "\n")
 
 
 def write_report(

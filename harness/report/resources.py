@@ -3,14 +3,13 @@ the ideal where the tables hold it), and the collectives of one training step on
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 
 from harness.measure.timeline import ALLOWED, PHASES
 from harness.report import plots
-from harness.report.formatting import human_bytes, md_table, num, plot_or_note
+from harness.report.drawing import Plots
+from harness.report.formatting import human_bytes, md_table, num
 from harness.report.groups import cells_of, file_stem, group_label, groups_of, per_world_size, table_or_empty
 from harness.tables.store import rank_bytes
 
@@ -31,7 +30,7 @@ MEM_ORDER = [
 ]
 
 
-def memory_section(tables: dict, plots_dir: Path | None, rel: str) -> list[str]:
+def memory_section(tables: dict, drawn: Plots) -> list[str]:
     cells, mem = cells_of(tables), table_or_empty(tables, "memory")
     out = [
         "## Memory",
@@ -76,11 +75,9 @@ def memory_section(tables: dict, plots_dir: Path | None, rel: str) -> list[str]:
         per_ws = per_world_size(rows, mem)
         if per_ws[["state_bytes", "peak_bytes"]].notna().any().any():
             out += [
-                plot_or_note(
+                drawn.link(
                     plots.plot_memory,
-                    plots_dir,
                     f"memory-{file_stem(key)}.png",
-                    rel,
                     f"memory {group_label(key)}",
                     per_ws,
                     f"memory per rank: {group_label(key)}",

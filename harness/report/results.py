@@ -4,13 +4,12 @@ vs reference per step, as tables and plots."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 
 from harness.report import plots
-from harness.report.formatting import human_bytes, md_table, missing, num, plot_or_note, ratio
+from harness.report.drawing import Plots
+from harness.report.formatting import human_bytes, md_table, missing, num, ratio
 from harness.report.groups import (
     cells_of,
     file_stem,
@@ -34,7 +33,7 @@ def _pick_steps(steps: list, limit: int = MAX_STEP_ROWS) -> list:
     return [steps[i] for i in idx]
 
 
-def group_sections(tables: dict, plots_dir: Path | None, rel: str) -> list[str]:
+def group_sections(tables: dict, drawn: Plots) -> list[str]:
     cells, steps, mem = cells_of(tables), table_or_empty(tables, "steps"), table_or_empty(tables, "memory")
     verdicts = table_or_empty(tables, "verdicts")
     out = ["## Results per world size", ""]
@@ -91,9 +90,7 @@ def group_sections(tables: dict, plots_dir: Path | None, rel: str) -> list[str]:
             "",
             md_table(show.reset_index()),
             "",
-            plot_or_note(
-                plots.plot_loss, plots_dir, f"loss-{slug}.png", rel, f"loss {label}", g, ref, f"loss: {label}"
-            ),
+            drawn.link(plots.plot_loss, f"loss-{slug}.png", f"loss {label}", g, ref, f"loss: {label}"),
             "",
         ]
         diff = g.pivot_table(
@@ -114,11 +111,9 @@ def group_sections(tables: dict, plots_dir: Path | None, rel: str) -> list[str]:
             "",
             md_table(show.reset_index()),
             "",
-            plot_or_note(
+            drawn.link(
                 plots.plot_diff,
-                plots_dir,
                 f"diff-{slug}.png",
-                rel,
                 f"param diff {label}",
                 g,
                 f"max |param diff| vs reference: {label}",
