@@ -59,6 +59,8 @@ class RunResult:
     # seconds per part of the run: the matrix's scenarios, tables and checks, then each later phase by name
     # (harness.bench.harness_cost says where a run's time went from them)
     phase_s: dict = field(default_factory=dict)
+    # world size -> seconds its worlds took to start, inside its first scenario's seconds (harness.bench.harness_cost)
+    world_start_s: dict = field(default_factory=dict)
 
     @property
     def failed(self) -> list[Verdict]:

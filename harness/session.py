@@ -159,6 +159,7 @@ class Session:
             )
             if res is not None and pool is not None:
                 res.phase_s["world starts"] = pool.start_s  # inside the phases' seconds: where each world began
+                res.world_start_s = dict(pool.start_s_by_size)
         if res is None:
             self.is_writer = False
             return None

@@ -18,7 +18,8 @@
    skips it).
 
 Prints per world size the runs' seconds both ways and their ratio (the scenarios' seconds as the progress lines
-show them against their bare training), the run's wall time against the bare sum, and the difference by part.
+show them, less the start of that size's world, against their bare training, whose worlds were started
+beforehand), the run's wall time against the bare sum (world starts included), and the difference by part.
 """
 
 from __future__ import annotations
@@ -211,14 +212,20 @@ def print_figures(res, ran, bare, seconds, wall, first) -> None:
     for sc in ran:
         by_w_bare[sc.world_size] += sum(bare[sc.id].values())
         by_w_harness[sc.world_size] += seconds_of.get(sc.id, 0.0)
+    for w, s in res.world_start_s.items():  # the bare runs' worlds were started beforehand
+        by_w_harness[w] -= s
     print(f"{len(ran)} runs ({sum(sc.impl != 'reference' for sc in ran)} of the implementations under test)")
-    print(f"{'W':>3} {'runs':>5} {'bare s':>8} {'harness s':>10} {'ratio':>6}")
+    print(f"{'W':>3} {'runs':>5} {'bare s':>8} {'harness s':>10} {'ratio':>6} {'world start s':>14}")
     for w in sorted(by_w_bare):
         n = sum(sc.world_size == w for sc in ran)
-        print(f"{w:>3} {n:>5} {by_w_bare[w]:>8.3f} {by_w_harness[w]:>10.3f} {by_w_harness[w] / by_w_bare[w]:>5.2f}x")
+        print(
+            f"{w:>3} {n:>5} {by_w_bare[w]:>8.3f} {by_w_harness[w]:>10.3f} {by_w_harness[w] / by_w_bare[w]:>5.2f}x "
+            f"{res.world_start_s.get(w, 0.0):>14.3f}"
+        )
     b, h = sum(by_w_bare.values()), sum(by_w_harness.values())
     print(
-        f"all {len(ran):>5} {b:>8.3f} {h:>10.3f} {h / b:>5.2f}x   (the scenarios' seconds against their bare training)"
+        f"all {len(ran):>5} {b:>8.3f} {h:>10.3f} {h / b:>5.2f}x   (the scenarios' seconds less their worlds' starts "
+        "against their bare training)"
     )
     print(f"\nthe whole run: {wall:.3f} s wall against {b:.3f} s of bare training: {wall / b:.2f}x")
     if first is not None:

@@ -170,6 +170,8 @@ def test_harness_cost_prints_bare_and_harnessed_seconds_per_world_size_and_where
         assert runs > 0 and bare > 0 and harnessed > 0, out.stdout
         assert ratio == pytest.approx(harnessed / bare, rel=0.01, abs=0.01), out.stdout
     assert int(rows["all"][1]) == int(rows["1"][1]) + int(rows["2"][1])
+    # each size's world start is its own column, out of the ratio (the bare runs' worlds started beforehand)
+    assert float(rows["1"][5]) > 0 and float(rows["2"][5]) > 0, out.stdout
     whole = re.search(r"the whole run: ([\d.]+) s wall against ([\d.]+) s of bare training: ([\d.]+)x", out.stdout)
     assert whole, out.stdout
     assert float(whole[2]) == pytest.approx(float(rows["all"][2]), abs=0.002)
