@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from .collectives import all_gather_flat
+from .collectives import all_gather_flat, gather_flat
 from .compat import as_mp_policy, as_offload_policy, groups_from_mesh, refuse_unsupported
 from .group import ParamGroup
 from .mesh import check_hybrid_layout, device_for, post_forward_group
@@ -192,11 +192,15 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
         state.params.sync_grads = bool(requires_gradient_sync)
 
 
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(module: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Full (unsharded) parameters under the names they had in the unwrapped module (collective over
     the shard group: one all-gather per shard group and dtype for the whole module, every unit's padded
     shards packed together; under HSDP every replica gathers its own, identical, copy), in the sharded
     (master) dtype. The gathered buffer is the size of the full parameters, which the result holds anyway.
+
+    ``rank0_only``: gathered to the first rank of each shard group alone (a gather: the other ranks send
+    their shards and go on), where a checkpoint or a record of the parameters is written by one rank;
+    every other rank gets ``{}``.
 
     Tied parameters appear once, under the first name, as ``named_parameters()`` gives them.
     Parameters outside any unit are included as they are.
@@ -207,14 +211,21 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         group = state.params
         for p in group.params:
             shards.setdefault((group.group, group.world_size, p.dtype), []).append(p)
+    receives = True
     for (process_group, world_size, _), params in shards.items():
         with torch.no_grad():
             send = torch.cat([p.padded for p in params]).to(params[0].device)  # offloaded: to the device
+            if rank0_only and world_size > 1 and dist.get_rank(process_group) != 0:
+                gather_flat(None, send, process_group)  # sent; nothing comes back here
+                receives = False
+                continue
             full = torch.empty(world_size * send.numel(), dtype=send.dtype, device=send.device)
-            all_gather_flat(full, send, process_group)
+            (gather_flat if rank0_only else all_gather_flat)(full, send, process_group)
             # (W, sum of padded shards) -> per parameter (W, its padded shard): its W chunks
             for p, ranks in zip(params, full.view(world_size, -1).split([q.shard_numel for q in params], dim=1)):
                 gathered[id(p)] = p.assemble(ranks)
+    if not receives:
+        return {}
     out = {name: gathered[id(p)] for name, p in sharded_params(module)}
     for name, q in module.named_parameters():
         if not getattr(q, "_fsdp_managed", False):

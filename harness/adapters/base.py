@@ -38,7 +38,11 @@ Methods:
   gradient communication here. Default: nothing.
 - ``full_params`` (required): the full, unsharded parameters keyed by the UNWRAPPED module's
   names (``model.named_parameters()``: ``"blocks.0.attn.wq.weight"``, a tied weight once),
-  as detached fp32 CPU copies. Called on every rank (it may be collective).
+  as detached fp32 CPU copies. Called on every rank (it may be collective). One that takes the keyword
+  ``rank0_only`` is called with ``rank0_only=True`` for the per-step snapshots, which rank 0 alone writes: it
+  returns them on rank 0 and ``{}`` (or None) elsewhere, and a gather to one rank lets the others send and go on
+  where an all-gather holds every rank until all have sent. The same method either way, so an override of it is
+  what the harness reads.
 - ``sharded``: ``False`` for implementations that keep a full replica per rank (DDP); memory
   checks then expect no per-rank reduction of parameter and optimizer state.
 
@@ -227,6 +231,14 @@ def takes_options(adapter: object) -> bool:
     except (TypeError, ValueError):  # a builtin or C callable: no options
         return False
     return "options" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def takes_rank0_only(adapter: object) -> bool:
+    """Whether the adapter's full_params takes `rank0_only` (the full parameters gathered to rank 0 alone)."""
+    try:
+        return "rank0_only" in inspect.signature(adapter.full_params).parameters
+    except (TypeError, ValueError):  # a builtin or C callable
+        return False
 
 
 def is_engine(adapter: object) -> bool:

@@ -17,9 +17,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-def full_tensors(named: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
+def full_tensors(named: list[tuple[str, Tensor]], *, rank0_only: bool = False) -> dict[str, Tensor]:
     """name -> the full tensor (a new tensor), in `named`'s order. Collective: every rank of each
-    parameter's mesh calls it with the same parameters."""
+    parameter's mesh calls it with the same parameters. `rank0_only`: the packed parameters are gathered to
+    their mesh's first rank alone (a gather: the others send and go on), and only the process group's rank 0
+    gets a result; every other rank gets {}."""
     from torch.distributed.tensor import DTensor, Shard
 
     out: dict[str, Tensor | None] = {}
@@ -34,12 +36,13 @@ def full_tensors(named: list[tuple[str, Tensor]]) -> dict[str, Tensor]:
         else:
             out[name] = p.detach().clone()
     for group, device_type, items in packs.values():
-        out.update(_gather_rows(group, device_type, items))
-    return out
+        out.update(_gather_rows(group, device_type, items, rank0_only))
+    return {} if rank0_only and dist.get_rank() != 0 else out
 
 
-def _gather_rows(group, device_type: str, items: list) -> dict[str, Tensor]:
-    """The packed all-gather, on the mesh's device (shards offloaded to host memory are gathered there too)."""
+def _gather_rows(group, device_type: str, items: list, rank0_only: bool = False) -> dict[str, Tensor]:
+    """The packed all-gather (`rank0_only`: gather to the group's first rank; {} elsewhere), on the mesh's device
+    (shards offloaded to host memory are gathered there too)."""
     world = dist.get_world_size(group)
     rows = [-(-p.shape[0] // world) * math.prod(p.shape[1:]) for _, p in items]  # a padded chunk, elements
     first = items[0][1].to_local()
@@ -48,10 +51,17 @@ def _gather_rows(group, device_type: str, items: list) -> dict[str, Tensor]:
     for (_, p), part in zip(items, send.split(rows)):
         local = p.to_local().detach().reshape(-1)
         part[: local.numel()].copy_(local)
-    recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
+    first = dist.get_rank(group) == 0
+    recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device) if first or not rank0_only else None
     with torch.no_grad():
-        # torch 2.13's name; earlier releases (a GPU box may keep one) have only all_gather_into_tensor
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(recv, send, group=group)
+        if rank0_only:
+            chunks = list(recv.view(world, -1).unbind(0)) if first else None
+            dist.gather(send, chunks, dst=dist.get_global_rank(group, 0), group=group)
+            if not first:
+                return {}
+        else:
+            # torch 2.13's name; earlier releases (a GPU box may keep one) have only all_gather_into_tensor
+            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(recv, send, group=group)
     return {
         name: full.reshape(-1)[: p.numel()].view(p.shape).clone()
         for (name, p), full in zip(items, recv.view(world, -1).split(rows, dim=1))

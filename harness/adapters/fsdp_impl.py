@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from harness.adapters.base import PLAIN_WRAP, Adapter, AdapterError, WrapOptions, cpu_fp32
@@ -75,7 +76,8 @@ class FsdpImplAdapter(Adapter):
 
         return float(clip_grad_norm_(wrapped, max_norm, norm_type))
 
-    def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
+    def full_params(self, wrapped: nn.Module, *, rank0_only: bool = False) -> dict[str, Tensor]:
         from fsdp_impl import full_state_dict
 
-        return {name: cpu_fp32(t) for name, t in full_state_dict(wrapped).items()}
+        full = full_state_dict(wrapped, rank0_only=rank0_only)
+        return {name: cpu_fp32(t) for name, t in full.items()} if not rank0_only or dist.get_rank() == 0 else {}

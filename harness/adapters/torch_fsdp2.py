@@ -123,8 +123,9 @@ class TorchFSDP2Adapter(Adapter):
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float, norm_type: float) -> float:
         return torch_clip(wrapped.parameters(), max_norm, norm_type)  # DTensor gradients: the global norm
 
-    def full_params(self, wrapped: nn.Module) -> dict[str, Tensor]:
-        return {name: cpu_fp32(t) for name, t in full_tensors(list(wrapped.named_parameters())).items()}
+    def full_params(self, wrapped: nn.Module, *, rank0_only: bool = False) -> dict[str, Tensor]:
+        named = list(wrapped.named_parameters())
+        return {name: cpu_fp32(t) for name, t in full_tensors(named, rank0_only=rank0_only).items()}
 
 
 def _short(dtype: torch.dtype) -> str:

@@ -5,8 +5,9 @@ made of the ranks' own, with as little of the harness's traffic between the step
   its eval loss); the run's are global (the loss and eval loss of the global batch, the norm of the whole
   gradient). They are settled in batches: one all-gather of every rank's figures for the steps since the last
   settling, at the end of the run and before a checkpoint saves the records, not a collective per step.
-- `Snapshots`: the full parameters after every step (the adapter's `full_params`, a collective), which rank 0
-  holds and writes in batches, so that it does no more between steps than the other ranks do.
+- `Snapshots`: the full parameters after every step (the adapter's `full_params`, a collective; gathered to rank 0
+  alone where the adapter's full_params takes `rank0_only`), which rank 0 holds and writes in batches, so that it does no
+  more between steps than the other ranks do.
 - The gradient digest (replicated data): the sorted non-zero gradient values the optimizer applied, a digest no
   layout changes, equal bit for bit exactly when the multisets of values are. Each rank writes its own part
   where the ranks share the run's folder (one machine), else rank 0 gathers them; the parent reads the parts
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from harness.adapters.base import takes_rank0_only
 from harness.train.params_file import save_params
 
 # rank 0 holds up to this many bytes of snapshots before it writes them
@@ -76,8 +78,12 @@ class Snapshots:
         self.bytes = 0
 
     def take(self, adapter, wrapped, step: int) -> None:
-        """Collective: the adapter's full parameters now, as step `step`'s snapshot."""
-        full = adapter.full_params(wrapped)  # every rank calls it
+        """Collective: the adapter's full parameters now, as step `step`'s snapshot (gathered to rank 0 alone where
+        the adapter's full_params takes rank0_only: harness/adapters/base.py)."""
+        # every rank calls it
+        full = (
+            adapter.full_params(wrapped, rank0_only=True) if takes_rank0_only(adapter) else adapter.full_params(wrapped)
+        )
         if self.ctx.rank != 0:
             return
         # copies: an adapter may hand out the live parameters (held past this step, they would move on)

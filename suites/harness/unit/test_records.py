@@ -70,6 +70,34 @@ def test_rank_0_holds_the_snapshots_until_a_batch_is_full_and_writes_them_on_flu
     assert (tmp_path / "step3.pt").exists() and not snaps.held
 
 
+def test_a_snapshot_is_gathered_to_rank_0_alone_where_full_params_takes_rank0_only(tmp_path):
+    """Every rank calls full_params (it may be collective) with rank0_only=True where it takes the keyword; an
+    override without it (a subclass that misreports, a user's adapter) is called as it is, and is what is read."""
+
+    class Ctx:
+        rank, world_size = 0, 2
+
+    class Gathers:
+        def full_params(self, wrapped, *, rank0_only=False):
+            calls.append(rank0_only)
+            return {"w": torch.ones(2)} if ctx.rank == 0 or not rank0_only else {}
+
+    class Overrides(Gathers):
+        def full_params(self, wrapped):
+            calls.append("plain")
+            return {"w": torch.full((2,), 3.0)}
+
+    ctx = Ctx()
+    for adapter, said, value in ((Gathers(), True, 1.0), (Overrides(), "plain", 3.0)):
+        for rank in (1, 0):
+            ctx.rank, calls = rank, []
+            snaps = Snapshots(ctx, tmp_path)
+            snaps.take(adapter, None, 0)
+            snaps.flush()
+            assert calls == [said]
+        assert torch.equal(load_params(tmp_path / "step0.pt")["w"], torch.full((2,), value))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_the_digest_is_in_the_order_torchs_sort_gives_nan_and_infinities_included(dtype):
     g = torch.Generator().manual_seed(0)
