@@ -51,13 +51,13 @@ def _gather_rows(group, device_type: str, items: list, rank0_only: bool = False)
     for (_, p), part in zip(items, send.split(rows)):
         local = p.to_local().detach().reshape(-1)
         part[: local.numel()].copy_(local)
-    first = dist.get_rank(group) == 0
-    recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device) if first or not rank0_only else None
+    root = dist.get_rank(group) == 0
+    recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device) if root or not rank0_only else None
     with torch.no_grad():
         if rank0_only:
-            chunks = list(recv.view(world, -1).unbind(0)) if first else None
+            chunks = list(recv.view(world, -1).unbind(0)) if root else None
             dist.gather(send, chunks, dst=dist.get_global_rank(group, 0), group=group)
-            if not first:
+            if not root:
                 return {}
         else:
             # torch 2.13's name; earlier releases (a GPU box may keep one) have only all_gather_into_tensor

@@ -80,7 +80,8 @@ def _draw(fn: Callable, path: Path, args: tuple, kwargs: dict) -> str | None:
 
 def workers() -> int:
     """The cores this process may use, at most MAX_WORKERS: how many workers draw."""
-    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cores))
 
 
 def _worth_workers(jobs: list[_Job]) -> bool:
