@@ -30,18 +30,16 @@ def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group, async_op: boo
     return all_gather_single(out, shard.contiguous(), group=group, async_op=async_op)
 
 
-def gather_flat(out: torch.Tensor | None, shard: torch.Tensor, group) -> bool:
+def gather_flat(out: torch.Tensor | None, shard: torch.Tensor, group) -> None:
     """Fill `out` (1D, padded, shard.numel() x W) with every rank's `shard`, in rank order, on the group's first
-    rank alone; the other ranks only send theirs (`out` may be None there) and go on. A gather, not an all-gather:
-    one hop to the first rank instead of W - 1 around the ring. Returns whether this rank received."""
+    rank alone; the other ranks only send theirs (`out` None there) and go on. A gather, not an all-gather: one
+    hop to the first rank instead of W - 1 around the ring."""
     world = dist.get_world_size(group)
     if world == 1:
         out.copy_(shard)
-        return True
-    first = dist.get_rank(group) == 0
-    chunks = list(out.view(world, -1).unbind(0)) if first else None
+        return
+    chunks = list(out.view(world, -1).unbind(0)) if out is not None else None
     dist.gather(shard.contiguous(), chunks, dst=dist.get_global_rank(group, 0), group=group)
-    return first
 
 
 def reduce_scatter_mean(

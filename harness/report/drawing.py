@@ -106,14 +106,13 @@ def _draw_in_workers(jobs: list[_Job]) -> list[str | None] | None:
     """Each job's failure (None: drawn) from a pool of worker processes; None where the pool could not be used
     (the caller then draws every plot itself). A Ctrl-C cancels what has not started and waits for the rest."""
     try:
-        with main_hidden():
-            pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=min(workers(), len(jobs)), mp_context=multiprocessing.get_context(_start_method())
-            )
+        pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=min(workers(), len(jobs)), mp_context=multiprocessing.get_context(_start_method())
+        )
     except (OSError, ValueError, RuntimeError):
         return None
     try:
-        with main_hidden():
+        with main_hidden():  # the workers start at the first submit
             futures = [pool.submit(_draw, job.fn, job.path, job.args, job.kwargs) for job in jobs]
         return [f.result() for f in futures]
     except concurrent.futures.process.BrokenProcessPool:
