@@ -42,7 +42,7 @@ from harness.execute.world import WorldPool
 from harness.localize.auto import localise_failures
 from harness.localize.replayed import replay_crossings
 from harness.options import SessionOptions
-from harness.tables.build import build_tables
+from harness.tables.build import TableBuilder
 
 PER_SAMPLE_MODELS = ("mlp",)
 
@@ -98,7 +98,9 @@ class Phase:
 def _matrix(run: Run) -> None:
     m = run.options.matrix
     if run.in_worlds:
-        run.result = _records_judged(run.scenarios, ReusedWorlds(run.pool, m.timeout_s), m.bounds, run.progress)
+        run.result = _records_judged(
+            run.scenarios, ReusedWorlds(run.pool, m.timeout_s), m.bounds, run.progress, ranks_elsewhere=True
+        )
     else:
         run.result = run_matrix_under_torchrun(
             run.scenarios, timeout_s=m.timeout_s, bounds=m.bounds, progress=run.progress, verdict_table_too=False
@@ -206,15 +208,25 @@ def _records_judged(
     progress: Progress | None,
     snapshot_dir: str | Path | None = None,
     read_back_s: float = 0.0,
+    *,
+    ranks_elsewhere: bool,
 ) -> RunResult:
-    """Every scenario on `pool`, the tables built and the checks run (no verdict table yet)."""
+    """Every scenario on `pool`, the tables built and the checks run (no verdict table yet). `ranks_elsewhere`: the
+    ranks are other processes (worlds), so the tables are built on a thread of this one while they train (not
+    beside a rank's own training under torchrun, whose census would count them)."""
     t0 = time.perf_counter()
     own_dir = tempfile.TemporaryDirectory(prefix="fsdp-harness-") if snapshot_dir is None else None
     phase_s = {}
     with own_dir or contextlib.nullcontext(snapshot_dir) as snapshots:
-        records = execute(scenarios, snapshot_dir=snapshots, pool=pool, progress=progress)
-        phase_s["scenarios"] = time.perf_counter() - t0
-        tables = build_tables(scenarios, records)
+        # the tables are built while the ranks train (the parent's cores are idle much of that time); what is left
+        # when the last scenario is done is the tables' part of the run
+        builder = TableBuilder(scenarios, background=ranks_elsewhere)
+        try:
+            records = execute(scenarios, snapshot_dir=snapshots, pool=pool, progress=progress, on_record=builder.add)
+            phase_s["scenarios"] = time.perf_counter() - t0
+            tables = builder.finish()
+        finally:
+            builder.close()
         phase_s["tables"] = time.perf_counter() - t0 - phase_s["scenarios"]
     t = time.perf_counter()
     verdicts = run_checks(tables, bounds)
@@ -260,7 +272,9 @@ def run_matrix(
 
         scenario_pool, snapshot_dir = Journaled(scenario_pool, journal), journal.snapshots
     try:
-        res = _records_judged(scenarios, scenario_pool, bounds, progress, snapshot_dir)
+        res = _records_judged(
+            scenarios, scenario_pool, bounds, progress, snapshot_dir, ranks_elsewhere=isinstance(world_pool, WorldPool)
+        )
         if isinstance(world_pool, WorldPool):
             res.verdicts = replay_crossings(scenarios, res.verdicts, world_pool, bounds, say=say)
     finally:
@@ -288,7 +302,7 @@ def run_matrix_under_torchrun(
     with torchrun_job(scenarios, timeout_s=timeout_s) as job:
         if job is None:
             return None
-        res = _records_judged(scenarios, job.pool, bounds, progress, job.snapshot_dir)
+        res = _records_judged(scenarios, job.pool, bounds, progress, job.snapshot_dir, ranks_elsewhere=False)
     if verdict_table_too:
         finish_tables(res)
     res.wall_s = time.perf_counter() - t0

@@ -104,11 +104,17 @@ def failed_rank(e: WorldError) -> int | None:
 
 
 def execute(
-    scenarios: list[Scenario], *, snapshot_dir: str | Path, pool: ScenarioPool, progress: Progress | None = None
+    scenarios: list[Scenario],
+    *,
+    snapshot_dir: str | Path,
+    pool: ScenarioPool,
+    progress: Progress | None = None,
+    on_record: Callable[[str, dict], None] | None = None,
 ) -> dict:
     """scenario id -> record, for the records this process collects. Worlds in ascending size, so that
     each world is started once; runs resumed from a checkpoint come after every run (their savers
-    included), in ascending size again."""
+    included), in ascending size again. `on_record(id, record)`: each record as it is made (the tables built
+    while the next scenarios train: harness.tables.build.TableBuilder)."""
     results: dict[str, dict] = {}
     order = sorted(scenarios, key=lambda s: (s.backend, s.saver() is not None, s.world_size))
     savers = {s.saver() for s in scenarios if s.saver() is not None and not unsupported(s)}
@@ -120,6 +126,8 @@ def execute(
         seconds = time.perf_counter() - t0
         if record is not None:
             results[sc.id] = {**record, "seconds": seconds}  # as its progress line shows it
+            if on_record is not None:
+                on_record(sc.id, results[sc.id])
         if progress is not None:
             progress(i + 1, len(order), sc, seconds)
     return results

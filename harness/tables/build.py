@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import math
+import queue
+import threading
 from pathlib import Path
 
 import pandas as pd
@@ -122,158 +124,237 @@ def weighted_loss(model: str, global_batch: int, seed: int, steps: int) -> bool:
         return False
 
 
+TABLES = ("steps", "params", "scenarios", "memory", "comm", "coverage", "gathered", "rank_diffs", "rows_trained")
+
+
 def build_tables(scenarios: list[Scenario], results: dict[str, dict]) -> dict[str, pd.DataFrame]:
     """results: scenario id -> {"ranks": [per-rank record...]} or {"error": str}."""
-    by_id = {s.id: s for s in scenarios}
-    snaps = _Snapshots({sid: r["ranks"][0]["snapshot_dir"] for sid, r in results.items() if "ranks" in r})
-    steps_rows, param_rows, scen_rows, mem_rows, comm_rows, cover_rows, gathered_rows = [], [], [], [], [], [], []
-    rank_rows, apart_rows = [], []
-    for sc in scenarios:
-        res = results.get(sc.id, {"error": "not run"})
-        base = scenario_fields(sc)
-        if "ranks" not in res:
-            status, why = ("unsupported", res["unsupported"]) if "unsupported" in res else ("error", res["error"])
-            status, why = model_limit(sc, status, why, results)
-            scen_rows.append(
-                {**base, **settings(sc), "status": status, "error": why, "failed_rank": res.get("failed_rank")}
-            )
-            continue
-        r0 = res["ranks"][0]
-        ref_id = sc.reference().id
-        ws1_id = sc.ws1().id if sc.impl != REFERENCE_IMPL else None
-        final, compared = {}, math.nan
-        for i, rec in enumerate(r0["steps"]):
-            k = rec["step"]
-            cur = snaps.get(sc.id, k) or {}
-            ref = snaps.get(ref_id, k) if ref_id in by_id else None
-            if ref is not None and sc.impl != REFERENCE_IMPL:
-                cover_rows += _coverage(sc.id, k, cur, ref)
-                compared = len(ref)
-            ws1 = snaps.get(ws1_id, k) if ws1_id in by_id else None
-            d_ref, d_ws1 = _diffs(cur, ref), _diffs(cur, ws1)
-            probe = sc.rank_order_probe()
-            d_probe = _diffs(cur, snaps.get(probe.id, k)) if probe is not None and probe.id in by_id else {}
-            rank_rows += _rank_diffs(sc.id, k, res["ranks"], cur, ref, ws1, d_ref, d_ws1)
-            twin = sc.factor_twin()
-            d_twin = _diffs(cur, snaps.get(twin.id, k)) if twin is not None and twin.id in by_id else {}
-            moved = _travel(cur, snaps.get(sc.id, k - 1)) if sc.impl == REFERENCE_IMPL else {}
-            for name, t in cur.items():
-                param_rows.append(
-                    {
-                        "scenario": sc.id,
-                        "step": k,
-                        "param": name,
-                        "numel": t.numel(),
-                        "diff_ref": d_ref.get(name, math.nan),
-                        "diff_ws1": d_ws1.get(name, math.nan),
-                        "diff_probe": d_probe.get(name, math.nan),
-                        "diff_factor": d_twin.get(name, math.nan),
-                        "travel": moved.get(name, math.nan),
-                        "sum": float(t.double().sum()),
-                    }
-                )
-            wr, mr = _worst(d_ref)
-            w1, m1 = _worst(d_ws1)
-            wt, mt = _worst(d_twin)
-            wp, mp = _worst(d_probe)
-            g1 = math.nan
-            if ws1_id in by_id and ws1_id != sc.id and sc.data_mode == "replicated":
-                g1 = _grad_diff(snaps.grads(sc.id, k), snaps.grads(ws1_id, k))
-            steps_rows.append(
+    builder = TableBuilder(scenarios)
+    for sid, res in results.items():
+        builder.add(sid, res)
+    return builder.finish()
+
+
+class TableBuilder:
+    """The tables, built a scenario at a time as the records come in (`add`): a scenario's rows are made once its
+    record and those of every run it is compared with (`compared_with`) are in, on a thread of their own where
+    `background` (the parent has cores to spare while the ranks train: a rank waits on its collectives, and a world
+    of 1 rank leaves the other cores idle), here at `add` otherwise. `finish` makes the rows not made yet (a run a
+    scenario is compared with that never came: its columns NaN, as in a matrix without it) and gives the tables,
+    every scenario's rows in the order of `scenarios`, whatever order the records came in."""
+
+    def __init__(self, scenarios: list[Scenario], background: bool = False):
+        self.scenarios = list(scenarios)
+        self.by_id = {s.id: s for s in self.scenarios}
+        self.results: dict[str, dict] = {}
+        self.snaps = _Snapshots({})
+        self.made: dict[str, dict[str, list[dict]]] = {}  # scenario id -> its rows by table
+        # scenario id -> the runs of this matrix its rows read (its own included)
+        self._needs = {s.id: {d for d in compared_with(s) if d in self.by_id} | {s.id} for s in self.scenarios}
+        self._queue: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._failed: BaseException | None = None
+        self._stopped = False
+        if background:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._work, name="tables", daemon=True)
+            self._thread.start()
+
+    def add(self, sid: str, record: dict) -> None:
+        """Scenario `sid`'s record (harness.execute.executor.execute's): rows made for every scenario it completes."""
+        if self._queue is not None:
+            self._queue.put((sid, record))
+        else:
+            self._take(sid, record)
+
+    def _take(self, sid: str, record: dict) -> None:
+        self.results[sid] = record
+        if "ranks" in record:
+            self.snaps.dirs[sid] = record["ranks"][0]["snapshot_dir"]
+        for sc in self.scenarios:
+            if sc.id not in self.made and self._needs[sc.id] <= self.results.keys():
+                self._make(sc)
+
+    def _make(self, sc: Scenario) -> None:
+        self.made[sc.id] = _scenario_rows(sc, self.results, self.snaps, self.by_id)
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._failed is None and not self._stopped:
+                try:
+                    self._take(*item)
+                except BaseException as e:  # noqa: BLE001 (raised again by finish, in the caller's thread)
+                    self._failed = e
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def close(self) -> None:
+        """Stops the thread without making the rows of the records still queued (a run interrupted); idempotent."""
+        self._stopped = True
+        self._join()
+
+    def finish(self) -> dict[str, pd.DataFrame]:
+        """The tables: the records queued taken, the rows not made yet made."""
+        self._join()
+        if self._failed is not None:
+            raise self._failed
+        for sc in self.scenarios:
+            if sc.id not in self.made:
+                self._make(sc)
+        rows = {name: [r for sc in self.scenarios for r in self.made[sc.id][name]] for name in TABLES}
+        return {name: pd.DataFrame(r, columns=columns(name)) for name, r in rows.items()}
+
+
+def compared_with(sc: Scenario) -> list[str]:
+    """The ids of the runs whose records and snapshots `sc`'s rows read: its dependencies, the rank-order probe and
+    the factor twin it is held to."""
+    runs = [*sc.dependencies(), sc.rank_order_probe(), sc.factor_twin()]
+    if sc.impl != REFERENCE_IMPL:
+        runs.append(sc.ws1())
+    return list(dict.fromkeys(r.id for r in runs if r is not None))
+
+
+def _scenario_rows(sc: Scenario, results: dict[str, dict], snaps: _Snapshots, by_id: dict) -> dict[str, list[dict]]:
+    """Scenario `sc`'s rows of every table, from its record and those of the runs it is compared with."""
+    rows: dict[str, list[dict]] = {name: [] for name in TABLES}
+    res = results.get(sc.id, {"error": "not run"})
+    base = scenario_fields(sc)
+    if "ranks" not in res:
+        status, why = ("unsupported", res["unsupported"]) if "unsupported" in res else ("error", res["error"])
+        status, why = model_limit(sc, status, why, results)
+        rows["scenarios"].append(
+            {**base, **settings(sc), "status": status, "error": why, "failed_rank": res.get("failed_rank")}
+        )
+        return rows
+    r0 = res["ranks"][0]
+    ref_id = sc.reference().id
+    ws1_id = sc.ws1().id if sc.impl != REFERENCE_IMPL else None
+    final, compared = {}, math.nan
+    for i, rec in enumerate(r0["steps"]):
+        k = rec["step"]
+        cur = snaps.get(sc.id, k) or {}
+        ref = snaps.get(ref_id, k) if ref_id in by_id else None
+        if ref is not None and sc.impl != REFERENCE_IMPL:
+            rows["coverage"] += _coverage(sc.id, k, cur, ref)
+            compared = len(ref)
+        ws1 = snaps.get(ws1_id, k) if ws1_id in by_id else None
+        d_ref, d_ws1 = _diffs(cur, ref), _diffs(cur, ws1)
+        probe = sc.rank_order_probe()
+        d_probe = _diffs(cur, snaps.get(probe.id, k)) if probe is not None and probe.id in by_id else {}
+        rows["rank_diffs"] += _rank_diffs(sc.id, k, res["ranks"], cur, ref, ws1, d_ref, d_ws1)
+        twin = sc.factor_twin()
+        d_twin = _diffs(cur, snaps.get(twin.id, k)) if twin is not None and twin.id in by_id else {}
+        moved = _travel(cur, snaps.get(sc.id, k - 1)) if sc.impl == REFERENCE_IMPL else {}
+        for name, t in cur.items():
+            rows["params"].append(
                 {
-                    **base,
+                    "scenario": sc.id,
                     "step": k,
-                    "loss": rec["loss"],
-                    "grad_norm": rec["grad_norm"],
-                    "max_diff_ref": mr,
-                    "worst_param_ref": wr,
-                    "max_diff_ws1": m1,
-                    "worst_param_ws1": w1,
-                    "grad_diff_ws1": g1,
-                    "clip_norm": rec.get("clip_norm", math.nan),
-                    "max_diff_factor": mt,
-                    "worst_param_factor": wt,
-                    "max_diff_probe": mp,
-                    "worst_param_probe": wp,
-                    "replicas_differ": rec.get("replicas_differ", math.nan),
-                    "jitter_delays": sum(r["steps"][i].get("jitter_delays", 0) for r in res["ranks"]),
-                    "jitter_s": sum(r["steps"][i].get("jitter_s", 0.0) for r in res["ranks"]),
-                    "reduction_ranks": reduction_ranks(res["ranks"], i, r0.get("param_tensors", 0)),
-                    "reports_differ": reports_differ(res["ranks"], i),
-                    "eval_loss": rec.get("eval_loss", math.nan),
-                    "eval_loss_plain": rec.get("eval_loss_plain", math.nan),
-                    "nonfinite_module": rec.get("nonfinite_module", ""),
+                    "param": name,
+                    "numel": t.numel(),
+                    "diff_ref": d_ref.get(name, math.nan),
+                    "diff_ws1": d_ws1.get(name, math.nan),
+                    "diff_probe": d_probe.get(name, math.nan),
+                    "diff_factor": d_twin.get(name, math.nan),
+                    "travel": moved.get(name, math.nan),
+                    "sum": float(t.double().sum()),
                 }
             )
-            final = {
-                "final_loss": rec["loss"],
-                "param_sum": sum(float(t.double().sum()) for t in cur.values()),
-                "max_diff_ref": mr,
-                "max_diff_ws1": m1,
-            }
-        restore = _restore(sc, snaps, by_id)
-        rows_compared = rows_moved = rows_noise = math.nan
-        if sc.impl != REFERENCE_IMPL and ref_id in by_id:
-            apart, rows_compared, rows_moved, rows_noise = rows_apart(
-                sc, snaps, res["ranks"], ref_id, [p for p in sc.noise_probes() if p.id in by_id]
-            )
-            apart_rows += apart
-        calm = _calm(sc, snaps, by_id, [rec["step"] for rec in r0["steps"]])
-        for rank_rec in res["ranks"]:
-            for cat, b in rank_rec["memory"].items():
-                mem_rows.append({"scenario": sc.id, "rank": rank_rec["rank"], "category": cat, "bytes": b})
-            gathered_rows += [{"scenario": sc.id, "rank": rank_rec["rank"], **g} for g in rank_rec.get("gathered", ())]
-        for c in r0["comm"]:
-            comm_rows.append({"scenario": sc.id, **c})
-        state = [rr["memory"].get("state_total", math.nan) for rr in res["ranks"]]
-        peak = [rr["memory"].get("peak", math.nan) for rr in res["ranks"]]
-        scen_rows.append(
+        wr, mr = _worst(d_ref)
+        w1, m1 = _worst(d_ws1)
+        wt, mt = _worst(d_twin)
+        wp, mp = _worst(d_probe)
+        g1 = math.nan
+        if ws1_id in by_id and ws1_id != sc.id and sc.data_mode == "replicated":
+            g1 = _grad_diff(snaps.grads(sc.id, k), snaps.grads(ws1_id, k))
+        rows["steps"].append(
             {
                 **base,
-                **settings(sc),
-                "status": "ok",
-                "error": "",
-                "failed_rank": None,
-                **final,
-                "sharded": r0.get("sharded", True),
-                "sharded_state": r0.get("sharded_state", ",".join(STATE) if r0.get("sharded", True) else ""),
-                "engine_clips": bool(r0.get("engine_clips", False)),
-                "param_bytes": r0.get("param_bytes", math.nan),
-                "trainable_bytes": r0.get("trainable_bytes", math.nan),
-                "param_elements": r0.get("param_elements", math.nan),
-                "trainable_elements": r0.get("trainable_elements", math.nan),
-                "largest_unit_bytes": r0.get("largest_unit_bytes", math.nan),
-                "largest_child_bytes": r0.get("largest_child_bytes", math.nan),
-                "root_bytes": r0.get("root_bytes", math.nan),
-                "row_bytes": r0.get("row_bytes", math.nan),
-                "param_tensors": r0.get("param_tensors", math.nan),
-                "buffer_bytes": r0.get("buffer_bytes", math.nan),
-                "batch_stats": r0.get("batch_stats", ""),
-                "weighted_loss": weighted_loss(sc.model, sc.global_batch, sc.seed, sc.steps),
-                "params_compared": compared,
-                "rows_compared": rows_compared,
-                "rows_moved": rows_moved,
-                "rows_noise": rows_noise,
-                "params_moved": params_moved(sc, snaps),
-                **restore,
-                **calm,
-                "state_bytes": max(state),
-                "peak_bytes": max(peak),
-                "step_time_s": max(rr["step_time_s"] for rr in res["ranks"]),
+                "step": k,
+                "loss": rec["loss"],
+                "grad_norm": rec["grad_norm"],
+                "max_diff_ref": mr,
+                "worst_param_ref": wr,
+                "max_diff_ws1": m1,
+                "worst_param_ws1": w1,
+                "grad_diff_ws1": g1,
+                "clip_norm": rec.get("clip_norm", math.nan),
+                "max_diff_factor": mt,
+                "worst_param_factor": wt,
+                "max_diff_probe": mp,
+                "worst_param_probe": wp,
+                "replicas_differ": rec.get("replicas_differ", math.nan),
+                "jitter_delays": sum(r["steps"][i].get("jitter_delays", 0) for r in res["ranks"]),
+                "jitter_s": sum(r["steps"][i].get("jitter_s", 0.0) for r in res["ranks"]),
+                "reduction_ranks": reduction_ranks(res["ranks"], i, r0.get("param_tensors", 0)),
+                "reports_differ": reports_differ(res["ranks"], i),
+                "eval_loss": rec.get("eval_loss", math.nan),
+                "eval_loss_plain": rec.get("eval_loss_plain", math.nan),
+                "nonfinite_module": rec.get("nonfinite_module", ""),
             }
         )
-    rows = {
-        "steps": steps_rows,
-        "params": param_rows,
-        "scenarios": scen_rows,
-        "memory": mem_rows,
-        "comm": comm_rows,
-        "coverage": cover_rows,
-        "gathered": gathered_rows,
-        "rank_diffs": rank_rows,
-        "rows_trained": apart_rows,
-    }
-    return {name: pd.DataFrame(r, columns=columns(name)) for name, r in rows.items()}
+        final = {
+            "final_loss": rec["loss"],
+            "param_sum": sum(float(t.double().sum()) for t in cur.values()),
+            "max_diff_ref": mr,
+            "max_diff_ws1": m1,
+        }
+    restore = _restore(sc, snaps, by_id)
+    rows_compared = rows_moved = rows_noise = math.nan
+    if sc.impl != REFERENCE_IMPL and ref_id in by_id:
+        apart, rows_compared, rows_moved, rows_noise = rows_apart(
+            sc, snaps, res["ranks"], ref_id, [p for p in sc.noise_probes() if p.id in by_id]
+        )
+        rows["rows_trained"] += apart
+    calm = _calm(sc, snaps, by_id, [rec["step"] for rec in r0["steps"]])
+    for rank_rec in res["ranks"]:
+        for cat, b in rank_rec["memory"].items():
+            rows["memory"].append({"scenario": sc.id, "rank": rank_rec["rank"], "category": cat, "bytes": b})
+        rows["gathered"] += [{"scenario": sc.id, "rank": rank_rec["rank"], **g} for g in rank_rec.get("gathered", ())]
+    for c in r0["comm"]:
+        rows["comm"].append({"scenario": sc.id, **c})
+    state = [rr["memory"].get("state_total", math.nan) for rr in res["ranks"]]
+    peak = [rr["memory"].get("peak", math.nan) for rr in res["ranks"]]
+    rows["scenarios"].append(
+        {
+            **base,
+            **settings(sc),
+            "status": "ok",
+            "error": "",
+            "failed_rank": None,
+            **final,
+            "sharded": r0.get("sharded", True),
+            "sharded_state": r0.get("sharded_state", ",".join(STATE) if r0.get("sharded", True) else ""),
+            "engine_clips": bool(r0.get("engine_clips", False)),
+            "param_bytes": r0.get("param_bytes", math.nan),
+            "trainable_bytes": r0.get("trainable_bytes", math.nan),
+            "param_elements": r0.get("param_elements", math.nan),
+            "trainable_elements": r0.get("trainable_elements", math.nan),
+            "largest_unit_bytes": r0.get("largest_unit_bytes", math.nan),
+            "largest_child_bytes": r0.get("largest_child_bytes", math.nan),
+            "root_bytes": r0.get("root_bytes", math.nan),
+            "row_bytes": r0.get("row_bytes", math.nan),
+            "param_tensors": r0.get("param_tensors", math.nan),
+            "buffer_bytes": r0.get("buffer_bytes", math.nan),
+            "batch_stats": r0.get("batch_stats", ""),
+            "weighted_loss": weighted_loss(sc.model, sc.global_batch, sc.seed, sc.steps),
+            "params_compared": compared,
+            "rows_compared": rows_compared,
+            "rows_moved": rows_moved,
+            "rows_noise": rows_noise,
+            "params_moved": params_moved(sc, snaps),
+            **restore,
+            **calm,
+            "state_bytes": max(state),
+            "peak_bytes": max(peak),
+            "step_time_s": max(rr["step_time_s"] for rr in res["ranks"]),
+        }
+    )
+    return rows
 
 
 # what every rank's step record says that must be the same on every rank
