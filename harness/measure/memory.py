@@ -20,6 +20,7 @@ Buffers are not part of `state_bytes` (ZeRO-3 does not shard them).
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,7 +28,6 @@ import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState, get_untyped_storages
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 try:
     from torch.distributed.tensor import DTensor
@@ -129,6 +129,54 @@ _GATHERS = {_C10D._allgather_base_.default, _C10D.allgather_into_tensor_coalesce
 _SCATTERS = {_C10D._reduce_scatter_base_.default, _C10D.reduce_scatter_tensor_coalesced_.default}
 
 
+class _StorageMap:
+    """storage -> value for the storages alive, what MemTracker keeps in a ``WeakIdKeyDictionary`` (``_WINFO``) and
+    looks up several times for every operation. Keyed here by the storage's own address (``_cdata``, unique among
+    live storages), with a weak reference that drops the entry when the storage dies and proves, at each lookup,
+    that the entry is this storage's and not a dead one's at the same address: a dict lookup, where the weak-keyed
+    dictionary builds a Python key object and compares it in Python (a fifth of the measured step's time,
+    reports/performance.md#the-measured-step). A tensor's storage is one Python object for as long as it lives
+    (torch keeps it), so its address and its object name it alike."""
+
+    __slots__ = ("_by_key",)
+
+    def __init__(self) -> None:
+        self._by_key: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def _entry(self, st: Any) -> tuple[weakref.ref, Any] | None:
+        entry = self._by_key.get(st._cdata)
+        return entry if entry is not None and entry[0]() is st else None
+
+    def get(self, st: Any, default: Any = None) -> Any:
+        entry = self._entry(st)
+        return default if entry is None else entry[1]
+
+    def __contains__(self, st: Any) -> bool:
+        return self._entry(st) is not None
+
+    def __setitem__(self, st: Any, value: Any) -> None:
+        key, by_key = st._cdata, self._by_key
+
+        def drop(ref: weakref.ref) -> None:
+            if by_key.get(key, (None,))[0] is ref:
+                del by_key[key]
+
+        by_key[key] = (weakref.ref(st, drop), value)
+
+    def pop(self, st: Any, default: Any = None) -> Any:
+        entry = self._entry(st)
+        if entry is None:
+            return default
+        del self._by_key[st._cdata]
+        return entry[1]
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def clear(self) -> None:
+        self._by_key.clear()
+
+
 class _GlobalPeakOnly:
     """Keeps only the global peak snapshot. MemTracker also refreshes a per-module peak for every
     op, a loop over all modules seen: O(ops x modules), 3/4 of the time of a GPT-2-medium step
@@ -145,6 +193,7 @@ class _GlobalPeakOnly:
         # the reference types as a tuple: MemTracker builds a device's zeroed snapshot from them at every update
         # (its default argument, evaluated whether needed or not), and an enum class iterates slowly
         self._ref_class = tuple(self._ref_class)  # type: ignore[has-type]
+        self._WINFO = _StorageMap()
 
     def _moment(self, *_: Any) -> None:
         if self._on_moment is not None:
@@ -181,23 +230,30 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
 
     def __init__(self) -> None:
         super().__init__()
-        self._gradient_data: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> True
+        self._gradient_data = _StorageMap()  # storage -> True
 
-    # the module tracker's hooks (MemTracker registers these four with it): a moment at each
+    # The module tracker's hooks (MemTracker registers these four with it): a moment at each. MemTracker's own also
+    # keep per-module statistics (a snapshot copied at each module's forward and backward, its inputs' and
+    # outputs' bytes) that nothing here reads; what the peak needs of them is kept: a module's parameters and
+    # buffers tracked at its first forward (gradient hooks included), and the activation-checkpointing region
+    # (a module run again in backward) whose recomputed tensors are activations, not temporaries.
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-        super()._pre_fw_hook(module, inputs)
+        if module not in self.memory_tracking:  # type: ignore[attr-defined]
+            self.memory_tracking[module] = True  # type: ignore[attr-defined]
+            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+        elif self._mod_tracker.is_bw and self._ac_mod is None:  # type: ignore[attr-defined,has-type]
+            self._ac_mod, self._in_ac = weakref.ref(module), True
         self._moment()
 
     def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
-        super()._post_fw_hook(module, inputs, outputs)
+        if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:  # type: ignore[attr-defined]
+            self._ac_mod, self._in_ac = None, False
         self._moment()
 
     def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
-        super()._pre_bw_hook(module, args)
         self._moment()
 
     def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
-        super()._post_bw_hook(module, args)
         self._moment()
 
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:

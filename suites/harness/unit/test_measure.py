@@ -392,6 +392,26 @@ def test_peak_sees_a_known_temporary():
     assert res["peak"] >= 4 * n + (16 + 4) * 4  # the temporary and the parameters
 
 
+
+
+def test_a_tensor_made_where_a_freed_one_lived_counts_as_new():
+    """The tracker keys the storages it knows by their address (of torch's storage object); a storage made where a
+    freed one lived, as the allocator does within a few allocations, is the new one's memory, not the dead one's
+    record: tensors alive together after many that died peak at their sum, each counted once."""
+    model = nn.Linear(4, 4, bias=False)
+    n, kept = 1000, 5
+    freed = set()
+    with PeakMemory(model, None, "cpu") as pm:
+        for _ in range(50):
+            tmp = torch.empty(n)
+            freed.add(tmp.untyped_storage()._cdata)
+            del tmp
+        alive = [torch.empty(n) for _ in range(kept)]
+        reused = sum(t.untyped_storage()._cdata in freed for t in alive)
+        del alive
+    assert pm.result()["peak"] == kept * 4 * n + 16 * 4, f"{reused} of {kept} made where a freed one lived"
+
+
 # ------------------------------------------------------------------ planner
 
 
