@@ -17,9 +17,11 @@
    done): seconds from launch, and to its first line of any kind (the run is then interrupted; --no-first-line
    skips it).
 
-Prints per world size the runs' seconds both ways and their ratio (the scenarios' seconds as the progress lines
-show them, less the start of that size's world, against their bare training, whose worlds were started
-beforehand), the run's wall time against the bare sum (world starts included), and the difference by part.
+Prints per world size the runs' seconds both ways and their ratio (the wall time of that size's scenarios, from the
+first one's start to the last one's end, less the start of its worlds, against their bare training, one run at a
+time in worlds started beforehand; where the cores outnumber the ranks the harness runs scenarios of one size side
+by side, harness.execute.executor, and the sum of their own seconds is printed beside it), the run's wall time
+against the bare sum (world starts included), and the difference by part.
 """
 
 from __future__ import annotations
@@ -208,24 +210,31 @@ def main(argv=None) -> None:
 
 def print_figures(res, ran, bare, seconds, wall, first) -> None:
     seconds_of = {sc.id: res.records[sc.id]["seconds"] for sc in ran}
-    by_w_bare, by_w_harness = defaultdict(float), defaultdict(float)
+    by_w_bare, by_w_harness, by_w_sum = defaultdict(float), defaultdict(float), defaultdict(float)
+    for w in {sc.world_size for sc in ran}:
+        runs = [res.records[sc.id] for sc in ran if sc.world_size == w]
+        # the wall time of that size's runs: from the first one's start to the last one's end (side by side, the
+        # sum of their seconds counts the time they overlap twice; one at a time, the two are the same)
+        by_w_harness[w] = max(r["ended"] for r in runs) - min(r["ended"] - r["seconds"] for r in runs)
     for sc in ran:
         by_w_bare[sc.world_size] += sum(bare[sc.id].values())
-        by_w_harness[sc.world_size] += seconds_of.get(sc.id, 0.0)
+        by_w_sum[sc.world_size] += seconds_of.get(sc.id, 0.0)
     for w, s in res.world_start_s.items():  # the bare runs' worlds were started beforehand
         by_w_harness[w] -= s
+        by_w_sum[w] -= s
     print(f"{len(ran)} runs ({sum(sc.impl != 'reference' for sc in ran)} of the implementations under test)")
-    print(f"{'W':>3} {'runs':>5} {'bare s':>8} {'harness s':>10} {'ratio':>6} {'world start s':>14}")
+    print(f"{'W':>3} {'runs':>5} {'bare s':>8} {'harness s':>10} {'ratio':>6} {'world start s':>14} {'summed s':>9}")
     for w in sorted(by_w_bare):
         n = sum(sc.world_size == w for sc in ran)
         print(
             f"{w:>3} {n:>5} {by_w_bare[w]:>8.3f} {by_w_harness[w]:>10.3f} {by_w_harness[w] / by_w_bare[w]:>5.2f}x "
-            f"{res.world_start_s.get(w, 0.0):>14.3f}"
+            f"{res.world_start_s.get(w, 0.0):>14.3f} {by_w_sum[w]:>9.3f}"
         )
     b, h = sum(by_w_bare.values()), sum(by_w_harness.values())
     print(
-        f"all {len(ran):>5} {b:>8.3f} {h:>10.3f} {h / b:>5.2f}x   (the scenarios' seconds less their worlds' starts "
-        "against their bare training)"
+        f"all {len(ran):>5} {b:>8.3f} {h:>10.3f} {h / b:>5.2f}x   (the wall time of each size's scenarios less their "
+        "worlds' starts against their bare training, one run at a time; summed s: the sum of the scenarios' own "
+        "seconds, above the wall time where they ran side by side)"
     )
     print(f"\nthe whole run: {wall:.3f} s wall against {b:.3f} s of bare training: {wall / b:.2f}x")
     if first is not None:
@@ -241,6 +250,8 @@ def print_figures(res, ran, bare, seconds, wall, first) -> None:
     # where the difference went
     parts: dict[str, float] = {"bare training (the floor)": b}
     parts["world starts"] = res.phase_s.get("world starts", 0.0)
+    # what the parts below count twice where scenarios ran side by side
+    parts["scenarios side by side (the time they overlapped)"] = sum(by_w_harness.values()) - sum(by_w_sum.values())
     measured_extra = steps_extra = setup_extra = grad_norm = 0.0
     rank_parts = defaultdict(float)
     between = 0.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import types
 from collections.abc import Iterator
@@ -32,3 +33,8 @@ def forkserver_running() -> bool:
     from multiprocessing import forkserver
 
     return getattr(forkserver._forkserver, "_forkserver_pid", None) is not None
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity mask where the system has one, else all of them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -162,6 +162,11 @@ class World:
             self._kill()
             raise
 
+    def kill(self) -> None:
+        """Kill every rank now (a caller that stops waiting for a task it gave the world: a Ctrl-C while another
+        thread waits for it, harness.execute.executor). Idempotent."""
+        self._kill()
+
     def close(self) -> None:
         """Ask every rank to destroy its group and exit; kill what has not exited in time."""
         if self._closed:
@@ -314,10 +319,11 @@ class World:
 
 
 class WorldPool:
-    """Reuses a world for consecutive requests of the same (world_size, backend); a broken world is rebuilt
+    """Reuses a world for consecutive requests of the same (world_size, backend, lane); a broken world is rebuilt
     transparently on the next ``get``. ``reuse=False`` starts a fresh world for every ``get`` (the
-    baseline the benchmark measures). By default at most one world lives: a request of another size
-    closes it. ``keep=True`` keeps one world per (world_size, backend) until ``close``, for an owner that
+    baseline the benchmark measures). By default only the worlds of one (world_size, backend) live: a request of
+    another closes them; several of one size, one per ``lane``, run scenarios side by side
+    (harness.execute.executor). ``keep=True`` keeps every world until ``close``, for an owner that
     comes back to sizes it used (a test session whose files each run W = 1, 2, 4, 8 in turn): a world's
     start and its workers' first-use costs are paid once, for W idle processes per size kept (CPU
     backends only: a kept CUDA world would hold its device's memory while another world measures)."""
@@ -329,20 +335,21 @@ class WorldPool:
         self.timeout_s, self.start_method, self.reuse, self.keep = timeout_s, start_method, reuse, keep
         self.worlds_started = 0
         self.start_s_by_size: dict[int, float] = {}  # world size -> seconds spent starting its worlds
-        self._worlds: dict[tuple[int, str], World] = {}
+        self._worlds: dict[tuple[int, str, int], World] = {}
 
-    def get(self, world_size: int, backend: str = "gloo") -> World:
-        key = (world_size, backend)
+    def get(self, world_size: int, backend: str = "gloo", lane: int = 0) -> World:
+        key = (world_size, backend, lane)
         world = self._worlds.get(key)
         if self.reuse and world is not None and not world.closed:
             return world
+        if world is not None:
+            self._worlds.pop(key).close()
         if self.keep and backend != "nccl":
-            if world is not None:
-                world.close()
-            for other in [k for k in self._worlds if k[1] == "nccl"]:
-                self._worlds.pop(other).close()
+            others = [k for k in self._worlds if k[1] == "nccl"]
         else:
-            self.close()
+            others = [k for k in self._worlds if k[:2] != key[:2] or not self.reuse]
+        for other in others:
+            self._worlds.pop(other).close()
         t0 = time.perf_counter()
         world = self._worlds[key] = World(world_size, backend, timeout_s=self.timeout_s, start_method=self.start_method)
         self.start_s_by_size[world_size] = self.start_s_by_size.get(world_size, 0.0) + time.perf_counter() - t0

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
-import os
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.core.children import forkserver_running, main_hidden
+from harness.core.children import forkserver_running, main_hidden, usable_cpus
 
 # at least this many plots before workers draw them: a worker's start (its imports of pandas and matplotlib)
 # costs about what a few plots do
@@ -80,7 +79,7 @@ def _draw(fn: Callable, path: Path, args: tuple, kwargs: dict) -> str | None:
 
 def workers() -> int:
     """The cores this process may use, at most MAX_WORKERS: how many workers draw."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cpus()
     return max(1, min(MAX_WORKERS, cores))
 
 
