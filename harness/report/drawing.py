@@ -1,12 +1,14 @@
 """Who draws a report's plots, and when: the sections ask for a plot and get its link at once; the plots are drawn
-together once the text is done, in worker processes where there are enough of them to repay the workers' start.
+by worker processes while the rest of the text is written, where there are enough of them to repay the workers'
+start.
 
 A report of the main job holds some 70 plots at about a tenth of a second each (matplotlib's drawing of axes and
 text, then the PNG), most of the time its rendering takes, in one process while the machine's other cores wait.
-`Plots.link` returns a placeholder, `Plots.finish` draws every plot asked for and puts its link, or a note saying
-why it failed, in the placeholder's place; a plot that fails never loses the report. Drawn in workers, each plot is
-the same function with the same data as drawn here (the figures are the same files); a function that cannot be sent
-to a worker (a stand-in a test made) is drawn here, as every plot is where there are few.
+`Plots.link` returns a placeholder and, from the POOL_MIN_PLOTS-th plot on, gives the plot to a worker; `Plots.finish`
+waits for every plot (drawing here those no worker took) and puts its link, or a note saying why it failed, in the
+placeholder's place; a plot that fails never loses the report. Drawn in workers, each plot is the same function
+with the same data as drawn here (the figures are the same files); a function that cannot be sent to a worker (a
+stand-in a test made) is drawn here, as every plot is where there are few.
 """
 
 from __future__ import annotations
@@ -38,34 +40,75 @@ class _Job:
 
 class Plots:
     """The plots of one report: drawn into `folder` and linked as `rel/<file>`; `folder` None: none drawn
-    (--no-plots), and the report says so where each would be."""
+    (--no-plots), and the report says so where each would be. Once there are enough plots to repay the workers'
+    start, each is given to a worker as soon as it is asked for, and drawn while the rest of the text is written."""
 
     def __init__(self, folder: Path | None, rel: str):
         self.folder, self.rel = folder, rel
         self._jobs: list[_Job] = []
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._given: list[concurrent.futures.Future | None] = []  # per job given out: its worker's, None: drawn here
+        self._no_pool = False  # a pool could not be made: every plot is drawn here
 
     def link(self, fn: Callable, name: str, alt: str, *args, **kwargs) -> str:
-        """The markdown where plot `name` goes: `fn(*args, <folder>/<name>, **kwargs)` draws it (at `finish`)."""
+        """The markdown where plot `name` goes: `fn(*args, <folder>/<name>, **kwargs)` draws it (in a worker from
+        now on, or at `finish`)."""
         if self.folder is None:
             return f"_Plot {alt}: not drawn (--no-plots)._"
         token = f"\x00plot{len(self._jobs)}\x00"
         self._jobs.append(_Job(token, fn, self.folder / name, alt, args, kwargs))
+        self._give_out()
         return token
+
+    def _give_out(self) -> None:
+        if self._pool is None:
+            if self._no_pool or len(self._jobs) < POOL_MIN_PLOTS or workers() < 2:
+                return
+            self._pool = _worker_pool()
+            if self._pool is None:
+                self._no_pool = True
+                return
+        for job in self._jobs[len(self._given) :]:
+            self._given.append(_give(self._pool, job))
 
     def finish(self, text: str) -> str:
         """`text` with every plot drawn and its placeholder replaced by its link or a note of its failure."""
-        jobs, self._jobs = self._jobs, []
-        errors = _draw_in_workers(jobs) if _worth_workers(jobs) else None
-        if errors is None:
-            errors = [_draw(job.fn, job.path, job.args, job.kwargs) for job in jobs]
+        jobs, given = self._jobs, self._given + [None] * (len(self._jobs) - len(self._given))
+        try:
+            errors = [_outcome(job, future) for job, future in zip(jobs, given)]
+        finally:
+            self.close()
         for job, error in zip(jobs, errors):
             text = text.replace(job.token, self._said(job, error))
         return text
+
+    def close(self) -> None:
+        """Stop the workers: a plot not started is not drawn (the report was abandoned, or every plot is done)."""
+        self._jobs, self._given = [], []
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> Plots:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _said(self, job: _Job, error: str | None) -> str:
         if error is not None:
             return f"_Plot {job.alt}: failed ({error})._"
         return f"![{job.alt}]({self.rel}/{job.path.name})"
+
+
+def _outcome(job: _Job, future: concurrent.futures.Future | None) -> str | None:
+    """A job's failure (None: drawn): its worker's answer, or drawn here (a job no worker took, a pool broken)."""
+    if future is not None:
+        try:
+            return future.result()
+        except concurrent.futures.process.BrokenProcessPool:
+            pass
+    return _draw(job.fn, job.path, job.args, job.kwargs)
 
 
 def _draw(fn: Callable, path: Path, args: tuple, kwargs: dict) -> str | None:
@@ -83,16 +126,14 @@ def workers() -> int:
     return max(1, min(MAX_WORKERS, cores))
 
 
-def _worth_workers(jobs: list[_Job]) -> bool:
-    """Enough plots, more than one core, and every plotting function one a worker can import by name."""
-    if len(jobs) < POOL_MIN_PLOTS or workers() < 2:
-        return False
+def _give(pool: concurrent.futures.ProcessPoolExecutor, job: _Job) -> concurrent.futures.Future | None:
+    """A worker's future for `job`; None where a worker cannot import its function (a stand-in a test made)."""
     try:
-        for fn in {id(job.fn): job.fn for job in jobs}.values():
-            pickle.dumps(fn)
+        pickle.dumps(job.fn)
     except (pickle.PicklingError, AttributeError, TypeError):
-        return False
-    return True
+        return None
+    with main_hidden():  # a worker may start at this submit
+        return pool.submit(_draw, job.fn, job.path, job.args, job.kwargs)
 
 
 def _start_method() -> str:
@@ -101,20 +142,11 @@ def _start_method() -> str:
     return "forkserver" if forkserver_running() else "spawn"
 
 
-def _draw_in_workers(jobs: list[_Job]) -> list[str | None] | None:
-    """Each job's failure (None: drawn) from a pool of worker processes; None where the pool could not be used
-    (the caller then draws every plot itself). A Ctrl-C cancels what has not started and waits for the rest."""
+def _worker_pool() -> concurrent.futures.ProcessPoolExecutor | None:
+    """A pool of `workers()` processes; None where one cannot be made (every plot is then drawn here)."""
     try:
-        pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=min(workers(), len(jobs)), mp_context=multiprocessing.get_context(_start_method())
+        return concurrent.futures.ProcessPoolExecutor(
+            max_workers=workers(), mp_context=multiprocessing.get_context(_start_method())
         )
     except (OSError, ValueError, RuntimeError):
         return None
-    try:
-        with main_hidden():  # the workers start at the first submit
-            futures = [pool.submit(_draw, job.fn, job.path, job.args, job.kwargs) for job in jobs]
-        return [f.result() for f in futures]
-    except concurrent.futures.process.BrokenProcessPool:
-        return None
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)

@@ -39,11 +39,11 @@ def _env_section(env: dict) -> list[str]:
 def render(tables: dict, env: dict, title: str, plots_dir: Path | None, rel: str) -> str:
     """The markdown text; plots are written into `plots_dir` and linked as `rel/<file>` (None: none drawn)."""
     out = [f"# {title}", "", overall_line(table_or_empty(tables, "verdicts"), cells_of(tables)), ""]
-    drawn = Plots(plots_dir, rel)
-    out += verdict_sections(tables) + noise_section(tables) + group_sections(tables, drawn)
-    out += memory_section(tables, drawn) + comm_section(tables) + section_lines(tables)
-    out += _env_section(env or {})
-    return drawn.finish("\n".join(out).rstrip() + "\n")
+    with Plots(plots_dir, rel) as drawn:  # its workers stopped however the rendering ends
+        out += verdict_sections(tables) + noise_section(tables) + group_sections(tables, drawn)
+        out += memory_section(tables, drawn) + comm_section(tables) + section_lines(tables)
+        out += _env_section(env or {})
+        return drawn.finish("\n".join(out).rstrip() + "\n")
 
 
 def write_report(

@@ -4,6 +4,7 @@ there are few or a function cannot be sent; the same files either way, and a fai
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -69,6 +70,22 @@ def test_workers_draw_them_and_a_failure_becomes_its_note(tmp_path):
     pids = {int((tmp_path / f"p{i}.txt").read_text().split()[1]) for i in range(n) if i != 3}
     assert os.getpid() not in pids
     assert forkserver_running() == server_before
+
+
+@needs_two_cores
+def test_workers_draw_while_the_text_is_still_being_written(tmp_path):
+    """From the POOL_MIN_PLOTS-th plot on, a plot is given to a worker when it is asked for: the files are there
+    before `finish` is called."""
+    n = drawing.POOL_MIN_PLOTS
+    with Plots(tmp_path, "rel") as drawn:
+        links = [drawn.link(write_pid, f"p{i}.txt", f"plot {i}", f"label{i}") for i in range(n + 2)]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all((tmp_path / f"p{i}.txt").exists() for i in range(n + 2)):
+            time.sleep(0.05)
+        drawn_before = sorted(p.name for p in tmp_path.iterdir())
+        text = drawn.finish("\n".join(links))
+    assert drawn_before == sorted(f"p{i}.txt" for i in range(n + 2)), "plots waited for finish"
+    assert text.splitlines()[-1] == f"![plot {n + 1}](rel/p{n + 1}.txt)"
 
 
 def test_few_plots_or_a_function_no_worker_can_import_are_drawn_here(tmp_path):
