@@ -125,7 +125,8 @@ _CATEGORY_OF = {
     "Temp": "activations",
 }
 _C10D = torch.ops.c10d
-_GATHERS = {_C10D._allgather_base_.default, _C10D.allgather_into_tensor_coalesced_.default}
+_GATHER_BASE, _SCATTER_BASE = _C10D._allgather_base_.default, _C10D._reduce_scatter_base_.default
+_GATHERS = {_GATHER_BASE, _C10D.allgather_into_tensor_coalesced_.default}
 _SCATTERS = {_C10D._reduce_scatter_base_.default, _C10D.reduce_scatter_tensor_coalesced_.default}
 
 
@@ -477,7 +478,12 @@ class PeakMemory:
         self._gc_was_enabled = gc.isenabled()
         gc.disable()
         if _is_fsdp2(self.model):
-            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+            from torch.distributed._tools.fsdp2_mem_tracker import (
+                FSDPMemTracker,
+                _FSDPModState,
+                _FSDPRefType,
+                _FSDPState,
+            )
 
             class _FSDPTracker(_GlobalPeakOnly, FSDPMemTracker):
                 # FSDPMemTracker hooks FSDP's own states, not the module tracker's user hooks: ours take those
@@ -493,8 +499,32 @@ class PeakMemory:
                     super().__exit__(*args)
 
                 def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-                    res = super().__torch_dispatch__(func, types, args, kwargs)
-                    if func.namespace in _COLLECTIVES and res is not NotImplemented:
+                    # FSDPMemTracker's own, without rebuilding the result's structure to visit its tensors and
+                    # without walking the mode stack for a fake mode (as _CollectiveAwareTracker's), and a moment
+                    # at each collective
+                    if DTensor is not None and DTensor in types:
+                        return NotImplemented
+                    fake = _active_fake_mode(_FAKE)
+                    res = args[0] if func is _WAIT_TENSOR and fake is not None else func(*args, **(kwargs or {}))
+                    if fake is self._fake_mode_on_entry:
+                        backward = self._mod_tracker.is_bw
+                        reftype = (
+                            _FSDPRefType.OPT
+                            if self._in_opt
+                            else _FSDPRefType.TEMP
+                            if backward and not self._in_ac
+                            else _FSDPRefType.ACT
+                        )
+                        if func is _GATHER_BASE and self._fsdp_state in (_FSDPState.PRE_FW, _FSDPState.PRE_BW):
+                            self._update_and_maybe_create_winfos(args[0], _FSDPRefType.ALL_GATHER, update_existing=True)
+                        if func is _SCATTER_BASE and self._fsdp_state == _FSDPState.POST_BW:
+                            self._update_and_maybe_create_winfos(
+                                args[1], _FSDPRefType.REDUCE_SCATTER, update_existing=True
+                            )
+                        for t in tensors_in(res):
+                            self._track(reftype, t)
+                        self._update_peak_stats(_FSDPModState.PEAK_BW if backward else _FSDPModState.PEAK_FW)
+                    if func.namespace in _COLLECTIVES:
                         self._moment()
                     return res
 
