@@ -26,7 +26,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState, get_untyped_storages
+from torch.distributed._tools.mem_tracker import (
+    MemTracker,
+    _MemRefType,
+    _ModState,
+    _UpdateType,
+    _WeakRefInfo,
+    get_untyped_storages,
+)
 from torch.utils._pytree import tree_leaves
 
 try:
@@ -214,6 +221,22 @@ class _GlobalPeakOnly:
         crashed the process in CPython's weakref clearing when the model was freed (two windows on one model)."""
         self._WINFO.clear()  # type: ignore[attr-defined]
         self.memory_tracking.clear()  # type: ignore[attr-defined]
+
+    def _track(self, reftype: Any, t: torch.Tensor) -> None:
+        """MemTracker's, reading a plain tensor's storage directly (its `get_untyped_storages` looks for a wrapper
+        subclass first, for every result of every operation)."""
+        for st in _storages(t):
+            winfo, _ = self._WINFO.get(st, (None, None))  # type: ignore[attr-defined]
+            if winfo is not None:
+                if winfo.size != st.size():
+                    old = winfo.mem_consumed
+                    winfo.update_mem_consumed(st)
+                    self._update_snap(_UpdateType.SIZE, winfo, old_mem_consumed=old)  # type: ignore[attr-defined]
+                return
+            winfo, w_st = _WeakRefInfo.create_winfo(st, t.device, reftype, self._delete_callback)  # type: ignore[attr-defined]
+            self._WINFO[st] = (winfo, w_st)  # type: ignore[attr-defined]
+            if winfo.mem_consumed > 0:
+                self._update_snap(_UpdateType.ADD, winfo)  # type: ignore[attr-defined]
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         for dev, snap in self._curr_mem_snap.items():  # type: ignore[attr-defined]
