@@ -5,6 +5,7 @@ with them. harness/bench/harness_cost.py: a row per world size and the sums, bot
 from __future__ import annotations
 
 import math
+import os
 import re
 
 import pytest
@@ -207,3 +208,30 @@ def test_measured_step_prints_each_way_against_the_plain_step(capsys):
     assert float(plain) > 0 and float(empty) > 0 and float(peak) > 0
     assert math.isclose(float(empty_ratio[:-1]), float(empty) / float(plain), rel_tol=0.02)
     assert math.isclose(float(peak_ratio[:-1]), float(peak) / float(plain), rel_tol=0.02)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads the machine's idle time from Linux's /proc/stat")
+def test_idle_cores_prints_each_line_of_the_run_with_the_idle_core_seconds_before_it():
+    """python -m harness.bench.idle_cores on a tiny run: every line the run printed, each with seconds since launch
+    that never go back and idle core-seconds within the core-seconds of its interval, then the totals."""
+    import subprocess
+    import sys
+
+    args = ["--world-sizes", "1", "--impl", "fsdp_impl", "--models", "mlp", "--optimizers", "sgd", "--steps", "2"]
+    out = subprocess.run(
+        [sys.executable, "-m", "harness.bench.idle_cores", *args, "--no-report"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line.split(None, 4) for line in out.stdout.splitlines()[1:] if re.match(r"\s+[\d.]+ ", line)]
+    said = [row[4] for row in rows]
+    assert any(s.startswith("[") for s in said) and any(s.startswith("PASS") for s in said), out.stdout
+    at = [float(row[0]) for row in rows]
+    assert at == sorted(at), out.stdout
+    for row in rows:
+        assert 0 <= float(row[2]) <= float(row[3]) + 0.02, row
+    total = re.search(r"([\d.]+) s wall; the machine idle ([\d.]+) of ([\d.]+) core-seconds", out.stdout)
+    assert total and float(total[2]) <= float(total[3]) and float(total[1]) >= at[-1], out.stdout

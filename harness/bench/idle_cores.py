@@ -1,0 +1,67 @@
+"""How much of the machine a run leaves idle, and where: `python -m harness run` with the given options, the
+machine's idle core-seconds (from /proc/stat, Linux) between one line of its output and the next.
+
+    python -m harness.bench.idle_cores --world-sizes 1,2,4,8 --per-sample     # any `harness run` options
+
+Prints each line of the run's output with the seconds since launch, the seconds since the line before and the idle
+core-seconds of the machine in between (of the core-seconds it had), then the totals. Idle cores while the harness
+waits are what running its work side by side can win (the tables built while the ranks train, worlds of one size
+side by side: harness.execute.executor); the figures count the whole machine, so run it on a quiet one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+STAT = "/proc/stat"
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(idle, total) core-seconds of the whole machine since boot, from the first line of /proc/stat."""
+    with open(STAT) as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    return (fields[3] + fields[4]) / hz, sum(fields) / hz  # idle + iowait
+
+
+def main(argv: list[str] | None = None) -> int:
+    if not os.path.exists(STAT):
+        print(f"{STAT} not found: this bench reads the machine's idle time from Linux's /proc", file=sys.stderr)
+        return 2
+    args = list(sys.argv[1:] if argv is None else argv)
+    lines: list[tuple[float, tuple[float, float], str]] = []
+    t0, first = time.monotonic(), cpu_seconds()
+    run = subprocess.Popen(
+        [sys.executable, "-m", "harness", "run", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+
+    def read() -> None:
+        for line in run.stdout:
+            lines.append((time.monotonic() - t0, cpu_seconds(), line.rstrip()))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    status = run.wait()
+    reader.join()
+    last = cpu_seconds()
+    wall = time.monotonic() - t0
+    print(f"{'at s':>7} {'+s':>6} {'idle':>6} {'of':>6}  line")
+    prev_t, prev = 0.0, first
+    for t, now, line in lines:
+        print(f"{t:>7.1f} {t - prev_t:>6.1f} {now[0] - prev[0]:>6.1f} {now[1] - prev[1]:>6.1f}  {line[:100]}")
+        prev_t, prev = t, now
+    idle, total = last[0] - first[0], last[1] - first[1]
+    print(f"\n{wall:.1f} s wall; the machine idle {idle:.1f} of {total:.1f} core-seconds ({idle / total:.0%})")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
