@@ -29,7 +29,6 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import (
     MemTracker,
     _MemRefType,
-    _ModState,
     _UpdateType,
     _WeakRefInfo,
     get_untyped_storages,
@@ -222,6 +221,25 @@ class _GlobalPeakOnly:
         self._WINFO.clear()  # type: ignore[attr-defined]
         self.memory_tracking.clear()  # type: ignore[attr-defined]
 
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> tuple[Any, bool]:
+        """(the operation's result, whether its tensors are the window's own): a wait under a fake mode answered with
+        its input as MemTracker does; an operation under a fake mode other than the window's is DTensor's sharding
+        propagation, not memory. The fake mode is looked up by its dispatch key (torch._guards.active_fake_mode
+        walks the mode stack)."""
+        fake = _active_fake_mode(_FAKE)
+        res = args[0] if func is _WAIT_TENSOR and fake is not None else func(*args, **kwargs)
+        return res, fake is getattr(self, "_fake_mode_on_entry", None)
+
+    def _track_made(self, results: list[torch.Tensor], kinds: Any) -> None:
+        """An operation's results tracked as what the step makes now (`kinds`: the tracker's reference types):
+        optimizer state within the optimizer's step, temporaries in backward (outside activation checkpointing's
+        recomputation), activations otherwise; then the peak."""
+        opt, backward = self._in_opt, self._mod_tracker.is_bw  # type: ignore[attr-defined]
+        reftype = kinds.OPT if opt else kinds.TEMP if backward and not self._in_ac else kinds.ACT  # type: ignore[attr-defined]
+        for t in results:
+            self._track(reftype, t)
+        self._update_peak_stats(None)
+
     def _track(self, reftype: Any, t: torch.Tensor) -> None:
         """MemTracker's, reading a plain tensor's storage directly (its `get_untyped_storages` looks for a wrapper
         subclass first, for every result of every operation)."""
@@ -312,21 +330,10 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
         if DTensor is not None and DTensor in types:
             return NotImplemented  # DTensor lowers to local operations first; those come back here
         kwargs = kwargs or {}
-        fake = _active_fake_mode(_FAKE)  # torch._guards.active_fake_mode without its walk of the mode stack
-        res = args[0] if func is _WAIT_TENSOR and fake is not None else func(*args, **kwargs)
+        res, real = self._run(func, args, kwargs)
         results = tensors_in(res)
-        if fake is getattr(self, "_fake_mode_on_entry", None):  # not DTensor's sharding propagation
-            backward = self._mod_tracker.is_bw
-            reftype = (
-                _MemRefType.OPT
-                if self._in_opt
-                else _MemRefType.TEMP
-                if backward and not self._in_ac
-                else _MemRefType.ACT
-            )
-            for t in results:
-                self._track(reftype, t)
-            self._update_peak_stats(_ModState.PEAK_BW if backward else _ModState.PEAK_FW)
+        if real:
+            self._track_made(results, _MemRefType)
         outputs, inputs = _written_and_read(func, args, kwargs, results)
         from_grads = func in _SCATTERS or any(self._holds_gradient_data(t) for t in inputs)
         if func in _GATHERS:  # what is gathered from gradient data is a gradient, not a parameter
@@ -501,12 +508,7 @@ class PeakMemory:
         self._gc_was_enabled = gc.isenabled()
         gc.disable()
         if _is_fsdp2(self.model):
-            from torch.distributed._tools.fsdp2_mem_tracker import (
-                FSDPMemTracker,
-                _FSDPModState,
-                _FSDPRefType,
-                _FSDPState,
-            )
+            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _FSDPState
 
             class _FSDPTracker(_GlobalPeakOnly, FSDPMemTracker):
                 # FSDPMemTracker hooks FSDP's own states, not the module tracker's user hooks: ours take those
@@ -527,26 +529,15 @@ class PeakMemory:
                     # at each collective
                     if DTensor is not None and DTensor in types:
                         return NotImplemented
-                    fake = _active_fake_mode(_FAKE)
-                    res = args[0] if func is _WAIT_TENSOR and fake is not None else func(*args, **(kwargs or {}))
-                    if fake is self._fake_mode_on_entry:
-                        backward = self._mod_tracker.is_bw
-                        reftype = (
-                            _FSDPRefType.OPT
-                            if self._in_opt
-                            else _FSDPRefType.TEMP
-                            if backward and not self._in_ac
-                            else _FSDPRefType.ACT
-                        )
+                    res, real = self._run(func, args, kwargs or {})
+                    if real:
                         if func is _GATHER_BASE and self._fsdp_state in (_FSDPState.PRE_FW, _FSDPState.PRE_BW):
                             self._update_and_maybe_create_winfos(args[0], _FSDPRefType.ALL_GATHER, update_existing=True)
                         if func is _SCATTER_BASE and self._fsdp_state == _FSDPState.POST_BW:
                             self._update_and_maybe_create_winfos(
                                 args[1], _FSDPRefType.REDUCE_SCATTER, update_existing=True
                             )
-                        for t in tensors_in(res):
-                            self._track(reftype, t)
-                        self._update_peak_stats(_FSDPModState.PEAK_BW if backward else _FSDPModState.PEAK_FW)
+                        self._track_made(tensors_in(res), _FSDPRefType)
                     if func.namespace in _COLLECTIVES:
                         self._moment()
                     return res
