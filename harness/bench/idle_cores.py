@@ -11,11 +11,14 @@ side by side: harness.execute.executor); the figures count the whole machine, so
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
 import threading
 import time
+
+from harness import options as opt
 
 STAT = "/proc/stat"
 
@@ -29,10 +32,17 @@ def cpu_seconds() -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    # the run's options, checked here as `harness run` checks them (a usage error before anything starts)
+    p = argparse.ArgumentParser(
+        prog="python -m harness.bench.idle_cores", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
+    opt.add_matrix_arguments(p.add_argument)
+    opt.add_output_arguments(p.add_argument)
+    p.parse_args(args)
     if not os.path.exists(STAT):
         print(f"{STAT} not found: this bench reads the machine's idle time from Linux's /proc", file=sys.stderr)
         return 2
-    args = list(sys.argv[1:] if argv is None else argv)
     lines: list[tuple[float, tuple[float, float], str]] = []
     t0, first = time.monotonic(), cpu_seconds()
     run = subprocess.Popen(
