@@ -152,7 +152,8 @@ def execute(
     """scenario id -> record, for the records this process collects. Worlds in ascending size, so that
     each world is started once; runs resumed from a checkpoint come after every run (their savers
     included), in ascending size again. Where the pool has lanes (`ReusedWorlds.lanes`), the scenarios of one
-    world size run that many at a time (their progress lines in the order they finish). `on_record(id, record)`:
+    world size run that many at a time, as long as their ranks together are no more than the largest world of the
+    run (their progress lines in the order they finish). `on_record(id, record)`:
     each record as it is made (the tables built while the next scenarios train: harness.tables.build.TableBuilder)."""
     results: dict[str, dict] = {}
     order = sorted(scenarios, key=lambda s: (s.backend, s.saver() is not None, s.world_size))
@@ -171,9 +172,11 @@ def execute(
             progress(done, len(order), sc, seconds)
 
     lanes = getattr(pool, "lanes", None)
+    # never more ranks at once than the run's largest world, which harness.limits checked fits this machine's memory
+    most_ranks = max((sc.world_size for sc in order), default=1)
     for _, group in itertools.groupby(order, key=lambda s: (s.backend, s.saver() is not None, s.world_size)):
         group = list(group)
-        n = min(len(group), lanes(group[0])) if callable(lanes) else 1
+        n = min(len(group), lanes(group[0]), most_ranks // group[0].world_size) if callable(lanes) else 1
         if n > 1:
             _side_by_side(group, n, pool, lambda sc: payload_of(sc, snapshot_dir, savers), finished)
             continue

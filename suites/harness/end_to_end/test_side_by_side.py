@@ -30,15 +30,16 @@ def pool():
 
 
 def test_side_by_side_gives_what_one_at_a_time_gives(pool, tmp_path):
+    # a world of 2 in the run: worlds of 1 side by side never hold more ranks than its largest world (harness.limits)
     cells = with_dependencies(
         build_matrix(["fsdp_impl"], ["mlp"], [1], ["replicated", "split"], ["sgd", "adamw"], steps=2)
-    )
+    ) + [Scenario("fsdp_impl", "mlp", 2, "replicated", "sgd", steps=2)]
     side = ReusedWorlds(pool, 300.0)
     assert side.lanes(cells[0]) >= 2
     started = pool.worlds_started
     together = execute(cells, snapshot_dir=tmp_path / "side", pool=side)
-    assert pool.worlds_started - started >= 2  # a world a lane
-    spans = sorted((r["ended"] - r["seconds"], r["ended"]) for r in together.values())
+    assert pool.worlds_started - started >= 3  # a world of 1 a lane, the world of 2
+    spans = sorted((r["ended"] - r["seconds"], r["ended"]) for sid, r in together.items() if "-ws1-" in sid)
     assert any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:])), "no two scenarios overlapped"
     alone = execute(cells, snapshot_dir=tmp_path / "alone", pool=OneAtATime(pool, 300.0))
     a, b = build_tables(cells, together), build_tables(cells, alone)
@@ -55,6 +56,23 @@ def test_a_scenario_that_fails_in_one_world_leaves_the_others_to_finish(pool, tm
         for mode in ("replicated", "split")
         for opt in ("sgd", "adamw")
     ]
-    records = execute([fine[0], broken, *fine[1:]], snapshot_dir=tmp_path, pool=ReusedWorlds(pool, 300.0))
+    two = Scenario("fsdp_impl", "mlp", 2, "replicated", "sgd", steps=2)  # the run's largest world: 2 ranks
+    records = execute([fine[0], broken, *fine[1:], two], snapshot_dir=tmp_path, pool=ReusedWorlds(pool, 300.0))
     assert "no_such_factory" in records[broken.id]["error"]
-    assert all("ranks" in records[sc.id] for sc in fine), {sc.id: records[sc.id].get("error") for sc in fine}
+    ran = [*fine, two]
+    assert all("ranks" in records[sc.id] for sc in ran), {sc.id: records[sc.id].get("error") for sc in ran}
+
+
+def test_worlds_side_by_side_never_hold_more_ranks_than_the_runs_largest_world(pool, tmp_path):
+    """harness.limits checks that the largest world size fits this machine's memory: a run of worlds of 1 alone runs
+    them one at a time, however many cores there are."""
+    cells = [
+        Scenario("fsdp_impl", "mlp", 1, mode, opt, steps=2)
+        for mode in ("replicated", "split")
+        for opt in ("sgd", "adamw")
+    ]
+    started = pool.worlds_started
+    records = execute(cells, snapshot_dir=tmp_path, pool=ReusedWorlds(pool, 300.0))
+    spans = sorted((r["ended"] - r["seconds"], r["ended"]) for r in records.values())
+    assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:])), "two scenarios overlapped"
+    assert pool.worlds_started - started <= 1
