@@ -155,13 +155,17 @@ class TableBuilder:
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
         self._stopped = False
-        if background:
+        self._background = background
+
+    def add(self, sid: str, record: dict) -> None:
+        """Scenario `sid`'s record (harness.execute.executor.execute's): rows made for every scenario it completes.
+        The thread starts with the first record, not before: the first world's start, which may start the worlds'
+        forkserver, comes first, and the server is forked only from a process with one thread
+        (harness.execute.forked_server)."""
+        if self._background and self._thread is None and not self._stopped:
             self._queue = queue.SimpleQueue()
             self._thread = threading.Thread(target=self._work, name="tables", daemon=True)
             self._thread.start()
-
-    def add(self, sid: str, record: dict) -> None:
-        """Scenario `sid`'s record (harness.execute.executor.execute's): rows made for every scenario it completes."""
         if self._queue is not None:
             self._queue.put((sid, record))
         else:
