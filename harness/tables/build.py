@@ -151,6 +151,10 @@ class TableBuilder:
         self.made: dict[str, dict[str, list[dict]]] = {}  # scenario id -> its rows by table
         # scenario id -> the runs of this matrix its rows read (its own included)
         self._needs = {s.id: {d for d in compared_with(s) if d in self.by_id} | {s.id} for s in self.scenarios}
+        self._readers: dict[str, list[Scenario]] = {}  # run id -> the scenarios whose rows read it
+        for s in self.scenarios:
+            for run in self._needs[s.id]:
+                self._readers.setdefault(run, []).append(s)
         self._queue: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
@@ -175,7 +179,7 @@ class TableBuilder:
         self.results[sid] = record
         if "ranks" in record:
             self.snaps.dirs[sid] = record["ranks"][0]["snapshot_dir"]
-        for sc in self.scenarios:
+        for sc in self._readers.get(sid, ()):  # only a scenario that reads this run can be complete now
             if sc.id not in self.made and self._needs[sc.id] <= self.results.keys():
                 self._make(sc)
 
