@@ -133,7 +133,7 @@ _CATEGORY_OF = {
 _C10D = torch.ops.c10d
 _GATHER_BASE, _SCATTER_BASE = _C10D._allgather_base_.default, _C10D._reduce_scatter_base_.default
 _GATHERS = {_GATHER_BASE, _C10D.allgather_into_tensor_coalesced_.default}
-_SCATTERS = {_C10D._reduce_scatter_base_.default, _C10D.reduce_scatter_tensor_coalesced_.default}
+_SCATTERS = {_SCATTER_BASE, _C10D.reduce_scatter_tensor_coalesced_.default}
 
 
 class _StorageMap:
