@@ -392,8 +392,6 @@ def test_peak_sees_a_known_temporary():
     assert res["peak"] >= 4 * n + (16 + 4) * 4  # the temporary and the parameters
 
 
-
-
 def test_a_tensor_made_where_a_freed_one_lived_counts_as_new():
     """The tracker keys the storages it knows by their address (of torch's storage object); a storage made where a
     freed one lived, as the allocator does within a few allocations, is the new one's memory, not the dead one's
