@@ -4,7 +4,8 @@ signal ends the process. For the Ctrl-C tests of moments that nothing outside th
 or too briefly to catch: the gate (it compares tables in memory) and a world worker that has not
 reached its entry point (`harness.execute.worker:main`, which the parent pickles by reference, so
 the worker runs `pause` with the signal dispositions of multiprocessing's bootstrap). The harness
-itself has no test hook; FUNCTION must be looked up in its module where it is called.
+itself has no test hook; FUNCTION must be looked up in its module where it is called. With `--threaded` first,
+the process starts a thread of its own before anything else (as a program or a pytest-xdist worker has one).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
+THREADED = "--threaded"
 MARKER = "FSDP_HARNESS_TEST_PAUSED_MARKER"  # set here, inherited by the forkserver and its workers
 
 
@@ -26,6 +29,9 @@ def pause(*_args, **_kwargs) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if argv[0] == THREADED:  # a thread of its own before the first world: the forkserver is executed, not forked
+        threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+        argv = argv[1:]
     target, marker, *args = argv
     module_name, _, name = target.partition(":")
     module = importlib.import_module(module_name)

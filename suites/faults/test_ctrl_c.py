@@ -5,7 +5,8 @@ EXIT_INTERRUPTED, the one line "interrupted", no traceback, no process left behi
 The subprocesses run in a session of their own, looked up by session id in /proc. Each test
 interrupts at its moment for certain, whatever the load: it waits until /proc or the file system
 shows that moment, and where the moment is short it freezes the process that would leave it
-(SIGSTOP), sends Ctrl-C to the whole process group as a terminal does, then lets it go on (SIGCONT).
+(SIGSTOP), sends Ctrl-C to the whole process group as a terminal does, then lets it go on (SIGCONT); or it
+gives the SIGINT to a thread of the parent other than its main one, as the kernel may.
 The moments that nothing outside the process shows, or too briefly (a world worker before its
 entry point, the gate), are held by suites/faults/paused_cli.py.
 
@@ -16,6 +17,7 @@ here, mid-step in test_launch_context.py (as a background job; run here as well 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -27,6 +29,7 @@ import pytest
 
 from harness.execute.forked_server import is_forkserver
 from harness.session import EXIT_INTERRUPTED
+from suites.faults.paused_cli import THREADED
 from suites.faults.processes import alive, in_session, kill_session, start, wait_session_empty
 from suites.faults.scenarios import FA
 
@@ -117,6 +120,22 @@ def test_ctrl_c_while_a_world_starts(tmp_path):
         kill_session(proc)
 
 
+def test_ctrl_c_taken_by_another_thread_while_a_world_starts(tmp_path):
+    """A parent with a thread of its own before its first world (a program's, pytest-xdist's; the forkserver is
+    then executed, not forked) gets the Ctrl-C on that thread while the world of 1's worker is held before its
+    entry point and the parent waits for it: Python runs the handler in the main thread, which must not stay in
+    its wait for the worker (before the fix: until the scenario's timeout)."""
+    proc, report = _start_paused(tmp_path, "harness.execute.worker:main", *SMALL, threaded=True)
+    try:
+        assert [p for p in _forkservers(proc, _ignores_sigint) if _executed(p)], "the forkserver was not executed"
+        [other] = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.tgkill(proc.pid, other, signal.SIGINT) == 0, os.strerror(ctypes.get_errno())
+        _assert_interrupted(proc, report)
+    finally:
+        kill_session(proc)
+
+
 @pytest.mark.slow
 def test_ctrl_c_of_the_cli_exits_non_zero_with_one_line_and_no_orphans(tmp_path):
     """Mid-step: rank 1 hangs with a timeout far away, so the world of 2 is certainly mid-run.
@@ -180,11 +199,14 @@ def test_ctrl_c_during_the_gate(tmp_path):
         kill_session(proc)
 
 
-def _start_paused(tmp_path: Path, target: str, *args: str) -> tuple[subprocess.Popen, Path]:
-    """The CLI run paused at ``target`` (suites/faults/paused_cli.py), once it is there; its report."""
+def _start_paused(tmp_path: Path, target: str, *args: str, threaded: bool = False) -> tuple[subprocess.Popen, Path]:
+    """The CLI run paused at ``target`` (suites/faults/paused_cli.py), once it is there; its report. ``threaded``:
+    the CLI's process has a second thread from before its first world."""
     report, marker = tmp_path / "out" / "r.md", tmp_path / "paused"
+    first = [THREADED] if threaded else []
     proc = start(
-        [sys.executable, "-m", "suites.faults.paused_cli", target, str(marker), "run", *args, "--report", str(report)]
+        [sys.executable, "-m", "suites.faults.paused_cli", *first, target, str(marker), "run", *args]
+        + ["--report", str(report)]
     )
     try:
         _poll(proc, marker.exists, every_s=0.1)
@@ -198,6 +220,15 @@ def _forkservers(proc: subprocess.Popen, keep) -> list[int]:
     """The processes of ``proc``'s session that are the forkserver, executed or forked (and every world
     worker forked from it: they keep its mark), and pass ``keep``."""
     return [p for p in in_session(proc.pid) if is_forkserver(p) and keep(p)]
+
+
+def _executed(pid: int) -> bool:
+    """A forkserver started as multiprocessing starts it (a new interpreter), not forked from its parent."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.forkserver import main" in f.read()
+    except OSError:
+        return False
 
 
 def _signals(pid: int, field: str) -> int:
