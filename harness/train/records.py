@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from harness.adapters.base import takes_rank0_only
-from harness.train.params_file import save_params
+from harness.train.params_file import load_params, save_params
 
 # rank 0 holds up to this many bytes of snapshots before it writes them
 SNAPSHOT_BATCH_BYTES = 128 * 2**20
@@ -103,6 +103,9 @@ class Snapshots:
         self.held, self.bytes = [], 0
 
 
+DIGEST = "values"  # a digest part's one tensor, in its file (harness.train.params_file)
+
+
 def digest_name(step: int, rank: int) -> str:
     return f"step{step}.grads.rank{rank}.pt"
 
@@ -117,7 +120,7 @@ def write_gradient_digest(values: torch.Tensor, ctx, folder: Path, step: int, ow
         if ctx.rank != 0:
             return
         values = torch.cat(parts)
-    torch.save(sorted_values(values[values != 0]), folder / digest_name(step, ctx.rank))
+    save_params({DIGEST: sorted_values(values[values != 0])}, folder / digest_name(step, ctx.rank))
 
 
 def gradient_digest_files(folder: Path, step: int) -> list[Path]:
@@ -127,7 +130,7 @@ def gradient_digest_files(folder: Path, step: int) -> list[Path]:
 
 def read_gradient_digest(folder: Path, step: int) -> torch.Tensor | None:
     """Step `step`'s gradient digest, its parts merged (sorted); None where no part was written."""
-    parts = [torch.load(p, weights_only=True) for p in gradient_digest_files(folder, step)]
+    parts = [load_params(p)[DIGEST] for p in gradient_digest_files(folder, step)]
     if not parts:
         return None
     return parts[0] if len(parts) == 1 else sorted_values(torch.cat(parts))

@@ -1,9 +1,14 @@
-"""Packed parameter files (harness.train.params_file): what is read back is what was written, bit for bit."""
+"""Packed parameter files (harness.train.params_file): what is read back is what was written, bit for bit; the\nearlier forms are still read; a file of the other byte order is refused."""
 
 from __future__ import annotations
 
+import sys
+import types
+
+import pytest
 import torch
 
+from harness.train import params_file
 from harness.train.params_file import load_params, save_params
 
 
@@ -32,3 +37,19 @@ def test_a_plain_saved_dict_is_read_as_it_is(tmp_path):
     torch.save({"w": torch.ones(2)}, tmp_path / "plain.pt")
     back = load_params(tmp_path / "plain.pt")
     assert list(back) == ["w"] and torch.equal(back["w"], torch.ones(2))
+
+
+def test_a_file_of_the_earlier_pickled_form_is_read(tmp_path):
+    flat = torch.arange(7.0)
+    torch.save(("fsdp-harness packed tensors v1", ["a", "b"], [(2, 3), (1,)], [0, 0], [flat]), tmp_path / "v1.pt")
+    back = load_params(tmp_path / "v1.pt")
+    assert torch.equal(back["a"], flat[:6].view(2, 3)) and torch.equal(back["b"], flat[6:])
+
+
+def test_a_file_from_a_machine_of_the_other_byte_order_is_refused(tmp_path, monkeypatch):
+    other = "big" if sys.byteorder == "little" else "little"
+    monkeypatch.setattr(params_file, "sys", types.SimpleNamespace(byteorder=other))  # written there
+    save_params({"w": torch.ones(2)}, tmp_path / "p.pt")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=f"{other}-endian"):
+        load_params(tmp_path / "p.pt")
