@@ -14,6 +14,7 @@ import queue
 import threading
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -81,20 +82,33 @@ def _grad_diff(x: torch.Tensor | None, y: torch.Tensor | None) -> float:
     return float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
 
 
-def _diffs(cur: dict, other: dict | None) -> dict[str, float]:
+def param_diffs(cur: dict, other: dict | None) -> dict[str, float]:
+    """parameter -> max |cur - other| over its elements, in float64 (0.0 for an empty one); inf where `other` lacks
+    it or shapes differ; NaN where `cur`'s own values are not all finite (or a difference is NaN). Every parameter
+    in one pass over the flat values: a parameter at a time, the tensor calls cost more than the arithmetic."""
     if other is None:
         return {}
-    out = {}
-    for name, t in cur.items():
-        o = other.get(name)
-        if o is None or o.shape != t.shape:
-            out[name] = math.inf
-        else:
-            d = (t.double() - o.double()).abs()
-            out[name] = float(d.max()) if d.numel() else 0.0
-            if not torch.isfinite(t).all():
-                out[name] = math.nan
-    return out
+    alike = [n for n, t in cur.items() if other.get(n) is not None and other[n].shape == t.shape]
+    found = dict(zip(alike, _segment_max(cur, other, alike))) if alike else {}
+    return {name: found.get(name, math.inf) for name in cur}
+
+
+def _flat(tensors: dict, names: list[str]) -> np.ndarray:
+    return torch.cat([tensors[n].reshape(-1) for n in names]).double().numpy()
+
+
+def _segment_max(cur: dict, other: dict, names: list[str]) -> list[float]:
+    a = _flat(cur, names)
+    with np.errstate(invalid="ignore"):  # inf - inf: NaN, as in torch
+        d = np.abs(a - _flat(other, names))
+    sizes = np.array([cur[n].numel() for n in names])
+    starts = np.cumsum(sizes) - sizes
+    out = np.zeros(len(names))
+    full = sizes > 0  # reduceat's segment i ends where the next non-empty one starts
+    if full.any():
+        out[full] = np.maximum.reduceat(d, starts[full])  # NaN wins, as in torch's max
+        out[full] = np.where(np.logical_and.reduceat(np.isfinite(a), starts[full]), out[full], np.nan)
+    return out.tolist()
 
 
 def _travel(cur: dict, before: dict | None) -> dict[str, float]:
@@ -250,12 +264,12 @@ def _scenario_rows(sc: Scenario, results: dict[str, dict], snaps: _Snapshots, by
             rows["coverage"] += _coverage(sc.id, k, cur, ref)
             compared = len(ref)
         ws1 = snaps.get(ws1_id, k) if ws1_id in by_id else None
-        d_ref, d_ws1 = _diffs(cur, ref), _diffs(cur, ws1)
+        d_ref, d_ws1 = param_diffs(cur, ref), param_diffs(cur, ws1)
         probe = sc.rank_order_probe()
-        d_probe = _diffs(cur, snaps.get(probe.id, k)) if probe is not None and probe.id in by_id else {}
-        rows["rank_diffs"] += _rank_diffs(sc.id, k, res["ranks"], cur, ref, ws1, d_ref, d_ws1)
+        d_probe = param_diffs(cur, snaps.get(probe.id, k)) if probe is not None and probe.id in by_id else {}
+        rows["rank_diffs"] += rank_row_diffs(sc.id, k, res["ranks"], cur, ref, ws1, d_ref, d_ws1)
         twin = sc.factor_twin()
-        d_twin = _diffs(cur, snaps.get(twin.id, k)) if twin is not None and twin.id in by_id else {}
+        d_twin = param_diffs(cur, snaps.get(twin.id, k)) if twin is not None and twin.id in by_id else {}
         moved = _travel(cur, snaps.get(sc.id, k - 1)) if sc.impl == REFERENCE_IMPL else {}
         for name, t in cur.items():
             rows["params"].append(
@@ -451,7 +465,7 @@ def settings(sc: Scenario) -> dict:
     return {"steps": sc.steps, "lr": sc.lr, "global_batch": sc.global_batch, "backend": sc.backend}
 
 
-def _rank_diffs(
+def rank_row_diffs(
     sid: str, step: int, ranks: list[dict], cur: dict, ref: dict | None, ws1: dict | None, d_ref: dict, d_ws1: dict
 ) -> list[dict]:
     """Per rank, the largest |param diff| within the dim-0 rows that rank holds (its record's `rows`), for
@@ -462,6 +476,7 @@ def _rank_diffs(
     for name, t in cur.items():
         if not (d_ref.get(name, 0.0) or d_ws1.get(name, 0.0)):
             continue
+        by_row_ref, by_row_ws1 = _row_diffs(t, ref, name), _row_diffs(t, ws1, name)
         for rec in ranks:
             span = rec.get("rows", {}).get(name)
             if span is None:
@@ -473,19 +488,29 @@ def _rank_diffs(
                     "step": step,
                     "param": name,
                     "rank": rec["rank"],
-                    "diff_ref": _span_diff(t, ref, name, a, b),
-                    "diff_ws1": _span_diff(t, ws1, name, a, b),
+                    "diff_ref": _span_max(by_row_ref, a, b),
+                    "diff_ws1": _span_max(by_row_ws1, a, b),
                 }
             )
     return out
 
 
-def _span_diff(t: torch.Tensor, other: dict | None, name: str, a: int, b: int) -> float:
+def _row_diffs(t: torch.Tensor, other: dict | None, name: str) -> np.ndarray | None:
+    """max |t - other[name]| of each dim-0 row, in float64 (None where there is nothing to compare it with)."""
     o = None if other is None else other.get(name)
     if o is None or o.shape != t.shape:
+        return None
+    rows = t.shape[0] if t.dim() else 1
+    if not t.numel():
+        return np.zeros(rows)
+    return (t.double() - o.double()).abs().reshape(rows, -1).amax(dim=1).numpy()
+
+
+def _span_max(by_row: np.ndarray | None, a: int, b: int) -> float:
+    if by_row is None:
         return math.nan
-    d = (t[a:b].double() - o[a:b].double()).abs()  # no rows (an empty shard, a reshaped report): nothing differs
-    return float(d.max()) if d.numel() else 0.0
+    rows = by_row[a:b]  # no rows (an empty shard, a reshaped report): nothing differs
+    return float(rows.max()) if rows.size else 0.0
 
 
 def _restore(sc: Scenario, snaps: _Snapshots, by_id: dict) -> dict:
@@ -499,7 +524,7 @@ def _restore(sc: Scenario, snaps: _Snapshots, by_id: dict) -> dict:
     theirs = snaps.get(saver.id, step) if saver.id in by_id else None
     out = {}
     if mine and theirs is not None:
-        name, worst = _worst(_diffs(mine, theirs))
+        name, worst = _worst(param_diffs(mine, theirs))
         out = {"restore_diff": worst, "restore_param": name}
     if saver.id in by_id and sc.id in snaps.dirs and saver.id in snaps.dirs:
         out.update(compare_files(Path(snaps.dirs[saver.id]) / SAVED_STATE, Path(snaps.dirs[sc.id]) / RESTORED_STATE))
