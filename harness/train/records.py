@@ -130,10 +130,14 @@ def gradient_digest_files(folder: Path, step: int) -> list[Path]:
 
 def read_gradient_digest(folder: Path, step: int) -> torch.Tensor | None:
     """Step `step`'s gradient digest, its parts merged (sorted); None where no part was written."""
-    parts = [load_params(p)[DIGEST] for p in gradient_digest_files(folder, step)]
+    parts = [_digest_part(load_params(p)) for p in gradient_digest_files(folder, step)]
     if not parts:
         return None
     return parts[0] if len(parts) == 1 else sorted_values(torch.cat(parts))
+
+
+def _digest_part(loaded: dict | torch.Tensor) -> torch.Tensor:
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[DIGEST]  # a tensor: torch.saved by an earlier harness
 
 
 def sorted_values(values: torch.Tensor) -> torch.Tensor:

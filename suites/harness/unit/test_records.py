@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from harness.train.params_file import load_params
-from harness.train.records import Snapshots, gradient_digest_files, read_gradient_digest, sorted_values
+from harness.train.params_file import load_params, save_params
+from harness.train.records import DIGEST, Snapshots, gradient_digest_files, read_gradient_digest, sorted_values
 
 TASKS = "suites.harness.unit.world_tasks"
 
@@ -108,3 +108,9 @@ def test_the_digest_is_in_the_order_torchs_sort_gives_nan_and_infinities_include
     want = torch.sort(values).values
     assert got.dtype == dtype and got.shape == want.shape
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
+
+
+def test_a_digest_part_an_earlier_harness_torch_saved_is_read(tmp_path):
+    torch.save(torch.tensor([1.0, 3.0]), tmp_path / "step1.grads.rank0.pt")
+    save_params({DIGEST: torch.tensor([2.0])}, tmp_path / "step1.grads.rank1.pt")
+    assert torch.equal(read_gradient_digest(tmp_path, 1), torch.tensor([1.0, 2.0, 3.0]))
