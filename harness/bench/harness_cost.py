@@ -12,7 +12,10 @@
    and optimizer, then per step the feature's forward and backward (harness.train.features.forward_backward, the
    step code the harness runs), the adapter's after_backward, clipping where the feature clips and the optimizer
    step (an engine's own where the adapter has engine hooks), on every rank between two barriers; nothing
-   measured, written or compared. Its sum is the floor: training this matrix with nothing verified.
+   measured, written or compared. Its sum is the floor: training this matrix with nothing verified. Measured
+   before the run and after it, and the mean of the two taken: how far the two are apart is how far the machine's
+   speed moved within the invocation (a shared machine's moves by a tenth between minutes), printed as the
+   uncertainty of every ratio.
 3. The first progress line of `python -m harness run` with the same options in a new process (its first scenario
    done): seconds from launch, and to its first line of any kind (the run is then interrupted; --no-first-line
    skips it).
@@ -39,7 +42,7 @@ from pathlib import Path
 
 from harness import options as opt
 from harness.core.scenario import Scenario
-from harness.execute.world import WorldPool
+from harness.execute.world import WorldError, WorldPool, stop_forkserver
 from harness.session import Session, session_options
 
 BARE_TASK = "harness.bench.harness_cost:train_bare"
@@ -184,10 +187,13 @@ def main(argv=None) -> None:
             elif not line.startswith("wrote"):
                 print(f"  {line}", file=sys.stderr, flush=True)
 
+        session = Session(options, say=say)
+        print("bare training of the matrix's runs, before the run ...", file=sys.stderr, flush=True)
+        before = bare_training(session.scenarios())
+        stop_forkserver()  # the run starts its own, as `python -m harness run` does
         print("the run, the harness's way ...", file=sys.stderr, flush=True)
         seconds: dict[str, float] = {}
         t0 = time.perf_counter()
-        session = Session(options, say=say)
         res = session.run()
         t_run = time.perf_counter()
         session.finish()
@@ -195,17 +201,52 @@ def main(argv=None) -> None:
         seconds["report"] = time.perf_counter() - t_run
 
         ran = [sc for sc in res.scenarios if "ranks" in res.records.get(sc.id, {})]
-        print(f"bare training of the {len(ran)} runs that ran ...", file=sys.stderr, flush=True)
-        bare: dict[str, dict] = {}
-        with WorldPool(keep=True) as pool:
-            for w, backend in sorted({(s.world_size, s.backend) for s in ran}):  # started and warmed first
-                warm = next(s for s in ran if (s.world_size, s.backend) == (w, backend))
-                pool.get(w, backend).call(BARE_TASK, dataclasses.asdict(dataclasses.replace(warm, steps=2)))
-            for sc in ran:
-                out = pool.get(sc.world_size, sc.backend).call(BARE_TASK, dataclasses.asdict(sc))
-                bare[sc.id] = {k: max(o[k] for o in out) for k in ("setup", "steps")}
+        print(f"bare training of the {len(ran)} runs that ran, after the run ...", file=sys.stderr, flush=True)
+        after = bare_training(ran)
+        ran = [sc for sc in ran if sc.id in after]
 
+    bare = {sc.id: _mean(before.get(sc.id), after[sc.id]) for sc in ran}
+    print_drift({sc.id: before[sc.id] for sc in ran if sc.id in before}, after)
     print_figures(res, ran, bare, seconds, wall, first)
+
+
+def bare_training(scenarios: list[Scenario]) -> dict[str, dict]:
+    """scenario id -> {"setup": s, "steps": s} of its bare training (the slowest rank's), one run at a time in worlds
+    started and warmed beforehand; a run that cannot train bare (its rank raised: an unsupported feature) is left
+    out."""
+    bare: dict[str, dict] = {}
+    with WorldPool(keep=True) as pool:
+        for w, backend in sorted({(s.world_size, s.backend) for s in scenarios}):  # started and warmed first
+            for warm in (s for s in scenarios if (s.world_size, s.backend) == (w, backend)):
+                try:
+                    pool.get(w, backend).call(BARE_TASK, dataclasses.asdict(dataclasses.replace(warm, steps=2)))
+                    break
+                except WorldError:
+                    continue
+        for sc in scenarios:
+            try:
+                out = pool.get(sc.world_size, sc.backend).call(BARE_TASK, dataclasses.asdict(sc))
+            except WorldError:
+                continue
+            bare[sc.id] = {k: max(o[k] for o in out) for k in ("setup", "steps")}
+    return bare
+
+
+def _mean(before: dict | None, after: dict) -> dict:
+    return after if before is None else {k: (before[k] + after[k]) / 2 for k in after}
+
+
+def print_drift(before: dict[str, dict], after: dict[str, dict]) -> None:
+    """The bare training of the same runs before and after the harness's run: how far this machine's speed moved
+    within the invocation, the uncertainty of every ratio below (which use the mean of the two)."""
+    if not before:
+        return
+    b = sum(sum(before[i].values()) for i in before)
+    a = sum(sum(after[i].values()) for i in before)
+    print(
+        f"bare training of those runs measured before the run {b:.3f} s and after it {a:.3f} s ({abs(a - b) / min(a, b):.0%}"
+        " apart: how far this machine's speed moved within this invocation; the ratios below use their mean)"
+    )
 
 
 def print_figures(res, ran, bare, seconds, wall, first) -> None:

@@ -132,8 +132,9 @@ def test_the_output_check_can_fail(broken):
 
 def test_harness_cost_prints_bare_and_harnessed_seconds_per_world_size_and_where_the_run_went(tmp_path):
     """python -m harness.bench.harness_cost on one tiny cell per world size: a row per W with both figures and
-    their ratio, the whole run against the bare sum, the first progress line of a real launch, and the run's
-    seconds by part, the bare training first, every part the ranks and phases record among them."""
+    their ratio, the whole run against the bare sum (the mean of the bare training before and after the run, both
+    printed), the first progress line of a real launch, and the run's seconds by part, the bare training first,
+    every part the ranks and phases record among them."""
     import subprocess
     import sys
 
@@ -177,6 +178,10 @@ def test_harness_cost_prints_bare_and_harnessed_seconds_per_world_size_and_where
     assert whole, out.stdout
     assert float(whole[2]) == pytest.approx(float(rows["all"][2]), abs=0.002)
     assert float(whole[3]) == pytest.approx(float(whole[1]) / float(whole[2]), rel=0.01, abs=0.01)
+    # the bare training measured before the run and after it; the table's is their mean
+    drift = re.search(r"measured before the run ([\d.]+) s and after it ([\d.]+) s \((\d+)% apart", out.stdout)
+    assert drift and float(drift[1]) > 0 and float(drift[2]) > 0, out.stdout
+    assert float(rows["all"][2]) == pytest.approx((float(drift[1]) + float(drift[2])) / 2, abs=0.002), out.stdout
     first = re.search(r"first progress line ([\d.]+) s after", out.stdout)
     assert first and 0 < float(first[1]) < float(whole[1]) + 60, out.stdout
     said = re.search(r"first line ([\d.]+) s after launch: running \d+ scenarios", out.stdout)
