@@ -15,7 +15,8 @@ fault at step 2 means: step 1 trained normally on every rank. Names:
     forward_rank1_step3  rank 1 raises in forward at step 3, after the memory-measured step
     nan_loss         every rank: gradients become NaN at step 2 -> NaN parameters, NaN loss at step 3
     nan_param        every rank: gradients become NaN at the last step (3) -> NaN parameters only
-    disk_full        every rank: torch.save fails as on a full temp dir (ENOSPC) from wrap() on
+    disk_full        every rank: torch.save and the packed tensor files fail as on a full temp dir (ENOSPC) from
+                     wrap() on
 
 The raising functions are named after their phase (``raise_in_forward`` ...) and the exception
 text says phase, rank and step, so a test can check that the report points at the right place.
@@ -160,14 +161,24 @@ forward_rank1_step3 = FaultAdapter("forward", rank=1, step=3)  # after the measu
 
 
 class DiskFullAdapter(FsdpImplAdapter):
-    """fsdp_impl on a temp dir that fills up: from wrap() on, every torch.save in the rank fails as on a
-    full disk (ENOSPC), so rank 0's first parameter snapshot cannot be written."""
+    """fsdp_impl on a temp dir that fills up: from wrap() on, every file the rank writes with torch.save or as
+    packed tensors (harness.train.params_file: the snapshots, the gradient digests) fails as on a full disk
+    (ENOSPC), so rank 0's first parameter snapshot cannot be written."""
 
     def wrap(self, model: nn.Module, units: list[nn.Module], *, group, device) -> nn.Module:
+        from harness.train import params_file
+
         def full(*args, **kwargs):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-        torch.save = full  # this worker's world ends with the run: nothing else uses it after
+        def open_full(file, mode="r", *args, **kwargs):
+            if any(c in mode for c in "wax+"):
+                full()
+            return open(file, mode, *args, **kwargs)
+
+        # this worker's world ends with the run: nothing else uses them after
+        torch.save = full
+        params_file.open = open_full  # the module's own name for open: its writes only
         return super().wrap(model, units, group=group, device=device)
 
 
