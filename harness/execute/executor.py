@@ -32,7 +32,7 @@ from harness.core.children import usable_cpus
 from harness.core.features import parts
 from harness.core.scenario import Scenario, ckpt_step
 from harness.execute.worker import root_cause
-from harness.execute.world import RankFailed, WorldError, WorldHung, WorldPool, preload
+from harness.execute.world import SIGNAL_SLICE_S, RankFailed, WorldError, WorldHung, WorldPool, preload
 
 # what every scenario's workers import: the training task, the built-in adapters and fsdp_impl, preloaded
 # once in the forkserver instead of imported again by each new world's workers (reports/performance.md#world-start)
@@ -231,6 +231,6 @@ def _next_reply(replies: queue.SimpleQueue) -> tuple:
     """The next lane's reply, waited for in short slices (a Ctrl-C is raised between them on every platform)."""
     while True:
         try:
-            return replies.get(timeout=0.2)
+            return replies.get(timeout=SIGNAL_SLICE_S)
         except queue.Empty:
             continue

@@ -61,8 +61,9 @@ _STACK_WAIT_S = 3.0  # how long a stuck rank gets to write its stack
 _CLOSE_WAIT_S = 5.0  # how long a clean close waits before killing
 # Python runs a signal's handler in the main thread, once that thread is back in bytecode; a signal the kernel
 # delivers to another thread (the program's own, pytest-xdist's, a lane's) does not interrupt the main thread's
-# poll. So the main thread waits for ranks at most this long at a time, and a Ctrl-C is never held longer.
-_SIGNAL_SLICE_S = 0.25
+# poll. So the main thread waits for ranks (and the executor for its lanes) at most this long at a time, and a Ctrl-C
+# is never held longer.
+SIGNAL_SLICE_S = 0.25
 _LIVE: weakref.WeakSet[World] = weakref.WeakSet()  # closed at interpreter exit
 _UNWIND_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # `kill PID`, a closed terminal
 
@@ -233,7 +234,7 @@ class World:
         while pending and time.monotonic() < min(deadline, grace_end):
             handles = {self._conns[r]: r for r in pending} | {self._procs[r].sentinel: r for r in pending}
             # in slices: a Ctrl-C the kernel gave another thread of this process does not end this poll
-            slice_end = min(deadline, grace_end, time.monotonic() + _SIGNAL_SLICE_S)
+            slice_end = min(deadline, grace_end, time.monotonic() + SIGNAL_SLICE_S)
             for handle in wait(list(handles), slice_end - time.monotonic()):
                 rank = handles[handle]
                 if rank not in pending:
