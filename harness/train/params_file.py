@@ -46,8 +46,8 @@ def save_params(tensors: dict[str, torch.Tensor], path: Path | BinaryIO) -> None
     header += b" " * (-(len(_MAGIC) + 8 + len(header)) % _ALIGN)
     parts = [_MAGIC, len(header).to_bytes(8, "little"), header]
     for t in packed:
-        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        parts += [raw, b"\0" * (-len(raw) % _ALIGN)]
+        raw = t.view(torch.uint8).numpy()  # the tensor's own bytes, written without a copy
+        parts += [raw, b"\0" * (-raw.nbytes % _ALIGN)]
     if isinstance(path, (str, Path)):
         with open(path, "wb") as f:
             f.writelines(parts)
