@@ -404,6 +404,14 @@ def add_output_arguments(add) -> None:
     )
 
 
+def run_options_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A parser of `harness run`'s matrix and output options, for a tool that makes such a run (the benches)."""
+    p = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
+    add_matrix_arguments(p.add_argument)
+    add_output_arguments(p.add_argument)
+    return p
+
+
 def add_gate_arguments(add) -> None:
     add = _recording(add)
     add(

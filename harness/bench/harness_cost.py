@@ -151,11 +151,7 @@ def first_progress_line(argv: list[str], report_dir: str) -> tuple[float | None,
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     """The options, and the command line `python -m harness run` gets for the first-line measurement (this
     bench's own option and the outputs left out: that run writes to a temp folder)."""
-    p = argparse.ArgumentParser(
-        prog="python -m harness.bench.harness_cost", description=__doc__.splitlines()[0], allow_abbrev=False
-    )
-    opt.add_matrix_arguments(p.add_argument)
-    opt.add_output_arguments(p.add_argument)
+    p = opt.run_options_parser("python -m harness.bench.harness_cost", __doc__.splitlines()[0])
     p.add_argument("--no-first-line", action="store_true", help="skip the first-progress-line measurement")
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = p.parse_args(argv)

@@ -11,7 +11,6 @@ side by side: harness.execute.executor); the figures count the whole machine, so
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -34,12 +33,7 @@ def cpu_seconds() -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     # the run's options, checked here as `harness run` checks them (a usage error before anything starts)
-    p = argparse.ArgumentParser(
-        prog="python -m harness.bench.idle_cores", description=__doc__.splitlines()[0], allow_abbrev=False
-    )
-    opt.add_matrix_arguments(p.add_argument)
-    opt.add_output_arguments(p.add_argument)
-    p.parse_args(args)
+    opt.run_options_parser("python -m harness.bench.idle_cores", __doc__.splitlines()[0]).parse_args(args)
     if not os.path.exists(STAT):
         print(f"{STAT} not found: this bench reads the machine's idle time from Linux's /proc", file=sys.stderr)
         return 2
