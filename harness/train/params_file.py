@@ -38,7 +38,11 @@ def save_params(tensors: dict[str, torch.Tensor], path: Path | BinaryIO) -> None
         shapes.append(list(t.shape))
         kinds.append(kind_of[t.dtype])
         flats[kind_of[t.dtype]].append(t.detach().reshape(-1))
-    packed = [torch.cat(parts).cpu() if len(parts) > 1 else parts[0].cpu().contiguous() for parts in flats]
+    # new tensors with unit stride (a lone one may be a view with any stride: an expanded scalar, an empty slice)
+    packed = [
+        (torch.cat(parts) if len(parts) > 1 else parts[0].clone(memory_format=torch.contiguous_format)).cpu()
+        for parts in flats
+    ]
     dtypes = [str(t.dtype).removeprefix("torch.") for t in packed]
     header = json.dumps(
         {"byteorder": sys.byteorder, "names": names, "shapes": shapes, "kinds": kinds, "dtypes": dtypes}
@@ -46,8 +50,8 @@ def save_params(tensors: dict[str, torch.Tensor], path: Path | BinaryIO) -> None
     header += b" " * (-(len(_MAGIC) + 8 + len(header)) % _ALIGN)
     parts = [_MAGIC, len(header).to_bytes(8, "little"), header]
     for t in packed:
-        raw = t.view(torch.uint8).numpy()  # the tensor's own bytes, written without a copy
-        parts += [raw, b"\0" * (-raw.nbytes % _ALIGN)]
+        raw = t.view(torch.uint8).numpy() if t.numel() else b""  # the tensor's own bytes, written without a copy
+        parts += [raw, b"\0" * (-t.numel() * t.element_size() % _ALIGN)]
     if isinstance(path, (str, Path)):
         with open(path, "wb") as f:
             f.writelines(parts)

@@ -22,6 +22,7 @@ def test_packed_tensors_come_back_bitwise_with_their_names_shapes_and_dtypes(tmp
         "strided": torch.randn(4, 6, generator=g).t(),
         "b.bias": torch.tensor([float("nan"), -0.0, 1e-45]),
     }
+    alone = {"one": torch.tensor(5.0).expand(1), "none": torch.tensor(5.0).expand(0)}  # stride 0, one per dtype
     save_params(tensors, tmp_path / "p.pt")
     back = load_params(tmp_path / "p.pt")
     assert list(back) == list(tensors)
@@ -29,6 +30,9 @@ def test_packed_tensors_come_back_bitwise_with_their_names_shapes_and_dtypes(tmp
         assert back[name].dtype == t.dtype and back[name].shape == t.shape, name
         bits = [x.contiguous().view(-1).view(torch.uint8) for x in (back[name], t)]
         assert torch.equal(*bits), name  # every bit, NaN and -0.0 too
+    for name, t in alone.items():  # a file of one tensor, as a gradient digest's part is
+        save_params({name: t}, tmp_path / f"{name}.pt")
+        assert torch.equal(load_params(tmp_path / f"{name}.pt")[name], t), name
     save_params({}, tmp_path / "none.pt")
     assert load_params(tmp_path / "none.pt") == {}
 
