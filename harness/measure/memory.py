@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import (
+    _TOTAL_KEY,
     MemTracker,
     _MemRefType,
     _UpdateType,
@@ -150,28 +151,35 @@ class _StorageMap:
     def __init__(self) -> None:
         self._by_key: dict[int, tuple[weakref.ref, Any]] = {}
 
-    def _entry(self, st: Any) -> tuple[weakref.ref, Any] | None:
+    def entry(self, st: Any) -> tuple[weakref.ref, Any] | None:
+        """(the weak reference, the value) kept for `st`, or None."""
         entry = self._by_key.get(st._cdata)
         return entry if entry is not None and entry[0]() is st else None
 
     def get(self, st: Any, default: Any = None) -> Any:
-        entry = self._entry(st)
+        entry = self.entry(st)
         return default if entry is None else entry[1]
 
     def __contains__(self, st: Any) -> bool:
-        return self._entry(st) is not None
+        return self.entry(st) is not None
 
     def __setitem__(self, st: Any, value: Any) -> None:
+        self.add(st, value)
+
+    def add(self, st: Any, value: Any, on_death: Any = None) -> None:
+        """Keep `value` for `st`; `on_death(value)` too (if given) when the storage dies."""
         key, by_key = st._cdata, self._by_key
 
         def drop(ref: weakref.ref) -> None:
             if by_key.get(key, (None,))[0] is ref:
                 del by_key[key]
+            if on_death is not None:
+                on_death(value)
 
         by_key[key] = (weakref.ref(st, drop), value)
 
     def pop(self, st: Any, default: Any = None) -> Any:
-        entry = self._entry(st)
+        entry = self.entry(st)
         if entry is None:
             return default
         del self._by_key[st._cdata]
@@ -242,19 +250,33 @@ class _GlobalPeakOnly:
 
     def _track(self, reftype: Any, t: torch.Tensor) -> None:
         """MemTracker's, reading a plain tensor's storage directly (its `get_untyped_storages` looks for a wrapper
-        subclass first, for every result of every operation)."""
+        subclass first, for every result of every operation), and a new storage's record made with one weak
+        reference, whose death both drops the record and takes its bytes off (MemTracker's makes two)."""
         for st in _storages(t):
-            winfo, _ = self._WINFO.get(st, (None, None))  # type: ignore[attr-defined]
-            if winfo is not None:
+            entry = self._WINFO.entry(st)  # type: ignore[attr-defined]
+            if entry is not None:
+                winfo = entry[1][0]
                 if winfo.size != st.size():
                     old = winfo.mem_consumed
                     winfo.update_mem_consumed(st)
                     self._update_snap(_UpdateType.SIZE, winfo, old_mem_consumed=old)  # type: ignore[attr-defined]
                 return
-            winfo, w_st = _WeakRefInfo.create_winfo(st, t.device, reftype, self._delete_callback)  # type: ignore[attr-defined]
-            self._WINFO[st] = (winfo, w_st)  # type: ignore[attr-defined]
-            if winfo.mem_consumed > 0:
-                self._update_snap(_UpdateType.ADD, winfo)  # type: ignore[attr-defined]
+            winfo = _WeakRefInfo(st.size(), 1, t.device, reftype)  # an untyped storage's element is a byte
+            self._WINFO.add(st, (winfo, None), self._died)  # type: ignore[attr-defined]
+            nbytes = winfo.mem_consumed
+            if nbytes > 0:
+                snap = self._curr_mem_snap.get(winfo.device)  # type: ignore[attr-defined]
+                if snap is None:
+                    self._update_snap(_UpdateType.ADD, winfo)  # type: ignore[attr-defined]
+                else:
+                    snap[reftype] += nbytes
+                    snap[_TOTAL_KEY] += nbytes
+
+    def _died(self, record: tuple) -> None:
+        """A storage recorded by `_track` died: its bytes off the current snapshot (MemTracker's delete callback)."""
+        winfo = record[0]
+        if winfo.mem_consumed > 0:
+            self._update_snap(_UpdateType.DEL, winfo)  # type: ignore[attr-defined]
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         for dev, snap in self._curr_mem_snap.items():  # type: ignore[attr-defined]
@@ -334,16 +356,23 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
         results = tensors_in(res)
         if real:
             self._track_made(results, _MemRefType)
-        outputs, inputs = _written_and_read(func, args, kwargs, results)
-        from_grads = func in _SCATTERS or any(self._holds_gradient_data(t) for t in inputs)
-        if func in _GATHERS:  # what is gathered from gradient data is a gradient, not a parameter
-            ref = _MemRefType.GRAD if from_grads else _MemRefType.PARAM
-            for t in tensors_in(args[0]):
-                self._update_and_maybe_create_winfos(t, ref)
-        elif func in _SCATTERS:
-            for t in tensors_in(args[1]):
-                self._update_and_maybe_create_winfos(t, _MemRefType.GRAD)
-        self._mark_gradient_data(outputs, from_grads)
+        if not _writes_arguments(func):
+            # most operations: they write their results alone (new storages, or views of what they read) and read
+            # every tensor argument. A result holds gradient data when an argument does; otherwise it is new and
+            # unmarked, or a view of an argument that holds none: nothing to mark.
+            if self._any_gradient_data(args) or (kwargs and self._any_gradient_data(kwargs.values())):
+                self._mark_gradient_data(results, True)
+        else:
+            outputs, inputs = _written_and_read(func, args, kwargs, results)
+            from_grads = func in _SCATTERS or any(self._holds_gradient_data(t) for t in inputs)
+            if func in _GATHERS:  # what is gathered from gradient data is a gradient, not a parameter
+                ref = _MemRefType.GRAD if from_grads else _MemRefType.PARAM
+                for t in tensors_in(args[0]):
+                    self._update_and_maybe_create_winfos(t, ref)
+            elif func in _SCATTERS:
+                for t in tensors_in(args[1]):
+                    self._update_and_maybe_create_winfos(t, _MemRefType.GRAD)
+            self._mark_gradient_data(outputs, from_grads)
         if func.namespace in _COLLECTIVES:
             self._moment()
         return res
@@ -362,10 +391,24 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
     def _holds_gradient_data(self, t: torch.Tensor) -> bool:
         untracked = self._gradient_data
         for st in _storages(t):
-            winfo, _ = self._WINFO.get(st, (None, None))
-            if winfo is not None and (winfo.reftype == _MemRefType.GRAD or getattr(winfo, _FROM_GRADS, False)):
-                return True
+            entry = self._WINFO.entry(st)
+            if entry is not None:
+                winfo = entry[1][0]
+                if winfo.reftype is _MemRefType.GRAD or getattr(winfo, _FROM_GRADS, False):
+                    return True
             if untracked and st in untracked:
+                return True
+        return False
+
+    def _any_gradient_data(self, arguments: Iterable[Any]) -> bool:
+        """Whether a tensor among `arguments` (an operation's, each a tensor, a flat sequence, anything else) holds
+        gradient data (`_holds_gradient_data`)."""
+        holds = self._holds_gradient_data
+        for a in arguments:
+            if isinstance(a, torch.Tensor):
+                if holds(a):
+                    return True
+            elif isinstance(a, (list, tuple, dict)) and any(holds(t) for t in tensors_in(a)):
                 return True
         return False
 
@@ -435,6 +478,18 @@ def _arguments(func) -> list[tuple[int, str, bool, bool]]:
             found.append((i, a.name, is_write, not is_write or (not a.is_out and func not in _OVERWRITTEN)))
         _ARGUMENTS[func] = found
     return found
+
+
+def _writes_arguments(func) -> bool:
+    """Whether an aten (or other schema'd) operation writes an argument (in place, ``out=``); c10d's collectives
+    mark nothing in their schemas and count as writing (`_written_and_read`)."""
+    found = _WRITES.get(func)
+    if found is None:
+        found = _WRITES[func] = func.namespace == "c10d" or any(w for _, _, w, _ in _arguments(func))
+    return found
+
+
+_WRITES: dict[Any, bool] = {}
 
 
 def _written_and_read(
