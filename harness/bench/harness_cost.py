@@ -30,6 +30,7 @@ against the bare sum (world starts included), and the difference by part.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import signal
@@ -41,6 +42,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from harness import options as opt
+from harness.bench.idle_cores import STAT, CpuSeconds, cpu_seconds
 from harness.core.scenario import Scenario
 from harness.execute.world import WorldError, WorldPool, stop_forkserver
 from harness.session import Session, session_options
@@ -186,26 +188,60 @@ def main(argv=None) -> None:
         t_setup = time.perf_counter()
         session = Session(options, say=say)  # made before the bare training, which trains its scenarios
         setup_s = time.perf_counter() - t_setup  # part of the harness's way: counted in its wall time below
+        machine = Machine()
         print("bare training of the matrix's runs, before the run ...", file=sys.stderr, flush=True)
-        before = bare_training(session.scenarios())
+        with machine.part("the bare training before the run"):
+            before = bare_training(session.scenarios())
         stop_forkserver()  # the run starts its own, as `python -m harness run` does
         print("the run, the harness's way ...", file=sys.stderr, flush=True)
         seconds: dict[str, float] = {}
-        t0 = time.perf_counter()
-        res = session.run()
-        t_run = time.perf_counter()
-        session.finish()
-        wall = setup_s + time.perf_counter() - t0
+        with machine.part("the run"):
+            t0 = time.perf_counter()
+            res = session.run()
+            t_run = time.perf_counter()
+            session.finish()
+            wall = setup_s + time.perf_counter() - t0
         seconds["report"] = time.perf_counter() - t_run
 
         ran = [sc for sc in res.scenarios if "ranks" in res.records.get(sc.id, {})]
         print(f"bare training of the {len(ran)} runs that ran, after the run ...", file=sys.stderr, flush=True)
-        after = bare_training(ran)
+        with machine.part("the bare training after it"):
+            after = bare_training(ran)
         ran = [sc for sc in ran if sc.id in after]
 
     bare = {sc.id: _mean(before.get(sc.id), after[sc.id]) for sc in ran}
     print_drift({sc.id: before[sc.id] for sc in ran if sc.id in before}, after)
+    machine.print()
     print_figures(res, ran, bare, seconds, wall, first)
+
+
+class Machine:
+    """The whole machine's core-seconds over each part of the invocation (/proc/stat, Linux; nothing elsewhere):
+    how much was idle, and how much the host stole (a virtual machine's cores given to another guest: the work of
+    this one waited, not idle, and every second of it measured longer). A part with more stolen than another was
+    timed on a slower machine."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, tuple[float, CpuSeconds]] = {}
+        self.readable = os.path.exists(STAT)
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        t, first = time.perf_counter(), cpu_seconds() if self.readable else None
+        try:
+            yield
+        finally:
+            if first is not None:
+                self.parts[name] = (time.perf_counter() - t, cpu_seconds() - first)
+
+    def print(self) -> None:
+        if not self.parts:
+            return
+        said = [
+            f"{name} {wall:.1f} s: {d.idle:.1f} of {d.total:.1f} core-seconds idle, {d.steal:.1f} stolen ({d.steal / d.total:.1%})"
+            for name, (wall, d) in self.parts.items()
+        ]
+        print("the machine (/proc/stat), " + "; ".join(said))
 
 
 def bare_training(scenarios: list[Scenario]) -> dict[str, dict]:
@@ -291,28 +327,29 @@ def print_figures(res, ran, bare, seconds, wall, first) -> None:
     parts["world starts"] = res.phase_s.get("world starts", 0.0)
     # what the parts below count twice where scenarios ran side by side
     parts["scenarios side by side (the time they overlapped)"] = sum(by_w_harness.values()) - sum(by_w_sum.values())
-    measured_extra = steps_extra = setup_extra = grad_norm = 0.0
-    rank_parts = defaultdict(float)
+    # the ranks' parts, per world size too (the sums of that size's scenarios' own seconds: where they ran side by
+    # side, more than that size's wall time)
+    by_w: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    by_w["bare training (the floor)"] = by_w_bare
     between = 0.0
     for sc in ran:
-        ranks = res.records[sc.id]["ranks"]
+        ranks, w = res.records[sc.id]["ranks"], sc.world_size
         trained = slowest(ranks, "steps") + slowest(ranks, "measured_step")
         plain_steps = max(1, sum(1 for _ in ranks[0]["steps"]) - 1)
         per_step = slowest(ranks, "steps") / plain_steps
-        measured_extra += max(0.0, slowest(ranks, "measured_step") - per_step)
-        grad_norm += slowest(ranks, "grad_norm")
-        steps_extra += trained - slowest(ranks, "grad_norm") - max(0.0, slowest(ranks, "measured_step") - per_step)
-        steps_extra -= bare[sc.id]["steps"]
-        setup_extra += slowest(ranks, "setup") - bare[sc.id]["setup"]
-        for part in RANK_PARTS:
-            rank_parts[part] += slowest(ranks, part)
+        measured_extra = max(0.0, slowest(ranks, "measured_step") - per_step)
+        by_w["measured step beyond a plain step (peak tracker, unit timeline)"][w] += measured_extra
+        by_w["gradient norm (per step)"][w] += slowest(ranks, "grad_norm")
+        by_w["training steps beyond bare (counters, marks)"][w] += (
+            trained - slowest(ranks, "grad_norm") - measured_extra - bare[sc.id]["steps"]
+        )
+        by_w["set-up beyond bare (timeline, checks of the model)"][w] += slowest(ranks, "setup") - bare[sc.id]["setup"]
+        for part, what in RANK_PARTS.items():
+            by_w[what][w] += slowest(ranks, part)
         between += seconds_of.get(sc.id, 0.0) - slowest(ranks, "total")
-    parts["measured step beyond a plain step (peak tracker, unit timeline)"] = measured_extra
-    parts["gradient norm (per step)"] = grad_norm
-    parts["training steps beyond bare (counters, marks)"] = steps_extra
-    parts["set-up beyond bare (timeline, checks of the model)"] = setup_extra
-    for part, what in RANK_PARTS.items():
-        parts[what] = rank_parts[part]
+    for what, per_w in by_w.items():
+        if what not in parts:
+            parts[what] = sum(per_w.values())
     parts["between ranks and parent (records sent, world's first call)"] = between - parts["world starts"]
     for name in ("tables", "checks"):
         parts[f"the parent's {name}"] = res.phase_s.get(name, 0.0)
@@ -321,9 +358,11 @@ def print_figures(res, ran, bare, seconds, wall, first) -> None:
             parts[f"phase {name}"] = s
     parts["the report and tables written"] = seconds["report"]
     parts["the rest (options, matrix, environment)"] = wall - sum(parts.values())
-    print(f"\n{'where the run went':<66} {'s':>8} {'of run':>7}")
+    sizes = sorted(by_w_bare)
+    print(f"\n{'where the run went':<66} {'s':>8} {'of run':>7}" + "".join(f"{f'W = {w}':>9}" for w in sizes))
     for name, s in parts.items():
-        print(f"{name:<66} {s:>8.3f} {s / wall:>6.1%}")
+        per_w = "".join(f"{by_w[name].get(w, 0.0):>9.3f}" for w in sizes) if name in by_w else ""
+        print(f"{name:<66} {s:>8.3f} {s / wall:>6.1%}{per_w}")
 
 
 if __name__ == "__main__":

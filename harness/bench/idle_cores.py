@@ -16,18 +16,34 @@ import subprocess
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 from harness import options as opt
 
 STAT = "/proc/stat"
 
 
-def cpu_seconds() -> tuple[float, float]:
-    """(idle, total) core-seconds of the whole machine since boot, from the first line of /proc/stat."""
-    with open(STAT) as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
+class CpuSeconds(NamedTuple):
+    """Core-seconds of the whole machine since boot: idle (iowait included); stolen (a virtual machine's cores
+    running another guest: time this machine's work waited without being idle); all of them."""
+
+    idle: float
+    steal: float
+    total: float
+
+    def __sub__(self, other: CpuSeconds) -> CpuSeconds:  # type: ignore[override]
+        return CpuSeconds(*(a - b for a, b in zip(self, other)))
+
+
+def cpu_seconds(line: str | None = None) -> CpuSeconds:
+    """The machine's core-seconds since boot, from the first line of /proc/stat (`line`: that line, given)."""
+    if line is None:
+        with open(STAT) as f:
+            line = f.readline()
+    # user nice system idle iowait irq softirq steal [guest guest_nice: inside user and nice already]
+    fields = [int(v) for v in line.split()[1:9]] + [0] * 8
     hz = os.sysconf("SC_CLK_TCK")
-    return (fields[3] + fields[4]) / hz, sum(fields) / hz  # idle + iowait
+    return CpuSeconds((fields[3] + fields[4]) / hz, fields[7] / hz, sum(fields[:8]) / hz)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,10 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'at s':>7} {'+s':>6} {'idle':>6} {'of':>6}  line")
     prev_t, prev = 0.0, first
     for t, now, line in lines:
-        print(f"{t:>7.1f} {t - prev_t:>6.1f} {now[0] - prev[0]:>6.1f} {now[1] - prev[1]:>6.1f}  {line[:100]}")
+        print(f"{t:>7.1f} {t - prev_t:>6.1f} {now.idle - prev.idle:>6.1f} {now.total - prev.total:>6.1f}  {line[:100]}")
         prev_t, prev = t, now
-    idle, total = last[0] - first[0], last[1] - first[1]
-    print(f"\n{wall:.1f} s wall; the machine idle {idle:.1f} of {total:.1f} core-seconds ({idle / total:.0%})")
+    d = last - first
+    print(
+        f"\n{wall:.1f} s wall; the machine idle {d.idle:.1f} of {d.total:.1f} core-seconds ({d.idle / d.total:.0%}), "
+        f"{d.steal:.1f} stolen by the host"
+    )
     return status
 
 

@@ -186,6 +186,17 @@ def test_harness_cost_prints_bare_and_harnessed_seconds_per_world_size_and_where
     assert first and 0 < float(first[1]) < float(whole[1]) + 60, out.stdout
     said = re.search(r"first line ([\d.]+) s after launch: running \d+ scenarios", out.stdout)
     assert said and 0 < float(said[1]) <= float(first[1]), out.stdout
+    if os.path.exists("/proc/stat"):  # the machine over each part: idle and stolen core-seconds
+        machine = re.findall(
+            r"(the bare training before the run|the run|the bare training after it) ([\d.]+) s: "
+            r"([\d.]+) of ([\d.]+) core-seconds idle, ([\d.]+) stolen",
+            out.stdout,
+        )
+        assert [m[0] for m in machine] == ["the bare training before the run", "the run", "the bare training after it"]
+        for _, wall_s, idle, total, steal in machine:
+            assert 0 < float(wall_s) and 0 < float(total) and float(idle) + float(steal) <= float(total) + 0.05, (
+                out.stdout
+            )
     table = out.stdout.split("where the run went", 1)[1].splitlines()[1:]
     parts = {line[:66].strip(): float(line[66:].split()[0]) for line in table if line.strip()}
     assert list(parts)[0] == "bare training (the floor)"
@@ -240,3 +251,16 @@ def test_idle_cores_prints_each_line_of_the_run_with_the_idle_core_seconds_befor
         assert 0 <= float(row[2]) <= float(row[3]) + 0.02, row
     total = re.search(r"([\d.]+) s wall; the machine idle ([\d.]+) of ([\d.]+) core-seconds", out.stdout)
     assert total and float(total[2]) <= float(total[3]) and float(total[1]) >= at[-1], out.stdout
+
+
+def test_cpu_seconds_reads_idle_steal_and_total_from_proc_stat():
+    """/proc/stat's first line: idle is idle + iowait, steal its eighth field, the total the first eight (guest
+    time is inside user time already, not counted twice); each in seconds of the kernel's clock ticks."""
+    from harness.bench.idle_cores import cpu_seconds
+
+    hz = os.sysconf("SC_CLK_TCK")
+    got = cpu_seconds("cpu  100 1 50 1000 10 2 5 40 7 3")
+    assert got.idle == pytest.approx(1010 / hz)
+    assert got.steal == pytest.approx(40 / hz)
+    assert got.total == pytest.approx(1208 / hz)
+    assert (got - cpu_seconds("cpu  0 0 0 10 0 0 0 4 0 0")).steal == pytest.approx(36 / hz)
