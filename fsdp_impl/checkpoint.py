@@ -31,10 +31,7 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
 from .state import units
@@ -70,7 +67,8 @@ def save_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, pat
     # values every rank holds whole (Adam's step, hyper-parameters, parameters outside every unit)
     # go to the lowest rank's file, not spread over all: a load then opens rank 0's file and the
     # files holding its own rows, not every file
-    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    dcp = _dcp()
+    planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     _together(group, context, lambda: dcp.save(state, checkpoint_id=path, process_group=group, planner=planner))
 
     def finish() -> None:
@@ -144,7 +142,7 @@ def load_sharded(module: nn.Module, optimizer: torch.optim.Optimizer | None, pat
     context = f"load_sharded: cannot read the checkpoint at {path}"
     _reshard(module)
     target = _together(group, context, lambda: _plan_load(module, optimizer, path, names))
-    _together(group, context, lambda: dcp.load(target, checkpoint_id=path, process_group=group))
+    _together(group, context, lambda: _dcp().load(target, checkpoint_id=path, process_group=group))
     live = module.state_dict()
     with torch.no_grad():
         for k, value in target["model"].items():
@@ -164,7 +162,7 @@ def _plan_load(module, optimizer, path: str, names: dict[int, str]) -> dict:
         _optimizer_index(module, optimizer, names, "load_sharded")
         _check_optimizer(info, optimizer, names, path)
         params = {n: p for n, p in module.named_parameters()}
-        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        metadata = _dcp().FileSystemReader(path).read_metadata().state_dict_metadata
         state = {}
         for fqn, keys in info["optimizer"]["state"].items():
             state[fqn] = {k: _state_target(metadata.get(f"optim.state.{fqn}.{k}"), params[fqn]) for k in keys}
@@ -249,7 +247,7 @@ def _check_files(info: dict, path: str) -> None:
     """Every file DCP's metadata refers to is there: checked by every rank alike."""
     if not os.path.exists(os.path.join(path, ".metadata")):
         raise ValueError(f"load_sharded: the checkpoint at {path} has no DCP .metadata")
-    meta = dcp.FileSystemReader(path).read_metadata()
+    meta = _dcp().FileSystemReader(path).read_metadata()
     files = {getattr(s, "relative_path", None) for s in (meta.storage_data or {}).values()}
     missing = [f for f in files if f and not os.path.exists(os.path.join(path, f))]
     if missing:
@@ -289,11 +287,19 @@ def _check_optimizer(info: dict, optimizer, names: dict[int, str], path: str) ->
 # ------------------------------------------------------------------------------ agreement
 
 
+def _dcp():
+    """torch.distributed.checkpoint, imported at the first checkpoint: it imports torch's elastic agent and its
+    planners, a tenth of a second that a process which never checkpoints (importing fsdp_impl to train) saves."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
 def _together(group, context: str, fn):
     """fn() on this rank, then _agree on the outcome: fn's result, or every rank raises."""
     try:
         result, error = fn(), None
-    except (Exception, CheckpointException) as exc:  # any rank's failure is every rank's (DCP's
+    except (Exception, _dcp().CheckpointException) as exc:  # any rank's failure is every rank's (DCP's
         # CheckpointException derives from BaseException): no rank may go on alone, or wait
         result, error = None, exc
     _agree(error, group, context)
@@ -308,7 +314,7 @@ def _agree(error: BaseException | None, group, context: str) -> None:
     message = None
     if error is not None:
         own = isinstance(error, ValueError) and str(error).startswith(context.split(":")[0] + ":")
-        if isinstance(error, CheckpointException) and error.failures:  # DCP: the first failing rank's error
+        if isinstance(error, _dcp().CheckpointException) and error.failures:  # DCP: the first failing rank's error
             rank, (cause, _) = min(error.failures.items(), key=lambda kv: kv[0])
             text = f"{context}: rank {rank}: {type(cause).__name__}: {cause}"
         else:
