@@ -289,7 +289,7 @@ def _check_optimizer(info: dict, optimizer, names: dict[int, str], path: str) ->
 
 def _dcp():
     """torch.distributed.checkpoint, imported at the first checkpoint: it imports torch's elastic agent and its
-    planners, a tenth of a second that a process which never checkpoints (importing fsdp_impl to train) saves."""
+    planners, which a process that imports fsdp_impl to train and never checkpoints has no use for."""
     import torch.distributed.checkpoint as dcp
 
     return dcp

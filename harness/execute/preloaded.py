@@ -8,10 +8,10 @@ made, in every worker of every new world; and no collection touches the preloade
 stay shared with the forkserver. Objects frozen here are the forkserver's own, made before any scenario,
 so a census has no business with them either way. Never imported outside the forkserver.
 
-No collection first: the imports leave a few dozen unreachable objects, and a full collection over the objects
-they made takes a sizeable part of a second on the path to the first world's start (so the first progress line);
-frozen, those few stay in the forkserver's memory, shared with its workers, as Python's advice for `gc.freeze`
-before forking has it (no collection, only the freeze).
+No collection first: the imports leave few unreachable objects, and a full collection over all the objects they
+made lies on the path to the first world's start, so to the first progress line (reports/performance.md, "The
+first progress line's preload"); frozen, those few stay in the forkserver's memory, shared with its workers.
+Python's advice for forking after `gc.freeze` has no collection either.
 """
 
 import gc
