@@ -405,8 +405,8 @@ class _CollectiveAwareTracker(_GlobalPeakOnly, MemTracker):
     def _any_gradient_data(self, arguments: Iterable[Any]) -> bool:
         """Whether a tensor among `arguments` (an operation's, each a tensor, a flat sequence, anything else) holds
         gradient data (`_holds_gradient_data`). A tensor and a scalar are read here without `tensors_in`'s list: the
-        same answer as `any(... for a in arguments for t in tensors_in(a))`, about 2% of a tracked tinylm step
-        sooner."""
+        same answer as `any(... for a in arguments for t in tensors_in(a))`, sooner on this path of every operation
+        (reports/performance.md#the-measured-step)."""
         holds = self._holds_gradient_data
         for a in arguments:
             if isinstance(a, torch.Tensor):
