@@ -377,8 +377,8 @@ def add_output_arguments(add) -> None:
     add(
         "--no-plots",
         action="store_true",
-        help="write the report without its PNG plots (each costs about 0.1 to 0.2 CPU s to draw; the report says "
-        "where each would be)",
+        help="write the report without its plots (drawing them is most of the report's time; the report says where "
+        "each would be)",
     )
     add(
         "--per-sample",
@@ -653,7 +653,7 @@ class SessionOptions:
     gate_strict: bool = False  # a gate that compared nothing fails (harness.gate.compare)
     localize: int = DEFAULT_LOCALIZE  # failing scenarios localised after the run (harness.localize.auto)
     invariant: bool = False  # the batch-invariant tier after the matrix (harness.invariant)
-    plots: bool = True  # the report's PNG plots drawn (--no-plots: not)
+    plots: bool = True  # the report's plots drawn (--no-plots: not)
 
     @classmethod
     def from_namespace(cls, ns, matrix: MatrixOptions) -> SessionOptions:

@@ -2,8 +2,8 @@
 by worker processes while the rest of the text is written, where there are enough of them to repay the workers'
 start.
 
-A report of the main job holds some 70 plots at about a tenth of a second each (matplotlib's drawing of axes and
-text, then the PNG), most of the time its rendering takes, in one process while the machine's other cores wait.
+A report of the main job holds dozens of plots (matplotlib's drawing of axes and text, then the file), most of
+the time its rendering takes, in one process while the machine's other cores wait.
 `Plots.link` returns a placeholder and, from the POOL_MIN_PLOTS-th plot on, gives the plot to a worker; `Plots.finish`
 waits for every plot (drawing here those no worker took) and puts its link, or a note saying why it failed, in the
 placeholder's place; a plot that fails never loses the report. Drawn in workers, each plot is the same function

@@ -1,4 +1,4 @@
-"""Markdown verification report (plus PNG plots) rendered from a run's tables, written atomically.
+"""Markdown verification report (plus SVG plots) rendered from a run's tables, written atomically.
 
 Section order: title + overall line, verdict summary, failures (with divergence location), known
 deviations, skipped checks (verdicts.py), the models' noise floors (noise.py), results per world size

@@ -1,8 +1,12 @@
-"""PNG plots for the verification report: loss curves, |param diff| vs step, memory vs world size.
+"""SVG plots for the verification report: loss curves, |param diff| vs step, memory vs world size.
 
 Uses matplotlib's object API with the Agg canvas (no pyplot, no global backend state), so it is
 safe in worker processes and headless CI. `*_figure` builds a Figure from tidy frames (inspectable
-in tests); `plot_*` builds and saves it as PNG at the given path.
+in tests); `plot_*` builds and saves it as SVG at the given path (its name ends in SUFFIX).
+
+SVG rather than PNG: a report of the main job holds dozens of plots, and a vector file with its text kept as text
+skips the rasterising and the compression, most of a raster plot's cost (reports/performance.md, "The report's
+plots"); the files are smaller and scale in any viewer. The same figure gives the same bytes (no date, fixed ids).
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ if TYPE_CHECKING:  # matplotlib loads at the first figure, not in a run with no 
 
 MARKERS = "osD^v<>ph*"
 DPI = 110
+SUFFIX = ".svg"  # a plot's file name ends so
+# text as text in the viewer's font (matplotlib writes the family list, ending in sans-serif), ids from a fixed
+# salt instead of a random one: the same figure gives the same file, in a worker or here
+_SVG_RC = {"svg.fonttype": "none", "svg.hashsalt": "fsdp-harness"}
 
 
 def _ticker():
@@ -37,8 +45,11 @@ def _figure(width: float = 7.0, height: float = 4.2) -> tuple[Figure, object]:
 
 
 def _save(fig: Figure, path: Path) -> Path:
+    import matplotlib
+
     path = Path(path)
-    fig.savefig(path, format="png")
+    with matplotlib.rc_context(_SVG_RC):
+        fig.savefig(path, format="svg", metadata={"Date": None})
     return path
 
 
@@ -160,15 +171,15 @@ def memory_figure(per_ws: pd.DataFrame, title: str) -> Figure:
 
 
 def plot_loss(steps: pd.DataFrame, reference: pd.DataFrame | None, title: str, path: Path) -> Path:
-    """Loss per step, one line per world size, plus the reference run; saved as PNG."""
+    """Loss per step, one line per world size, plus the reference run; saved as SVG."""
     return _save(loss_figure(steps, reference, title), path)
 
 
 def plot_diff(steps: pd.DataFrame, title: str, path: Path, **kwargs) -> Path:
-    """max |param diff| vs step on a log scale (zeros on a floor labelled exact); saved as PNG."""
+    """max |param diff| vs step on a log scale (zeros on a floor labelled exact); saved as SVG."""
     return _save(diff_figure(steps, title, **kwargs), path)
 
 
 def plot_memory(per_ws: pd.DataFrame, title: str, path: Path) -> Path:
-    """State and peak bytes per rank vs world size with the ideal 1/W line; saved as PNG."""
+    """State and peak bytes per rank vs world size with the ideal 1/W line; saved as SVG."""
     return _save(memory_figure(per_ws, title), path)

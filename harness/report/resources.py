@@ -77,7 +77,7 @@ def memory_section(tables: dict, drawn: Plots) -> list[str]:
             out += [
                 drawn.link(
                     plots.plot_memory,
-                    f"memory-{file_stem(key)}.png",
+                    f"memory-{file_stem(key)}{plots.SUFFIX}",
                     f"memory {group_label(key)}",
                     per_ws,
                     f"memory per rank: {group_label(key)}",

@@ -90,7 +90,7 @@ def group_sections(tables: dict, drawn: Plots) -> list[str]:
             "",
             md_table(show.reset_index()),
             "",
-            drawn.link(plots.plot_loss, f"loss-{slug}.png", f"loss {label}", g, ref, f"loss: {label}"),
+            drawn.link(plots.plot_loss, f"loss-{slug}{plots.SUFFIX}", f"loss {label}", g, ref, f"loss: {label}"),
             "",
         ]
         diff = g.pivot_table(
@@ -113,7 +113,7 @@ def group_sections(tables: dict, drawn: Plots) -> list[str]:
             "",
             drawn.link(
                 plots.plot_diff,
-                f"diff-{slug}.png",
+                f"diff-{slug}{plots.SUFFIX}",
                 f"param diff {label}",
                 g,
                 f"max |param diff| vs reference: {label}",

@@ -11,6 +11,6 @@ from harness.report import plots
 
 @pytest.fixture
 def fast_plots(monkeypatch):
-    """Stand-in plot functions (PNG rendering costs ~0.3 s each)."""
+    """Stand-in plot functions (drawing real ones is most of a report's time)."""
     for name in ("plot_loss", "plot_diff", "plot_memory"):
         monkeypatch.setattr(plots, name, lambda *args, **_kw: Path(args[-1]).write_bytes(b"stub"))

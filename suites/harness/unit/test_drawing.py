@@ -33,7 +33,7 @@ def _steps(shift: float) -> pd.DataFrame:
 def _draw_all(folder: Path, n: int) -> str:
     drawn = Plots(folder, "rel")
     text = "\n".join(
-        drawn.link(plots.plot_loss, f"loss-{i}.png", f"loss {i}", _steps(i / 10), None, "t") for i in range(n)
+        drawn.link(plots.plot_loss, f"loss-{i}{plots.SUFFIX}", f"loss {i}", _steps(i / 10), None, "t") for i in range(n)
     )
     return drawn.finish(text)
 
@@ -49,10 +49,10 @@ def test_many_plots_are_drawn_by_workers_into_the_same_files(tmp_path, monkeypat
     by_workers = _draw_all(tmp_path / "workers", n)
     monkeypatch.setattr(drawing, "POOL_MIN_PLOTS", n + 1)  # the same plots, drawn in this process
     here = _draw_all(tmp_path / "here", n)
-    assert by_workers == here == "\n".join(f"![loss {i}](rel/loss-{i}.png)" for i in range(n))
+    assert by_workers == here == "\n".join(f"![loss {i}](rel/loss-{i}{plots.SUFFIX})" for i in range(n))
     for i in range(n):
-        assert (tmp_path / "workers" / f"loss-{i}.png").read_bytes() == (
-            tmp_path / "here" / f"loss-{i}.png"
+        assert (tmp_path / "workers" / f"loss-{i}{plots.SUFFIX}").read_bytes() == (
+            tmp_path / "here" / f"loss-{i}{plots.SUFFIX}"
         ).read_bytes()
 
 

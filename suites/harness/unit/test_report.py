@@ -6,6 +6,7 @@ import json
 import math
 import re
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pandas as pd
 import pytest
@@ -68,20 +69,21 @@ def test_plots_exist_and_are_linked_relatively(rendered):
     path, text = rendered
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
     expected = {
-        f"verify_plots/{kind}-{syn.IMPL}-{syn.MODEL}-{mode}-{syn.OPT}.png"
+        f"verify_plots/{kind}-{syn.IMPL}-{syn.MODEL}-{mode}-{syn.OPT}.svg"
         for kind in ("loss", "diff", "memory")
         for mode in ("replicated", "split")
     }
     assert set(links) == expected
-    for link in links:
-        png = path.parent / link
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", link
+    for link in links:  # a whole SVG document, its text kept as text (the title is found in it)
+        svg = ElementTree.parse(path.parent / link).getroot()
+        assert svg.tag == "{http://www.w3.org/2000/svg}svg", link
+        assert any("".join(e.itertext()).strip() for e in svg.iter("{http://www.w3.org/2000/svg}text")), link
     assert sorted(p.name for p in (path.parent / "verify_plots").iterdir()) == sorted(Path(x).name for x in expected)
 
 
 def test_no_plots_draws_none_says_where_each_would_be_and_leaves_no_earlier_plot(tmp_path, monkeypatch):
     """--no-plots: the same report text, each plot's place a note; the plots folder is replaced by an empty one,
-    so an earlier run's PNGs do not stay beside a report they do not belong to."""
+    so an earlier run's plots do not stay beside a report they do not belong to."""
     tables = syn.make_tables()
     path = report.write_report(tables, syn.ENV, tmp_path / "verify.md")  # an earlier run, with plots
     assert any((tmp_path / "verify_plots").iterdir())
