@@ -3,8 +3,9 @@
     python -m harness.bench.harness_cost --world-sizes 1,2,4,8 --per-sample     # the main job (docs/running.md)
     python -m harness.bench.harness_cost --world-sizes 1,2 --models mlp         # any `harness run` options
 
-1. The run in this process, as `python -m harness run` makes it with the same options: its own pool of worlds,
-   every phase, the report and tables written (to a temp folder unless --report says where). Its wall time, and
+1. The run in this process, as `python -m harness run` makes it with the same options: its worlds' forkserver
+   started before the session is made (its preload imported meanwhile), its own pool of worlds, every phase, the
+   report and tables written (to a temp folder unless --report says where). Its wall time, and
    where it went: the world starts, each rank's parts of each scenario (harness.core.costs, recorded by
    harness.train.task), the tables, the checks, each later phase and the report.
 2. Bare: every run of its matrix that ran (the implementations' cells and the runs they are compared with: the
@@ -45,7 +46,7 @@ from pathlib import Path
 from harness import options as opt
 from harness.bench.idle_cores import STAT, CpuSeconds, cpu_seconds
 from harness.core.scenario import Scenario
-from harness.execute.world import WorldError, WorldPool, stop_forkserver
+from harness.execute.world import WorldError, WorldPool, start_forkserver, stop_forkserver
 from harness.session import Session, session_options
 
 BARE_TASK = "harness.bench.harness_cost:train_bare"
@@ -186,22 +187,23 @@ def main(argv=None) -> None:
             elif not line.startswith("wrote"):
                 print(f"  {line}", file=sys.stderr, flush=True)
 
-        t_setup = time.perf_counter()
-        session = Session(options, say=say)  # made before the bare training, which trains its scenarios
-        setup_s = time.perf_counter() - t_setup  # part of the harness's way: counted in its wall time below
         machine = Machine()
         print("bare training of the matrix's runs, before the run ...", file=sys.stderr, flush=True)
         with machine.part("the bare training before the run"):
-            before = bare_training(session.scenarios())
+            before = bare_training(Session(options).scenarios())
         stop_forkserver()  # the run starts its own, as `python -m harness run` does
         print("the run, the harness's way ...", file=sys.stderr, flush=True)
         seconds: dict[str, float] = {}
         with machine.part("the run"):
             t0 = time.perf_counter()
+            # as the CLI runs it (harness.cli cmd_run): the worlds' forkserver started, its preload imported while
+            # the session checks the options and models
+            start_forkserver()
+            session = Session(options, say=say)
             res = session.run()
             t_run = time.perf_counter()
             session.finish()
-            wall = setup_s + time.perf_counter() - t0
+            wall = time.perf_counter() - t0
         seconds["report"] = time.perf_counter() - t_run
 
         ran = [sc for sc in res.scenarios if "ranks" in res.records.get(sc.id, {})]
