@@ -195,6 +195,13 @@ class Scenario:
         nudged ones ([Note: user optimizer] in harness/core/policy.py)."""
         return nudged(self.feature) or user_optimizer(self.optimizer)
 
+    def peak_is_read(self) -> bool:
+        """Whether some verdict reads this run's peak memory: an implementation's run (peak_memory_bound,
+        peak_params_bound), or a plain-model run that may be another run's yardstick (its reference, or a noise
+        probe in rank order: harness.checks.noise_floor.split_yardstick). Not a noise probe in reverse order or
+        nudged, which only the numbers' checks read: its measured step runs without the peak tracker."""
+        return self.impl != REFERENCE_IMPL or not (self.reverse_micro or self.nudge)
+
     def rank_order_probe(self, at: int | None = None) -> Scenario | None:
         """The noise probe a run is held against directly: for a split run, the probe in rank order at its
         own world size (or at `at`, another world size its trajectory was trained at); for a probe in

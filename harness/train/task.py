@@ -155,13 +155,14 @@ def _train(
         if measure_mem:  # the peak tracker also counts what the implementation holds outside model and optimizer
             with costs.part("census"):
                 optimizers = census.optimizers(optimizer)  # the adapter's and any inside it
-                held_elsewhere = [
-                    t
-                    for cat, _, t in census.classify(wrapped, optimizers, (*batch, *snapshots.tensors()))
-                    if cat == "other"
-                ]
-                mem = PeakMemory(wrapped, optimizers, device, extra=held_elsewhere, on_moment=timeline.sample)
-                del held_elsewhere  # the tracker holds them weakly; a strong reference here would keep them alive
+                if sc.peak_is_read():
+                    held_elsewhere = [
+                        t
+                        for cat, _, t in census.classify(wrapped, optimizers, (*batch, *snapshots.tensors()))
+                        if cat == "other"
+                    ]
+                    mem = PeakMemory(wrapped, optimizers, device, extra=held_elsewhere, on_moment=timeline.sample)
+                    del held_elsewhere  # the tracker holds them weakly; a strong reference here would keep them alive
         _sync(device)
         if step == start + 1 or measure_mem:
             with costs.part("align"):
@@ -218,13 +219,13 @@ def _train(
             if held_out:  # inside the measured window: the timeline and the peak see it
                 eval_losses = evaluate(sc.feature, spec, wrapped, held_out, mark)
         _sync(device)
-        if mem is None:
+        if not measure_mem:
             times.append(time.perf_counter() - t0)
             costs.add("steps", times[-1])
         else:
             costs.add("measured_step", time.perf_counter() - t0)
             census_t0 = time.perf_counter()
-            memory = dict(mem.result())
+            memory = dict(mem.result()) if mem is not None else {}  # the peak where a verdict reads it
             # a comm thread may still hold a buffer of a collective that ran: none ran, none to wait for
             held = census.held(
                 wrapped,
@@ -239,7 +240,7 @@ def _train(
             memory["state_total"] = sum(
                 held.get(p + c, 0) for p in ("", "host_") for c in ("params", "grads", "optimizer_state")
             )
-            gathered = timeline.records()
+            gathered = timeline.records() if mem is not None else []
             costs.add("census", time.perf_counter() - census_t0)
         exchange_t0 = time.perf_counter()
         if sc.data_mode == "replicated":  # the gradient the optimizer applied, its digest
