@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 
 from harness.checks.common import (
@@ -406,15 +407,17 @@ def finite(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     non-finite in the `param` field (the steps table's nonfinite_module, harness/train/nonfinite.py: a module
     path, '(model)', or 'loss' where the forward was finite and the loss was not)."""
     out = []
-    steps, params = by_scenario(tables["steps"]), by_scenario(tables["params"])
+    steps, params = tables["steps"], tables["params"]
+    recorded = set(steps.scenario) & set(params.scenario)
+    # the non-finite rows of the whole run, split per scenario: most scenarios have none to sort
+    bad_losses = by_scenario(steps[~np.isfinite(steps.loss.to_numpy(dtype=float))])
+    bad_params = by_scenario(params[~np.isfinite(params["sum"].to_numpy(dtype=float))])
     for row in ok_rows(tables["scenarios"]).itertuples():
-        s = steps[row.scenario].sort_values("step") if row.scenario in steps else EMPTY
-        p = params[row.scenario].sort_values(["step", "param"]) if row.scenario in params else EMPTY
-        if not len(s) or not len(p):
+        if row.scenario not in recorded:
             out.append(not_measured("finite", row, "no losses or no parameters were recorded"))
             continue
-        bad_loss = s[~s.loss.map(math.isfinite)]
-        bad_param = p[~p["sum"].map(math.isfinite)]
+        bad_loss = bad_losses[row.scenario].sort_values("step") if row.scenario in bad_losses else EMPTY
+        bad_param = bad_params[row.scenario].sort_values(["step", "param"]) if row.scenario in bad_params else EMPTY
         step, param, msg = None, "", "all losses and parameters finite"
         if len(bad_param):
             step, param = int(bad_param.step.iloc[0]), str(bad_param.param.iloc[0])
