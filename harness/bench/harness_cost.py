@@ -24,7 +24,7 @@
 Prints the machine's idle and stolen core-seconds over each of the three (/proc/stat, Linux: `Machine`), then per
 world size the runs' seconds both ways and their ratio (the wall time of that size's scenarios, from the
 first one's start to the last one's end, less the start of its worlds, against their bare training, one run at a
-time in worlds started beforehand; where the cores outnumber the ranks the harness runs scenarios of one size side
+time in worlds started beforehand; where a world's ranks fit the cores the harness runs scenarios of one size side
 by side, harness.execute.executor, and the sum of their own seconds is printed beside it), the run's wall time
 against the bare sum (world starts included), and the difference by part, in all and per world size.
 """

@@ -52,8 +52,8 @@ class ScenarioPool(Protocol):
 
 
 class ReusedWorlds:
-    """`ScenarioPool` over a `WorldPool`: consecutive scenarios of one (world size, backend) share a world; where the
-    cores outnumber a world's ranks several worlds of that size run scenarios side by side (`lanes`)."""
+    """`ScenarioPool` over a `WorldPool`: consecutive scenarios of one (world size, backend) share a world; where a
+    world's ranks fit the cores several worlds of that size run scenarios side by side (`lanes`)."""
 
     def __init__(self, pool: WorldPool, timeout_s: float):
         self.pool, self.timeout_s = pool, timeout_s
@@ -65,10 +65,14 @@ class ReusedWorlds:
 
     def lanes(self, sc: Scenario) -> int:
         """How many scenarios like `sc` may run at once, each in a world of its own: the cores over its ranks, at
-        most MAX_LANES; one on GPUs (a second world would share a device whose peak memory the first measures)."""
+        most MAX_LANES; and two where a world of several ranks fits the cores just once. Its ranks wait on each
+        other at every collective and leave their cores idle meanwhile; the second world's ranks use them (on 2
+        cores, the main job's worlds of 2: reports/performance.md). One on GPUs (a second world would share a
+        device whose peak memory the first measures)."""
         if sc.device_type != "cpu":
             return 1
-        return max(1, min(MAX_LANES, usable_cpus() // sc.world_size))
+        fit = usable_cpus() // sc.world_size
+        return max(1, min(MAX_LANES, 2 if sc.world_size > 1 and fit == 1 else fit))
 
     def run_scenario(self, sc: Scenario, payload: dict) -> dict:
         return self.begin(sc, payload)()

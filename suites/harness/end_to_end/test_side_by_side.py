@@ -1,4 +1,4 @@
-"""Where the cores outnumber a world's ranks, scenarios of one world size run side by side, each in a world of its own
+"""Where a world's ranks fit the cores, scenarios of one world size run side by side, each in a world of its own
 (harness.execute.executor, ReusedWorlds.lanes): they must give what one at a time gives, bit for bit, and a scenario
 that fails in one world must leave the others to finish."""
 
@@ -29,17 +29,20 @@ def pool():
         yield worlds
 
 
-def test_side_by_side_gives_what_one_at_a_time_gives(pool, tmp_path):
-    # a world of 2 in the run: worlds of 1 side by side never hold more ranks than its largest world (harness.limits)
+@pytest.mark.parametrize("size", [1, 2])
+def test_side_by_side_gives_what_one_at_a_time_gives(pool, tmp_path, size):
+    """Worlds of 1 (the cores outnumber their ranks), and of 2 (two worlds on the cores one fits: its ranks wait on
+    each other's collectives)."""
+    # a world twice the size in the run: worlds side by side never hold more ranks than its largest (harness.limits)
     cells = with_dependencies(
-        build_matrix(["fsdp_impl"], ["mlp"], [1], ["replicated", "split"], ["sgd", "adamw"], steps=2)
-    ) + [Scenario("fsdp_impl", "mlp", 2, "replicated", "sgd", steps=2)]
+        build_matrix(["fsdp_impl"], ["mlp"], [size], ["replicated", "split"], ["sgd", "adamw"], steps=2)
+    ) + [Scenario("fsdp_impl", "mlp", 2 * size, "replicated", "sgd", steps=2)]
     side = ReusedWorlds(pool, 300.0)
-    assert side.lanes(cells[0]) >= 2
+    assert side.lanes(Scenario("fsdp_impl", "mlp", size, "replicated", "sgd")) >= 2
     started = pool.worlds_started
     together = execute(cells, snapshot_dir=tmp_path / "side", pool=side)
-    assert pool.worlds_started - started >= 3  # a world of 1 a lane, the world of 2
-    spans = sorted((r["ended"] - r["seconds"], r["ended"]) for sid, r in together.items() if "-ws1-" in sid)
+    assert pool.worlds_started - started >= 3  # a world of `size` a lane, the world twice its size
+    spans = sorted((r["ended"] - r["seconds"], r["ended"]) for sid, r in together.items() if f"-ws{size}-" in sid)
     assert any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:])), "no two scenarios overlapped"
     alone = execute(cells, snapshot_dir=tmp_path / "alone", pool=OneAtATime(pool, 300.0))
     a, b = build_tables(cells, together), build_tables(cells, alone)
