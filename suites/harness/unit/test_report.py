@@ -74,7 +74,7 @@ def test_plots_exist_and_are_linked_relatively(rendered):
         for mode in ("replicated", "split")
     }
     assert set(links) == expected
-    for link in links:  # a whole SVG document, its text kept as text (the title is found in it)
+    for link in links:  # a whole SVG document, its text kept as text elements (not drawn as glyph paths)
         svg = ElementTree.parse(path.parent / link).getroot()
         assert svg.tag == "{http://www.w3.org/2000/svg}svg", link
         assert any("".join(e.itertext()).strip() for e in svg.iter("{http://www.w3.org/2000/svg}text")), link
