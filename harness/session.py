@@ -37,6 +37,7 @@ from harness.options import SessionOptions
 
 if TYPE_CHECKING:  # torch and pandas load only once a run starts: a usage error stays instant
     from harness.core.outcome import Outcome
+    from harness.execute.world import WorldPool
     from harness.phases import RunResult
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_RUN = 0, 1, 2, 3
@@ -134,9 +135,11 @@ class Session:
             return every
         return with_dependencies([s for s in every if s.id in selected])
 
-    def run(self, selected: set[str] | None = None) -> RunResult | None:
+    def run(self, selected: set[str] | None = None, worlds: WorldPool | None = None) -> RunResult | None:
         """Run the (selected) matrix and the phases after it (harness.phases) once, on one pool of worlds; later
-        calls return the same result. None on torchrun ranks other than 0."""
+        calls return the same result. None on torchrun ranks other than 0. `worlds`: the pool to run in, its
+        caller's to close (harness.bench.harness_cost pairs each run with its bare training there); by default one
+        made and closed here."""
         if self.result is not None or not self.is_writer:
             return self.result
         from harness.execute.world import WorldPool
@@ -153,7 +156,7 @@ class Session:
             self.say(f"[{i:>3}/{n}] {sc.id:<48} {secs:6.1f}s")
 
         with contextlib.ExitStack() as stack:
-            pool = None if self.under_torchrun else stack.enter_context(WorldPool(timeout_s=m.timeout_s))
+            pool = None if self.under_torchrun else worlds or stack.enter_context(WorldPool(timeout_s=m.timeout_s))
             res = run_phases(
                 Run(self.options, scenarios, pool, say=self.say, progress=progress, baseline=self.baseline)
             )

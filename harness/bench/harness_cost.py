@@ -1,31 +1,34 @@
-"""What the harness adds to training: a run, then the bare training of every run in its matrix, in one invocation.
+"""What the harness adds to training: a run, each of its runs paired with its bare training, in one invocation.
 
     python -m harness.bench.harness_cost --world-sizes 1,2,4,8 --per-sample     # the main job (docs/running.md)
     python -m harness.bench.harness_cost --world-sizes 1,2 --models mlp         # any `harness run` options
 
 1. The run in this process, as `python -m harness run` makes it with the same options: its worlds' forkserver
-   started before the session is made (its preload imported meanwhile), its own pool of worlds, every phase, the
-   report and tables written (to a temp folder unless --report says where). Its wall time, and
-   where it went: the world starts, each rank's parts of each scenario (harness.core.costs, recorded by
-   harness.train.task), the tables, the checks, each later phase and the report.
-2. Bare: every run of its matrix that ran (the implementations' cells and the runs they are compared with: the
-   plain model's, world size 1's, the probes'), in worlds started beforehand: the model built, the adapter's wrap
-   and optimizer, then per step the feature's forward and backward (harness.train.features.forward_backward, the
-   step code the harness runs), the adapter's after_backward, clipping where the feature clips and the optimizer
-   step (an engine's own where the adapter has engine hooks), on every rank between two barriers; nothing
-   measured, written or compared. Its sum is the floor: training this matrix with nothing verified. Measured
-   before the run and after it, and the mean of the two taken: how far the two are apart is how far the machine's
-   speed moved within the invocation (a shared machine's moves by a tenth between minutes), printed as the
-   uncertainty of every ratio.
+   started before the session is made (its preload imported meanwhile), every phase, the report and tables written
+   (to a temp folder unless --report says where). Its wall time, and where it went: the world starts, each rank's
+   parts of each scenario (harness.core.costs, recorded by harness.train.task), the tables, the checks, each later
+   phase and the report.
+2. Bare, paired: every run of its matrix that ran (the implementations' cells and the runs they are compared with:
+   the plain model's, world size 1's, the probes'), trained again with nothing of the harness around it, in the
+   world the run has just used (`PairedPool`): the model built, the adapter's wrap and optimizer, then per step the
+   feature's forward and backward (harness.train.features.forward_backward, the step code the harness runs), the
+   adapter's after_backward, clipping where the feature clips and the optimizer step (an engine's own where the
+   adapter has engine hooks), on every rank between two barriers; nothing measured, written or compared. Its sum
+   is the floor: training this matrix with nothing verified. Each run's bare training comes right after the run
+   itself, in its world (warm by then: the run paid the world's first use); where the run has scenarios of one size
+   side by side, after the last of that size, one at a time in one of its worlds. The seconds of the bare training
+   are taken out of every wall time below. Paired within seconds, a ratio measures the harness and not the
+   machine: a shared machine's speed moves between minutes, by as much as the margins a ratio is judged by
+   (reports/performance.md), which a floor measured before and after the whole run put into every ratio.
 3. The first progress line of `python -m harness run` with the same options in a new process (its first scenario
    done): seconds from launch, and to its first line of any kind (the run is then interrupted; --no-first-line
    skips it).
 
-Prints the machine's idle and stolen core-seconds over each of the three (/proc/stat, Linux: `Machine`), then per
-world size the runs' seconds both ways and their ratio (the wall time of that size's scenarios, from the
-first one's start to the last one's end, less the start of its worlds, against their bare training, one run at a
-time in worlds started beforehand; where a world's ranks fit the cores the harness runs scenarios of one size side
-by side, harness.execute.executor, and the sum of their own seconds is printed beside it), the run's wall time
+Prints the machine's idle and stolen core-seconds over the first-line launch and the run (/proc/stat, Linux:
+`Machine`), then per world size the runs' seconds both ways and their ratio (the wall time of that size's
+scenarios, from the first one's start to the last one's end, less the start of its worlds, against their bare
+training, one run at a time; where a world's ranks fit the cores the harness runs scenarios of one size side by
+side, harness.execute.executor, and the sum of their own seconds is printed beside it), the run's wall time
 against the bare sum (world starts included), and the difference by part, in all and per world size.
 """
 
@@ -46,7 +49,8 @@ from pathlib import Path
 from harness import options as opt
 from harness.bench.idle_cores import STAT, CpuSeconds, cpu_seconds
 from harness.core.scenario import Scenario
-from harness.execute.world import WorldError, WorldPool, start_forkserver, stop_forkserver
+from harness.execute.executor import TASK, side_by_side
+from harness.execute.world import WorldError, WorldPool, start_forkserver
 from harness.session import Session, session_options
 
 BARE_TASK = "harness.bench.harness_cost:train_bare"
@@ -188,34 +192,107 @@ def main(argv=None) -> None:
                 print(f"  {line}", file=sys.stderr, flush=True)
 
         machine = Machine()
-        print("bare training of the matrix's runs, before the run ...", file=sys.stderr, flush=True)
-        with machine.part("the bare training before the run"):
-            before = bare_training(Session(options).scenarios())
-        stop_forkserver()  # the run starts its own, as `python -m harness run` does
-        print("the run, the harness's way ...", file=sys.stderr, flush=True)
+        print("the run, the harness's way, each run's bare training after it ...", file=sys.stderr, flush=True)
         seconds: dict[str, float] = {}
-        with machine.part("the run"):
+        with machine.part("the run and its bare training"):
             t0 = time.perf_counter()
             # as the CLI runs it (harness.cli cmd_run): the worlds' forkserver started, its preload imported while
             # the session checks the options and models
             start_forkserver()
             session = Session(options, say=say)
-            res = session.run()
-            t_run = time.perf_counter()
+            with PairedPool(session.scenarios(), timeout_s=options.matrix.timeout_s) as pool:
+                res = session.run(worlds=pool)
+                pool.pair_the_rest()  # a last size run side by side: its bare training after every phase
+            t_rest = time.perf_counter()  # its worlds closed, as `harness run` closes them before the report
             session.finish()
-            wall = time.perf_counter() - t0
-        seconds["report"] = time.perf_counter() - t_run
+            wall = time.perf_counter() - t0 - pool.bare_s
+        seconds["report"] = time.perf_counter() - t_rest
 
-        ran = [sc for sc in res.scenarios if "ranks" in res.records.get(sc.id, {})]
-        print(f"bare training of the {len(ran)} runs that ran, after the run ...", file=sys.stderr, flush=True)
-        with machine.part("the bare training after it"):
-            after = bare_training(ran)
-        ran = [sc for sc in ran if sc.id in after]
-
-    bare = {sc.id: _mean(before.get(sc.id), after[sc.id]) for sc in ran}
-    print_drift({sc.id: before[sc.id] for sc in ran if sc.id in before}, after)
+    ran = [sc for sc in res.scenarios if "ranks" in res.records.get(sc.id, {}) and sc.id in pool.bare]
     machine.print()
-    print_figures(res, ran, bare, seconds, wall, first)
+    print_figures(res, ran, pool, seconds, wall, first)
+
+
+class PairedPool(WorldPool):
+    """The run's worlds, each run of the matrix (`scenarios`) paired with its bare training (`train_bare`) in the
+    world it has just trained in: right after it, or, where the run trains scenarios of that size side by side
+    (harness.execute.executor.side_by_side), one at a time after the last of them (when a world of another
+    size is asked for, or at `pair_the_rest`). `bare`: scenario id -> {"setup", "steps"}, the slowest rank's;
+    `intervals`: (scenario id, start, end) of each bare training (perf_counter), to be taken out of the run's wall
+    times; `calls`: the same of each call of the harness's task (harness.train.task), none of which a bare training
+    may overlap."""
+
+    def __init__(self, scenarios: list[Scenario], timeout_s: float):
+        super().__init__(timeout_s=timeout_s)
+        self.matrix = {sc.id: sc for sc in scenarios}
+        self.bare: dict[str, dict] = {}
+        self._paired: set[str] = set()
+        self.intervals: list[tuple[str, float, float]] = []
+        self.calls: list[tuple[str, float, float]] = []
+        self._waiting: list[Scenario] = []  # run side by side, their bare training not yet
+        # CPU this process used while a bare training ran (its thread waits on the world: the run's table-building
+        # thread, catching up), which the bare training shared the cores with
+        self.parent_cpu_s = 0.0
+
+    def get(self, world_size: int, backend: str = "gloo", lane: int = 0):
+        if self._waiting and (self._waiting[0].world_size, self._waiting[0].backend) != (world_size, backend):
+            self.pair_the_rest()  # before the worlds they ran in close
+        return _PairedWorld(super().get(world_size, backend, lane), self)
+
+    def pair_the_rest(self) -> None:
+        while self._waiting:
+            sc = self._waiting.pop(0)
+            self.train_bare(super().get(sc.world_size, sc.backend, 0), sc)
+
+    def ran(self, world, payload: dict, start: float) -> None:
+        """After `world` answered a call of the harness's task that began at `start`: a run of the matrix (its first,
+        not a replay's) is paired."""
+        run = Scenario(**payload["scenario"]).id
+        self.calls.append((run, start, time.perf_counter()))
+        sc = self.matrix.get(run)
+        if sc is None or sc.id in self._paired or "trace" in payload:
+            return
+        self._paired.add(sc.id)
+        if side_by_side(sc) > 1:  # its neighbours still train: after the last of them
+            self._waiting.append(sc)
+        else:
+            self.train_bare(world, sc)
+
+    def train_bare(self, world, sc: Scenario) -> None:
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        try:
+            out = world.call(BARE_TASK, dataclasses.asdict(sc))
+            self.bare[sc.id] = {k: max(o[k] for o in out) for k in ("setup", "steps")}
+        except WorldError:  # it cannot train bare (its rank raised: an unsupported feature): left out
+            pass
+        finally:
+            self.intervals.append((sc.id, t0, time.perf_counter()))
+            self.parent_cpu_s += time.process_time() - cpu0
+
+    @property
+    def bare_s(self) -> float:
+        return sum(b - a for _, a, b in self.intervals)
+
+    def bare_s_between(self, start: float, end: float) -> float:
+        """Seconds of bare training within [start, end] (perf_counter)."""
+        return sum(max(0.0, min(b, end) - max(a, start)) for _, a, b in self.intervals)
+
+
+class _PairedWorld:
+    """A world of `PairedPool`: its calls, each followed by the pairing of a run that was one."""
+
+    def __init__(self, world, pool: PairedPool):
+        self._world, self._pool = world, pool
+
+    def call(self, fn: str, payload: object = None, timeout_s: float | None = None) -> list:
+        start = time.perf_counter()
+        out = self._world.call(fn, payload, timeout_s=timeout_s)
+        if fn == TASK:
+            self._pool.ran(self._world, payload, start)
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._world, name)
 
 
 class Machine:
@@ -247,53 +324,22 @@ class Machine:
         print("the machine (/proc/stat), " + "; ".join(said))
 
 
-def bare_training(scenarios: list[Scenario]) -> dict[str, dict]:
-    """scenario id -> {"setup": s, "steps": s} of its bare training (the slowest rank's), one run at a time in worlds
-    started and warmed beforehand; a run that cannot train bare (its rank raised: an unsupported feature) is left
-    out."""
-    bare: dict[str, dict] = {}
-    with WorldPool(keep=True) as pool:
-        for w, backend in sorted({(s.world_size, s.backend) for s in scenarios}):  # started and warmed first
-            for warm in (s for s in scenarios if (s.world_size, s.backend) == (w, backend)):
-                try:
-                    pool.get(w, backend).call(BARE_TASK, dataclasses.asdict(dataclasses.replace(warm, steps=2)))
-                    break
-                except WorldError:
-                    continue
-        for sc in scenarios:
-            try:
-                out = pool.get(sc.world_size, sc.backend).call(BARE_TASK, dataclasses.asdict(sc))
-            except WorldError:
-                continue
-            bare[sc.id] = {k: max(o[k] for o in out) for k in ("setup", "steps")}
-    return bare
+def print_figures(res, ran, pool: PairedPool, seconds, wall, first) -> None:
+    bare = pool.bare
 
+    def own(start: float, end: float) -> float:  # a wall time, the bare training within it taken out
+        return end - start - pool.bare_s_between(start, end)
 
-def _mean(before: dict | None, after: dict) -> dict:
-    return after if before is None else {k: (before[k] + after[k]) / 2 for k in after}
-
-
-def print_drift(before: dict[str, dict], after: dict[str, dict]) -> None:
-    """The bare training of the same runs before and after the harness's run: how far this machine's speed moved
-    within the invocation, the uncertainty of every ratio below (which use the mean of the two)."""
-    if not before:
-        return
-    b = sum(sum(before[i].values()) for i in before)
-    a = sum(sum(after[i].values()) for i in before)
-    print(
-        f"bare training of those runs measured before the run {b:.3f} s and after it {a:.3f} s ({abs(a - b) / min(a, b):.0%}"
-        " apart: how far this machine's speed moved within this invocation; the ratios below use their mean)"
-    )
-
-
-def print_figures(res, ran, bare, seconds, wall, first) -> None:
-    seconds_of = {sc.id: res.records[sc.id]["seconds"] for sc in ran}
+    seconds_of = {
+        sc.id: own(res.records[sc.id]["ended"] - res.records[sc.id]["seconds"], res.records[sc.id]["ended"])
+        for sc in ran
+    }
     by_w_bare, by_w_harness, by_w_sum = defaultdict(float), defaultdict(float), defaultdict(float)
     for w in {sc.world_size for sc in ran}:
         runs = [res.records[sc.id] for sc in ran if sc.world_size == w]
         # the wall time of that size's runs: from the first one's start to the last one's end (side by side, the
         # sum of their seconds counts the time they overlap twice; one at a time, the two are the same)
-        by_w_harness[w] = max(r["ended"] for r in runs) - min(r["ended"] - r["seconds"] for r in runs)
+        by_w_harness[w] = own(min(r["ended"] - r["seconds"] for r in runs), max(r["ended"] for r in runs))
     for sc in ran:
         by_w_bare[sc.world_size] += sum(bare[sc.id].values())
         by_w_sum[sc.world_size] += seconds_of.get(sc.id, 0.0)
@@ -315,6 +361,11 @@ def print_figures(res, ran, bare, seconds, wall, first) -> None:
         "seconds, above the wall time where they ran side by side)"
     )
     print(f"\nthe whole run: {wall:.3f} s wall against {b:.3f} s of bare training: {wall / b:.2f}x")
+    print(
+        f"the bare training ran {pool.bare_s:.3f} s, taken out of the run's wall times; this process used "
+        f"{pool.parent_cpu_s:.3f} s of CPU meanwhile (the run's tables built while its ranks trained), which the bare "
+        "training shared the cores with"
+    )
     if first is not None:
         seconds_to, said, any_s, first_said = first
         if any_s is not None and first_said:

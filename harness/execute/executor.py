@@ -64,15 +64,8 @@ class ReusedWorlds:
         return self.pool.worlds_started
 
     def lanes(self, sc: Scenario) -> int:
-        """How many scenarios like `sc` may run at once, each in a world of its own: the cores over its ranks, at
-        most MAX_LANES; and two where a world of several ranks fits the cores just once. Its ranks wait on each
-        other at every collective and leave their cores idle meanwhile; the second world's ranks use them (on 2
-        cores, the main job's worlds of 2: reports/performance.md). One on GPUs (a second world would share a
-        device whose peak memory the first measures)."""
-        if sc.device_type != "cpu":
-            return 1
-        fit = usable_cpus() // sc.world_size
-        return max(1, min(MAX_LANES, 2 if sc.world_size > 1 and fit == 1 else fit))
+        """How many scenarios like `sc` run at once (`side_by_side`)."""
+        return side_by_side(sc)
 
     def run_scenario(self, sc: Scenario, payload: dict) -> dict:
         return self.begin(sc, payload)()
@@ -102,6 +95,18 @@ class ReusedWorlds:
         """Kill the worlds whose replies are still awaited (the run stops: nothing will read them)."""
         for world in list(self._busy.values()):
             world.kill()
+
+
+def side_by_side(sc: Scenario) -> int:
+    """How many scenarios like `sc` may run at once, each in a world of its own: the cores over its ranks, at
+    most MAX_LANES; and two where a world of several ranks fits the cores just once. Its ranks wait on each
+    other at every collective and leave their cores idle meanwhile; the second world's ranks use them (on 2
+    cores, the main job's worlds of 2: reports/performance.md). One on GPUs (a second world would share a
+    device whose peak memory the first measures)."""
+    if sc.device_type != "cpu":
+        return 1
+    fit = usable_cpus() // sc.world_size
+    return max(1, min(MAX_LANES, 2 if sc.world_size > 1 and fit == 1 else fit))
 
 
 MAX_LANES = 4  # worlds of one size side by side at most (each a copy of the model and of torch in memory)
