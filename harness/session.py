@@ -156,7 +156,10 @@ class Session:
             self.say(f"[{i:>3}/{n}] {sc.id:<48} {secs:6.1f}s")
 
         with contextlib.ExitStack() as stack:
-            pool = None if self.under_torchrun else worlds or stack.enter_context(WorldPool(timeout_s=m.timeout_s))
+            if self.under_torchrun:
+                pool = None
+            else:
+                pool = worlds if worlds is not None else stack.enter_context(WorldPool(timeout_s=m.timeout_s))
             res = run_phases(
                 Run(self.options, scenarios, pool, say=self.say, progress=progress, baseline=self.baseline)
             )
