@@ -24,7 +24,7 @@
    done): seconds from launch, and to its first line of any kind (the run is then interrupted; --no-first-line
    skips it).
 
-Prints the machine's idle and stolen core-seconds over the first-line launch and the run (/proc/stat, Linux:
+Prints the machine's idle and stolen core-seconds over the run and its bare training (/proc/stat, Linux:
 `Machine`), then per world size the runs' seconds both ways and their ratio (the wall time of that size's
 scenarios, from the first one's start to the last one's end, less the start of its worlds, against their bare
 training, one run at a time; where a world's ranks fit the cores the harness runs scenarios of one size side by
