@@ -11,6 +11,7 @@ Ideal per rank at world size W, for full parameters of P bytes (harness.measure)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pandas as pd
 
@@ -26,7 +27,7 @@ from harness.core.features import (
     shard_size,
 )
 from harness.core.policy import POST_FORWARD_AFTER_EVAL, ROOT_AFTER_EVAL, Bounds
-from harness.core.scenario import REFERENCE_IMPL, Scenario, feature_of, user_optimizer
+from harness.core.scenario import Scenario, feature_of, user_optimizer
 from harness.core.verdict import SKIP, Verdict
 from harness.measure.ideals import ideal_comm_elements, ideal_state_bytes
 from harness.measure.timeline import ALLOWED, ROOT_FREE, expected_phases
@@ -49,18 +50,14 @@ def _reduced(per_collective: dict, world_size: int) -> float:
     return sum(per_collective.get(k, 0.0) / (world_size if k == "gather" else 1) for k in SCATTER_COLLECTIVES)
 
 
-def _measured_rows(
-    tables, check: str, out: list[Verdict], *, multi_rank: bool = False, params: bool = False, tested: bool = False
-) -> pd.DataFrame:
-    """The completed scenarios this check applies to whose parameter sizes were recorded; each one
-    without them gets a FAIL in `out` (a check that cannot run never passes). `multi_rank`: sharded over more
-    than one rank; `params`: the parameters themselves partitioned so (ZeRO-3, not ZeRO-1 or 2); `tested`: the
-    implementations' runs, not the plain model's."""
+def _measured_rows(tables, check: str, out: list[Verdict], applies: Callable[[object], bool] = ok_row) -> pd.DataFrame:
+    """The completed scenarios this check applies to (`applies`, the predicate its entry in RESOURCE_CHECKS holds
+    it to) whose parameter sizes were recorded; each one without them gets a FAIL in `out` (a check that cannot run
+    never passes)."""
     sc = tables["scenarios"]
-    rows = sc[(sc.status == "ok") & (sc.impl != REFERENCE_IMPL)] if tested else sc[sc.status == "ok"]
-    if multi_rank or params:
-        keep = params_sharded if params else _ok_multi_rank
-        rows = rows[rows.apply(keep, axis=1).astype(bool)] if len(rows) else rows
+    rows = sc[sc.status == "ok"]
+    if applies is not ok_row and len(rows):
+        rows = rows[rows.apply(applies, axis=1).astype(bool)]
     for r in rows[rows.param_bytes.isna()].itertuples():
         out.append(not_measured(check, r, "the rank recorded no parameter sizes (param_bytes)"))
     return rows[rows.param_bytes.notna()]
@@ -330,7 +327,7 @@ def peak_memory_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     plain model's runs: they are the yardsticks (a run held to its own peak would pass by construction), and a
     noise probe that is no run's yardstick measures no peak (Scenario.peak_is_read)."""
     out, mem = [], tables["memory"]
-    for row in _measured_rows(tables, "peak_memory_bound", out, tested=True).itertuples():
+    for row in _measured_rows(tables, "peak_memory_bound", out, not_reference).itertuples():
         peak = max_over_ranks(mem, row.scenario, "peak")
         if math.isnan(peak):
             out.append(not_measured("peak_memory_bound", row, "the rank recorded no peak memory"))
@@ -387,7 +384,7 @@ def peak_params_bound(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     which dominate the peak of a small model and would hide a whole extra copy of the parameters
     (an implementation that skips the reshard after forward fails here, not in peak_memory_bound)."""
     out, mem = [], tables["memory"]
-    for row in _measured_rows(tables, "peak_params_bound", out, params=True).itertuples():
+    for row in _measured_rows(tables, "peak_params_bound", out, params_sharded).itertuples():
         held = max_over_ranks(mem, row.scenario, "params")
         if math.isnan(held) or math.isnan(float(getattr(row, "root_bytes", math.nan))):
             out.append(
@@ -429,7 +426,7 @@ def units_gathered(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     eval, 2 in its no_grad forward and none after it, the root aside).
     Counted in units, not bytes, so a unit left gathered after its forward fails on any model."""
     out, gathered = [], tables["gathered"]
-    for row in _measured_rows(tables, "units_gathered", out, params=True).itertuples():
+    for row in _measured_rows(tables, "units_gathered", out, params_sharded).itertuples():
         g = gathered[gathered.scenario == row.scenario]
         phases = expected_phases(feature_of(row))
         missing = [p for p in phases if p not in set(g.phase)]
@@ -498,7 +495,7 @@ def comm_volume(tables, bounds: Bounds = Bounds()) -> list[Verdict]:
     bytes. The bytes follow from the element types: a reduction in a wider type than the
     parameters (float64, exact by design) is reported with its traffic factor, not failed."""
     out, comm = [], tables["comm"]
-    for row in _measured_rows(tables, "comm_volume", out, multi_rank=True).itertuples():
+    for row in _measured_rows(tables, "comm_volume", out, _ok_multi_rank).itertuples():
         c = comm[comm.scenario == row.scenario]
         elements = c.groupby("collective")["elements"].sum().to_dict()
         nbytes = c.groupby("collective")["bytes"].sum().to_dict()
